@@ -1,0 +1,171 @@
+import math
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from tq_mlx import TurboQuantMSE, TurboQuantProd
+from tq_mlx.codebook import lloyd_max
+
+D_MSE_128 = {1: 0.3609, 2: 0.1160, 3: 0.03397, 4: 0.00931}
+
+
+def unit_vectors(n, d, seed=0):
+    x = mx.random.normal((n, d), key=mx.random.key(seed))
+    return x / mx.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_mse_distortion_matches_optimum(bits):
+    x = unit_vectors(20_000, 128, seed=bits)
+    q = TurboQuantMSE(128, bits, seed=3)
+    err = mx.sum((q.dequantize(q.quantize(x)) - x) ** 2, axis=-1)
+    assert float(mx.mean(err)) == pytest.approx(D_MSE_128[bits], rel=0.02)
+
+
+def test_mse_8bit_near_lossless():
+    x = unit_vectors(5000, 128)
+    q = TurboQuantMSE(128, 8)
+    err = float(mx.mean(mx.sum((q.dequantize(q.quantize(x)) - x) ** 2, axis=-1)))
+    assert err == pytest.approx(lloyd_max(128, 8).mse, rel=0.05)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_prod_unbiased_and_variance_bound(bits):
+    n, d = 40_000, 128
+    x = unit_vectors(n, d, seed=10 + bits)
+    y = mx.random.normal((n, d), key=mx.random.key(99 + bits))
+    q = TurboQuantProd(d, bits, seed=bits)
+    err = np.array(q.inner_product(y, q.quantize(x)) - mx.sum(x * y, -1), dtype=np.float64)
+    se = err.std() / math.sqrt(n)
+    assert abs(err.mean()) < 3 * se  # statistically zero mean
+    # Theorem 2: Var <= (π/(2d))·‖y‖²·D_mse(b-1), with D_mse(0) = 1; measured per unit ‖y‖².
+    v = err**2 / np.array(mx.sum(y * y, -1), dtype=np.float64) * d
+    bound = math.pi / 2 * (lloyd_max(d, bits - 1).mse if bits > 1 else 1.0)
+    assert v.mean() <= bound + 3 * v.std() / math.sqrt(n)
+    assert v.mean() > 0.8 * bound  # and QJL is really on (a mis-scaled QJL would be far below or above)
+
+
+def test_prod_dequantize_matches_inner_product():
+    x = mx.random.normal((64, 64))
+    y = mx.random.normal((64, 64))
+    q = TurboQuantProd(64, 3, seed=5)
+    c = q.quantize(x)
+    np.testing.assert_allclose(
+        np.array(mx.sum(y * q.dequantize(c), -1)), np.array(q.inner_product(y, c)), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5])
+def test_fractional_bits_split(bits):
+    d = 128
+    q = TurboQuantMSE(d, bits, seed=1)
+    assert [(g.dim, g.bits) for g in q.groups] == [(32, int(bits) + 1), (96, int(bits))]
+    assert q.bits_per_value() == pytest.approx(bits)  # code bits + two fp16 norms
+    x = unit_vectors(20_000, d, seed=4)
+    err = float(mx.mean(mx.sum((q.dequantize(q.quantize(x)) - x) ** 2, -1)))
+    # Isotropic input: each group carries its share of the energy at its own group-size optimum.
+    expect = (32 * lloyd_max(32, int(bits) + 1).mse + 96 * lloyd_max(96, int(bits)).mse) / 128
+    assert err == pytest.approx(expect, rel=0.03)
+    assert lloyd_max(128, int(bits) + 1).mse < err < lloyd_max(128, int(bits)).mse
+
+
+def test_outlier_channels_get_the_extra_bit():
+    d = 64
+    x = mx.random.normal((4000, d))
+    scale = mx.ones((d,)).at[mx.array([3, 9, 17, 40, 41, 42, 50, 63, 0, 1, 2, 4, 5, 6, 7, 8])].multiply(10.0)
+    x = x * scale
+    hot = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40, 41, 42, 50, 63]
+    good = TurboQuantMSE(d, 2.5, outlier_channels=hot)
+    blind = TurboQuantMSE(d, 2.5, outlier_channels=list(range(20, 36)))
+    e_good = float(mx.mean((good.dequantize(good.quantize(x)) - x) ** 2))
+    e_blind = float(mx.mean((blind.dequantize(blind.quantize(x)) - x) ** 2))
+    assert e_good < 0.8 * e_blind
+    np.testing.assert_array_equal(np.array(good.outlier_channels), sorted(hot))
+
+
+def test_deterministic_from_seed():
+    x = mx.random.normal((10, 96))
+    a, b, c = TurboQuantMSE(96, 3, seed=4), TurboQuantMSE(96, 3, seed=4), TurboQuantMSE(96, 3, seed=5)
+    assert mx.array_equal(a.quantize(x).codes, b.quantize(x).codes)
+    assert not mx.array_equal(a.quantize(x).codes, c.quantize(x).codes)
+    p1, p2 = TurboQuantProd(96, 3, seed=4), TurboQuantProd(96, 3, seed=4)
+    assert mx.array_equal(p1.quantize(x).qjl, p2.quantize(x).qjl)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("cls,bits", [(TurboQuantMSE, 3), (TurboQuantMSE, 2.5), (TurboQuantProd, 3)])
+def test_dtypes_and_leading_shapes(dtype, cls, bits):
+    x = mx.random.normal((2, 3, 5, 128)).astype(dtype)
+    q = cls(128, bits, seed=1)
+    c = q.quantize(x)
+    assert c.codes.dtype == mx.uint32 and c.codes.shape[:3] == (2, 3, 5)
+    assert c.norms.dtype == mx.float16
+    xh = q.dequantize(c)
+    assert xh.dtype == mx.float32 and xh.shape == x.shape
+    x32 = x.astype(mx.float32)
+    rel = float(mx.sum((xh - x32) ** 2) / mx.sum(x32 * x32))
+    assert rel < 0.2
+    # Same codes whatever the input dtype once the values are equal.
+    assert mx.array_equal(q.quantize(x32).codes, c.codes)
+
+
+@pytest.mark.parametrize("cls,bits", [(TurboQuantMSE, 4), (TurboQuantMSE, 3.5), (TurboQuantProd, 2), (TurboQuantProd, 1)])
+def test_zero_and_nonfinite_vectors_are_isolated(cls, bits):
+    x = mx.random.normal((6, 64))
+    x = x.at[1].multiply(0.0)
+    x = x.at[3, 5].add(float("nan"))
+    x = x.at[4, 0].add(float("inf"))
+    q = cls(64, bits)
+    clean = q.dequantize(q.quantize(mx.concatenate([x[:1], x[2:3], x[5:]])))
+    out = q.dequantize(q.quantize(x))
+    assert mx.array_equal(out[1], mx.zeros((64,)))  # exact zeros, no NaN
+    assert mx.array_equal(mx.concatenate([out[:1], out[2:3], out[5:]]), clean)
+
+
+def test_no_host_sync_inside_quantize():
+    # Evaluating an array is forbidden while mx.compile traces, so this fails if quantize syncs.
+    x = mx.random.normal((4, 128))
+    for q in (TurboQuantMSE(128, 3), TurboQuantMSE(128, 2.5), TurboQuantProd(128, 3)):
+        f = mx.compile(lambda a, q=q: q.dequantize(q.quantize(a)))
+        assert mx.allclose(f(x), q.dequantize(q.quantize(x)), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((8, 2), "dim must be an integer >= 16"),
+        ((128, 5), r"bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 8\)"),
+        ((128, 1.5), "bits must be one of"),
+        ((40, 2.5), "divisible by 4 and >= 64"),
+        ((66, 3.5), "divisible by 4"),
+    ],
+)
+def test_bad_construction(args, match):
+    with pytest.raises(ValueError, match=match):
+        TurboQuantMSE(*args)
+
+
+def test_bad_prod_bits():
+    with pytest.raises(ValueError, match=r"TurboQuantProd bits must be one of \(1, 2, 3, 4\)"):
+        TurboQuantProd(128, 8)
+    with pytest.raises(ValueError, match="outlier_channels"):
+        TurboQuantMSE(64, 3, outlier_channels=[1, 2])
+    with pytest.raises(ValueError, match="16 distinct channel indices"):
+        TurboQuantMSE(64, 2.5, outlier_channels=[0] * 16)
+
+
+@pytest.mark.parametrize(
+    "x,match",
+    [
+        (mx.zeros((3, 64)), "last axis must be dim=128"),
+        (mx.zeros((3, 128), dtype=mx.int32), "float16, bfloat16 or float32"),
+        (mx.zeros(()), "last axis"),
+        (np.zeros((3, 128), np.float32), "expected an mx.array"),
+    ],
+)
+def test_bad_input(x, match):
+    for q in (TurboQuantMSE(128, 4), TurboQuantProd(128, 4)):
+        with pytest.raises(ValueError, match=match):
+            q.quantize(x)

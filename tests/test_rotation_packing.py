@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+
+from tq_mlx.packing import SUPPORTED_BITS, pack, packed_words, unpack
+from tq_mlx.rotation import Rotation, hadamard_base
+
+# Sizes MLX must not be trusted with (wrong result at 36, heap corruption at 60/100/144/200) go dense.
+UNSAFE = [36, 60, 72, 100, 120, 136, 144, 200]
+HADAMARD = [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 256, 320, 512]
+
+
+@pytest.mark.parametrize("dim", HADAMARD + UNSAFE)
+def test_rotation_orthogonal_and_inverse(dim):
+    r = Rotation(dim, seed=7)
+    assert r.kind == ("dense" if dim in UNSAFE else "hadamard")
+    p = np.array(r.as_matrix(), dtype=np.float64)
+    np.testing.assert_allclose(p @ p.T, np.eye(dim), atol=5e-6)
+    x = mx.random.normal((3, 5, dim), key=mx.random.key(dim))
+    y = r.forward(x)
+    np.testing.assert_allclose(np.array(y), np.array(x) @ p.T, atol=1e-5)
+    np.testing.assert_allclose(np.array(r.inverse(y)), np.array(x), atol=5e-6)
+
+
+def test_hadamard_base_rules():
+    assert [hadamard_base(d) for d in (128, 96, 80, 112)] == [1, 12, 20, 28]
+    assert all(hadamard_base(d) is None for d in UNSAFE)
+    with pytest.raises(ValueError, match="allowed sizes"):
+        Rotation(72, kind="hadamard")
+
+
+def test_rotation_seeded():
+    a, b, c = Rotation(128, seed=1), Rotation(128, seed=1), Rotation(128, seed=2)
+    assert mx.array_equal(a.as_matrix(), b.as_matrix())
+    assert not mx.array_equal(a.as_matrix(), c.as_matrix())
+    assert mx.array_equal(Rotation(72, seed=3).as_matrix(), Rotation(72, seed=3).as_matrix())
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_rotation_dtypes(dtype):
+    x = mx.random.normal((4, 64)).astype(dtype)
+    y = Rotation(64).forward(x)
+    assert y.dtype == mx.float32
+    np.testing.assert_allclose(np.array(Rotation(64).inverse(y)), np.array(x.astype(mx.float32)), atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from(SUPPORTED_BITS),
+    n=st.integers(1, 300),
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pack_roundtrip(bits, n, lead, seed):
+    codes = np.random.default_rng(seed).integers(0, 2**bits, size=(*lead, n), dtype=np.uint32)
+    words = pack(mx.array(codes), bits)
+    assert words.dtype == mx.uint32 and words.shape == (*lead, packed_words(n, bits))
+    np.testing.assert_array_equal(np.array(unpack(words, bits, n)), codes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.sampled_from(HADAMARD + UNSAFE), seed=st.integers(0, 1000))
+def test_rotation_roundtrip_property(dim, seed):
+    x = mx.array(np.random.default_rng(seed).standard_normal((2, dim)).astype(np.float32))
+    r = Rotation(dim, seed=seed)
+    np.testing.assert_allclose(np.array(r.inverse(r.forward(x))), np.array(x), atol=1e-5)
+
+
+def test_packed_sizes_are_exact():
+    # 3 bits are exactly 3 bits per code (2-bit plane + 1-bit plane), not 32/10.
+    assert packed_words(128, 3) == 12
+    assert [packed_words(128, b) for b in (1, 2, 4, 8)] == [4, 8, 16, 32]
+    assert packed_words(80, 3) == 8  # 160 + 80 bits -> 5 + 3 words
+
+
+@pytest.mark.parametrize("bits", [0, 5, 2.5, 16])
+def test_pack_bad_bits(bits):
+    with pytest.raises(ValueError, match="packing supports bits"):
+        pack(mx.zeros((4,), dtype=mx.uint32), bits)
+
+
+def test_unpack_wrong_width():
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack(mx.zeros((3,), dtype=mx.uint32), 2, 128)

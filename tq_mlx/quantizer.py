@@ -1,0 +1,265 @@
+"""TurboQuant quantizers (Zandieh et al., arXiv:2504.19874): Algorithm 1 (MSE) and Algorithm 2 (inner product).
+
+Algorithm 1, TurboQuant_mse(d, b):
+    Quant(x):   y = Π·(x/‖x‖);  idx_j = argmin_k |y_j - c_k|;  store (pack(idx), ‖x‖)
+    DeQuant:    x̃ = ‖x‖ · Πᵀ c[idx]
+Algorithm 2, TurboQuant_prod(d, b):
+    Quant(x):   idx = Quant_mse(x) at b-1 bits;  r = x - DeQuant_mse(idx);  z = sign(S·r);  store (idx, z, ‖r‖)
+    DeQuant:    x̃ = DeQuant_mse(idx) + (√(π/2)/d)·‖r‖·Sᵀz,   S with i.i.d. N(0, 1) entries (paper Definition 1)
+
+Fractional widths (2.5, 3.5) follow the paper's channel split (§4.3): the channels are cut into an outlier
+group of d/4 channels at ⌊b⌋+1 bits and a regular group of 3d/4 channels at ⌊b⌋ bits, each an independent
+TurboQuant_mse instance with its own rotation, codebook and norm. At d = 128 and 2.5 bits that is 32 channels
+at 3 bits and 96 at 2 (2.25 code bits plus two fp16 norms = 2.5 bits per value). Which channels are outliers
+is data-dependent: pass `outlier_channels` (the cache picks the channels of largest mean |x| in the first
+tokens it sees); without it the first d/4 channels are the outlier group.
+
+All arithmetic is float32; inputs may be float16, bfloat16 or float32 with any leading shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+import mlx.core as mx
+
+from .codebook import MIN_DIM, lloyd_max
+from .packing import pack, packed_words, unpack
+from .rotation import Rotation
+
+MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
+PROD_BITS = (1, 2, 3, 4)
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+class MSECodes(NamedTuple):
+    """A TurboQuant_mse-compressed tensor of leading shape S."""
+
+    codes: mx.array  # uint32 (*S, words): packed indices, group after group
+    norms: mx.array  # (*S, groups), float16 by default: each group's L2 norm
+
+
+class ProdCodes(NamedTuple):
+    """A TurboQuant_prod-compressed tensor of leading shape S."""
+
+    codes: mx.array  # uint32 (*S, words): the (b-1)-bit MSE stage (0 words when b = 1)
+    norms: mx.array  # (*S, groups): the MSE stage's norms (0 groups when b = 1)
+    qjl: mx.array  # uint32 (*S, ceil(d/32)): sign bits of S·r, bit set = +1
+    gamma: mx.array  # (*S,): ‖r‖, the residual norm
+
+
+def check_input(x: mx.array, dim: int) -> None:
+    """Raise ValueError unless x is a float16/bfloat16/float32 array whose last axis is `dim` (no sync)."""
+    if not isinstance(x, mx.array):
+        raise ValueError(f"expected an mx.array, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"input dtype must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] != dim:
+        raise ValueError(f"input's last axis must be dim={dim}, got shape {tuple(x.shape)}")
+
+
+class Group(NamedTuple):
+    """One independent TurboQuant_mse instance over a subset of the channels (all of them for integer bits)."""
+
+    channels: mx.array | None  # int32 channel indices in the model basis, None = all channels in order
+    dim: int
+    bits: int
+    rotation: Rotation
+    centroids: mx.array  # (2^bits,) float32, raw unit-vector scale
+    boundaries: mx.array  # (2^bits - 1,) float32
+    words: slice  # where this group's packed words sit in MSECodes.codes
+
+
+def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
+    """[(channels, bits)] per group: one group for integer bits, (d/4 at ⌊b⌋+1, 3d/4 at ⌊b⌋) for x.5 bits."""
+    if bits not in MSE_BITS or isinstance(bits, bool):
+        raise ValueError(f"bits must be one of {MSE_BITS}, got {bits!r}")
+    if bits == int(bits):
+        return [(dim, int(bits))]
+    if dim % 4 or dim // 4 < MIN_DIM:
+        raise ValueError(
+            f"fractional bits {bits} split the channels 1:3 and need dim divisible by 4 and >= {4 * MIN_DIM}, "
+            f"got dim={dim}"
+        )
+    low = int(bits)
+    return [(dim // 4, low + 1), (dim - dim // 4, low)]
+
+
+def _quantize_indices(y: mx.array, boundaries: mx.array, bits: int) -> mx.array:
+    # Binary search over the sorted boundaries: idx = #{k : y > t_k}, the nearest centroid. NaN compares
+    # false everywhere and lands on index 0, so a bad vector only ever affects itself.
+    idx = mx.zeros(y.shape, dtype=mx.uint32)
+    for s in reversed(range(bits)):
+        cand = idx + (1 << s)
+        idx = mx.where(y > mx.take(boundaries, cand - 1), cand, idx)
+    return idx
+
+
+class TurboQuantMSE:
+    """TurboQuant_mse (paper Algorithm 1): rotation, then a Lloyd-Max scalar code per coordinate.
+
+    quantize(x) -> MSECodes, dequantize(MSECodes) -> float32 x̃, for x of shape (..., dim).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        bits: float,
+        seed: int = 0,
+        outlier_channels: Sequence[int] | mx.array | None = None,
+        norm_dtype: mx.Dtype = mx.float16,
+    ):
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < MIN_DIM:
+            raise ValueError(f"dim must be an integer >= {MIN_DIM}, got {dim!r}")
+        if norm_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"norm_dtype must be float16, bfloat16 or float32, got {norm_dtype}")
+        self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
+        sizes = split_dims(self.dim, bits)
+        channels: list[mx.array | None] = [None]
+        if len(sizes) == 2:
+            channels = _split_channels(self.dim, sizes[0][0], outlier_channels)
+        elif outlier_channels is not None:
+            raise ValueError(f"outlier_channels only applies to fractional bits (2.5, 3.5), not bits={bits}")
+        self.groups: list[Group] = []
+        start = 0
+        for g, ((gdim, gbits), ch) in enumerate(zip(sizes, channels)):
+            cb = lloyd_max(gdim, gbits)
+            nw = packed_words(gdim, gbits)
+            self.groups.append(
+                Group(
+                    channels=ch,
+                    dim=gdim,
+                    bits=gbits,
+                    rotation=Rotation(gdim, seed=self.seed + g),
+                    centroids=mx.array(cb.centroids.astype(np.float32)),
+                    boundaries=mx.array(cb.boundaries.astype(np.float32)),
+                    words=slice(start, start + nw),
+                )
+            )
+            start += nw
+        self.words = start
+        # Gathering the groups back into model order: the inverse of the channel permutation.
+        self._inverse_perm = None
+        if len(self.groups) == 2:
+            perm = np.concatenate([np.asarray(g.channels) for g in self.groups])
+            self._inverse_perm = mx.array(np.argsort(perm).astype(np.int32))
+
+    @property
+    def outlier_channels(self) -> mx.array | None:
+        return self.groups[0].channels if len(self.groups) == 2 else None
+
+    def bits_per_value(self) -> float:
+        """Stored bits per coordinate, norms included."""
+        norm_bits = 8 * self.norm_dtype.size * len(self.groups)
+        return (32 * self.words + norm_bits) / self.dim
+
+    def quantize(self, x: mx.array) -> MSECodes:
+        check_input(x, self.dim)
+        x = x.astype(mx.float32)
+        codes, norms = [], []
+        for g in self.groups:
+            xg = x if g.channels is None else mx.take(x, g.channels, axis=-1)
+            norm = mx.sqrt(mx.sum(xg * xg, axis=-1, keepdims=True))
+            # A zero vector stays zero (codes of 0, times a zero norm) instead of 0/0 = NaN.
+            unit = xg / mx.where(norm > 0, norm, 1.0)
+            y = g.rotation.forward(unit)
+            codes.append(pack(_quantize_indices(y, g.boundaries, g.bits), g.bits))
+            norms.append(norm)
+        codes = codes[0] if len(codes) == 1 else mx.concatenate(codes, axis=-1)
+        norms = norms[0] if len(norms) == 1 else mx.concatenate(norms, axis=-1)
+        return MSECodes(codes, norms.astype(self.norm_dtype))
+
+    def rotated_values(self, c: MSECodes) -> list[mx.array]:
+        """Per group, the dequantized vector in that group's rotated basis (norm included), float32."""
+        out = []
+        for i, g in enumerate(self.groups):
+            idx = unpack(c.codes[..., g.words], g.bits, g.dim)
+            out.append(mx.take(g.centroids, idx) * c.norms[..., i : i + 1].astype(mx.float32))
+        return out
+
+    def dequantize(self, c: MSECodes) -> mx.array:
+        parts = [g.rotation.inverse(y) for g, y in zip(self.groups, self.rotated_values(c))]
+        if len(parts) == 1:
+            return parts[0]
+        return mx.take(mx.concatenate(parts, axis=-1), self._inverse_perm, axis=-1)
+
+
+def _split_channels(dim: int, n_hi: int, outliers) -> list[mx.array]:
+    if outliers is None:
+        hi = np.arange(n_hi)
+    else:
+        hi = np.asarray(outliers).astype(np.int64).reshape(-1)
+        if hi.size != n_hi or len(set(hi.tolist())) != n_hi or hi.min() < 0 or hi.max() >= dim:
+            raise ValueError(f"outlier_channels must be {n_hi} distinct channel indices in [0, {dim}), got {hi.tolist()}")
+        hi = np.sort(hi)
+    lo = np.setdiff1d(np.arange(dim), hi)
+    return [mx.array(hi.astype(np.int32)), mx.array(lo.astype(np.int32))]
+
+
+def gaussian_projection(dim: int, seed: int) -> mx.array:
+    """The QJL matrix S: (dim, dim) with i.i.d. N(0, 1) entries, from a seeded numpy generator."""
+    rng = np.random.default_rng([int(seed), dim, 0x971])
+    return mx.array(rng.standard_normal((dim, dim)).astype(np.float32))
+
+
+class TurboQuantProd:
+    """TurboQuant_prod (paper Algorithm 2): (b-1)-bit TurboQuant_mse plus a 1-bit QJL code of the residual.
+
+    inner_product(q, c) is an unbiased estimate of ⟨q, x⟩ (Theorem 2). S is Gaussian as in the paper, so the
+    QJL dequantization constant is √(π/2)/d (it would be √(π/(2d)) for an orthonormal S).
+    """
+
+    def __init__(self, dim: int, bits: int, seed: int = 0, norm_dtype: mx.Dtype = mx.float16):
+        if bits not in PROD_BITS or isinstance(bits, bool):
+            raise ValueError(f"TurboQuantProd bits must be one of {PROD_BITS}, got {bits!r}")
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < MIN_DIM:
+            raise ValueError(f"dim must be an integer >= {MIN_DIM}, got {dim!r}")
+        self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
+        self.mse = TurboQuantMSE(dim, bits - 1, seed=seed, norm_dtype=norm_dtype) if bits > 1 else None
+        self.projection = gaussian_projection(self.dim, seed)
+        self.qjl_scale = math.sqrt(math.pi / 2) / self.dim
+
+    def bits_per_value(self) -> float:
+        mse_bits = self.mse.bits_per_value() if self.mse else 0.0
+        return mse_bits + (32 * packed_words(self.dim, 1) + 8 * self.norm_dtype.size) / self.dim
+
+    def quantize(self, x: mx.array) -> ProdCodes:
+        check_input(x, self.dim)
+        x = x.astype(mx.float32)
+        lead = x.shape[:-1]
+        if self.mse is None:
+            codes = mx.zeros((*lead, 0), dtype=mx.uint32)
+            norms = mx.zeros((*lead, 0), dtype=self.norm_dtype)
+            r = x
+        else:
+            codes, norms = self.mse.quantize(x)
+            r = x - self.mse.dequantize(MSECodes(codes, norms))
+        gamma = mx.sqrt(mx.sum(r * r, axis=-1))
+        signs = (r @ self.projection.T) >= 0
+        return ProdCodes(codes, norms, pack(signs, 1), gamma.astype(self.norm_dtype))
+
+    def _signs(self, c: ProdCodes) -> mx.array:
+        return unpack(c.qjl, 1, self.dim).astype(mx.float32) * 2.0 - 1.0
+
+    def dequantize(self, c: ProdCodes) -> mx.array:
+        qjl = self.qjl_scale * c.gamma.astype(mx.float32)[..., None] * (self._signs(c) @ self.projection)
+        if self.mse is None:
+            return qjl
+        return self.mse.dequantize(MSECodes(c.codes, c.norms)) + qjl
+
+    def inner_product(self, q: mx.array, c: ProdCodes) -> mx.array:
+        """Unbiased ⟨q, x⟩ from the codes, pairwise over the leading shape: q (..., d) -> (...).
+
+        Computed as attention does: ⟨Πq, c[idx]⟩·‖x‖ for the MSE part and ⟨Sq, z⟩ for QJL; x̃ is never built.
+        """
+        check_input(q, self.dim)
+        q = q.astype(mx.float32)
+        qjl = self.qjl_scale * c.gamma.astype(mx.float32) * mx.sum((q @ self.projection.T) * self._signs(c), -1)
+        if self.mse is None:
+            return qjl
+        (g,) = self.mse.groups
+        (y,) = self.mse.rotated_values(MSECodes(c.codes, c.norms))
+        return mx.sum(g.rotation.forward(q) * y, axis=-1) + qjl
