@@ -398,6 +398,23 @@ def test_byte_counts_of_copy_kernel_are_exact(emulator):
 
 
 @pytest.mark.emulator
+def test_byte_counts_see_copy_loops_from_private_arrays(emulator):
+    # clang turns such loops into memcpy unless told not to; the bytes must still be counted.
+    src = (
+        "uint i = thread_position_in_grid.x;\n"
+        "float acc[4];\n"
+        "for (int e = 0; e < 4; e++) acc[e] = inp[i * 4 + e] * 2.0f;\n"
+        "for (int e = 0; e < 4; e++) out[i * 4 + e] = acc[e];\n"
+    )
+    k = metal_kernel("copyloop", ["inp"], ["out"], src)
+    x = np.arange(64, dtype=np.float32)
+    (out,) = k(inputs=[x], output_shapes=[x.shape], output_dtypes=[mx.float32],
+               grid=(16, 1, 1), threadgroup=(16, 1, 1))
+    assert np.array_equal(out, 2 * x)
+    assert k.last_stats.buffers["out"].total_bytes_written == x.nbytes
+
+
+@pytest.mark.emulator
 def test_byte_counts_distinguish_repeated_reads(emulator):
     # Every thread reads its neighbour too: total = 2x, unique = 1x (+ edge).
     k = metal_kernel("stencil", ["inp"], ["out"], """
@@ -692,6 +709,8 @@ def test_rewrite_threadgroup_declarations():
     assert "threadgroup float* p = a;" in out and "void f(threadgroup float* q);" in out
     with pytest.raises(RewriteError, match="initializer"):
         rewrite_source("threadgroup float z[4] = {0};")
+    # A "*" in the bounds is arithmetic: still an array declaration.
+    assert "using tqemu_tg_t_w = threadgroup float [2 * N];" in rewrite_source("threadgroup float w[2 * N];")
 
 
 def test_rewrite_instantiation_and_literals():

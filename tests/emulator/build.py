@@ -118,6 +118,9 @@ COMMON_FLAGS = (
 # Kernel code only: every load/store calls the runtime (byte counts, bounds).
 KERNEL_FLAGS = (
     "-O1",
+    # Without this, clang turns copy loops into llvm.memcpy, which the load/store hooks never see: those
+    # bytes would go uncounted and unchecked.
+    "-fno-builtin",
     "-fvisibility=hidden",
     "-fsanitize-coverage=func,inline-8bit-counters,trace-loads,trace-stores",
     "-Wall",

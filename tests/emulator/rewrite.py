@@ -162,7 +162,8 @@ def rewrite_threadgroup_decls(src: str) -> str:
         pieces = []
         for i, d in enumerate(decls):
             parts = _split_declarator(d if i == 0 else f"{type_text} {d.strip()}")
-            if parts is None or "*" in d or "&" in d:
+            # A "*" inside the array bounds (threadgroup float buf[2 * N]) is arithmetic, not a pointer.
+            if parts is None or "*" in _outside_brackets(d) or "&" in _outside_brackets(d):
                 raise RewriteError(f"line {line}: unsupported threadgroup declaration: {d.strip()}")
             _, name, dims = parts
             t = f"tqemu_tg_t_{name}"
