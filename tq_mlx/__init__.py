@@ -7,3 +7,19 @@ from .rotation import Rotation
 __version__ = "0.1.0"
 
 __all__ = ["TurboQuantMSE", "TurboQuantProd", "MSECodes", "ProdCodes", "Rotation", "lloyd_max"]
+
+from .attention import turboquant_attention
+from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
+from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpatch_model, validate_prompt_cache
+
+__all__ += [
+    "TurboQuantConfig",
+    "TurboQuantKVCache",
+    "CompressedKV",
+    "turboquant_attention",
+    "make_prompt_cache",
+    "patch_model",
+    "unpatch_model",
+    "load_prompt_cache",
+    "validate_prompt_cache",
+]

@@ -1,0 +1,161 @@
+"""turboquant_attention against a float64 numpy reference of the same math.
+
+The reference dequantizes every compressed token to the model basis (quantizer.dequantize, un-permute, add the
+mean back), lays out sinks, compressed and window tokens in token order, and runs plain softmax attention in
+float64. The codes path must agree to float32 rounding, whatever the head_dim, bit widths, QJL, centering,
+GQA, batch, mask kind and block size.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tq_mlx import CompressedKV, TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+
+
+def dequantized(h: CompressedKV) -> np.ndarray:
+    """(B, H, T, D) float64: what the handle stands for, in token order (sinks, compressed, window)."""
+    parts = []
+    if h.sinks is not None:
+        parts.append(np.asarray(h.sinks.astype(mx.float32)).astype(np.float64))
+    if h.codes is not None:
+        x = np.asarray(h.quantizer.dequantize(h.codes)).astype(np.float64)
+        if h.perm is not None:
+            inv = np.argsort(np.asarray(h.perm), axis=-1)
+            x = np.take_along_axis(x, np.broadcast_to(inv[None, :, None, :], x.shape), -1)
+        if h.mean is not None:
+            x = x + np.asarray(h.mean).astype(np.float64)[:, :, None, :]
+        parts.append(x)
+    if h.window is not None:
+        parts.append(np.asarray(h.window.astype(mx.float32)).astype(np.float64))
+    return np.concatenate(parts, axis=2)
+
+
+def reference_attention(queries, K, V, scale, mask) -> np.ndarray:
+    q = np.asarray(queries.astype(mx.float32)).astype(np.float64)
+    B, Hq, L, _ = q.shape
+    R = Hq // K.shape[1]
+    K, V = np.repeat(K, R, axis=1), np.repeat(V, R, axis=1)
+    s = scale * (q @ K.swapaxes(-1, -2))
+    T = K.shape[2]
+    if isinstance(mask, str):
+        s = np.where(np.arange(T - L, T)[:, None] >= np.arange(T)[None], s, -np.inf)
+    elif mask is not None:
+        m = np.asarray(mask)
+        s = np.where(m, s, -np.inf) if m.dtype == bool else s + m
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    return (p / p.sum(-1, keepdims=True)) @ V
+
+
+def rel_err(out: mx.array, ref: np.ndarray) -> float:
+    return float(np.abs(np.asarray(out.astype(mx.float32)) - ref).max() / np.abs(ref).max())
+
+
+def feed(cache, rng, lengths, B, H, D, Dv=None, shift=2.0):
+    """Yield (keys, values) chunks with a per-channel mean (so centering matters)."""
+    Dv = Dv or D
+    mu_k = shift * rng.normal(size=(1, H, 1, D))
+    mu_v = shift * rng.normal(size=(1, H, 1, Dv))
+    for L in lengths:
+        k = mx.array(rng.normal(size=(B, H, L, D)) + mu_k, dtype=mx.float32)
+        v = mx.array(rng.normal(size=(B, H, L, Dv)) + mu_v, dtype=mx.float32)
+        yield L, cache.update_and_fetch(k, v)
+
+
+CASES = [
+    # head_dim, key_bits, value_bits, qjl, center
+    (64, 4, 4, False, True),
+    (64, 3, 2, True, True),
+    (80, 2.5, 3.5, False, True),
+    (96, 3.5, 2.5, False, False),
+    (128, 3, 4, False, True),
+    (128, 2, 3, True, False),
+    (128, 1, 1, True, True),
+    (256, 4, 2, False, True),
+    (64, 8, 8, False, True),
+]
+
+
+@pytest.mark.parametrize("D,kb,vb,qjl,center", CASES)
+def test_matches_float64_reference(D, kb, vb, qjl, center):
+    rng = np.random.default_rng(D + int(2 * kb))
+    B, H, R = 2, 2, 3
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, block=4, sinks=3, step=16,
+                           center_keys=center, center_values=center)
+    cache = TurboQuantKVCache(cfg, layer_index=1)
+    # Prefill chunks, decode steps and a chunk larger than the window; block_size=5 splits the compressed
+    # tokens into several blocks and puts block edges inside the causal triangle.
+    for L, (kh, vh) in feed(cache, rng, (7, 1, 20, 1, 1, 3, 9), B, H, D):
+        q = mx.array(2 * rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
+        mask = "causal" if L > 1 else None
+        out = turboquant_attention(q, kh, vh, D**-0.5, mask, block_size=5)
+        ref = reference_attention(q, dequantized(kh), dequantized(vh), D**-0.5, mask)
+        assert out.shape == (B, H * R, L, D)
+        assert rel_err(out, ref) < 2e-5, (L, rel_err(out, ref))
+    assert cache.n_compressed > 10 and cache.n_sinks == 3 and cache.n_window > 0
+
+
+def test_array_masks_and_per_head_masks():
+    rng = np.random.default_rng(5)
+    B, H, R, D = 2, 2, 2, 64
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, block=3, sinks=2), layer_index=0)
+    *_, (L, (kh, vh)) = feed(cache, rng, (17, 5), B, H, D)
+    T = kh.n_tokens
+    q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
+    # Left padding for the second sequence (columns 0..3 hidden) on top of causal, as BatchKVCache masks are.
+    causal = np.arange(T - L, T)[:, None] >= np.arange(T)[None]
+    pad = np.ones((B, 1, 1, T), bool)
+    pad[1, ..., :4] = False
+    masks = [
+        mx.array(causal),  # (L, T) bool
+        mx.array(causal[None, None] & pad),  # (B, 1, L, T) bool
+        mx.array(np.where(causal[None, None] & pad, 0.0, -1e9).astype(np.float32)),  # additive
+        mx.array(np.broadcast_to(causal[None, None] & pad, (B, H * R, L, T)) & (rng.random((B, H * R, L, T)) > 0.2)
+                 | np.eye(L, T, T - L, dtype=bool)),  # per query head, never a fully masked row
+    ]
+    for mask in masks:
+        out = turboquant_attention(q, kh, vh, 0.125, mask, block_size=4)
+        ref = reference_attention(q, dequantized(kh), dequantized(vh), 0.125, mask)
+        assert rel_err(out, ref) < 2e-5
+
+
+def test_bf16_fp16_queries_and_value_dim():
+    rng = np.random.default_rng(7)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1), layer_index=2)
+    B, H, D, Dv = 1, 2, 64, 128  # value head_dim different from key head_dim
+    *_, (L, (kh, vh)) = feed(cache, rng, (12, 1), B, H, D, Dv)
+    for dtype in (mx.float16, mx.bfloat16):
+        q = mx.array(rng.normal(size=(B, 4, L, D)), dtype=mx.float32).astype(dtype)
+        out = turboquant_attention(q, kh, vh, D**-0.5, None)
+        assert out.dtype == dtype and out.shape == (B, 4, L, Dv)
+        ref = reference_attention(q, dequantized(kh), dequantized(vh), D**-0.5, None)
+        assert rel_err(out, ref) < 1e-2  # the output's own 16-bit rounding
+
+
+def test_queries_untouched_and_only_float_parts():
+    rng = np.random.default_rng(3)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=64, sinks=4), layer_index=0)
+    (L, (kh, vh)), = feed(cache, rng, (20,), 1, 2, 128)
+    assert kh.codes is None and kh.n_sinks == 4 and kh.n_window == 16
+    q = mx.array(rng.normal(size=(1, 4, L, 128)), dtype=mx.float32)
+    before = np.array(q)
+    out = turboquant_attention(q, kh, vh, 128**-0.5, "causal")
+    np.testing.assert_array_equal(np.array(q), before)
+    # Nothing compressed yet: exact attention on the float16 tokens.
+    k16 = mx.concatenate([kh.sinks, kh.window], axis=2).astype(mx.float32)
+    v16 = mx.concatenate([vh.sinks, vh.window], axis=2).astype(mx.float32)
+    ref = mx.fast.scaled_dot_product_attention(q, k16, v16, scale=128**-0.5, mask="causal")
+    assert float(mx.abs(out - ref).max()) < 1e-5
+
+
+def test_block_size_does_not_change_result():
+    rng = np.random.default_rng(11)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=2, value_bits=2, window=16, sinks=0), layer_index=0)
+    *_, (L, (kh, vh)) = feed(cache, rng, (300, 1), 1, 2, 64)
+    q = mx.array(rng.normal(size=(1, 2, L, 64)), dtype=mx.float32)
+    outs = [turboquant_attention(q, kh, vh, 0.125, None, block_size=b) for b in (7, 64, 4096)]
+    for o in outs[1:]:
+        assert float(mx.abs(o - outs[0]).max()) < 1e-5

@@ -1,0 +1,387 @@
+"""TurboQuantConfig and TurboQuantKVCache: the cache protocol, token layout, memory honesty, state, trim."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+from tq_mlx.packing import packed_words
+from tq_mlx.rotation import hadamard_base
+
+
+def chunks(rng, lengths, B=1, H=2, D=64, shift=1.0):
+    mu = shift * rng.normal(size=(1, H, 1, D))
+    for L in lengths:
+        yield (mx.array(rng.normal(size=(B, H, L, D)) + mu, dtype=mx.float32),
+               mx.array(rng.normal(size=(B, H, L, D)) - mu, dtype=mx.float32))
+
+
+def fill(cache, lengths, seed=0, **kw):
+    out = None
+    for k, v in chunks(np.random.default_rng(seed), lengths, **kw):
+        out = cache.update_and_fetch(k, v)
+    return out
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_from_bits():
+    c = TurboQuantConfig()
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, True, False)
+    assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 4, 0, 0, 256)
+    assert c.block_size == c.window
+    d = TurboQuantConfig.from_bits(2.5, window=32)
+    assert (d.key_bits, d.value_bits, d.window) == (2.5, 2.5, 32)
+    assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
+    assert TurboQuantConfig.from_dict(d.to_dict()) == d
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"key_bits": 5}, "key_bits must be one of (1, 2, 2.5, 3, 3.5, 4, 8)"),
+        ({"value_bits": 0}, "value_bits must be one of"),
+        ({"value_bits": True}, "value_bits must be one of"),
+        ({"boundary_bits": 16}, "boundary_bits must be one of"),
+        ({"key_bits": 2.5, "qjl": True}, "qjl=True needs integer key_bits in (1, 2, 3, 4)"),
+        ({"key_bits": 8, "qjl": True}, "qjl=True needs integer key_bits"),
+        ({"window": -1}, "window must be an integer >= 0"),
+        ({"sinks": 1.5}, "sinks must be an integer >= 0"),
+        ({"step": 0}, "step must be an integer >= 1"),
+        ({"window": 16, "block": 32}, "block must be between 1 and window=16"),
+        ({"qjl": 1}, "qjl must be True or False"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        TurboQuantConfig(**kwargs)
+    assert words in str(e.value)
+
+
+def test_layer_bits_boundary():
+    c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
+    got = [c.layer_bits(i, 6) for i in range(6)]
+    assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
+    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 4)
+    cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
+    assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
+    # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.
+    q = TurboQuantKVCache(dataclasses.replace(c, qjl=True), layer_index=0, attention_index=0, n_attention_layers=6)
+    assert not q.qjl and q.key_bits == 8
+
+
+# --- layout -----------------------------------------------------------------------------------------
+
+
+def test_token_layout_and_block_compression():
+    cfg = TurboQuantConfig(window=16, block=8, sinks=4)
+    c = TurboQuantKVCache(cfg)
+    counts = []
+    for L in (2, 3, 10, 7, 1, 1, 40):
+        fill(c, (L,))
+        counts.append((c.n_sinks, c.n_compressed, c.n_window, c.offset))
+    # Sinks fill first; the window overflows in whole blocks and keeps between window-block+1 and window.
+    assert counts == [(2, 0, 0, 2), (4, 0, 1, 5), (4, 0, 11, 15), (4, 8, 10, 22), (4, 8, 11, 23), (4, 8, 12, 24),
+                      (4, 48, 12, 64)]
+    assert c.size() == 64 and not c.empty() and c.is_trimmable()
+
+
+@pytest.mark.parametrize("cfg", [
+    TurboQuantConfig.from_bits(8, window=16, block=4, sinks=3),
+    TurboQuantConfig.from_bits(8, window=16, sinks=0, center_keys=False),
+    TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2),
+])
+def test_stored_tokens_are_the_input_tokens(cfg):
+    """Whatever the chunking, the handles stand for the tokens fed so far, in order: float16 copies for sinks
+    and window, 8-bit codes (centering and channel order undone) for the rest."""
+    from tests.test_attention import dequantized
+
+    rng = np.random.default_rng(2)
+    c = TurboQuantKVCache(cfg)
+    mu = 3 * rng.normal(size=(1, 2, 1, 64))
+    seen_k, seen_v = [], []
+    for L in (5, 1, 1, 30, 1, 1, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 20, 1):
+        k = rng.normal(size=(1, 2, L, 64)) + mu
+        v = rng.normal(size=(1, 2, L, 64)) - mu
+        seen_k.append(k)
+        seen_v.append(v)
+        kh, vh = c.update_and_fetch(mx.array(k, dtype=mx.float32), mx.array(v, dtype=mx.float32))
+        for h, seen in ((kh, seen_k), (vh, seen_v)):
+            ref = np.concatenate(seen, axis=2)
+            got = dequantized(h)
+            assert got.shape == ref.shape
+            f16 = lambda x: x.astype(np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
+            s, w = h.n_sinks, h.n_window
+            np.testing.assert_array_equal(got[:, :, :s], f16(ref[:, :, :s]))
+            if w:
+                np.testing.assert_array_equal(got[:, :, -w:], f16(ref[:, :, -w:]))
+            assert np.abs(got - ref).max() < 0.1  # 8-bit codes
+
+
+def test_chunked_and_one_shot_compress_the_same_tokens():
+    cfg = TurboQuantConfig(window=32, block=16, sinks=4)
+    one, many = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
+    fill(one, (300,))
+    fill(many, (100, 100, 100))
+    assert (one.n_sinks, one.n_compressed, one.n_window) == (many.n_sinks, many.n_compressed, many.n_window)
+
+
+def test_make_mask_like_kvcache():
+    c = TurboQuantKVCache(TurboQuantConfig())
+    fill(c, (10,))
+    assert c.make_mask(1) is None
+    assert c.make_mask(5) == "causal"
+    m = c.make_mask(5, return_array=True)
+    assert m.shape == (5, 15) and m.dtype == mx.bool_
+    assert c.make_mask(5, window_size=4).shape == (5, 15)
+
+
+# --- memory honesty -----------------------------------------------------------------------------
+
+
+def rotation_bytes(d: int) -> int:
+    base = hadamard_base(d)
+    if base is None:
+        return 4 * d * d  # dense orthogonal matrix
+    return 4 * d + (4 * d * d if base in (20, 28) else 0)  # signs (+ explicit Hᵀ for bases 20, 28)
+
+
+def mse_layout(d: int, bits) -> tuple[int, int, int]:
+    """(code words, norms, constant bytes) per token of TurboQuant_mse(d, bits)."""
+    groups = [(d, int(bits))] if bits == int(bits) else [(d // 4, int(bits) + 1), (d - d // 4, int(bits))]
+    words = sum(packed_words(gd, gb) for gd, gb in groups)
+    const = sum(rotation_bytes(gd) + 4 * (2 * 2**gb - 1) for gd, gb in groups)  # centroids + boundaries
+    if len(groups) == 2:
+        const += 4 * d + 4 * d  # each group's channel list + the inverse permutation
+    return words, len(groups), const
+
+
+def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, have_sinks: bool,
+                  have_window: bool) -> int:
+    """The cache's memory, from the layout alone (nothing read from the cache)."""
+    per_token = 0
+    const = 0
+    for bits, qjl, center in ((cfg.key_bits, cfg.qjl, cfg.center_keys), (cfg.value_bits, False, cfg.center_values)):
+        if qjl:
+            words, groups, c = mse_layout(D, bits - 1) if bits > 1 else (0, 0, 0)
+            per_token += 4 * words + 2 * groups + 4 * math.ceil(D / 32) + 2  # + sign bits + fp16 γ
+            const += c + 4 * D * D  # + the Gaussian projection S
+        else:
+            words, groups, c = mse_layout(D, bits)
+            per_token += 4 * words + 2 * groups
+            const += c
+            if bits != int(bits):
+                const += 4 * H * D  # per-head channel order
+        if center:
+            const += 4 * B * H * D  # μ or ν, float32
+    floats = 2 * 2 * B * H * D * (cfg.window * have_window + cfg.sinks * have_sinks)  # keys + values, float16
+    return B * H * capacity * per_token + floats + const
+
+
+@pytest.mark.parametrize(
+    "cfg, D",
+    [
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4), 128),
+        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, center_values=False), 64),
+        (TurboQuantConfig(key_bits=2.5, value_bits=8, window=0, sinks=2, center_keys=False), 80),
+        (TurboQuantConfig(key_bits=1, value_bits=1, qjl=True, window=32, sinks=4), 96),
+    ],
+)
+def test_nbytes_equals_layout_formula(cfg, D):
+    B, H = 2, 3
+    c = TurboQuantKVCache(cfg, layer_index=3)
+    fill(c, (100, 1, 1, 300), B=B, H=H, D=D)
+    capacity = -(-c.n_compressed // 256) * 256
+    assert c.n_compressed > 256 or cfg.window > 0
+    assert c.nbytes == layout_nbytes(cfg, B, H, D, capacity, cfg.sinks > 0, cfg.window > 0)
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+    # Compressed tokens exist only as codes: the float arrays with a token axis are the float16 window and
+    # sinks (fixed sizes) and the per-token norms (at most two per vector).
+    for a in c.held_arrays():
+        if a.dtype in (mx.float16, mx.bfloat16, mx.float32) and a.ndim == 4:
+            assert a.shape[2] in (cfg.window, cfg.sinks) or a.shape[3] <= 2, a.shape
+
+
+def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
+    c = TurboQuantKVCache(TurboQuantConfig(window=0, sinks=0, step=64))
+    sizes = []
+    for _ in range(5):
+        fill(c, (50,))
+        sizes.append(c.nbytes)
+    meta, arrays = c.state
+    state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"]))
+    assert arrays["v_mean"] is None  # values are not centered by default
+    const = c.nbytes - state_bytes
+    assert 0 < const < 2000  # rotation signs and codebooks only
+    # capacity in 64-token steps: 64, 128, 192, 256, 256
+    per_step = (sizes[1] - sizes[0])
+    assert [s - sizes[0] for s in sizes] == [0, per_step, 2 * per_step, 3 * per_step, 3 * per_step]
+
+
+# --- state ------------------------------------------------------------------------------------------
+
+
+def test_state_round_trip_is_exact():
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, block=4, sinks=2, seed=3)
+    c = TurboQuantKVCache(cfg, layer_index=4, attention_index=1, n_attention_layers=3)
+    fill(c, (30, 1, 1))
+    d = TurboQuantKVCache.from_state(c.state)
+    assert (d.offset, d.n_sinks, d.n_compressed, d.n_window, d.layer_index, d.config) == (
+        c.offset, c.n_sinks, c.n_compressed, c.n_window, c.layer_index, c.config)
+    assert d.nbytes == c.nbytes
+    rng = np.random.default_rng(9)
+    for k, v in chunks(rng, (1, 6)):
+        a, b = c.update_and_fetch(k, v), d.update_and_fetch(k, v)
+        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
+        mask = "causal" if k.shape[2] > 1 else None
+        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
+                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+
+
+def test_state_is_stored_references():
+    c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1))
+    fill(c, (20,))
+    meta, arrays = c.state
+    assert arrays["k_window"] is c.k_window and arrays["k_codes"][0] is c.k_codes[0]
+    assert meta["offset"] == 20
+
+
+def test_empty_cache_state_round_trip():
+    c = TurboQuantKVCache(TurboQuantConfig(), layer_index=2)
+    assert c.empty() and c.nbytes == 0
+    d = TurboQuantKVCache.from_state(c.state)
+    assert d.empty() and d.layer_index == 2
+    fill(d, (3,))
+    assert d.offset == 3
+
+
+def test_corrupted_state_raises_clear_errors():
+    c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1), layer_index=6)
+    fill(c, (20,))
+    meta, arrays = c.state
+
+    def broken(meta_changes=None, array_changes=None):
+        m = {**meta, **(meta_changes or {})}
+        a = {**arrays, **(array_changes or {})}
+        with pytest.raises(ValueError) as e:
+            TurboQuantKVCache.from_state((m, a))
+        return str(e.value)
+
+    assert "layer 6" in broken(array_changes={"k_window": arrays["k_window"].astype(mx.float32)})
+    assert "k_codes.codes" in broken(array_changes={"k_codes": (arrays["k_codes"][0][..., :-1], arrays["k_codes"][1])})
+    assert "k_mean" in broken(array_changes={"k_mean": None})
+    assert "offset" in broken(meta_changes={"offset": 21})
+    assert "key_bits must be one of" in broken(meta_changes={"config": {**meta["config"], "key_bits": 5}})
+    assert "unknown TurboQuantConfig fields" in broken(meta_changes={"config": {**meta["config"], "bogus": 1}})
+    m = dict(meta)
+    del m["n_window"]
+    with pytest.raises(ValueError, match="missing"):
+        TurboQuantKVCache.from_state((m, arrays))
+    with pytest.raises(ValueError, match="version"):
+        TurboQuantKVCache.from_state(({**meta, "version": 99}, arrays))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_shapes_name_the_layer():
+    with pytest.raises(ValueError, match=r"layer 5.*head_dim 8 is below the minimum 16"):
+        TurboQuantKVCache(TurboQuantConfig(), layer_index=5, head_dim=8)
+    with pytest.raises(ValueError, match=r"layer 1.*head_dim 32 at 2.5 bits"):
+        TurboQuantKVCache(TurboQuantConfig.from_bits(2.5), layer_index=1, head_dim=32)
+    c = TurboQuantKVCache(TurboQuantConfig(), layer_index=2)
+    fill(c, (5,))
+    with pytest.raises(ValueError, match=r"layer 2.*head_dim \(128, 128\)"):
+        fill(c, (1,), D=128)
+    with pytest.raises(ValueError, match=r"layer 2.*batch 2 and 2 kv heads"):
+        fill(c, (1,), B=2)
+    with pytest.raises(ValueError, match=r"layer 2"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 4, 64)))
+
+
+# --- trim -------------------------------------------------------------------------------------------
+
+
+def test_trim_window_compressed_sinks_and_beyond():
+    c = TurboQuantKVCache(TurboQuantConfig(window=8, block=4, sinks=3))
+    fill(c, (40,))
+    assert (c.n_sinks, c.n_compressed, c.n_window) == (3, 32, 5)
+    assert c.trim(2) == 2 and (c.n_compressed, c.n_window, c.offset) == (32, 3, 38)
+    assert c.trim(10) == 10 and (c.n_compressed, c.n_window, c.offset) == (25, 0, 28)
+    assert c.trim(26) == 26 and (c.n_sinks, c.n_compressed, c.offset) == (2, 0, 2)
+    assert c.trim(100) == 2 and c.offset == 0  # beyond the offset: trims what exists, as KVCache does
+    assert c.trim(1) == 0
+    # Refill after trimming to nothing: sinks first again, and attention works.
+    kh, vh = fill(c, (12,), seed=4)
+    assert (c.n_sinks, c.n_compressed, c.n_window, c.offset) == (3, 4, 5, 12)
+    out = turboquant_attention(mx.ones((1, 2, 12, 64)), kh, vh, 0.125, "causal")
+    assert out.shape == (1, 2, 12, 64) and bool(mx.all(mx.isfinite(out)))
+
+
+def test_trim_then_readd_equals_never_added():
+    """What speculative decoding does: append drafts, trim the rejected ones, append again."""
+    cfg = TurboQuantConfig(window=16, block=8, sinks=2)
+    rng = np.random.default_rng(1)
+    data = list(chunks(rng, (20, 3, 1)))
+    a, b = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
+    a.update_and_fetch(*data[0])
+    b.update_and_fetch(*data[0])
+    a.update_and_fetch(*data[1])
+    assert a.trim(3) == 3
+    ha, hb = a.update_and_fetch(*data[2]), b.update_and_fetch(*data[2])
+    q = mx.array(rng.normal(size=(1, 2, 1, 64)), dtype=mx.float32)
+    np.testing.assert_array_equal(np.array(turboquant_attention(q, *ha, 0.125, None)),
+                                  np.array(turboquant_attention(q, *hb, 0.125, None)))
+
+
+# --- pipelining -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("host synchronization")
+
+    names = ["item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__"]
+    for n in names:
+        monkeypatch.setattr(mx.array, n, boom)
+    monkeypatch.setattr(mx, "eval", boom)
+    monkeypatch.setattr(mx, "async_eval", boom)
+    yield
+
+
+def test_update_and_attention_build_the_graph_without_host_sync(forbid_host_sync):
+    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, block=4, sinks=2),
+                TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0)):
+        c = TurboQuantKVCache(cfg, layer_index=0, head_dim=80)
+        k = mx.random.normal((1, 2, 30, 80))
+        for L in (9, 1, 1, 1, 1, 12):  # first compression (calibration), flushes, decode steps, a chunk
+            kh, vh = c.update_and_fetch(k[:, :, :L], k[:, :, :L] * 2)
+            out = turboquant_attention(mx.ones((1, 4, L, 80)), kh, vh, 0.1, "causal" if L > 1 else None)
+        _ = c.state, c.nbytes, c.offset
+    assert out.shape == (1, 4, 12, 80)
+
+
+def test_decode_step_of_a_model_without_host_sync(monkeypatch):
+    from tests.support.tiny_models import tiny_llama
+    import tq_mlx
+
+    model, _ = tiny_llama()
+    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, block=2, sinks=1))
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache))
+    with monkeypatch.context() as m:
+        def boom(*a, **k):
+            raise AssertionError("host synchronization")
+        for n in ("item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__"):
+            m.setattr(mx.array, n, boom)
+        m.setattr(mx, "eval", boom)
+        logits = model(mx.array([[7]]), cache=cache)  # includes a window flush
+        logits2 = model(mx.array([[8, 9, 10]]), cache=cache)
+    assert logits.shape == (1, 1, 257) and logits2.shape == (1, 3, 257)
+    assert bool(mx.all(mx.isfinite(logits2)))

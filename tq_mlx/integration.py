@@ -1,0 +1,219 @@
+"""Plugging TurboQuantKVCache into mlx-lm 0.32.2 (shared/docs/mlx-lm-integration.md).
+
+* `install()` (idempotent) replaces `mlx_lm.models.base.quantized_scaled_dot_product_attention` with a
+  dispatcher that runs `turboquant_attention` on TurboQuant handles and the original function on anything
+  else (mlx-lm's own QuantizedKVCache keeps working), and registers the cache class in
+  `mlx_lm.models.cache` so `load_prompt_cache` can rebuild it.
+* `make_prompt_cache(model, config)` replaces only the plain `KVCache` entries of the model's own cache
+  list: GatedDeltaNet `ArraysCache`, sliding-window `RotatingKVCache` and everything else stay as they are.
+* `patch_model(model, config)` wraps `model.make_cache` on the instance, which every mlx-lm entry point
+  (generate, stream_generate, chat, server, cache_prompt) calls through `make_prompt_cache`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.nn as nn
+import mlx_lm.models.base as mlx_base
+import mlx_lm.models.cache as mlx_cache
+from mlx_lm.models.cache import KVCache
+
+from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
+from .kernels import fused_decode_attention
+
+# model_type -> why its attention cannot run on handles (it post-processes fetched keys, bypasses
+# base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2.
+UNSUPPORTED_MODEL_TYPES = {
+    "gemma2": "its attention is computed by hand on the fetched keys (gemma2.py:89-92)",
+    "olmo": "its attention is computed by hand on the fetched keys (olmo.py:91)",
+    "stablelm": "it casts the fetched keys (stablelm.py:119-120)",
+    "plamo": "it tiles the fetched keys (plamo.py:93)",
+    "plamo2": "it calls mx.fast.scaled_dot_product_attention directly",
+    "deepseek_v32": "its sparse attention indexes the fetched keys (deepseek_v32.py:102-107)",
+    "deepseek_v41": "it calls mx.fast.scaled_dot_product_attention directly",
+    "muse_spark": "it calls mx.fast.scaled_dot_product_attention directly",
+    "gemma4_text": "it shares fetched keys between layers (gemma4_text.py:278)",
+    "gemma4": "it shares fetched keys between layers (gemma4_text.py:278)",
+    "minimax_m3_vl": "it post-processes the fetched keys (minimax_m3_vl.py:268-282)",
+    "gpt_oss": "its attention has learned sinks, which mlx-lm's quantized attention path rejects",
+    "mimo_v2_flash": "its attention has learned sinks, which mlx-lm's quantized attention path rejects",
+}
+_MLA = "multi-head latent attention caches a compressed latent, not per-head keys/values"
+for _t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k3", "kimi_vl", "kimi_linear", "minicpm3", "glm4_moe_lite",
+           "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram", "mistral4", "youtu_llm", "bailing_hybrid",
+           "bailing_moe_v3"):
+    UNSUPPORTED_MODEL_TYPES[_t] = _MLA
+
+
+def _dispatch(queries, q_keys, q_values, scale, mask, group_size: int = 64, bits: int = 8):
+    """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention."""
+    if isinstance(q_keys, CompressedKV):
+        # Metal kernels where enabled and self-checked; tq_mlx.attention's reference path otherwise.
+        return fused_decode_attention(queries, q_keys, q_values, scale=scale, mask=mask)
+    return _dispatch.original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+
+
+def install() -> None:
+    """Hook mlx-lm's quantized attention and register TurboQuantKVCache for load_prompt_cache (idempotent)."""
+    current = mlx_base.quantized_scaled_dot_product_attention
+    if current is not _dispatch:
+        _dispatch.original = current
+        mlx_base.quantized_scaled_dot_product_attention = _dispatch
+    setattr(mlx_cache, TurboQuantKVCache.__name__, TurboQuantKVCache)
+
+
+def uninstall() -> None:
+    """Restore mlx-lm's own quantized attention (for tests)."""
+    if mlx_base.quantized_scaled_dot_product_attention is _dispatch:
+        mlx_base.quantized_scaled_dot_product_attention = _dispatch.original
+
+
+def _model_types(model: nn.Module) -> set[str]:
+    types = set()
+    for obj in (model, getattr(model, "args", None), getattr(model, "language_model", None)):
+        t = getattr(obj, "model_type", None)
+        if isinstance(t, str):
+            types.add(t)
+    text = getattr(getattr(model, "args", None), "text_config", None)
+    if isinstance(text, dict) and isinstance(text.get("model_type"), str):
+        types.add(text["model_type"])
+    return types
+
+
+def _base_cache(model: nn.Module) -> list[Any]:
+    """The cache list mlx-lm would build for this model (ignoring any patch_model wrapper)."""
+    make = getattr(model, "_tq_make_cache", None) or getattr(model, "make_cache", None)
+    if make is not None:
+        return make()
+    return [KVCache() for _ in model.layers]
+
+
+def _attention_module(model: nn.Module, i: int):
+    try:
+        layer = model.layers[i]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    for name in ("self_attn", "attention", "attn"):
+        attn = getattr(layer, name, None)
+        if attn is not None:
+            return attn
+    return None
+
+
+def layer_geometry(model: nn.Module, i: int) -> tuple[int | None, int | None]:
+    """(head_dim, n_kv_heads) of model layer i's attention, None where it cannot be found."""
+
+    def first_int(obj, names):
+        return next((v for v in (getattr(obj, n, None) for n in names) if isinstance(v, int)), None)
+
+    attn = _attention_module(model, i)
+    args = getattr(model, "args", None)
+    head_dim = first_int(attn, ("head_dim",)) or first_int(args, ("head_dim",))
+    if head_dim is None and first_int(args, ("hidden_size",)) and first_int(args, ("num_attention_heads",)):
+        head_dim = args.hidden_size // args.num_attention_heads
+    return head_dim, first_int(attn, ("n_kv_heads", "num_key_value_heads", "num_kv_heads"))
+
+
+def _check_supported(model: nn.Module, i: int) -> None:
+    for t in sorted(_model_types(model)):
+        if t in UNSUPPORTED_MODEL_TYPES:
+            reason = UNSUPPORTED_MODEL_TYPES[t]
+            raise ValueError(f"layer {i}: model type {t!r} is not supported by TurboQuant: {reason}")
+    attn = _attention_module(model, i)
+    if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays and submodules
+        raise ValueError(
+            f"layer {i}: attention sinks are not supported (mlx-lm's quantized attention path rejects them)"
+        )
+
+
+def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None) -> list[Any]:
+    """The model's prompt cache with every full-attention KVCache replaced by a TurboQuantKVCache.
+
+    Raises ValueError naming the layer and the reason, before building anything, if a layer cannot be
+    compressed (unsupported architecture, head_dim too small or incompatible with fractional bits).
+    """
+    config = config or TurboQuantConfig()
+    install()
+    base = _base_cache(model)
+    attention = [i for i, c in enumerate(base) if type(c) is KVCache]
+    caches = {}
+    for j, i in enumerate(attention):
+        _check_supported(model, i)
+        head_dim, _ = layer_geometry(model, i)
+        caches[i] = TurboQuantKVCache(
+            config, layer_index=i, attention_index=j, n_attention_layers=len(attention), head_dim=head_dim
+        )
+    return [caches.get(i, c) for i, c in enumerate(base)]
+
+
+def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.Module:
+    """From now on mlx-lm builds TurboQuant caches for this model (generate, stream_generate, chat, server).
+
+    Validates the model at once (raises like make_prompt_cache). Calling it again changes the config.
+    """
+    config = config or TurboQuantConfig()
+    make_prompt_cache(model, config)  # validate now (raises before touching the model), not at the first request
+    if getattr(model, "_tq_make_cache", None) is None:
+        original = getattr(model, "make_cache", None)
+        model._tq_make_cache = original if original is not None else (lambda: [KVCache() for _ in model.layers])
+    model.make_cache = lambda: make_prompt_cache(model, config)
+    model._tq_config = config
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo patch_model: the model builds mlx-lm's own caches again."""
+    original = getattr(model, "_tq_make_cache", None)
+    if original is not None:
+        vars(model).pop("make_cache", None)  # the instance attribute patch_model set; the class's stays
+        del vars(model)["_tq_make_cache"]
+        vars(model).pop("_tq_config", None)
+    return model
+
+
+def validate_prompt_cache(model: nn.Module, cache: list[Any], config: TurboQuantConfig | None = None) -> None:
+    """Raise ValueError, naming the layer, unless `cache` fits `model` (and was built with `config`, if given)."""
+    base = _base_cache(model)
+    if len(cache) != len(base):
+        raise ValueError(f"prompt cache has {len(cache)} layers, the model has {len(base)}")
+    for i, (c, b) in enumerate(zip(cache, base)):
+        if isinstance(c, TurboQuantKVCache):
+            if type(b) is not KVCache:
+                raise ValueError(
+                    f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}"
+                )
+            if c.layer_index != i:
+                raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
+            head_dim, n_kv = layer_geometry(model, i)
+            if c.key_dim and head_dim is not None and c.key_dim != head_dim:
+                raise ValueError(f"layer {i}: prompt cache has head_dim {c.key_dim}, the model has head_dim {head_dim}")
+            bh = c.batch_heads()
+            if bh is not None and n_kv is not None and bh[1] != n_kv:
+                raise ValueError(f"layer {i}: prompt cache has {bh[1]} kv heads, the model has {n_kv}")
+            if config is not None and c.config != config:
+                raise ValueError(f"layer {i}: prompt cache was built with {c.config}, expected {config}")
+        elif type(c) is not type(b) and not (type(b) is KVCache and type(c).__name__ == "QuantizedKVCache"):
+            raise ValueError(f"layer {i}: prompt cache holds a {type(c).__name__}, the model uses {type(b).__name__}")
+
+
+def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: TurboQuantConfig | None = None,
+                      return_metadata: bool = False):
+    """mlx_lm's load_prompt_cache, with clear errors: a corrupted file or one that does not fit `model`
+    raises ValueError naming the file (and the layer), and nothing is modified."""
+    install()
+    try:
+        cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
+    except ValueError as e:
+        raise ValueError(f"{file_name}: {e}") from None
+    except (KeyError, RuntimeError, OSError, TypeError, IndexError) as e:
+        raise ValueError(f"{file_name}: not a readable prompt cache ({type(e).__name__}: {e})") from None
+    if model is not None:
+        try:
+            validate_prompt_cache(model, cache, config)
+        except ValueError as e:
+            raise ValueError(f"{file_name}: {e}") from None
+    return (cache, metadata) if return_metadata else cache
+
+
+install()
