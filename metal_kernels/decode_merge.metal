@@ -1,0 +1,105 @@
+// Fused decode attention, pass 2 of 2: one threadgroup per (batch, kv head), one SIMD group per query row
+// at a time, lane l owning dims [l*E, l*E + E). For each row:
+//   1. the float16 sinks and window (model basis) by online softmax: s = q·k, acc_f += p·v;
+//   2. merge the S partials of pass 1 by log-sum-exp, shifted by q·μ (the key mean, exact for softmax);
+//   3. one inverse rotation of the merged compressed accumulator, then
+//      out = (acc_f + Πᵀ acc_c + l_c·ν) / l,   l_c = the compressed tokens' share of l.
+// Inputs: q (B, H, RL, DK) float32 = scale·q, model basis; qmu (B, H, RL) float32 = q·μ; ks, vs (sinks) and
+//   kw, vw (window): (B, H, n, D) float16 strided views; pm, pl (B, H, S, RL), pacc (B, H, S, RL, DV) from
+//   pass 1; vmean (B, H, DV) float32 = ν; vsigns (DV) float32 (value rotation signs);
+//   params int32 [H, RL, L, S, n_sinks, n_window, has qmu, has ν, sink limit, window limit]: float token t of
+//   the sinks (window) is visible to query token i iff t <= sink (window) limit + i.
+// Output: out (B, H, RL, DV) T. Template: T, DK, DV.
+constexpr int EK = DK / 32;
+constexpr int EV = DV / 32;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint nsg = simdgroups_per_threadgroup;
+const uint bh = threadgroup_position_in_grid.y;
+const int H = params[0];
+const int RL = params[1];
+const int L = params[2];
+const int S = params[3];
+const int ns = params[4];
+const int nw = params[5];
+const bool has_qmu = params[6] != 0;
+const bool has_mean = params[7] != 0;
+const uint b = bh / uint(H);
+const uint h = bh % uint(H);
+const float rs = 1.0f / sqrt(float(DV));
+
+const device half* ks_bh = ks + b * ks_strides[0] + h * ks_strides[1];
+const device half* vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
+const device half* kw_bh = kw + b * kw_strides[0] + h * kw_strides[1];
+const device half* vw_bh = vw + b * vw_strides[0] + h * vw_strides[1];
+
+for (int r = int(sg); r < RL; r += int(nsg)) {
+  const size_t row = size_t(bh) * RL + r;
+  const int qi = r % L;
+  float qv[EK];
+  for (int e = 0; e < EK; ++e) {
+    qv[e] = q[row * DK + lane * EK + e];
+  }
+  float m = -FLT_MAX;
+  float l = 0.0f;
+  float acc[EV];
+  for (int e = 0; e < EV; ++e) {
+    acc[e] = 0.0f;
+  }
+  // 1. Float tokens: sinks, then the window.
+  for (int f = 0; f < ns + nw; ++f) {
+    const bool sink = f < ns;
+    const int t = sink ? f : f - ns;
+    const device half* kp = sink ? ks_bh + t * ks_strides[2] + lane * EK * ks_strides[3]
+                                 : kw_bh + t * kw_strides[2] + lane * EK * kw_strides[3];
+    const device half* vp = sink ? vs_bh + t * vs_strides[2] + lane * EV * vs_strides[3]
+                                 : vw_bh + t * vw_strides[2] + lane * EV * vw_strides[3];
+    const int64_t kstep = sink ? ks_strides[3] : kw_strides[3];
+    const int64_t vstep = sink ? vs_strides[3] : vw_strides[3];
+    float d = 0.0f;
+    for (int e = 0; e < EK; ++e) {
+      d += qv[e] * float(kp[e * kstep]);
+    }
+    d = simd_sum(d);
+    const bool visible = t <= params[sink ? 8 : 9] + qi;
+    const float sc = visible ? d : -FLT_MAX;
+    const float mn = max(m, sc);
+    const float alpha = fast::exp(m - mn);
+    const float p = fast::exp(sc - mn);
+    l = l * alpha + p;
+    m = mn;
+    for (int e = 0; e < EV; ++e) {
+      acc[e] = acc[e] * alpha + p * float(vp[e * vstep]);
+    }
+  }
+  // 2. Merge pass 1's partials (compressed tokens, rotated basis).
+  const float qm = has_qmu ? qmu[row] : 0.0f;
+  float lc = 0.0f;
+  float accc[EV];
+  for (int e = 0; e < EV; ++e) {
+    accc[e] = 0.0f;
+  }
+  for (int s = 0; s < S; ++s) {
+    const size_t o = (size_t(bh) * S + s) * RL + r;
+    const float ms = pm[o] + qm;
+    const float ls = pl[o];
+    const float mn = max(m, ms);
+    const float a1 = fast::exp(m - mn);
+    const float a2 = fast::exp(ms - mn);
+    l = l * a1 + ls * a2;
+    lc = lc * a1 + ls * a2;
+    m = mn;
+    for (int e = 0; e < EV; ++e) {
+      acc[e] *= a1;
+      accc[e] = accc[e] * a1 + pacc[o * DV + lane * EV + e] * a2;
+    }
+  }
+  // 3. Back to the model basis: one inverse rotation per row, then the value mean.
+  tq_wht<EV>(accc, lane);
+  device T* out_row = out + row * DV + lane * EV;
+  for (int e = 0; e < EV; ++e) {
+    const uint j = lane * EV + e;
+    float x = acc[e] + accc[e] * rs * vsigns[j] + (has_mean ? lc * vmean[bh * DV + j] : 0.0f);
+    out_row[e] = T(x / l);
+  }
+}

@@ -1,0 +1,247 @@
+// Fused decode attention, pass 1 of 2 (split-K): one threadgroup per (split of the compressed tokens,
+// batch·kv head, chunk of query rows). All query rows of the kv head's GQA group (R heads × L tokens)
+// are handled together, so every compressed byte of the split is read from device memory once.
+// Per tile of 32 tokens:
+//   1. stage the tile's key words, norms (and QJL words, γ) in threadgroup memory, each word read once;
+//   2. scores, lane = token: s = |k|·Σ_j q'_j c[idx_j] (+ √(π/2)/D·γ·Σ_j (Sq)_j z_j); online softmax per row
+//      (m, l), rescaling the accumulators; weights below SPARSE (relative to the running max) are dropped;
+//   3. stage the value words of tokens some row kept (sparse V also skips their reads);
+//   4. lane = value dims [l*EV, l*EV + EV): acc += p·|v|·c[idx], in the rotated basis.
+// Writes (m, l, acc) per row and split; pass 2 merges them with the float16 tokens.
+// Inputs: q (B, H, RL, DK) float32 = Π(scale·q) (keys' rotated basis); qs (B, H, RL, DK) float32 = S·scale·q
+//   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, 1) float16, kj (B, H, N, DK/32) uint32, kg (B, H, N)
+//   float16, vc (B, H, N, WV) uint32, vn (B, H, N, 1) float16: strided views of the cache;
+//   tables float32 [key centroids (2^KB) | value centroids (2^VB) | qjl scale | sparse threshold];
+//   params int32 [H, N, RL, L, tokens per split, causal limit]: compressed token t is visible to query
+//   token i iff t <= causal limit + i.
+// Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
+// Template: DK, DV, KB, VB (MSE bits), QJL, NR (rows per threadgroup, a power of two).
+constexpr int EV = DV / 32;
+constexpr int WK = KB == 3 ? DK / 16 + DK / 32 : DK * KB / 32;
+constexpr int WV = VB == 3 ? DV / 16 + DV / 32 : DV * VB / 32;
+constexpr int WJ = DK / 32;
+constexpr int WS = (WK > WV ? WK : WV) | 1;  // odd row stride: lanes reading one word per token hit distinct banks
+constexpr int WJS = WJ | 1;
+constexpr int NKC = 1 << KB;
+constexpr int CK = KB == 3 ? 16 : 32 / KB;  // key codes per word-major step
+constexpr int NVC = 1 << VB;
+constexpr int NSG = NR < 8 ? NR : 8;
+constexpr int NT = 32 * NSG;
+constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
+
+const uint tid = thread_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint split = threadgroup_position_in_grid.x;
+const uint nsplit = threadgroups_per_grid.x;
+const uint bh = threadgroup_position_in_grid.y;
+const int H = params[0];
+const int N = params[1];
+const int RL = params[2];
+const int L = params[3];
+const int climit = params[5];
+const uint b = bh / uint(H);
+const uint h = bh % uint(H);
+const int r0 = int(threadgroup_position_in_grid.z) * NR;
+const int nrows = min(NR, RL - r0);
+const int t_begin = int(split) * params[4];
+const int t_end = min(N, t_begin + params[4]);
+
+constexpr int QN = NR * DK;
+constexpr int QSN = QJL ? NR * DK : 1;
+constexpr int TWN = 32 * WS;
+constexpr int TJN = QJL ? 32 * WJS : 1;
+constexpr int PN = NR * 32;
+constexpr int CN = NKC + NVC;
+threadgroup float q_tg[QN];     // rotated query rows
+threadgroup float qs_tg[QSN];   // S·q rows (QJL)
+threadgroup uint words[TWN];    // the tile's key words, then its value words
+threadgroup uint jwords[TJN];   // the tile's QJL words
+threadgroup float tok_norm[32];
+threadgroup float tok_gamma[32];
+threadgroup float p_tg[PN];     // softmax weights (0 = skipped), row-major (row, token)
+threadgroup uint keep_tg[NSG];  // per SIMD group: tokens some of its rows kept
+threadgroup float cent[CN];     // key centroids, then value centroids
+
+for (int i = int(tid); i < NR * DK; i += NT) {
+  int r = i / DK;
+  size_t src = (size_t(bh) * RL + r0 + r) * DK + i % DK;
+  q_tg[i] = r < nrows ? q[src] : 0.0f;
+  if (QJL) {
+    qs_tg[i] = r < nrows ? qs[src] : 0.0f;
+  }
+}
+for (int i = int(tid); i < NKC + NVC; i += NT) {
+  cent[i] = tables[i];
+}
+const float qjl_scale = tables[NKC + NVC];
+const float sparse = tables[NKC + NVC + 1];
+
+// `auto`: MLX passes an input of fewer than 8 elements (a tiny cache) in the constant address space.
+const auto kc_bh = kc + b * kc_strides[0] + h * kc_strides[1];
+const auto kn_bh = kn + b * kn_strides[0] + h * kn_strides[1];
+const auto kj_bh = kj + b * kj_strides[0] + h * kj_strides[1];
+const auto kg_bh = kg + b * kg_strides[0] + h * kg_strides[1];
+const auto vc_bh = vc + b * vc_strides[0] + h * vc_strides[1];
+const auto vn_bh = vn + b * vn_strides[0] + h * vn_strides[1];
+
+float m[RPS];
+float l[RPS];
+float acc[RPS][EV];
+for (int k = 0; k < RPS; ++k) {
+  m[k] = -FLT_MAX;
+  l[k] = 0.0f;
+  for (int e = 0; e < EV; ++e) {
+    acc[k][e] = 0.0f;
+  }
+}
+
+for (int t0 = t_begin; t0 < t_end; t0 += 32) {
+  const int nt = min(32, t_end - t0);
+  // 1. Stage keys.
+  for (int i = int(tid); i < 32 * WK; i += NT) {
+    int tok = i / WK;
+    int w = i % WK;
+    if (tok < nt) {
+      words[tok * WS + w] = kc_bh[(t0 + tok) * kc_strides[2] + w * kc_strides[3]];
+    }
+  }
+  if (QJL) {
+    for (int i = int(tid); i < 32 * WJ; i += NT) {
+      int tok = i / WJ;
+      int w = i % WJ;
+      if (tok < nt) {
+        jwords[tok * WJS + w] = kj_bh[(t0 + tok) * kj_strides[2] + w * kj_strides[3]];
+      }
+    }
+  }
+  if (int(tid) < nt) {
+    tok_norm[tid] = float(kn_bh[(t0 + int(tid)) * kn_strides[2]]);
+    if (QJL) {
+      tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 2. Scores and online softmax: lane = token of the tile, this SIMD group's rows.
+  const bool valid = int(lane) < nt;
+  const int t = t0 + int(lane);
+  float s[RPS];
+  for (int k = 0; k < RPS; ++k) {
+    s[k] = 0.0f;
+  }
+  const threadgroup uint* tw = words + lane * WS;
+  // Word-major: CK codes share one word (3 bits: a 2-bit word and 16 bits of a 1-bit word).
+  for (int j0 = 0; j0 < DK; j0 += CK) {
+    const uint lo = tw[j0 / (KB == 3 ? 16 : CK)];
+    const uint hi = KB == 3 ? tw[DK / 16 + j0 / 32] >> (j0 % 32) : 0u;
+    for (int i = 0; i < CK; ++i) {
+      const uint code = KB == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
+                                : ((lo >> (KB * i)) & uint(NKC - 1));
+      const float c = cent[code];
+      for (int k = 0; k < RPS; ++k) {
+        s[k] += q_tg[(int(sg) + k * NSG) * DK + j0 + i] * c;
+      }
+    }
+  }
+  const float knorm = tok_norm[lane];
+  for (int k = 0; k < RPS; ++k) {
+    s[k] *= knorm;
+  }
+  if (QJL) {
+    const float g = qjl_scale * tok_gamma[lane];
+    const threadgroup uint* tj = jwords + lane * WJS;
+    float sj[RPS];
+    for (int k = 0; k < RPS; ++k) {
+      sj[k] = 0.0f;
+    }
+    for (int w = 0; w < WJ; ++w) {
+      const uint bits = tj[w];
+      for (int i = 0; i < 32; ++i) {
+        const bool plus = (bits >> i) & 1u;
+        for (int k = 0; k < RPS; ++k) {
+          const float x = qs_tg[(int(sg) + k * NSG) * DK + w * 32 + i];
+          sj[k] += plus ? x : -x;
+        }
+      }
+    }
+    for (int k = 0; k < RPS; ++k) {
+      s[k] += g * sj[k];
+    }
+  }
+  uint kept = 0;
+  for (int k = 0; k < RPS; ++k) {
+    const int r = int(sg) + k * NSG;
+    // Masked tokens score -FLT_MAX, as in the reference; tokens past the split's end do not exist.
+    const bool visible = t <= climit + (r0 + r) % L;
+    const float sk = (valid && visible) ? s[k] : -FLT_MAX;
+    const float mn = max(m[k], simd_max(sk));
+    const float alpha = fast::exp(m[k] - mn);
+    const float p = valid ? fast::exp(sk - mn) : 0.0f;
+    l[k] = l[k] * alpha + simd_sum(p);
+    m[k] = mn;
+    for (int e = 0; e < EV; ++e) {
+      acc[k][e] *= alpha;
+    }
+    const bool keep = r < nrows && p > sparse;
+    p_tg[r * 32 + int(lane)] = keep ? p : 0.0f;
+    kept |= uint(uint64_t(simd_ballot(keep)));
+  }
+  if (lane == 0) {
+    keep_tg[sg] = kept;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. Stage the values some row kept.
+  uint keepmask = 0;
+  for (int g = 0; g < NSG; ++g) {
+    keepmask |= keep_tg[g];
+  }
+  for (int i = int(tid); i < 32 * WV; i += NT) {
+    int tok = i / WV;
+    int w = i % WV;
+    if (tok < nt && ((keepmask >> tok) & 1u)) {
+      words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
+    }
+  }
+  if (int(tid) < nt && ((keepmask >> tid) & 1u)) {
+    tok_norm[tid] = float(vn_bh[(t0 + int(tid)) * vn_strides[2]]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 4. Accumulate values in the rotated basis: lane = value dims.
+  for (int tt = 0; tt < nt; ++tt) {
+    if (((keepmask >> tt) & 1u) == 0) {
+      continue;
+    }
+    const threadgroup uint* vw = words + tt * WS;
+    const float vnorm = tok_norm[tt];
+    float c[EV];
+    for (int e = 0; e < EV; ++e) {
+      c[e] = cent[NKC + tq_code<VB, DV>(vw, lane * EV + e)];
+    }
+    for (int k = 0; k < RPS; ++k) {
+      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt] * vnorm;
+      if (w != 0.0f) {
+        for (int e = 0; e < EV; ++e) {
+          acc[k][e] += w * c[e];
+        }
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+for (int k = 0; k < RPS; ++k) {
+  const int r = int(sg) + k * NSG;
+  if (r < nrows) {
+    const size_t o = (size_t(bh) * nsplit + split) * RL + r0 + r;
+    if (lane == 0) {
+      pm[o] = m[k];
+      pl[o] = l[k];
+    }
+    for (int e = 0; e < EV; ++e) {
+      pacc[o * DV + lane * EV + e] = acc[k][e];
+    }
+  }
+}

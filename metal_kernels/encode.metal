@@ -1,0 +1,103 @@
+// Fused TurboQuant encode of a block of new tokens, one SIMD group per token vector (lane l: elements
+// [l*E, l*E + E)): centering, norm, rotation, Lloyd-Max index, packing; with QJL also the residual's norm
+// and the sign bits of S·r (TurboQuantProd: MSE stage at B bits plus 1 QJL bit).
+// Inputs:  x (N, D) T, rows ordered (batch, kv head, token); mean (B*H, D) float32 (used if params[1]);
+//          tables float32 [signs (D) | boundaries (2^B - 1) | centroids (2^B)]; proj (D, D) float32 S (QJL);
+//          params int32 [tokens per (batch, head), has_mean].
+// Outputs: codes (N, W) uint32; norms (N,) float16; qjl (N, D/32) uint32 and gamma (N,) float16 (QJL).
+// Template: T, D, B (MSE bits), QJL. Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
+constexpr int E = D / 32;
+constexpr int NC = 1 << B;
+constexpr int W = B == 3 ? D / 16 + D / 32 : D * B / 32;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint row = thread_position_in_grid.x / 32;
+
+// Boundaries and centroids in threadgroup memory: lanes index them with different codes, which is
+// conflict-free for <= 32 entries and avoids divergent constant-memory reads.
+threadgroup float bnd[NC];
+threadgroup float cent[NC];
+constexpr int RESID = QJL ? 8 * D : 1;
+threadgroup float resid[RESID];
+for (uint i = thread_index_in_threadgroup; i < uint(NC); i += threads_per_threadgroup.x) {
+  cent[i] = tables[D + NC - 1 + i];
+  if (i + 1 < uint(NC)) {
+    bnd[i] = tables[D + i];
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+const uint bh = row / uint(params[0]);
+const bool has_mean = params[1] != 0;
+float v[E];
+float ss = 0.0f;
+for (int e = 0; e < E; ++e) {
+  uint j = lane * E + e;
+  v[e] = float(x[row * D + j]) - (has_mean ? mean[bh * D + j] : 0.0f);
+  ss += v[e] * v[e];
+}
+const float nrm = sqrt(simd_sum(ss));
+const float inv = nrm > 0.0f ? 1.0f / nrm : 1.0f;  // a zero vector keeps codes 0 and norm 0
+float y[E];
+for (int e = 0; e < E; ++e) {
+  y[e] = v[e] * inv * tables[lane * E + e];
+}
+tq_wht<E>(y, lane);
+const float rs = 1.0f / sqrt(float(D));
+uint code[E];
+for (int e = 0; e < E; ++e) {
+  // index = number of boundaries below y (binary search; NaN compares false and gives 0, like the reference)
+  float t = y[e] * rs;
+  uint idx = 0;
+  for (int s = B - 1; s >= 0; --s) {
+    uint c = idx + (1u << s);
+    if (t > bnd[c - 1]) {
+      idx = c;
+    }
+  }
+  code[e] = idx;
+}
+device uint* out = codes + row * W;
+if (B == 3) {
+  tq_pack_plane<2, E>(code, 0, lane, out);
+  tq_pack_plane<1, E>(code, 2, lane, out + D / 16);
+} else {
+  tq_pack_plane<(B == 3 ? 2 : B), E>(code, 0, lane, out);
+}
+const half nrm_h = half(nrm);
+if (lane == 0) {
+  norms[row] = nrm_h;
+}
+
+if (QJL) {
+  // Residual r = x - |x|·Πᵀc[idx] in the model basis, with the stored (float16) norm as the reference does.
+  float xr[E];
+  for (int e = 0; e < E; ++e) {
+    xr[e] = cent[code[e]];
+  }
+  tq_wht<E>(xr, lane);
+  threadgroup float* rg = resid + sg * D;
+  float rr = 0.0f;
+  for (int e = 0; e < E; ++e) {
+    uint j = lane * E + e;
+    float r = v[e] - float(nrm_h) * (xr[e] * rs * tables[j]);
+    rg[j] = r;
+    rr += r * r;
+  }
+  const float gam = sqrt(simd_sum(rr));
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  // Sign bits of z = S r: lane computes rows [lane*E, lane*E + E) of S against the whole residual.
+  uint zb[E];
+  for (int e = 0; e < E; ++e) {
+    const device float* srow = proj + (lane * E + e) * D;
+    float z = 0.0f;
+    for (int j = 0; j < D; ++j) {
+      z += srow[j] * rg[j];
+    }
+    zb[e] = z >= 0.0f ? 1u : 0u;
+  }
+  tq_pack_plane<1, E>(zb, 0, lane, qjl + row * (D / 32));
+  if (lane == 0) {
+    gamma[row] = half(gam);
+  }
+}

@@ -1,0 +1,637 @@
+"""The Metal kernels (tq_mlx.kernels) against their pure-MLX reference twins, under the CPU MSL emulator.
+
+Nothing here runs on a GPU: the emulator compiles the exact source MLX would build and runs every Metal
+thread as a fiber (tests/emulator). Matrix:
+* forward schedule: decode attention and the rotation on every supported head_dim (64, 128, 256; the rotation
+  also 32 and 512) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
+  dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
+  pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
+* all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
+  with a causal mask, many query rows split into chunks, encode and dequantize with QJL);
+* planted bugs (a missing barrier, a shuffle to a wrong lane, a dropped packing shuffle) that must fail;
+* byte counts: decode attention reads each compressed byte once per kv head and step, writes no float copy;
+* the self-check/disable logic, the backend setting and environment variable, MLX's own source generator.
+Cost is dominated by compiling ~190 kernel variants (about 0.5 s of CPU each, cached in ~/.cache/tq-mlx): 1.7
+CPU-minutes cold (3.6 min wall on a shared 2-core machine at load 8), 35 CPU-seconds warm (70 s wall there).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from tests.emulator import metal_kernel as emulator_kernel
+from tests.emulator import require_emulator
+from tq_mlx import kernels as K
+from tq_mlx.cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.packing import unpack
+from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
+from tq_mlx.rotation import Rotation
+
+ROOT = Path(__file__).resolve().parent.parent
+DIMS = (64, 128, 256)
+BITS = (1, 2, 3, 4, 8)
+QJL_BITS = (2, 3, 4)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+SCHEDULES = ("forward", "reverse", "random")
+TOL = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}  # atol = rtol: output rounding
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    return require_emulator()
+
+
+@pytest.fixture(autouse=True)
+def _clean_dispatch(monkeypatch):
+    monkeypatch.delenv(K.ENV_VAR, raising=False)
+    K.set_backend(None)
+    K.set_kernel_factory(None)
+    K.reset_self_checks()
+    yield
+    K.set_backend(None)
+    K.set_kernel_factory(None)
+    K.reset_self_checks()
+
+
+@dataclass
+class Launch:
+    name: str
+    make: dict  # metal_kernel(...) keywords
+    call: dict  # kernel(...) keywords
+    stats: object  # tests.emulator.LaunchStats
+
+
+class Emu:
+    """A `metal_kernel` factory on the emulator: applies a lane schedule and records every launch."""
+
+    def __init__(self, schedule: str = "forward", seed: int = 0):
+        self.schedule, self.seed = schedule, seed
+        self.launches: list[Launch] = []
+
+    def __call__(self, **make):
+        kernel = emulator_kernel(**make)
+        factory = self
+
+        class Launcher:
+            def __call__(self, **call):
+                out = kernel(**call, schedule=factory.schedule, seed=factory.seed)
+                factory.launches.append(Launch(make["name"], make, call, kernel.last_stats))
+                return out
+
+        return Launcher()
+
+    def stats(self, name: str):
+        return [launch.stats for launch in self.launches if launch.name == name]
+
+
+def ids(x) -> str:
+    return str(x).replace("mlx.core.", "")
+
+
+def normal(rng, shape, dtype=mx.float32) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def quantizer(dim: int, bits: int, qjl: bool = False, seed: int = 1):
+    return TurboQuantProd(dim, bits, seed=seed) if qjl else TurboQuantMSE(dim, bits, seed=seed)
+
+
+def handle(rng, q, B=1, H=2, n_sinks=3, n=70, n_window=5, mean=True) -> CompressedKV:
+    """A CompressedKV like TurboQuantKVCache returns: float16 sinks/window, codes of x - mean."""
+    D = q.dim
+    mu = normal(rng, (B, H, D)) * 0.3 if mean else None
+    codes = K.encode_reference(normal(rng, (B, H, n, D)), q, mu)
+    f16 = lambda k: normal(rng, (B, H, k, D), mx.float16) if k else None  # noqa: E731
+    return CompressedKV(q, codes, f16(n_sinks), f16(n_window), mu, None)
+
+
+def assert_close(got, want, dtype, what=""):
+    g = np.asarray(got.astype(mx.float32))
+    w = np.asarray(want.astype(mx.float32))
+    assert g.shape == w.shape, what
+    assert np.isfinite(g).all(), f"{what}: non-finite output"
+    np.testing.assert_allclose(g, w, atol=TOL[dtype], rtol=TOL[dtype], err_msg=what)
+
+
+def assert_codes_equal(got, want, q, what=""):
+    """Codes match (a value within rounding of a boundary may flip: at most 0.2%); norms and γ close."""
+    prod = isinstance(q, TurboQuantProd)
+    bits = (q.mse if prod else q).groups[0].bits
+    gi, wi = (np.asarray(unpack(c.codes, bits, q.dim)) for c in (got, want))
+    assert (gi != wi).mean() <= 0.002, f"{what}: {(gi != wi).mean():.2%} codes differ"
+    np.testing.assert_allclose(np.asarray(got.norms.astype(mx.float32)), np.asarray(want.norms.astype(mx.float32)),
+                               rtol=1e-3, err_msg=what)
+    if prod:
+        gz, wz = (np.asarray(unpack(c.qjl, 1, q.dim)) for c in (got, want))
+        assert (gz != wz).mean() <= 0.005, f"{what}: {(gz != wz).mean():.2%} QJL bits differ"
+        ok = (gi == wi).all(axis=-1)  # γ depends on the codes: compare rows whose codes agree
+        np.testing.assert_allclose(np.asarray(got.gamma.astype(mx.float32))[ok],
+                                   np.asarray(want.gamma.astype(mx.float32))[ok], rtol=2e-3, atol=1e-4, err_msg=what)
+
+
+# ==================================================================== 1. rotation
+@pytest.mark.emulator
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("dim", (32,) + DIMS + (512,))
+def test_rotate_matches_reference(emulator, dim, dtype, inverse):
+    rot = Rotation(dim, seed=7)
+    x = normal(np.random.default_rng(dim), (3, 5, dim), dtype)  # 15 rows: a partial threadgroup
+    schedules = SCHEDULES if (dim, dtype) == (128, mx.float16) else ("forward",)
+    for schedule in schedules:
+        got = K.rotate(x, rot, inverse, metal_kernel=Emu(schedule))
+        assert got.dtype == mx.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(K.rotate_reference(x, rot, inverse)),
+                                   atol=2e-6 * math.sqrt(dim), err_msg=schedule)
+
+
+# ====================================================================== 2. encode
+def covering(primary) -> list[tuple]:
+    """(dim, bits, qjl, dtype): every head_dim x bits (x QJL) in the `primary` dtype, plus a Latin square that
+    pairs every head_dim and every bit width with every dtype. Encode's dtype only changes its input load and
+    dequantize's only its output store, so this covers them at about half the compiles of the full product."""
+    cases = []
+    for qjl, bits in ((False, BITS), (True, QJL_BITS)):
+        for i, d in enumerate(DIMS):
+            for j, b in enumerate(bits):
+                for t in dict.fromkeys([primary, DTYPES[(i + j) % 3]]):
+                    cases.append((d, b, qjl, t))
+    return cases
+
+
+ENCODE_CASES = covering(mx.float32)  # the cache encodes float32 blocks
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits,qjl,dtype", ENCODE_CASES, ids=ids)
+def test_encode_matches_reference(emulator, dim, bits, qjl, dtype):
+    rng = np.random.default_rng(dim * 10 + bits)
+    q = quantizer(dim, bits, qjl)
+    x = normal(rng, (2, 2, 5, dim), dtype) * 3.0
+    mean = normal(rng, (2, 2, dim)) * 0.5
+    x = mx.concatenate([x, mx.zeros((2, 2, 1, dim), dtype) + mean[:, :, None].astype(dtype)], axis=2)  # |x-μ| ~ 0
+    got = K.encode(x, q, mean, metal_kernel=Emu())
+    assert_codes_equal(got, K.encode_reference(x, q, mean), q)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_encode_schedules_without_mean(emulator, schedule):
+    q = quantizer(128, 3, qjl=True)
+    x = normal(np.random.default_rng(5), (1, 3, 11, 128), mx.float16)  # 33 tokens: partial threadgroup
+    assert_codes_equal(K.encode(x, q, None, metal_kernel=Emu(schedule)), K.encode_reference(x, q, None), q)
+
+
+# ================================================================== 3. dequantize
+DEQUANT_CASES = covering(mx.float16)  # "dequantize to float16 for long prefill chunks"
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits,qjl,dtype", DEQUANT_CASES, ids=ids)
+def test_dequantize_matches_reference(emulator, dim, bits, qjl, dtype):
+    h = handle(np.random.default_rng(dim + bits), quantizer(dim, bits, qjl), B=2, n=9, n_sinks=0, n_window=0,
+               mean=bits % 2 == 0)
+    got = K.dequantize(h, dtype, metal_kernel=Emu())
+    assert got.dtype == dtype
+    assert_close(got, K.dequantize_reference(h, dtype), dtype)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("qjl", [False, True])
+def test_dequantize_tiny_inputs_in_constant_memory(emulator, qjl):
+    # One token of one head at 1 bit (2 with QJL), d=32: its code word, norm and γ are single elements, which
+    # MLX passes in the constant address space (fewer than 8 elements).
+    h = handle(np.random.default_rng(2), quantizer(32, 2 if qjl else 1, qjl), B=1, H=1, n=1, n_sinks=0, n_window=0)
+    f = Emu()
+    assert_close(K.dequantize(h, mx.float32, metal_kernel=f), K.dequantize_reference(h, mx.float32), mx.float32)
+    assert "const constant uint32_t* codes" in f.launches[0].stats.source
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dequantize_schedules(emulator, schedule):
+    h = handle(np.random.default_rng(9), quantizer(128, 4, qjl=True), n=21, n_sinks=0, n_window=0)
+    assert_close(K.dequantize(h, mx.float16, metal_kernel=Emu(schedule)), K.dequantize_reference(h, mx.float16),
+                 mx.float16)
+
+
+# ============================================================ 4. decode attention
+# (R query heads per kv head, L query tokens, mask) cycle through (dim, bits) so each shape meets every dim and
+# bit width; the three dtypes of one (dim, bits) share the shape, hence pass 1's compiled variant.
+SHAPES = [(2, 1, None), (1, 3, "causal"), (4, 2, "causal"), (1, 1, None), (3, 8, "causal")]
+DECODE_CASES = [(d, b, False, t) for d in DIMS for b in BITS for t in DTYPES] + [
+    (d, b, True, t) for d in DIMS for b in QJL_BITS for t in DTYPES
+]
+
+
+def run_decode(rng, dk, kb, vb, qjl, dtype, R, L, mask, factory, dv=None, B=1, H=2, n_sinks=3, n=70, n_window=5,
+               scale=None, mean=True, **kw):
+    keys = handle(rng, quantizer(dk, kb, qjl, seed=2), B, H, n_sinks, n, n_window, mean)
+    values = handle(rng, quantizer(dv or dk, vb, seed=3), B, H, n_sinks, n, n_window, mean)
+    q = normal(rng, (B, H * R, L, dk), dtype)
+    scale = scale or 1.0 / math.sqrt(dk)
+    got = K.decode_attention(q, keys, values, scale, mask, metal_kernel=factory, **kw)
+    want = K.decode_attention_reference(q, keys, values, scale, mask)
+    return got, want, keys, values
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits,qjl,dtype", DECODE_CASES, ids=ids)
+def test_decode_attention_matches_reference(emulator, dim, bits, qjl, dtype):
+    i = DIMS.index(dim) + BITS.index(bits) + 2 * qjl
+    R, L, mask = SHAPES[i % len(SHAPES)]
+    got, want, *_ = run_decode(np.random.default_rng(i), dim, bits, bits, qjl, dtype, R, L, mask, Emu(),
+                               split_tokens=32)  # 70 tokens: 3 splits, the last one partial
+    assert got.dtype == dtype and got.shape == (1, 2 * R, L, dim)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "dk,dv,kb,vb,qjl,dtype,R,L,mask",
+    [
+        (128, 128, 4, 4, False, mx.float16, 4, 1, None),  # GQA decode, Llama-like
+        (64, 64, 3, 2, True, mx.bfloat16, 2, 3, "causal"),  # QJL keys, speculative verify
+        (256, 256, 8, 8, False, mx.float32, 4, 8, "causal"),  # 32 rows > 16 per threadgroup: row chunks
+        (128, 64, 8, 3, False, mx.float16, 2, 2, "causal"),  # head dims differ, K8/V3
+    ],
+    ids=ids,
+)
+def test_decode_attention_schedules(emulator, schedule, dk, dv, kb, vb, qjl, dtype, R, L, mask):
+    got, want, *_ = run_decode(np.random.default_rng(3), dk, kb, vb, qjl, dtype, R, L, mask, Emu(schedule, seed=11),
+                               dv=dv, B=2, split_tokens=32)
+    assert_close(got, want, dtype, schedule)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("n_window", [0, 2])
+def test_decode_causal_mask_reaches_compressed_tokens(emulator, n_window):
+    # With fewer window tokens than query tokens, the causal mask cuts into the compressed tokens.
+    got, want, *_ = run_decode(np.random.default_rng(4), 64, 4, 4, False, mx.float32, 2, 6, "causal", Emu(),
+                               n_sinks=0, n=40, n_window=n_window, split_tokens=32)
+    assert_close(got, want, mx.float32)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("n", [1, 33])
+def test_decode_few_tokens_without_centering(emulator, n):
+    got, want, *_ = run_decode(np.random.default_rng(n), 64, 2, 3, True, mx.float16, 2, 2, "causal", Emu(),
+                               n=n, n_sinks=1, n_window=0, mean=False, split_tokens=32)
+    assert_close(got, want, mx.float16)
+
+
+@pytest.mark.emulator
+def test_decode_default_split_and_no_float_tokens(emulator):
+    f = Emu()
+    got, want, *_ = run_decode(np.random.default_rng(5), 128, 2, 4, False, mx.float16, 1, 1, None, f,
+                               n_sinks=0, n=300, n_window=0)
+    assert_close(got, want, mx.float16)
+    (st,) = f.stats("tq_decode_partial")
+    assert st.grid[0] // st.threadgroup[0] == 2  # 300 tokens -> 2 splits of 256 (the default's minimum)
+
+
+@pytest.mark.emulator
+def test_sparse_v_skips_negligible_weights(emulator):
+    # A large scale makes most softmax weights < 1e-6 of the max: their values are neither read nor added.
+    f = Emu()
+    got, want, _, values = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f,
+                                      n=200, scale=4.0, split_tokens=64)
+    assert_close(got, want, mx.float32)
+    (st,) = f.stats("tq_decode_partial")
+    vc = st.buffers["vc"]
+    assert vc.total_bytes_read < 0.5 * vc.nbytes, "sparse V should skip most value words"
+    assert st.buffers["kc"].total_bytes_read == st.buffers["kc"].nbytes
+    # Threshold 0 keeps every token: all value words are read.
+    f0 = Emu()
+    got0, *_ = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f0,
+                          n=200, scale=4.0, split_tokens=64, sparse_threshold=-1.0)
+    assert f0.stats("tq_decode_partial")[0].buffers["vc"].total_bytes_read == vc.nbytes
+    assert_close(got0, want, mx.float32)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits", [(32, 3), (512, 4), (512, 8)])
+def test_head_dims_32_and_512(emulator, dim, bits):
+    rng = np.random.default_rng(dim)
+    q = quantizer(dim, bits)
+    x = normal(rng, (1, 2, 3, dim), mx.bfloat16)
+    assert_codes_equal(K.encode(x, q, None, metal_kernel=Emu()), K.encode_reference(x, q, None), q)
+    h = handle(rng, q, n=5, n_sinks=0, n_window=0)
+    assert_close(K.dequantize(h, mx.float16, metal_kernel=Emu()), K.dequantize_reference(h, mx.float16), mx.float16)
+    got, want, *_ = run_decode(rng, dim, bits, bits, False, mx.float16, 4, 2, "causal", Emu(), n=40, split_tokens=32)
+    assert_close(got, want, mx.float16)
+
+
+# ---------------------------------------------------------------- on the real cache
+def cache_handles(config, n_prompt, dim=64, B=1, H=2, seed=0):
+    rng = np.random.default_rng(seed)
+    cache = TurboQuantKVCache(config)
+    keys = normal(rng, (B, H, n_prompt, dim)) + 0.7  # a key mean the cache removes
+    cache.update_and_fetch(keys, normal(rng, (B, H, n_prompt, dim)))
+    return cache, rng
+
+
+def numpy_views(kv: CompressedKV) -> CompressedKV:
+    """The handle with its cache views as strided numpy arrays, so the emulator sees MLX's real strides
+    (ensure_row_contiguous=False) instead of contiguous copies."""
+    view = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    return kv._replace(codes=type(kv.codes)(*(view(a) for a in kv.codes)), sinks=view(kv.sinks),
+                       window=view(kv.window))
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("qjl", [False, True])
+def test_decode_on_cache_handles_strided(emulator, qjl):
+    config = TurboQuantConfig(key_bits=3, value_bits=2, qjl=qjl, window=16, sinks=4, block=8, step=64)
+    cache, rng = cache_handles(config, 70)
+    for L in (1, 4):
+        keys, values = cache.update_and_fetch(normal(rng, (1, 2, L, 64)), normal(rng, (1, 2, L, 64)))
+        q = normal(rng, (1, 4, L, 64), mx.float16)
+        mask = "causal" if L > 1 else None
+        f = Emu()
+        got = K.decode_attention(q, numpy_views(keys), numpy_views(values), 0.125, mask, split_tokens=32,
+                                 metal_kernel=f)
+        assert_close(got, K.decode_attention_reference(q, keys, values, 0.125, mask), mx.float16)
+        (st,) = f.stats("tq_decode_partial")
+        n, W = keys.codes.codes.shape[2:]
+        assert np.asarray(keys.codes.codes).strides[2] == W * 4 and not np.asarray(keys.codes.codes).flags.c_contiguous
+        # Only the live tokens of the capacity buffers are read, each word once.
+        assert st.buffers["kc"].unique_bytes_read == st.buffers["kc"].total_bytes_read == 1 * 2 * n * W * 4
+
+
+@pytest.mark.emulator
+def test_encode_matches_cache_compression(emulator):
+    config = TurboQuantConfig(key_bits=4, value_bits=3, window=0, sinks=0, qjl=True)
+    cache, rng = cache_handles(config, 24)
+    x = normal(rng, (1, 2, 8, 64))
+    for q, mean in ((cache.k_quantizer, cache.k_mean), (cache.v_quantizer, cache.v_mean)):
+        assert_codes_equal(K.encode(x, q, mean, metal_kernel=Emu()), TurboQuantKVCache._encode(x, mean, None, q), q)
+
+
+# ==================================================================== 5. byte counts
+def compressed_bytes(kv: CompressedKV) -> int:
+    return sum(np.asarray(a).nbytes for a in kv.codes)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("qjl,R,L,split", [(False, 4, 1, 64), (True, 4, 1, None), (False, 4, 8, None)])
+def test_decode_reads_each_compressed_byte_once(emulator, qjl, R, L, split):
+    f = Emu()
+    mask = "causal" if L > 1 else None
+    n = 1000
+    got, want, keys, values = run_decode(np.random.default_rng(7), 128, 4, 4, qjl, mx.float16, R, L, mask, f,
+                                         B=2, n=n, n_window=16, split_tokens=split)
+    assert_close(got, want, mx.float16)
+    (p1,) = f.stats("tq_decode_partial")
+    names = ["kc", "kn", "vc", "vn"] + (["kj", "kg"] if qjl else [])
+    for name in names:
+        b = p1.buffers[name]
+        # Every byte of every kv head is read, once, for all R*L query rows of the GQA group.
+        assert b.unique_bytes_read == b.nbytes, name
+        assert b.total_bytes_read <= 1.1 * b.nbytes, name
+        assert b.total_bytes_written == 0
+    total = sum(p1.buffers[n].total_bytes_read for n in names)
+    assert total <= 1.1 * (compressed_bytes(keys) + compressed_bytes(values))
+    # No float copy of the cache: everything written by all launches of the step is small against the
+    # float16 size of the compressed tokens (pass 1 writes one (m, l, acc) per row and split).
+    float_cache = 2 * n * 2 * (128 + 128) * 2  # B * n * H * (DK + DV) * sizeof(half)
+    written = sum(b.nbytes for launch in f.launches for b in launch.stats.buffers.values() if b.kind == "output")
+    assert written < 0.1 * float_cache
+
+
+# ===================================================================== 6. planted bugs
+def planted(monkeypatch, name: str, old: str, new: str, count: int = 1):
+    src = K.SOURCES[name]
+    assert old in src, f"{old!r} not in {name}.metal"
+    monkeypatch.setitem(K.SOURCES, name, src.replace(old, new, count))
+
+
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+def decode_fails(**kw) -> list[str]:
+    """Schedules under which decode attention disagrees with the reference (or the emulator errors)."""
+    bad = []
+    for schedule in SCHEDULES:
+        try:
+            got, want, *_ = run_decode(np.random.default_rng(8), 64, 4, 4, False, mx.float32, 2, 1, None,
+                                       Emu(schedule, seed=5), n=70, split_tokens=32, **kw)
+            K._mismatch(got, want) and bad.append(schedule)
+        except Exception:
+            bad.append(schedule)
+    return bad
+
+
+@pytest.mark.emulator
+def test_planted_missing_barrier_after_key_staging_is_detected(emulator, monkeypatch):
+    assert decode_fails() == []
+    # The first barrier in the tile loop: scores would read key words other threads have not staged yet.
+    src = K.SOURCES["decode_partial"]
+    i = src.index(BARRIER, src.index("// 1. Stage keys."))
+    monkeypatch.setitem(K.SOURCES, "decode_partial", src[:i] + src[i + len(BARRIER):])
+    assert decode_fails(), "a missing barrier went unnoticed"
+
+
+@pytest.mark.emulator
+def test_planted_missing_barrier_before_value_accumulation_is_detected(emulator, monkeypatch):
+    src = K.SOURCES["decode_partial"]
+    i = src.index(BARRIER, src.index("// 3. Stage the values"))
+    monkeypatch.setitem(K.SOURCES, "decode_partial", src[:i] + src[i + len(BARRIER):])
+    assert decode_fails()
+
+
+@pytest.mark.emulator
+def test_planted_wrong_shuffle_lane_is_detected(emulator, monkeypatch):
+    planted(monkeypatch, "common", "simd_shuffle_xor(v[i], m)", "simd_shuffle_xor(v[i], m == 4 ? 8 : m)")
+    rot = Rotation(128, seed=1)
+    x = normal(np.random.default_rng(0), (4, 128))
+    assert K._mismatch(K.rotate(x, rot, metal_kernel=Emu()), K.rotate_reference(x, rot))
+    assert decode_fails() == list(SCHEDULES)
+    q = quantizer(128, 4)
+    x4 = x.reshape(1, 1, 4, 128)
+    assert K._codes_mismatch(K.encode(x4, q, metal_kernel=Emu()), K.encode_reference(x4, q), q)
+
+
+@pytest.mark.emulator
+def test_planted_packing_bug_is_detected(emulator, monkeypatch):
+    # Lanes of one word no longer OR their fields together: 4-bit codes at d=128 lose half their bits.
+    planted(monkeypatch, "common", "bits |= simd_shuffle_xor(bits, m);", "bits |= 0u;")
+    q = quantizer(128, 4)
+    x = normal(np.random.default_rng(0), (1, 2, 4, 128))
+    assert K._codes_mismatch(K.encode(x, q, metal_kernel=Emu()), K.encode_reference(x, q), q)
+
+
+# ============================================ 7. dispatch: setting, env var, self-check
+def small_problem(seed=0, dim=64, bits=4):
+    rng = np.random.default_rng(seed)
+    keys = handle(rng, quantizer(dim, bits, seed=2), n=40)
+    values = handle(rng, quantizer(dim, bits, seed=3), n=40)
+    return normal(rng, (1, 4, 1, dim), mx.float16), keys, values
+
+
+class Counting:
+    def __init__(self, inner=None):
+        self.inner, self.made = inner, 0
+
+    def __call__(self, **kw):
+        self.made += 1
+        if self.inner is None:
+            raise AssertionError("the reference path must not build kernels")
+        return self.inner(**kw)
+
+
+def test_backend_setting_and_env_var(monkeypatch):
+    assert K.get_backend() == "auto"
+    assert K.kernels_enabled() == K.metal_available()  # here (Linux): no Metal, auto -> reference
+    for mode in K.BACKENDS:
+        monkeypatch.setenv(K.ENV_VAR, mode)
+        assert K.get_backend() == mode
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    assert K.kernels_enabled()
+    K.set_backend("reference")  # the setting wins over the environment
+    assert K.get_backend() == "reference" and not K.kernels_enabled()
+    with pytest.raises(ValueError, match="must be one of"):
+        K.set_backend("cuda")
+    K.set_backend(None)
+    monkeypatch.setenv(K.ENV_VAR, "gpu")
+    with pytest.raises(ValueError, match="TQ_MLX_KERNELS must be one of"):
+        K.get_backend()
+
+
+@pytest.mark.parametrize("mode", ["auto", "reference"])
+def test_reference_path_without_metal(monkeypatch, mode):
+    if mode == "auto" and K.metal_available():
+        pytest.skip("on a Mac, auto runs the kernels")
+    monkeypatch.setenv(K.ENV_VAR, mode)
+    never = Counting()
+    K.set_kernel_factory(never)
+    q, keys, values = small_problem()
+    out = K.fused_decode_attention(q, keys, values, 0.125, None)
+    assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.125))
+    assert never.made == 0
+
+
+@pytest.mark.emulator
+def test_forced_metal_runs_self_checked_kernels(emulator, monkeypatch):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    factory = Counting(Emu())
+    K.set_kernel_factory(factory)
+    q, keys, values = small_problem()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a passing self-check warns about nothing
+        out = K.fused_decode_attention(q, keys, values, 0.125, None)
+        assert_close(out, K.decode_attention_reference(q, keys, values, 0.125), mx.float16)
+        assert factory.made == 3  # wht, decode_partial, decode_merge
+        assert all(v is None for v in K.self_check_status().values())
+        x = normal(np.random.default_rng(1), (1, 2, 3, 64))
+        assert_codes_equal(K.fused_encode(x, keys.quantizer, keys.mean),
+                           K.encode_reference(x, keys.quantizer, keys.mean), keys.quantizer)
+        assert_close(K.fused_dequantize(keys), K.dequantize_reference(keys), mx.float16)
+        rot = keys.quantizer.groups[0].rotation
+        assert_close(K.fused_rotate(x, rot, True), K.rotate_reference(x, rot, True), mx.float32)
+    assert {k[0] for k in K.self_check_status()} == {"decode_attention", "encode", "dequantize", "rotate"}
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize(
+    "bug",
+    [
+        ("decode_partial", "const float p = valid ? fast::exp(sk - mn) : 0.0f;",
+         "const float p = valid ? fast::exp(sk - m[k]) : 0.0f;"),  # wrong softmax reference point
+        ("decode_partial", BARRIER, ""),  # every barrier gone
+        ("decode_merge", "out_row[e] = T(x / l);", "out_row[e] = T(x / l) +;"),  # a compile error
+    ],
+    ids=["wrong-math", "no-barriers", "compile-error"],
+)
+def test_self_check_disables_a_bad_kernel_and_warns_once(emulator, monkeypatch, bug):
+    name, old, new = bug
+    planted(monkeypatch, name, old, new, count=10 if old == BARRIER else 1)
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    K.set_kernel_factory(Emu())
+    q, keys, values = small_problem()
+    want = K.decode_attention_reference(q, keys, values, 0.125)
+    with pytest.warns(RuntimeWarning, match=r"'decode_attention' .* disabled; the reference path is used"):
+        out = K.fused_decode_attention(q, keys, values, 0.125, None)
+    assert mx.array_equal(out, want)  # never a silent wrong answer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the second call is quiet and still right
+        assert mx.array_equal(K.fused_decode_attention(q, keys, values, 0.125, None), want)
+    (reason,) = [v for k, v in K.self_check_status().items() if k[0] == "decode_attention"]
+    assert reason
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["head_dim_96", "fractional_bits", "array_mask", "many_query_tokens", "qjl_1bit"],
+)
+def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    never = Counting()
+    K.set_kernel_factory(never)
+    rng = np.random.default_rng(0)
+    dim, kq, L, mask = 64, quantizer(64, 4, seed=2), 1, None
+    if case == "head_dim_96":
+        dim, kq = 96, quantizer(96, 4, seed=2)
+    elif case == "fractional_bits":
+        kq = TurboQuantMSE(64, 2.5, seed=2)
+    elif case == "qjl_1bit":
+        kq = TurboQuantProd(64, 1, seed=2)
+    keys = handle(rng, kq, n=20)
+    values = handle(rng, quantizer(dim, 4, seed=3), n=20)
+    if case == "many_query_tokens":
+        L, mask = 9, "causal"
+    if case == "array_mask":
+        mask = mx.ones((1, keys.n_tokens), dtype=mx.bool_)
+    q = normal(rng, (1, 2, L, dim))
+    assert K.decode_unsupported(q, keys, values, mask)
+    out = K.fused_decode_attention(q, keys, values, 0.1, mask)
+    assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.1, mask))
+    assert never.made == 0
+
+
+# ================================================= 8. source generation = MLX's own
+@pytest.mark.emulator
+def test_every_kernel_source_matches_mlx_generator(emulator):
+    from tests.emulator import generate_source
+    from tests.emulator.mlx_reference import mlx_generated_source
+
+    f = Emu()
+    rng = np.random.default_rng(0)
+    run_decode(rng, 64, 3, 4, True, mx.bfloat16, 2, 2, "causal", f, split_tokens=32)
+    x = normal(rng, (1, 2, 3, 64), mx.float16)
+    K.encode(x, quantizer(64, 2), None, metal_kernel=f)
+    K.encode(x, quantizer(64, 3, qjl=True), normal(rng, (1, 2, 64)), metal_kernel=f)
+    K.dequantize(handle(rng, quantizer(64, 1), n=4), mx.bfloat16, metal_kernel=f)
+    K.rotate(x, Rotation(64), True, metal_kernel=f)
+    names = {launch.name for launch in f.launches}
+    assert names == {"tq_wht", "tq_encode", "tq_dequantize", "tq_decode_partial", "tq_decode_merge"}
+    for launch in f.launches:
+        m, c = launch.make, launch.call
+        ours = generate_source(m["name"], m["input_names"], m["output_names"], m["source"], m["header"],
+                               c["inputs"], c["output_dtypes"], c["template"])[1]
+        theirs = mlx_generated_source(m["name"], m["input_names"], m["output_names"], m["source"], c["inputs"],
+                                      c["output_shapes"], c["output_dtypes"], header=m["header"],
+                                      template=c["template"])
+        assert ours == theirs, launch.name
+        assert ours == launch.stats.source
+
+
+# ========================================================================== 9. mac_check
+@pytest.mark.skipif(K.metal_available(), reason="on a Mac the script runs the real check")
+def test_mac_check_exits_cleanly_without_metal(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mac_check.py"), "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Metal is not available on this machine (" in proc.stderr
+    assert list(tmp_path.iterdir()) == []

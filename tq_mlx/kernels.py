@@ -1,0 +1,666 @@
+"""Metal kernels for TurboQuant's hot paths, each launcher next to its pure-MLX reference twin.
+
+Kernel bodies live in metal_kernels/<name>.metal (helpers in common.metal, passed as `header=`). Every
+launcher computes shapes, grid (in threads) and threadgroup in Python and calls a kernel made by a
+`metal_kernel` factory: `mx.fast.metal_kernel` by default, `tests.emulator.metal_kernel` in the test suite
+(it returns numpy arrays, which `_mx` converts back, so the launcher code is the same on both). Each
+launcher's twin (`*_reference`) takes the same arguments and runs the core's pure-MLX code.
+
+    rotate / rotate_reference                 randomized Walsh-Hadamard rotation Π (forward or inverse)
+    encode / encode_reference                 centering, norm, rotation, Lloyd-Max codes, packing (+ QJL)
+    dequantize / dequantize_reference         codes -> float16 in the model basis (long prefill chunks)
+    decode_attention / decode_attention_reference
+                                              attention of 1..8 query tokens on the codes: pass 1 (split-K
+                                              partials) + pass 2 (merge with the float16 tokens)
+
+Dispatch: `fused_decode_attention`, `fused_encode`, `fused_dequantize` and `fused_rotate` run the kernel when
+the back end is Metal (`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal when
+`mx.metal.is_available()` and the default device is the GPU) and the case is supported, else the reference.
+Before a kernel variant is first used it runs once on a small random input against the reference: a compile
+error, an exception or a disagreement disables that variant, warns once with the reason, and the reference
+takes over. Never a silent wrong answer.
+
+Launch design (grid counts threads; shapes for B batch, H kv heads, R = n_q_heads / H, L query tokens, D dims):
+    wht             grid 32·rows, threadgroup 256: one SIMD group per vector, D/32 values per lane, log2(D/32)
+                    butterfly stages in registers and 5 simd_shuffle_xor stages
+    encode          grid 32·B·H·n, threadgroup 256: one SIMD group per token; codebook/boundaries in threadgroup
+                    memory; packed words OR-ed across lanes with shuffles, each written once; QJL: S·r from a
+                    per-SIMD-group residual in threadgroup memory
+    dequantize      grid 32·B·H·n, threadgroup 256: one SIMD group per token, its words staged once
+    decode_partial  grid (S·32·min(NR, 8), B·H, ceil(R·L / NR)): one threadgroup per (split of the compressed
+                    tokens, kv head, chunk of NR query rows; one chunk unless R·L·D > ~4096); tiles of 32 tokens
+                    staged in threadgroup memory (each word read once), lane = token for scores, lane = dims for
+                    values, sparse V skips the reads and the accumulation of weights < 1e-6 · running max
+    decode_merge    grid (32·min(R·L, 8), B·H, 1): one SIMD group per query row: float16 sinks + window, LSE
+                    merge of the S partials (+ q·μ), one inverse WHT, + l_c·ν, / l
+Bytes per decode step and kv head (pass 1): n_compressed · (4·(W_k + W_v) + 4 [norms] (+ D/8 + 2 with QJL))
+read once for all R·L rows, e.g. 132 B/token at D = 128, 4/4 bits vs 512 B/token for a float16 cache (3.9x
+fewer); the split size keeps the (m, l, acc) partials (written by pass 1, read by pass 2) under 5% of that.
+Pass 2 reads the float16 sinks/window (shared by the R·L rows through the cache).
+
+Supported by the kernels: power-of-two head dims 32..512, integer bits 1, 2, 3, 4, 8 (QJL keys: 2, 3, 4, i.e.
+MSE stage 1..3 bits + 1 QJL bit), float16 norms, float16/bfloat16/float32 inputs. Everything else (head dim
+80/96/..., fractional 2.5/3.5 bits, which split channels into groups of d/4 and 3d/4 with a channel
+permutation, QJL at 1 bit, array masks, more than 8 query tokens) runs the reference path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import mlx.core as mx
+
+from .attention import turboquant_attention
+from .cache import CompressedKV, TurboQuantKVCache
+from .packing import packed_words, unpack
+from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from .rotation import Rotation
+
+ENV_VAR = "TQ_MLX_KERNELS"
+BACKENDS = ("auto", "metal", "reference")
+SUPPORTED_DIMS = (32, 64, 128, 256, 512)
+KERNEL_BITS = (1, 2, 3, 4, 8)
+MAX_QUERY_TOKENS = 8
+# Sparse V: a compressed token's value is skipped (neither read nor accumulated) when its softmax weight
+# relative to the running max, exp(s - m), is below this. Its weight still counts in the denominator.
+SPARSE_V_THRESHOLD = 1e-6
+THREADGROUP_MEMORY = 32 * 1024
+_NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
+
+# ------------------------------------------------------------------------------------------ sources
+_DIRS = (Path(__file__).resolve().parent.parent / "metal_kernels", Path(__file__).resolve().parent / "metal_kernels")
+KERNEL_NAMES = ("common", "wht", "encode", "dequantize", "decode_partial", "decode_merge")
+
+
+def _load_sources() -> dict[str, str]:
+    for d in _DIRS:
+        if (d / "common.metal").is_file():
+            return {n: (d / f"{n}.metal").read_text() for n in KERNEL_NAMES}
+    return {}
+
+
+# name -> Metal text. Tests may replace an entry (a planted bug); kernels are cached by their text.
+SOURCES: dict[str, str] = _load_sources()
+_KERNELS: dict[tuple, Any] = {}
+
+
+def _default_factory():
+    return mx.fast.metal_kernel
+
+
+def _kernel(factory, name: str, inputs: list[str], outputs: list[str], row_contiguous: bool = True):
+    if name not in SOURCES:
+        raise RuntimeError(f"Metal source metal_kernels/{name}.metal not found (looked in {[str(d) for d in _DIRS]})")
+    key = (factory, name, tuple(inputs), tuple(outputs), SOURCES[name], SOURCES["common"], row_contiguous)
+    k = _KERNELS.get(key)
+    if k is None:
+        k = factory(
+            name=f"tq_{name}", input_names=inputs, output_names=outputs, source=SOURCES[name],
+            header=SOURCES["common"], ensure_row_contiguous=row_contiguous,
+        )
+        _KERNELS[key] = k
+    return k
+
+
+def _mx(x, dtype: mx.Dtype) -> mx.array:
+    """A kernel output as an mx.array (the emulator returns numpy; bfloat16 as uint16 bits or ml_dtypes)."""
+    if isinstance(x, mx.array):
+        return x
+    a = np.asarray(x)
+    if dtype == mx.bfloat16:
+        if a.dtype == np.uint16:
+            return mx.array(a).view(mx.bfloat16)
+        return mx.array(a.astype(np.float32)).astype(mx.bfloat16)
+    return mx.array(a)
+
+
+def _dummy(dtype: mx.Dtype, ndim: int = 1) -> mx.array:
+    # 8 elements keep an unused input in `device` memory (MLX passes < 8 as `constant`), so pointer
+    # expressions on it type-check; ndim matches the real input so its strides can be indexed.
+    return mx.zeros((1,) * (ndim - 1) + (8,), dtype)
+
+
+def _floats(*parts) -> mx.array:
+    return mx.concatenate([mx.array(p, dtype=mx.float32).reshape(-1) for p in parts])
+
+
+_TABLES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tables(owner, key: tuple, make: Callable[[], mx.array]) -> mx.array:
+    """A kernel's constant table (signs, codebooks, ...) built once per quantizer, not on every decode step."""
+    per = _TABLES.setdefault(owner, {})
+    if key not in per:
+        per[key] = mx.contiguous(make())
+    return per[key]
+
+
+def _ints(*values: int) -> mx.array:
+    return mx.array([int(v) for v in values], dtype=mx.int32)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------- support checks
+def _rotation_unsupported(rot: Rotation) -> str | None:
+    if rot.kind != "hadamard" or rot.base != 1 or rot.dim not in SUPPORTED_DIMS:
+        return f"head dim {rot.dim}: the kernels need a power-of-two Walsh-Hadamard rotation, dims {SUPPORTED_DIMS}"
+    return None
+
+
+def _mse_unsupported(q: TurboQuantMSE) -> str | None:
+    if len(q.groups) != 1:
+        return f"fractional bits {q.bits}: channel groups (d/4 and 3d/4) and a channel permutation"
+    if q.groups[0].bits not in KERNEL_BITS:
+        return f"bits {q.groups[0].bits}"
+    if q.norm_dtype != mx.float16:
+        return f"norm dtype {q.norm_dtype}: the kernels read float16 norms"
+    return _rotation_unsupported(q.groups[0].rotation)
+
+
+def _quantizer_unsupported(q) -> str | None:
+    if isinstance(q, TurboQuantProd):
+        if q.mse is None:
+            return "QJL at 1 bit (no MSE stage)"
+        return _mse_unsupported(q.mse)
+    if isinstance(q, TurboQuantMSE):
+        return _mse_unsupported(q)
+    return f"unknown quantizer {type(q).__name__}"
+
+
+def rotation_unsupported(x: mx.array, rotation: Rotation) -> str | None:
+    """Why `rotate` cannot run this case (None: it can)."""
+    if x.dtype not in FLOAT_DTYPES:
+        return f"dtype {x.dtype}"
+    if x.ndim == 0 or x.shape[-1] != rotation.dim:
+        return f"last axis of shape {tuple(x.shape)} is not the rotation's dim {rotation.dim}"
+    return _rotation_unsupported(rotation)
+
+
+def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None) -> str | None:
+    """Why `encode` cannot run this case (None: it can)."""
+    if perm is not None:
+        return "channel permutation (fractional bits)"
+    if x.dtype not in FLOAT_DTYPES:
+        return f"dtype {x.dtype}"
+    if x.ndim != 4 or x.shape[-1] != quantizer.dim or x.shape[2] == 0:
+        return f"x of shape {tuple(x.shape)}: expected (B, H, n >= 1, {quantizer.dim})"
+    if mean is not None and tuple(mean.shape) != (x.shape[0], x.shape[1], x.shape[3]):
+        return f"mean of shape {tuple(mean.shape)}"
+    return _quantizer_unsupported(quantizer)
+
+
+def dequantize_unsupported(kv: CompressedKV) -> str | None:
+    """Why `dequantize` cannot run this handle (None: it can)."""
+    if kv.codes is None:
+        return "no compressed tokens"
+    if kv.perm is not None:
+        return "channel permutation (fractional bits)"
+    return _quantizer_unsupported(kv.quantizer)
+
+
+def _partial_tg_bytes(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
+    """Threadgroup memory of decode_partial.metal for these template values (keep in sync with it)."""
+    ws = max(packed_words(dk, kb), packed_words(dv, vb)) | 1
+    wjs = (dk // 32) | 1
+    floats = (nr * dk * (2 if qjl else 1) + (0 if qjl else 1) + 32 * ws + (32 * wjs if qjl else 1) + 64
+              + nr * 32 + min(nr, 8) + 2**kb + 2**vb)
+    return 4 * floats
+
+
+def _rows_per_threadgroup(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
+    """Query rows pass 1 handles per threadgroup: all R·L rows if they fit (codes read once), else chunks."""
+    nr = min(64, _pow2_ceil(rl))
+    while nr > 1 and _partial_tg_bytes(nr, dk, dv, kb, vb, qjl) > THREADGROUP_MEMORY:
+        nr //= 2
+    return nr if _partial_tg_bytes(nr, dk, dv, kb, vb, qjl) <= THREADGROUP_MEMORY else 0
+
+
+def _kv_bits(keys: CompressedKV, values: CompressedKV) -> tuple[int, int, bool]:
+    kq = keys.quantizer
+    qjl = isinstance(kq, TurboQuantProd)
+    kmse = kq.mse if qjl else kq
+    return kmse.groups[0].bits, values.quantizer.groups[0].bits, qjl
+
+
+def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+    """Why `decode_attention` cannot run this case (None: it can)."""
+    if not isinstance(keys, CompressedKV) or not isinstance(values, CompressedKV):
+        return "keys/values are not TurboQuant handles"
+    if queries.ndim != 4 or queries.dtype not in FLOAT_DTYPES:
+        return f"queries of shape {tuple(queries.shape)} and dtype {queries.dtype}"
+    B, Hq, L, D = queries.shape
+    if not 1 <= L <= MAX_QUERY_TOKENS:
+        return f"{L} query tokens (the kernel handles 1..{MAX_QUERY_TOKENS})"
+    if keys.n_compressed == 0:
+        return "no compressed tokens (float16 tokens only)"
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return "array masks"
+    H = keys.n_heads
+    if Hq % H or D != keys.head_dim:
+        return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"
+    for kv in (keys, values):
+        if kv.perm is not None:
+            return "channel permutation (fractional bits)"
+        for a in (kv.sinks, kv.window):
+            if a is not None and not _is_float16(a):
+                return f"float tokens of dtype {a.dtype}"
+    reason = _quantizer_unsupported(keys.quantizer) or (
+        "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
+    )
+    if reason:
+        return reason
+    kb, vb, qjl = _kv_bits(keys, values)
+    if _rows_per_threadgroup((Hq // H) * L, D, values.head_dim, kb, vb, qjl) == 0:
+        return "threadgroup memory"
+    return None
+
+
+def _is_float16(a) -> bool:
+    # Handles hold mx.arrays; the emulator tests also pass numpy views to exercise strided inputs.
+    return a.dtype == mx.float16 if isinstance(a, mx.array) else np.dtype(a.dtype) == np.float16
+
+
+def _require(reason: str | None, what: str) -> None:
+    if reason:
+        raise ValueError(f"{what}: no Metal kernel for this case ({reason}); use the reference path")
+
+
+# --------------------------------------------------------------------------- 1. rotation (WHT)
+def rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, metal_kernel=None) -> mx.array:
+    """Πx (inverse: Πᵀx) along the last axis, float32: one SIMD group per vector, d/32 values per lane."""
+    _require(rotation_unsupported(x, rotation), "rotate")
+    factory = metal_kernel or _default_factory()
+    D = rotation.dim
+    rows = x.size // D
+    k = _kernel(factory, "wht", ["x", "signs", "inverse"], ["y"])
+    (y,) = k(
+        inputs=[mx.contiguous(x), rotation.signs, bool(inverse)], output_shapes=[tuple(x.shape)],
+        output_dtypes=[mx.float32], grid=(rows * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("D", D)],
+    )
+    return _mx(y, mx.float32)
+
+
+def rotate_reference(x: mx.array, rotation: Rotation, inverse: bool = False, **_) -> mx.array:
+    return rotation.inverse(x) if inverse else rotation.forward(x)
+
+
+# ------------------------------------------------------------------------------------ 2. encode
+def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, metal_kernel=None):
+    """Codes of the block x (B, H, n, D) - mean (B, H, D), as TurboQuantKVCache._encode: MSECodes, or
+    ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token."""
+    _require(encode_unsupported(x, quantizer, mean, perm), "encode")
+    factory = metal_kernel or _default_factory()
+    B, H, n, D = x.shape
+    N = B * H * n
+    prod = isinstance(quantizer, TurboQuantProd)
+    g = (quantizer.mse if prod else quantizer).groups[0]
+    W = packed_words(D, g.bits)
+    tables = _tables(quantizer, ("encode",), lambda: _floats(g.rotation.signs, g.boundaries, g.centroids))
+    mean_in = _dummy(mx.float32) if mean is None else mx.contiguous(mean.astype(mx.float32)).reshape(B * H, D)
+    k = _kernel(factory, "encode", ["x", "mean", "tables", "proj", "params"], ["codes", "norms", "qjl", "gamma"])
+    codes, norms, qjl, gamma = k(
+        inputs=[mx.contiguous(x).reshape(N, D), mean_in, tables,
+                quantizer.projection if prod else _dummy(mx.float32), _ints(n, mean is not None)],
+        output_shapes=[(N, W), (N,), (N, D // 32) if prod else (1,), (N,) if prod else (1,)],
+        output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
+        grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("D", D), ("B", g.bits), ("QJL", prod)],
+    )
+    codes = _mx(codes, mx.uint32).reshape(B, H, n, W)
+    norms = _mx(norms, mx.float16).reshape(B, H, n, 1)
+    if not prod:
+        return MSECodes(codes, norms)
+    return ProdCodes(codes, norms, _mx(qjl, mx.uint32).reshape(B, H, n, D // 32),
+                     _mx(gamma, mx.float16).reshape(B, H, n))
+
+
+def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, **_):
+    return TurboQuantKVCache._encode(x, mean, perm, quantizer)
+
+
+# -------------------------------------------------------------------------------- 3. dequantize
+def dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
+    """The compressed tokens of a handle in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
+    _require(dequantize_unsupported(kv), "dequantize")
+    factory = metal_kernel or _default_factory()
+    q = kv.quantizer
+    prod = isinstance(q, TurboQuantProd)
+    g = (q.mse if prod else q).groups[0]
+    B, H, n = kv.codes.codes.shape[:3]
+    D = q.dim
+    c = kv.codes
+    tables = _tables(q, ("dequantize",), lambda: _floats(g.rotation.signs, g.centroids, [q.qjl_scale if prod else 0.0]))
+    mean_in = _dummy(mx.float32) if kv.mean is None else mx.contiguous(kv.mean.astype(mx.float32)).reshape(B * H, D)
+    k = _kernel(factory, "dequantize",
+                ["codes", "norms", "qjlw", "gamma", "tables", "proj", "mean", "params"], ["out"],
+                row_contiguous=False)
+    (out,) = k(
+        inputs=[c.codes, c.norms, c.qjl if prod else _dummy(mx.uint32, 4), c.gamma if prod else _dummy(mx.float16, 3),
+                tables, q.projection if prod else _dummy(mx.float32), mean_in, _ints(n, H, kv.mean is not None)],
+        output_shapes=[(B, H, n, D)], output_dtypes=[dtype],
+        grid=(B * H * n * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", dtype), ("D", D), ("B", g.bits), ("QJL", prod)],
+    )
+    return _mx(out, dtype)
+
+
+def dequantize_reference(kv: CompressedKV, dtype: mx.Dtype = mx.float16, **_) -> mx.array:
+    x = kv.quantizer.dequantize(kv.codes)
+    if kv.perm is not None:
+        inv = mx.argsort(kv.perm, axis=-1)
+        x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
+    if kv.mean is not None:
+        x = x + kv.mean[:, :, None, :]
+    return x.astype(dtype)
+
+
+# -------------------------------------------------------------------------- 4. decode attention
+def _split_tokens(n: int, groups: int, partial_bytes: int, token_bytes: int) -> int:
+    """Tokens per split, a multiple of 32: about 1024 threadgroups in flight, at least 256 tokens, and enough
+    tokens that a split's partial result (partial_bytes, written and read back) stays under 5% of the
+    compressed bytes it reads (token_bytes per token)."""
+    per = max(256, -(-n // max(1, -(-1024 // groups))), -(-20 * partial_bytes // token_bytes))
+    return -(-per // 32) * 32
+
+
+def decode_attention(
+    queries: mx.array,
+    keys: CompressedKV,
+    values: CompressedKV,
+    scale: float,
+    mask=None,
+    *,
+    split_tokens: int | None = None,
+    sparse_threshold: float = SPARSE_V_THRESHOLD,
+    metal_kernel=None,
+) -> mx.array:
+    """softmax(scale·q·Kᵀ)·V on the codes for 1..8 query tokens, (B, Hq, L, D) -> (B, Hq, L, Dv).
+
+    Same semantics as tq_mlx.attention.turboquant_attention for mask None or "causal". Queries are rotated
+    once (WHT kernel); pass 1 reads each compressed byte of a kv head once for all R·L query rows of its GQA
+    group, per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass 2 merges the
+    splits with the float16 sinks and window, rotates back once and adds the value mean.
+    """
+    _require(decode_unsupported(queries, keys, values, mask), "decode_attention")
+    factory = metal_kernel or _default_factory()
+    B, Hq, L, DK = queries.shape
+    H, DV = keys.n_heads, values.head_dim
+    RL = (Hq // H) * L
+    N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
+    T = n_s + N + n_w
+    causal = mask is not None
+    kb, vb, qjl = _kv_bits(keys, values)
+    kq = keys.quantizer
+    kmse = kq.mse if qjl else kq
+    vg = values.quantizer.groups[0]
+
+    # Query rows of one kv head are consecutive (mlx-lm's GQA layout): row = head_in_group * L + token.
+    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, RL, DK))
+    q_rot = rotate(q, kmse.groups[0].rotation, metal_kernel=factory)  # keys' rotated basis, once per step
+    qs = mx.contiguous(q @ kq.projection.T) if qjl else _dummy(mx.float32)
+    qmu = None if keys.mean is None else mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(B, H, RL))
+
+    # Pass 1: split-K partials over the compressed tokens.
+    nr = _rows_per_threadgroup(RL, DK, DV, kb, vb, qjl)
+    chunks = -(-RL // nr)
+    token_bytes = 4 * (packed_words(DK, kb) + packed_words(DV, vb) + (DK // 32 if qjl else 0)) + 2 * (3 if qjl else 2)
+    per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
+    if per % 32 or per <= 0:
+        raise ValueError(f"split_tokens must be a positive multiple of 32, got {per}")
+    S = -(-N // per)
+    nt = 32 * min(nr, 8)
+    kc = keys.codes
+    p1 = _kernel(factory, "decode_partial",
+                 ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "params"], ["pm", "pl", "pacc"],
+                 row_contiguous=False)
+    pm, pl, pacc = p1(
+        inputs=[q_rot, qs, kc.codes, kc.norms, kc.qjl if qjl else _dummy(mx.uint32, 4),
+                kc.gamma if qjl else _dummy(mx.float16, 3), values.codes.codes, values.codes.norms,
+                _tables(kq, ("decode", values.quantizer, sparse_threshold), lambda: _floats(
+                    kmse.groups[0].centroids, vg.centroids, [kq.qjl_scale if qjl else 0.0, sparse_threshold])),
+                _ints(H, N, RL, L, per, T - L - n_s if causal else _NO_LIMIT)],
+        output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
+        output_dtypes=[mx.float32] * 3,
+        grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
+        template=[("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr)],
+    )
+
+    # Pass 2: merge with the float16 tokens, rotate back, add the value mean.
+    half4 = _dummy(mx.float16, 4)
+    nsg = min(RL, 8)
+    p2 = _kernel(factory, "decode_merge",
+                 ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "params"], ["out"],
+                 row_contiguous=False)
+    (out,) = p2(
+        inputs=[q, _dummy(mx.float32) if qmu is None else qmu,
+                keys.sinks if n_s else half4, values.sinks if n_s else half4,
+                keys.window if n_w else half4, values.window if n_w else half4,
+                _mx(pm, mx.float32), _mx(pl, mx.float32), _mx(pacc, mx.float32),
+                _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
+                vg.rotation.signs,
+                _ints(H, RL, L, S, n_s, n_w, qmu is not None, values.mean is not None,
+                      T - L if causal else _NO_LIMIT, T - L - n_s - N if causal else _NO_LIMIT)],
+        output_shapes=[(B, H, RL, DV)], output_dtypes=[queries.dtype],
+        grid=(32 * nsg, B * H, 1), threadgroup=(32 * nsg, 1, 1),
+        template=[("T", queries.dtype), ("DK", DK), ("DV", DV)],
+    )
+    return _mx(out, queries.dtype).reshape(B, Hq, L, DV)
+
+
+def decode_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+# ==================================================================================== dispatch
+_backend: str | None = None
+_factory: Callable | None = None
+_checks: dict[tuple, str | None] = {}  # (kernel, variant, factory, sources) -> None if passed, else why not
+
+
+def set_backend(mode: str | None) -> None:
+    """'auto' (Metal kernels when Metal is the default device), 'metal' (force the kernels), 'reference'
+    (force pure MLX). None returns to the TQ_MLX_KERNELS environment variable (default auto)."""
+    if mode is not None and mode not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {mode!r}")
+    global _backend
+    _backend = mode
+
+
+def get_backend() -> str:
+    """The backend setting: set_backend's, else $TQ_MLX_KERNELS, else 'auto'."""
+    if _backend is not None:
+        return _backend
+    env = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if env not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {env!r}")
+    return env
+
+
+def set_kernel_factory(factory: Callable | None) -> None:
+    """The `metal_kernel` factory the dispatchers use (None: mx.fast.metal_kernel). Tests inject the emulator."""
+    global _factory
+    _factory = factory
+
+
+def metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available()) and mx.default_device().type == mx.DeviceType.gpu
+    except Exception:
+        return False
+
+
+def kernels_enabled() -> bool:
+    """Whether the dispatchers try the Metal kernels (each variant still has to pass its self-check)."""
+    mode = get_backend()
+    return mode == "metal" or (mode == "auto" and metal_available())
+
+
+def reset_self_checks() -> None:
+    """Forget self-check results (tests; a new kernel factory or source is checked again anyway)."""
+    _checks.clear()
+
+
+def self_check_status() -> dict[tuple, str | None]:
+    """(kernel, variant) -> None if the variant passed its self-check, else the reason it is disabled."""
+    return {k[:2]: v for k, v in _checks.items()}
+
+
+_TOL = {mx.float32: (2e-3, 2e-3), mx.float16: (1e-2, 1e-2), mx.bfloat16: (4e-2, 4e-2)}
+
+
+def _mismatch(got, want, dtype=mx.float32) -> str | None:
+    """Why `got` disagrees with the reference `want` (None: it agrees within the dtype's tolerance)."""
+    g = np.asarray(got.astype(mx.float32)) if isinstance(got, mx.array) else np.asarray(got, np.float32)
+    w = np.asarray(want.astype(mx.float32))
+    if g.shape != w.shape:
+        return f"shape {g.shape} != reference {w.shape}"
+    if not np.isfinite(g).all():
+        return f"{int((~np.isfinite(g)).sum())} non-finite values"
+    atol, rtol = _TOL.get(dtype, _TOL[mx.float32])
+    err = np.abs(g - w)
+    bad = err > atol + rtol * np.abs(w)
+    if bad.any():
+        return f"max abs error {err.max():.3g} vs reference ({int(bad.sum())}/{bad.size} values out of tolerance)"
+    return None
+
+
+def _codes_mismatch(got, want, quantizer) -> str | None:
+    """Encode agreement: codes may differ where a rotated value sits within rounding of a boundary."""
+    prod = isinstance(quantizer, TurboQuantProd)
+    g = (quantizer.mse if prod else quantizer).groups[0]
+    gi, wi = (np.asarray(unpack(c.codes, g.bits, quantizer.dim)) for c in (got, want))
+    frac = float((gi != wi).mean())
+    if frac > 0.01:
+        return f"{frac:.1%} of the codes differ from the reference"
+    why = _mismatch(got.norms, want.norms, mx.float16)
+    if why:
+        return "norms: " + why
+    if prod:
+        gz, wz = (np.asarray(unpack(c.qjl, 1, quantizer.dim)) for c in (got, want))
+        frac = float((gz != wz).mean())
+        if frac > 0.02:
+            return f"{frac:.1%} of the QJL sign bits differ from the reference"
+        gg, wg = np.asarray(got.gamma.astype(mx.float32)), np.asarray(want.gamma.astype(mx.float32))
+        if not np.isfinite(gg).all() or np.median(np.abs(gg - wg) / np.maximum(wg, 1e-6)) > 0.01:
+            return "residual norms (gamma) differ from the reference"
+    return None
+
+
+def _self_check(kernel: str, variant: tuple, factory, run: Callable[[], str | None]) -> bool:
+    """Run `run` (kernel vs reference on a small random input) once per kernel variant; on failure disable
+    the variant and warn once."""
+    key = (kernel, variant, factory, tuple(SOURCES.get(n) for n in KERNEL_NAMES))
+    if key not in _checks:
+        try:
+            reason = run()
+        except Exception as e:  # a compile error in the Metal source surfaces here
+            reason = f"{type(e).__name__}: {e}"
+        _checks[key] = reason
+        if reason:
+            warnings.warn(
+                f"tq_mlx Metal kernel '{kernel}' {variant} failed its self-check and is disabled; the reference "
+                f"path is used instead. Reason: {reason}",
+                RuntimeWarning, stacklevel=3,
+            )
+    return _checks[key] is None
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng([0x7C, seed])
+
+
+def _normal(rng, shape, dtype=mx.float32) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def fused_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, metal_kernel=None) -> mx.array:
+    """rotate on Metal when enabled, supported and self-checked; rotate_reference otherwise."""
+    factory = metal_kernel or _factory or _default_factory()
+    if kernels_enabled() and rotation_unsupported(x, rotation) is None:
+        def run():
+            xs = _normal(_rng(1), (5, rotation.dim), x.dtype)
+            return _mismatch(rotate(xs, rotation, inverse, metal_kernel=factory),
+                             rotate_reference(xs, rotation, inverse))
+
+        if _self_check("rotate", (rotation.dim, str(x.dtype), bool(inverse)), factory, run):
+            return rotate(x, rotation, inverse, metal_kernel=factory)
+    return rotate_reference(x, rotation, inverse)
+
+
+def fused_encode(x: mx.array, quantizer, mean=None, perm=None, *, metal_kernel=None):
+    """encode on Metal when enabled, supported and self-checked; the cache's reference encode otherwise."""
+    factory = metal_kernel or _factory or _default_factory()
+    if kernels_enabled() and encode_unsupported(x, quantizer, mean, perm) is None:
+        prod = isinstance(quantizer, TurboQuantProd)
+
+        def run():
+            rng = _rng(2)
+            xs = _normal(rng, (1, 2, 9, quantizer.dim), x.dtype)
+            mu = None if mean is None else _normal(rng, (1, 2, quantizer.dim)) * 0.1
+            return _codes_mismatch(encode(xs, quantizer, mu, metal_kernel=factory),
+                                   encode_reference(xs, quantizer, mu), quantizer)
+
+        variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None)
+        if _self_check("encode", variant, factory, run):
+            return encode(x, quantizer, mean, perm, metal_kernel=factory)
+    return encode_reference(x, quantizer, mean, perm)
+
+
+def _random_handle(rng, quantizer, n_sinks: int, n: int, n_window: int, with_mean: bool) -> CompressedKV:
+    """A small random CompressedKV compressed by `quantizer` (for self-checks)."""
+    D = quantizer.dim
+    mean = _normal(rng, (1, 1, D)) * 0.2 if with_mean else None
+    x = _normal(rng, (1, 1, n, D))
+    codes = encode_reference(x, quantizer, mean)
+    floats = lambda k: _normal(rng, (1, 1, k, D), mx.float16) if k else None  # noqa: E731
+    return CompressedKV(quantizer, codes, floats(n_sinks), floats(n_window), mean, None)
+
+
+def fused_dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
+    """dequantize on Metal when enabled, supported and self-checked; dequantize_reference otherwise."""
+    factory = metal_kernel or _factory or _default_factory()
+    if kernels_enabled() and dequantize_unsupported(kv) is None:
+        def run():
+            h = _random_handle(_rng(3), kv.quantizer, 0, 7, 0, kv.mean is not None)
+            return _mismatch(dequantize(h, dtype, metal_kernel=factory), dequantize_reference(h, dtype), dtype)
+
+        q = kv.quantizer
+        variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype))
+        if _self_check("dequantize", variant, factory, run):
+            return dequantize(kv, dtype, metal_kernel=factory)
+    return dequantize_reference(kv, dtype)
+
+
+def fused_decode_attention(queries, keys, values, scale, mask=None, *, metal_kernel=None) -> mx.array:
+    """Drop-in for tq_mlx.attention.turboquant_attention: the fused kernels for 1..8 query tokens with mask
+    None or "causal" on a Metal back end (after a self-check), the reference path for everything else."""
+    factory = metal_kernel or _factory or _default_factory()
+    if kernels_enabled() and decode_unsupported(queries, keys, values, mask) is None:
+        B, Hq, L, D = queries.shape
+        R = Hq // keys.n_heads
+        kb, vb, qjl = _kv_bits(keys, values)
+
+        def run():
+            rng = _rng(4)
+            k = _random_handle(rng, keys.quantizer, 2, 45, 3, keys.mean is not None)
+            v = _random_handle(rng, values.quantizer, 2, 45, 3, values.mean is not None)
+            qs = _normal(rng, (1, R, L, D), queries.dtype)
+            sc = 1.0 / math.sqrt(D)
+            got = decode_attention(qs, k, v, sc, mask, split_tokens=32, metal_kernel=factory)
+            return _mismatch(got, decode_attention_reference(qs, k, v, sc, mask), queries.dtype)
+
+        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask)
+        if _self_check("decode_attention", variant, factory, run):
+            return decode_attention(queries, keys, values, scale, mask, metal_kernel=factory)
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
