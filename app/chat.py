@@ -1,0 +1,403 @@
+"""The tq-chat Textual app: transcript, input box, live memory panel.
+
+Model download/loading and every generation run in thread workers, never in the event loop; they talk to the
+app with messages (Textual's post_message is thread-safe). The memory panel is fed ChatSession.snapshot(),
+whose KV numbers come from tq_mlx.memory.cache_bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer, Header, Input, Markdown
+
+from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.cli import describe_config
+from tq_mlx.memory import format_bytes
+
+from .models import ModelSource, ModelUnavailable, download
+from .plan import Plan, format_ctx
+from .session import ChatSession, ContextFull, TurnResult
+from .widgets import ChatMessage, MemoryPanel, StatusBar, Transcript
+
+HELP = """\
+**Commands**
+
+| command | |
+|---|---|
+| `/clear` | start a new conversation (empty cache) |
+| `/bits` | the cache's bit settings per layer |
+| `/save FILE` | save the conversation and its compressed cache (`.safetensors`) |
+| `/load FILE` | continue a saved conversation |
+| `/stats` | memory and speed figures |
+| `/screenshot [FILE]` | save the screen as SVG |
+| `/quit` | exit (or Ctrl+Q) |
+
+**Ctrl+C** (or Esc) stops an answer and keeps the conversation.
+"""
+
+STATS_INTERVAL = 0.25  # seconds between memory panel refreshes while generating
+
+
+@dataclass
+class ChatSettings:
+    source: ModelSource
+    ctx: int
+    config: TurboQuantConfig | None = field(default_factory=TurboQuantConfig)
+    max_tokens: int = 1024
+    temp: float = 0.0
+    top_p: float = 1.0
+    system: str | None = None
+    dtype: str | None = None  # cast the weights at load: float16, bfloat16 or float32
+    prefill_step_size: int = 512
+    seed: int = 0
+    plan: Plan | None = None
+
+
+class Loaded(Message):
+    def __init__(self, session: ChatSession | None, error: str | None = None):
+        super().__init__()
+        self.session, self.error = session, error
+
+
+class Progress(Message):
+    """Download or prefill progress."""
+
+    def __init__(self, label: str, done: float, total: float | None):
+        super().__init__()
+        self.label, self.done, self.total = label, done, total
+
+
+class Streamed(Message):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class Stats(Message):
+    def __init__(self, stats: dict):
+        super().__init__()
+        self.stats = stats
+
+
+class TurnDone(Message):
+    def __init__(self, result: TurnResult | None = None, error: str | None = None):
+        super().__init__()
+        self.result, self.error = result, error
+
+
+class ChatApp(App):
+    CSS_PATH = Path(__file__).with_name("chat.tcss")  # absolute: subclasses live elsewhere
+    TITLE = "tq-chat"
+    BINDINGS = [
+        Binding("ctrl+c", "stop", "Stop answer", priority=True),
+        Binding("escape", "stop", "Stop", show=False),
+        Binding("ctrl+l", "clear", "Clear"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, settings: ChatSettings):
+        super().__init__()
+        self.settings = settings
+        self.session: ChatSession | None = None
+        self.generating = False
+        self._answer: ChatMessage | None = None
+        self._stream = None
+        self.sub_title = self._subtitle()
+
+    def _subtitle(self) -> str:
+        s = self.settings
+        cache = describe_config(s.config).split(",")[0] if s.config else "float16 cache"
+        return f"{s.source.name} · {cache} · ctx {format_ctx(s.ctx)}"
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="body"):
+            with Vertical(id="chat"):
+                yield Transcript(id="transcript")
+                yield StatusBar(id="status")
+                yield Input(placeholder="Loading model…", id="prompt", disabled=True)
+            yield MemoryPanel(id="memory")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        plan = self.settings.plan
+        if plan is not None:
+            note = (f"**{self.settings.source.name}**: weights {format_bytes(plan.weights)}, KV cache at "
+                    f"{plan.ctx:,} tokens {format_bytes(plan.kv)} (float16 would be {format_bytes(plan.kv_fp16)}); "
+                    f"{format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
+            await self.transcript.add(note, "notice")
+            for w in plan.warnings:
+                await self.transcript.add(f"Warning: {w}", "error")
+        self.status.show("Loading model…")
+        self.load_model()
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def panel(self) -> MemoryPanel:
+        return self.query_one(MemoryPanel)
+
+    # --- loading -----------------------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="load")
+    def load_model(self) -> None:
+        s = self.settings
+        try:
+            if s.source.needs_download:
+                def progress(done: float, total: float | None) -> None:
+                    size = f"{format_bytes(done)} / {format_bytes(total)}" if total else format_bytes(done)
+                    self.post_message(Progress(f"Downloading {s.source.repo_id}  {size}", done, total))
+
+                download(s.source, progress)
+            self.post_message(Progress(f"Loading {s.source.name}…", 0, None))
+            session = self._load_session(s.source.path)
+        except ModelUnavailable as e:
+            self.post_message(Loaded(None, str(e)))
+        except Exception as e:  # the app must stay up and say what went wrong
+            self.post_message(Loaded(None, f"could not load {s.source.spec}: {type(e).__name__}: {e}"))
+        else:
+            self.post_message(Loaded(session))
+
+    def _load_session(self, path: Path) -> ChatSession:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.sample_utils import make_sampler
+
+        s = self.settings
+        mx.random.seed(s.seed)
+        model, tokenizer = load(str(path))
+        if s.dtype:
+            model.set_dtype(getattr(mx, s.dtype))
+            mx.eval(model.parameters())
+        return ChatSession(
+            model, tokenizer, s.config, s.ctx, model_id=s.source.repo_id or str(path), system=s.system,
+            max_tokens=s.max_tokens, sampler=make_sampler(s.temp, s.top_p), prefill_step_size=s.prefill_step_size,
+        )
+
+    async def on_loaded(self, message: Loaded) -> None:
+        self.status.hide()
+        prompt = self.query_one("#prompt", Input)
+        if message.session is None:
+            prompt.placeholder = "The model did not load: /quit to exit"
+            prompt.disabled = False
+            prompt.focus()
+            await self.transcript.add(message.error or "could not load the model", "error")
+            return
+        self.session = message.session
+        self.panel.stats = self.session.snapshot()
+        await self.transcript.add("Ready. Type a message, or /help for commands.", "notice")
+        prompt.placeholder = "Message (/help for commands)"
+        prompt.disabled = False
+        prompt.focus()
+
+    # --- one turn ----------------------------------------------------------------------------------------
+
+    @on(Input.Submitted, "#prompt")
+    async def submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        event.input.clear()
+        if not text:
+            return
+        if text.startswith("/"):
+            await self.run_command(text)
+            return
+        if self.session is None:
+            self.notify("The model is not loaded.", severity="warning")
+            return
+        if self.generating:
+            self.notify("Still answering: wait, or press Ctrl+C to stop.", severity="warning")
+            return
+        await self.transcript.add(text, "user")
+        self.generating = True
+        self._answer, self._stream = None, None
+        self.generate(text)
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate(self, text: str) -> None:
+        session = self.session
+        last = [0.0]
+
+        def stats(force: bool = False) -> None:
+            now = time.monotonic()
+            if force or now - last[0] >= STATS_INTERVAL:
+                last[0] = now
+                self.post_message(Stats(session.snapshot()))
+
+        def on_text(t: str) -> None:
+            self.post_message(Streamed(t))
+            stats()
+
+        def on_progress(done: int, total: int) -> None:
+            self.post_message(Progress("Prefill", done, total))
+            stats(force=True)
+
+        try:
+            result = session.generate(text, on_text, on_progress)
+        except ContextFull as e:
+            self.post_message(TurnDone(error=str(e)))
+        except Exception as e:
+            self.post_message(TurnDone(error=f"generation failed: {type(e).__name__}: {e}"))
+        else:
+            self.post_message(TurnDone(result))
+        finally:
+            self.post_message(Stats(session.snapshot()))
+
+    async def on_progress(self, message: Progress) -> None:
+        if message.label == "Prefill":
+            if message.done >= (message.total or 0):
+                self.status.hide()
+                return
+            label = f"Prefill {int(message.done):,} / {int(message.total):,} tokens"
+        else:
+            label = message.label
+        self.status.show(label, message.done, message.total)
+
+    async def on_streamed(self, message: Streamed) -> None:
+        if self._answer is None:
+            self._answer = await self.transcript.add("", "assistant")
+            self._stream = Markdown.get_stream(self._answer)
+        await self._stream.write(message.text)
+
+    def on_stats(self, message: Stats) -> None:
+        self.panel.stats = message.stats
+
+    async def on_turn_done(self, message: TurnDone) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+        self._stream = None
+        self.generating = False
+        self.status.hide()
+        if message.error:
+            await self.transcript.add(message.error, "error")
+            return
+        r = message.result
+        if r.generated == 0 and self._answer is None and r.finish != "stopped":
+            await self.transcript.add("(empty answer)", "notice")
+        notes = {
+            "stopped": "Stopped. The partial answer stays in the conversation.",
+            "context": f"Context limit reached ({self.settings.ctx:,} tokens): /clear to start a new conversation.",
+            "length": f"Answer cut at --max-tokens {self.settings.max_tokens:,}.",
+        }
+        if r.finish in notes:
+            await self.transcript.add(notes[r.finish], "notice")
+
+    # --- actions and commands ----------------------------------------------------------------------------
+
+    def exit(self, *args, **kwargs) -> None:
+        # A thread worker cannot be cancelled: end the answer so that quitting does not wait for it.
+        if self.session is not None:
+            self.session.stop_event.set()
+        super().exit(*args, **kwargs)
+
+    def action_stop(self) -> None:
+        if self.generating and self.session is not None:
+            self.session.stop_event.set()
+            self.notify("Stopping…")
+        else:
+            self.notify("Nothing to stop. /quit or Ctrl+Q exits.")
+
+    async def action_clear(self) -> None:
+        await self.run_command("/clear")
+
+    async def run_command(self, line: str) -> None:
+        cmd, _, arg = line.partition(" ")
+        cmd, arg = cmd.lower(), arg.strip()
+        if cmd in ("/quit", "/exit", "/q"):
+            self.exit()
+            return
+        if cmd == "/help":
+            await self.transcript.add(HELP, "notice")
+            return
+        if cmd == "/screenshot":
+            # Works at any time, even while answering or before the model loads.
+            path = Path(arg or "tq-chat.svg").expanduser().resolve()
+            self.save_screenshot(path.name, str(path.parent))
+            await self.transcript.add(f"Saved a screenshot to `{path}`.", "notice")
+            return
+        known = ("/clear", "/bits", "/save", "/load", "/stats", "/screenshot", "/quit", "/help")
+        if cmd not in known:
+            await self.transcript.add(f"Unknown command {cmd}. Commands: {', '.join(known)}.", "error")
+            return
+        if self.session is None:
+            await self.transcript.add("The model is not loaded.", "error")
+            return
+        if self.generating:
+            await self.transcript.add(f"{cmd} has to wait until the answer ends (Ctrl+C stops it).", "error")
+            return
+        await getattr(self, "cmd_" + cmd[1:])(arg)
+
+    async def cmd_clear(self, arg: str) -> None:
+        self.session.clear()
+        await self.transcript.remove_children()
+        await self.transcript.add("New conversation.", "notice")
+        self.panel.stats = self.session.snapshot()
+
+    async def cmd_bits(self, arg: str) -> None:
+        s = self.session.snapshot()
+        await self.transcript.add(f"**Cache**: {s['config']}\n\n**Bits per layer**: {s['bits']}", "notice")
+
+    async def cmd_stats(self, arg: str) -> None:
+        s = self.session.snapshot()
+        rows = [
+            ("context", f"{s['context_tokens']:,} / {s['ctx']:,} tokens"),
+            ("KV cache held", format_bytes(s["kv_bytes"])),
+            ("float16 would hold", format_bytes(s["fp16_bytes"])),
+            ("saved", f"{format_bytes(s['saved_bytes'])} ({s['ratio']:.2f}x)"),
+            ("other cache state", format_bytes(s["other_bytes"])),
+            ("weights", format_bytes(s["weights"])),
+            ("MLX active / peak", f"{format_bytes(s['active'])} / {format_bytes(s['peak'])}"),
+            ("prefill / decode", f"{s['prompt_tps']:.1f} / {s['decode_tps']:.1f} tok/s"),
+            ("turns", str(sum(m["role"] == "user" for m in self.session.messages))),
+        ]
+        table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+        await self.transcript.add(table, "notice")
+
+    async def cmd_save(self, arg: str) -> None:
+        if not arg:
+            await self.transcript.add("Usage: /save FILE", "error")
+            return
+        try:
+            path = self.session.save(arg)
+        except (OSError, ValueError) as e:
+            await self.transcript.add(f"Could not save: {e}", "error")
+            return
+        s = self.session.snapshot()
+        await self.transcript.add(
+            f"Saved {len(self.session.tokens):,} tokens ({format_bytes(s['kv_bytes'])} of KV cache) to `{path}`.",
+            "notice",
+        )
+
+    async def cmd_load(self, arg: str) -> None:
+        if not arg:
+            await self.transcript.add("Usage: /load FILE", "error")
+            return
+        try:
+            warnings = self.session.load(arg)
+        except (OSError, ValueError) as e:
+            await self.transcript.add(f"Could not load: {e}", "error")
+            return
+        await self.transcript.remove_children()
+        for m in self.session.messages:
+            if m["role"] in ("user", "assistant"):
+                await self.transcript.add(m["content"], m["role"])
+        await self.transcript.add(
+            f"Loaded {len(self.session.tokens):,} tokens from `{arg}`; the conversation continues from here.",
+            "notice",
+        )
+        for w in warnings:
+            await self.transcript.add(f"Warning: {w}", "error")
+        self.panel.stats = self.session.snapshot()

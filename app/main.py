@@ -1,0 +1,117 @@
+"""tq-chat: chat with a local LLM whose KV cache is compressed with TurboQuant.
+
+    tq-chat MODEL [--ctx 128k] [--bits 3.5 | --k-bits 4 --v-bits 3] [--max-tokens N] [--temp T]
+            [--system TEXT] [--force] [--plan] [--tq-* cache flags]
+
+Before anything is loaded (or downloaded) a preflight estimates the weights and the KV cache at --ctx and
+checks them against the memory MLX can use on this machine; it refuses to start when they do not fit, unless
+--force. `--plan` prints that estimate and exits (0 if it fits, 1 if not). Exit code 2: the model could not be
+found or fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from tq_mlx.cli import add_cache_args, config_from_args
+
+from .models import ALIASES, ModelUnavailable, remote_info, resolve
+from .plan import format_ctx, format_plan, make_plan, memory_source
+
+DEFAULT_MAX_CTX = 32 * 1024  # default --ctx: the model's trained context, at most this
+
+
+def ctx_arg(text: str) -> int:
+    """argparse type for --ctx: 4096, 32k, 128k, 1m (k = 1024 tokens, m = 1024k)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid context {text!r}: use a number of tokens like 4096, 32k, 128k or 1m")
+    value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    if value < 16 or value != int(value):
+        raise argparse.ArgumentTypeError(f"invalid context {text!r}: must be a whole number of tokens >= 16")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tq-chat",
+        description="Chat with a local LLM whose KV cache is compressed with TurboQuant, with a live memory panel.",
+    )
+    p.add_argument("model", metavar="MODEL",
+                   help=f"local model folder, Hugging Face repo id, or a short name: {', '.join(ALIASES)}")
+    p.add_argument("--ctx", type=ctx_arg, default=None, metavar="N",
+                   help=f"context limit in tokens: 4096, 32k, 128k, 1m (default: the model's trained context, "
+                        f"at most {format_ctx(DEFAULT_MAX_CTX)})")
+    p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="longest answer (default 1024)")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                   help="cast the weights when loading (float32 is much faster on MLX's CPU back end)")
+    p.add_argument("--prefill-step-size", type=int, default=512, metavar="N",
+                   help="prompt tokens processed at a time, between progress updates (default 512)")
+    p.add_argument("--force", action="store_true", help="start even if the preflight says it will not fit")
+    p.add_argument("--plan", action="store_true", help="print the memory preflight and exit")
+    add_cache_args(p, short_aliases=True)
+    return p
+
+
+def default_ctx(trained: int | None) -> int:
+    return min(trained, DEFAULT_MAX_CTX) if trained else DEFAULT_MAX_CTX
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tq_mlx.memory import attention_layout, available_memory, load_model_config, weight_bytes
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(f"invalid TurboQuant settings: {e}")
+
+    try:
+        source = resolve(args.model)
+        if source.path is not None:
+            model_config = load_model_config(source.path)
+            weights = weight_bytes(source.path, args.dtype)
+        else:
+            print(f"tq-chat: {source.repo_id} is not downloaded yet; asking the Hub for its size…", file=sys.stderr)
+            model_config, weights = remote_info(source.repo_id)
+        trained = attention_layout(model_config).max_context
+    except ModelUnavailable as e:
+        print(f"tq-chat: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"tq-chat: cannot read model {args.model}: {e}", file=sys.stderr)
+        return 2
+
+    ctx = args.ctx or default_ctx(trained)
+    plan = make_plan(source.name, model_config, weights, ctx, config, available_memory(), memory_source())
+    if args.plan:
+        print(format_plan(plan))
+        return 0 if plan.fits else 1
+    for w in plan.warnings:
+        print(f"tq-chat: warning: {w}", file=sys.stderr)
+    if not plan.fits and not args.force:
+        print(format_plan(plan), file=sys.stderr)
+        print("tq-chat: not starting: this would not fit in memory (--force starts anyway)", file=sys.stderr)
+        return 1
+
+    from .chat import ChatApp, ChatSettings
+
+    app = ChatApp(ChatSettings(
+        source=source, ctx=ctx, config=config, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
+        system=args.system, dtype=args.dtype, prefill_step_size=args.prefill_step_size, seed=args.seed, plan=plan,
+    ))
+    app.run()
+    return app.return_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Preflight: will the model and a --ctx-token KV cache fit in the memory MLX can use here?
+
+All numbers come from tq_mlx.memory; this module only compares them and words the verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.cli import describe_config
+from tq_mlx.memory import attention_layout, estimate_kv_bytes, format_bytes
+
+# Share of the available memory the weights and KV cache may take; the rest is left for activations
+# (prefill chunks, attention scores) and everything else running.
+USABLE_FRACTION = 0.9
+# Tried in this order when suggesting fewer bits.
+SUGGESTED_BITS = (4, 3.5, 3, 2.5, 2)
+
+
+@dataclass
+class Plan:
+    model: str
+    ctx: int
+    config: TurboQuantConfig | None
+    weights: int
+    kv_fp16: int
+    kv: int  # with `config` (= kv_fp16 when config is None)
+    available: int
+    available_source: str
+    trained_ctx: int | None
+    attention_layers: int
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    warnings: list[str] = field(default_factory=list)
+    suggestion: str | None = None
+
+    @property
+    def usable(self) -> int:
+        return int(self.available * USABLE_FRACTION)
+
+    @property
+    def needed(self) -> int:
+        return self.weights + self.kv
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.usable
+
+
+def memory_source() -> str:
+    import mlx.core as mx
+
+    try:
+        if mx.metal.is_available():
+            return "MLX recommended working set"
+    except (AttributeError, RuntimeError):
+        pass
+    return "physical memory"
+
+
+def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: TurboQuantConfig | None,
+              available: int, available_source: str = "physical memory") -> Plan:
+    """Estimate weights + KV at `ctx` tokens, compare with `available`, and suggest settings that fit."""
+    lay = attention_layout(model_config)
+    plan = Plan(
+        model=model, ctx=ctx, config=config, weights=weights,
+        kv_fp16=estimate_kv_bytes(model_config, ctx, None),
+        kv=estimate_kv_bytes(model_config, ctx, config),
+        available=available, available_source=available_source, trained_ctx=lay.max_context,
+        attention_layers=len(lay.full_layers), n_layers=lay.n_layers, kv_heads=lay.n_kv_heads,
+        head_dim=lay.head_dim,
+    )
+    if lay.max_context and ctx > lay.max_context:
+        plan.warnings.append(
+            f"--ctx {ctx:,} is beyond the model's trained context of {lay.max_context:,} tokens; "
+            f"answers past {lay.max_context:,} tokens may degrade"
+        )
+    if not plan.fits:
+        plan.suggestion = _suggest(plan, model_config)
+    return plan
+
+
+def _suggest(plan: Plan, model_config: dict) -> str:
+    room = plan.usable - plan.weights
+    if room <= 0:
+        return (f"the weights alone need {format_bytes(plan.weights)} of {format_bytes(plan.usable)} usable: "
+                f"choose a smaller or more strongly quantized model")
+    tips = []
+    base = plan.config or TurboQuantConfig()
+    for bits in SUGGESTED_BITS:
+        cfg = replace(base, key_bits=bits, value_bits=bits, qjl=False)
+        if bits < max(base.key_bits, base.value_bits) and estimate_kv_bytes(model_config, plan.ctx, cfg) <= room:
+            tips.append(f"--bits {bits} fits {plan.ctx:,} tokens")
+            break
+    ctx = max_context(model_config, room, plan.config)
+    if ctx >= 1024:
+        tips.append(f"--ctx {format_ctx(ctx)} fits with the current settings")
+    if not tips:
+        return "even a short context does not fit next to the weights: choose a smaller model"
+    return "; or ".join(tips)
+
+
+def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None) -> int:
+    """The largest context (rounded down to 1024 tokens) whose KV cache fits in `budget` bytes."""
+    lo, hi = 0, 1 << 24
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_kv_bytes(model_config, mid, config) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo // 1024 * 1024
+
+
+def format_ctx(n: int) -> str:
+    """131072 -> '128k', 1048576 -> '1m', 5000 -> '5000'."""
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}m"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
+def format_plan(plan: Plan) -> str:
+    """The preflight report, as tq-chat --plan prints it."""
+    cfg = describe_config(plan.config) if plan.config else "float16 (no TurboQuant)"
+    ratio = plan.kv_fp16 / plan.kv if plan.kv else 1.0
+    trained = f" (trained: {plan.trained_ctx:,})" if plan.trained_ctx else ""
+    layers = (f"{plan.attention_layers} of {plan.n_layers} layers with attention"
+              if plan.attention_layers != plan.n_layers else f"{plan.n_layers} layers")
+    rows = [
+        ("model", f"{plan.model} ({layers}, {plan.kv_heads} KV heads x {plan.head_dim})"),
+        ("context", f"{plan.ctx:,} tokens{trained}"),
+        ("weights", format_bytes(plan.weights)),
+        ("KV float16", format_bytes(plan.kv_fp16)),
+        ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
+        ("total", f"{format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable "
+                  f"({int(USABLE_FRACTION * 100)}% of {format_bytes(plan.available)} {plan.available_source})"),
+    ]
+    verdict = ("fits" if plan.fits else "does NOT fit") + f" ({format_bytes(abs(plan.usable - plan.needed))} "
+    verdict += "to spare)" if plan.fits else "short)"
+    rows.append(("verdict", verdict))
+    out = [f"{k:<11} {v}" for k, v in rows]
+    if plan.suggestion:
+        out.append(f"{'suggestion':<11} {plan.suggestion}")
+    out += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(out)

@@ -1,0 +1,442 @@
+"""tq-chat (app/): argument parsing, model resolution, preflight, and the Textual app driven headless by its Pilot
+on a tiny random model folder."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app import main as cli
+from app.chat import ChatApp, ChatSettings, Progress, Stats, Streamed
+from app.models import ALIASES, ModelSource, ModelUnavailable, resolve
+from app.plan import format_ctx, make_plan, max_context
+from app.widgets import ChatMessage
+from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
+from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.memory import estimate_kv_bytes, format_bytes, load_model_config, weight_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 60  # seconds any single wait in the app may take
+
+
+# --- arguments, models, preflight ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, n", [("4096", 4096), ("32k", 32768), ("128K", 131072), ("1m", 1 << 20), ("1.5k", 1536)])
+def test_ctx_accepts_numbers_and_suffixes(text, n):
+    assert cli.ctx_arg(text) == n
+    assert cli.ctx_arg(format_ctx(n)) == n
+
+
+@pytest.mark.parametrize("text", ["12q", "k", "-5", "8"])
+def test_bad_ctx_is_an_argparse_error(text, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["m", "--ctx", text])
+    assert "--ctx" in capsys.readouterr().err
+
+
+def test_chat_has_the_cache_flags_and_short_bits():
+    args = cli.build_parser().parse_args(["m", "--k-bits", "4", "--v-bits", "3", "--tq-window", "64"])
+    assert (args.tq_key_bits, args.tq_value_bits, args.tq_window) == (4, 3, 64)
+
+
+def test_resolve_local_folder_alias_and_repo_id(tiny_model_dir, tmp_path, monkeypatch):
+    src = resolve(str(tiny_model_dir))
+    assert src.path == tiny_model_dir.absolute() and not src.needs_download and src.repo_id is None
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    alias = resolve("qwen3.5-35b-a3b")
+    assert alias.repo_id == ALIASES["Qwen3.5-35B-A3B"] and alias.needs_download
+    assert resolve("someone/some-model").repo_id == "someone/some-model"
+
+
+@pytest.mark.parametrize("spec, message", [("./missing-folder", "no such model folder"),
+                                           ("not a model", "unknown model"),
+                                           ("/tmp", "has no config.json")])
+def test_resolve_errors_are_clear(spec, message):
+    with pytest.raises(ModelUnavailable, match=message):
+        resolve(spec)
+
+
+def test_plan_prints_the_estimate(tiny_model_dir, capsys):
+    assert cli.main([str(tiny_model_dir), "--plan", "--ctx", "2k", "--bits", "3"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_model_config(tiny_model_dir)
+    assert format_bytes(weight_bytes(tiny_model_dir)) in out
+    assert format_bytes(estimate_kv_bytes(cfg, 2048, None)) in out
+    assert format_bytes(estimate_kv_bytes(cfg, 2048, TurboQuantConfig.from_bits(3))) in out
+    assert "2,048 tokens (trained: 4,096)" in out and "verdict     fits" in out
+
+
+def test_context_beyond_training_warns(tiny_model_dir, capsys):
+    assert cli.main([str(tiny_model_dir), "--plan", "--ctx", "8k"]) == 0
+    assert "beyond the model's trained context of 4,096 tokens" in capsys.readouterr().out
+
+
+def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, capsys):
+    cfg = load_model_config(tiny_model_dir)
+    weights = weight_bytes(tiny_model_dir)
+    # room for the weights and a 2-bit KV cache of 64k tokens: the default 4 bits do not fit
+    room = weights + estimate_kv_bytes(cfg, 65536, TurboQuantConfig.from_bits(2))
+    monkeypatch.setattr("tq_mlx.memory.available_memory", lambda: int(room / 0.9) + 1)
+    monkeypatch.setattr("app.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
+    assert cli.main([str(tiny_model_dir), "--ctx", "64k"]) == 1
+    err = capsys.readouterr().err
+    assert "does NOT fit" in err and "not starting" in err and "--force" in err
+    fits_ctx = max_context(cfg, room - weights, TurboQuantConfig())
+    assert 16 * 1024 < fits_ctx < 64 * 1024
+    assert f"--bits 2 fits 65,536 tokens; or --ctx {format_ctx(fits_ctx)} fits" in err
+    assert cli.main([str(tiny_model_dir), "--ctx", "64k", "--plan"]) == 1
+
+    started = []
+    monkeypatch.setattr("app.chat.ChatApp.run", lambda self: started.append(self.settings))
+    assert cli.main([str(tiny_model_dir), "--ctx", "64k", "--force", "--max-tokens", "9"]) == 0
+    assert started[0].ctx == 65536 and started[0].max_tokens == 9
+
+
+def test_plan_for_a_hybrid_counts_only_attention_layers():
+    qwen35 = {"text_config": {"num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                              "head_dim": 256, "full_attention_interval": 4, "max_position_embeddings": 262144}}
+    plan = make_plan("q", qwen35, 20 * 10**9, 131072, TurboQuantConfig.from_bits(3), 48 * 10**9)
+    assert plan.attention_layers == 10 and plan.kv_fp16 == 20480 * 131072 and plan.fits
+    weights_only = make_plan("q", qwen35, 60 * 10**9, 1024, None, 48 * 10**9)
+    assert not weights_only.fits and "weights alone" in weights_only.suggestion
+
+
+def test_offline_without_the_model_is_a_clear_message(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "app.main", "someone/not-downloaded", "--plan"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "not in the Hugging Face cache" in proc.stderr and "local model folder" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# --- the app, headless ---------------------------------------------------------------------------------------
+
+
+class RecordingApp(ChatApp):
+    """ChatApp that records the messages its workers post (the base handlers still run: Textual walks the MRO)."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.events: list = []
+
+    def on_progress(self, m: Progress) -> None:
+        self.events.append(("progress", m.label, m.done, m.total))
+
+    def on_streamed(self, m: Streamed) -> None:
+        self.events.append(("text", m.text))
+
+    def on_stats(self, m: Stats) -> None:
+        self.events.append(("stats", m.stats))
+
+
+def make_app(path: Path, **kw) -> RecordingApp:
+    settings = dict(ctx=1024, config=TurboQuantConfig(window=16, sinks=2), max_tokens=24)
+    settings.update(kw)
+    return RecordingApp(ChatSettings(source=ModelSource(str(path), path=path), **settings))
+
+
+async def wait_for(pilot, condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.05)
+
+
+async def loaded(pilot) -> None:
+    await wait_for(pilot, lambda: pilot.app.session is not None, "the model to load")
+    await wait_for(pilot, lambda: not pilot.app.query_one("#prompt").disabled, "the input")
+
+
+async def say(pilot, text: str, keys: bool = False) -> None:
+    """Submit `text` in the input box (typed key by key when `keys`) and wait for the answer."""
+    app = pilot.app
+    prompt = app.query_one("#prompt")
+    prompt.focus()
+    if keys:
+        await pilot.press(*text)
+    else:
+        prompt.value = text
+    await pilot.press("enter")
+    await pilot.pause(0.05)
+    await wait_for(pilot, lambda: not app.generating, "the answer")
+    await pilot.pause(0.1)
+
+
+def messages(app, role: str | None = None) -> list[ChatMessage]:
+    return [m for m in app.query(ChatMessage) if role is None or m.role == role]
+
+
+def panel_text(panel, stats: dict) -> str:
+    """A memory panel's rendering of `stats` as plain text."""
+    from rich.console import Console
+
+    console = Console(width=40, record=True, file=open(os.devnull, "w"))
+    console.print(panel.render_stats(stats))
+    return console.export_text()
+
+
+def rendered(app) -> str:
+    return panel_text(app.panel, app.panel.stats)
+
+
+def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
+    async def run():
+        app = make_app(tiny_model_dir, temp=1.0, max_tokens=60)  # sampled bytes: many streamed segments
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot)
+            await say(pilot, "hello there", keys=True)
+            session = app.session
+            answer = session.messages[-1]
+            assert answer["role"] == "assistant" and answer["content"]
+            # streamed in pieces, and the transcript shows exactly what the conversation keeps
+            pieces = [e[1] for e in app.events if e[0] == "text"]
+            assert len(pieces) > 1 and "".join(pieces) == answer["content"]
+            assert messages(app, "assistant")[-1].source == answer["content"]
+            assert [m.source for m in messages(app, "user")] == ["hello there"]
+            # the panel's numbers are the caches' own nbytes, via memory.cache_bytes
+            stats = app.panel.stats
+            assert stats["kv_bytes"] == sum(c.nbytes for c in session.cache)
+            assert stats["context_tokens"] == len(session.tokens) == session.cache[0].offset
+            assert stats["weights"] > 0 and stats["peak"] >= stats["active"] > 0 and stats["decode_tps"] > 0
+            text = rendered(app)
+            for key in ("kv_bytes", "fp16_bytes", "weights"):
+                assert format_bytes(stats[key]) in text
+            assert f"{len(session.tokens):,} / 1,024" in text and "K4/V4 on all 3 attention layers" in text
+            assert any(e[0] == "stats" for e in app.events)  # live updates while generating
+
+    asyncio.run(run())
+
+
+def test_second_turn_reuses_the_cache(tiny_model_dir):
+    async def run():
+        app = make_app(tiny_model_dir)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "first question")
+            before = len(app.session.tokens)
+            prepare = app.session.prepare
+            seen = {}
+
+            def spy(text):
+                out = prepare(text)
+                seen["reused"], seen["new"] = out[2], len(out[1])
+                return out
+
+            app.session.prepare = spy
+            await say(pilot, "second")
+            # only the last generated token (<eos>, which the template writes as a newline) is re-fed
+            assert seen["reused"] >= before - 1
+            assert seen["new"] < len("user: second\nassistant: ") + 2
+            assert len(messages(app, "assistant")) == 2
+
+    asyncio.run(run())
+
+
+def test_save_then_load_continues_the_conversation(tiny_model_dir, tmp_path):
+    async def run():
+        app = make_app(tiny_model_dir)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "remember this")
+            saved_tokens, saved_messages = list(app.session.tokens), list(app.session.messages)
+            saved_bytes = app.panel.stats["kv_bytes"]
+            await say(pilot, f"/save {tmp_path / 'conv'}")
+            assert (tmp_path / "conv.safetensors").exists()
+            assert "Saved" in messages(app, "notice")[-1].source
+            await say(pilot, "/clear")
+            assert app.session.tokens == [] and len(messages(app)) == 1
+            await say(pilot, f"/load {tmp_path / 'conv.safetensors'}")
+            assert app.session.tokens == saved_tokens and app.session.messages == saved_messages
+            assert app.panel.stats["kv_bytes"] == saved_bytes
+            assert [m.source for m in messages(app, "user")] == ["remember this"]
+            prepare = app.session.prepare
+            reused = []
+            app.session.prepare = lambda t: (out := prepare(t), reused.append(out[2]))[0]
+            await say(pilot, "go on")
+            assert reused[0] >= len(saved_tokens) - 1  # continued from the loaded cache, not re-prefilled
+            assert [m["role"] for m in app.session.messages] == ["user", "assistant"] * 2
+
+    asyncio.run(run())
+
+
+def test_ctrl_c_stops_and_keeps_the_partial_answer(tiny_model_dir):
+    async def run():
+        app = make_app(tiny_model_dir, max_tokens=3000, ctx=4096)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            app.query_one("#prompt").focus()
+            await pilot.press(*"talk")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: any(e[0] == "text" for e in app.events), "the first token")
+            await pilot.press("ctrl+c")
+            await wait_for(pilot, lambda: not app.generating, "the stop")
+            await pilot.pause(0.1)
+            session = app.session
+            partial = session.messages[-1]["content"]
+            assert session.messages[-1]["role"] == "assistant" and 0 < len(session.tokens) < 3000
+            assert messages(app, "assistant")[-1].source == partial
+            assert "Stopped" in messages(app, "notice")[-1].source
+            assert len(session.tokens) == session.cache_offset()
+            session.max_tokens = 8
+            await say(pilot, "again")  # the conversation goes on
+            assert session.messages[-2] == {"role": "user", "content": "again"}
+
+    asyncio.run(run())
+
+
+def test_prefill_progress_is_shown(tiny_model_dir):
+    async def run():
+        app = make_app(tiny_model_dir, prefill_step_size=16, max_tokens=2)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "a long question " * 6)
+            prefill = [e for e in app.events if e[0] == "progress" and e[1] == "Prefill"]
+            assert len(prefill) >= 4 and prefill[-1][2] == prefill[-1][3]
+            assert any(0 < e[2] < e[3] for e in prefill)
+            assert not app.status.display  # hidden again when done
+
+    asyncio.run(run())
+
+
+def test_commands_and_errors(tiny_model_dir, tmp_path):
+    async def run():
+        app = make_app(tiny_model_dir, ctx=64)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "/bits")
+            assert "K4/V4 on all 3 attention layers" in messages(app, "notice")[-1].source
+            await say(pilot, "/stats")
+            assert "KV cache held" in messages(app, "notice")[-1].source
+            await say(pilot, "/help")
+            assert "/save FILE" in messages(app, "notice")[-1].source
+            await say(pilot, "/nonsense")
+            assert "Unknown command /nonsense" in messages(app, "error")[-1].source
+            await say(pilot, f"/load {tmp_path / 'missing'}")
+            assert "Could not load" in messages(app, "error")[-1].source
+            (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
+            await say(pilot, f"/load {tmp_path / 'junk.safetensors'}")
+            assert "Could not load" in messages(app, "error")[-1].source
+            await say(pilot, "/save")
+            assert "Usage: /save FILE" in messages(app, "error")[-1].source
+            # --ctx 64: a long message does not fit; the conversation is unchanged
+            await say(pilot, "x" * 80)
+            assert "context limit reached" in messages(app, "error")[-1].source
+            assert app.session.messages == [] and app.session.tokens == []
+            # a short one fits, and generation stops at the limit
+            app.session.max_tokens = 1000
+            await say(pilot, "hi")
+            assert len(app.session.tokens) == 64
+            assert "Context limit reached (64 tokens)" in messages(app, "notice")[-1].source
+            assert "64 / 64" in rendered(app)
+
+            def boom(*a, **k):
+                raise RuntimeError("simulated failure")
+
+            app.session.generate = boom
+            await say(pilot, "/clear")
+            await say(pilot, "hello")
+            assert "generation failed: RuntimeError: simulated failure" in messages(app, "error")[-1].source
+            await pilot.press("ctrl+c")  # nothing to stop: a notification, the app stays up
+            await say(pilot, "/quit")
+        assert app.return_code in (0, None)
+
+    asyncio.run(run())
+
+
+def test_a_model_that_does_not_load_is_reported(tmp_path):
+    bad = save_tiny_model(tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+
+    async def run():
+        app = make_app(bad)
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: messages(app, "error"), "the load error")
+            assert "could not load" in messages(app, "error")[-1].source
+            assert app.session is None and not app.query_one("#prompt").disabled
+            await say(pilot, "hello")  # nothing to talk to, but no crash
+            await say(pilot, "/quit")
+
+    asyncio.run(run())
+
+
+def test_download_progress_goes_to_the_app(tiny_model_dir, monkeypatch):
+    calls = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, tqdm_class=None, **kw):
+        calls["repo"] = repo_id
+        bar = tqdm_class(total=1000, desc="Downloading", unit="B")
+        for _ in range(4):
+            bar.update(250)
+            bar.refresh()
+        bar.close()
+        return str(tiny_model_dir)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr("app.models.check_hub", lambda repo_id: None)
+
+    async def run():
+        app = RecordingApp(ChatSettings(source=ModelSource("org/tiny", repo_id="org/tiny"), ctx=256,
+                                        config=TurboQuantConfig(window=16)))
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            downloads = [e for e in app.events if e[0] == "progress" and "Downloading org/tiny" in e[1]]
+            assert downloads and downloads[-1][2:] == (1000, 1000)
+            assert app.settings.source.path == tiny_model_dir
+
+    asyncio.run(run())
+    assert calls["repo"] == "org/tiny"
+
+
+def test_download_failure_is_a_message_not_a_crash(monkeypatch):
+    def offline(*a, **k):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    monkeypatch.setattr("app.models.check_hub", lambda repo_id: None)
+
+    async def run():
+        app = RecordingApp(ChatSettings(source=ModelSource("org/tiny", repo_id="org/tiny"), ctx=256))
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: messages(app, "error"), "the error")
+            assert "cannot be fetched from the Hub: network is unreachable" in messages(app, "error")[-1].source
+
+    asyncio.run(run())
+
+
+# --- the conversation engine on its own -----------------------------------------------------------------------
+
+
+def test_hybrid_model_reuses_its_cache_across_turns():
+    """Qwen3.5-style hybrid: the linear-attention state cannot be trimmed, so a turn whose template differs at
+    the end of the previous answer goes back to the checkpoint at the end of the previous prompt."""
+    from app.session import ChatSession
+    from tests.support.tiny_models import tiny_hybrid, tiny_tokenizer
+
+    model, _ = tiny_hybrid()
+    session = ChatSession(model, tiny_tokenizer(), TurboQuantConfig(window=16), ctx=2048, max_tokens=12)
+    first = session.generate("first question")
+    assert first.reused_tokens == 0 and first.generated > 0
+    prompt_end = first.new_tokens - 1  # the checkpoint: everything but the last prompt token
+    second = session.generate("second")
+    assert second.reused_tokens >= prompt_end > 0
+    assert session.cache_offset() == len(session.tokens)
+    # the cache holds exactly the conversation as the template renders it, then the answer
+    prompt = session.render(session.messages[:-1])
+    assert session.tokens[: len(prompt)] == prompt
+    assert len(session.tokens) == len(prompt) + second.generated
+    # the panel shows the linear-attention state apart from the KV cache
+    from app.widgets import MemoryPanel
+
+    stats = session.snapshot()
+    text = panel_text(MemoryPanel(), stats)
+    assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
+    assert "K4/V4 on its 1 attention layer" in text

@@ -1,0 +1,299 @@
+"""Command lines: tq-generate and tq-server (mlx-lm's generate and server with a TurboQuant KV cache), and the
+TurboQuant cache flags they share with tq-chat.
+
+Both commands keep every flag of the mlx-lm command they wrap and add the `--tq-*` flags. The model is patched
+as it loads (`mlx_lm.utils.load_model`, which `mlx_lm.utils.load` looks up at call time; for the server,
+`ModelProvider._load`), so every mlx-lm code path that builds a cache builds TurboQuant caches
+(mlx-lm-integration.md §3). `--kv-bits` alone selects mlx-lm's own affine cache instead; mixing it with `--tq-*`
+flags is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import sys
+from typing import Any, Iterator
+
+from .cache import TurboQuantConfig
+from .quantizer import MSE_BITS
+
+_ALLOWED_BITS = ", ".join(str(b) for b in MSE_BITS)
+
+# dest -> TurboQuantConfig field, for the flags that map one to one
+_FIELDS = {
+    "tq_key_bits": "key_bits",
+    "tq_value_bits": "value_bits",
+    "tq_window": "window",
+    "tq_block": "block",
+    "tq_sinks": "sinks",
+    "tq_boundary_layers": "boundary_layers",
+    "tq_boundary_bits": "boundary_bits",
+    "tq_seed": "seed",
+}
+_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_no_center_values", *_FIELDS)
+
+
+def bits_arg(text: str) -> float:
+    """argparse type for a TurboQuant bit width."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value not in MSE_BITS:
+        raise argparse.ArgumentTypeError(f"invalid bit width {text!r}: allowed are {_ALLOWED_BITS}")
+    return int(value) if value == int(value) else value
+
+
+def _count_arg(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be an integer >= {low}")
+        return value
+
+    return parse
+
+
+def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False) -> argparse.ArgumentParser:
+    """Add the TurboQuant cache flags (--tq-*) to `parser`. short_aliases adds tq-chat's --bits, --k-bits and
+    --v-bits as other names of --tq-bits, --tq-key-bits and --tq-value-bits."""
+    d = TurboQuantConfig()
+    g = parser.add_argument_group(
+        "TurboQuant KV cache",
+        "Compress the KV cache with TurboQuant (rotation + Lloyd-Max codes). Bit widths: " + _ALLOWED_BITS + ".",
+    )
+
+    def names(long: str, short: str) -> list[str]:
+        return [long, short] if short_aliases else [long]
+
+    g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
+                   help=f"bits per value for keys and values (default {d.key_bits})")
+    g.add_argument(*names("--tq-key-bits", "--k-bits"), dest="tq_key_bits", type=bits_arg, metavar="B",
+                   help="bits per key value (overrides --tq-bits for keys)")
+    g.add_argument(*names("--tq-value-bits", "--v-bits"), dest="tq_value_bits", type=bits_arg, metavar="B",
+                   help="bits per value-vector value (overrides --tq-bits for values)")
+    g.add_argument("--tq-qjl", dest="tq_qjl", action="store_true",
+                   help="keys as TurboQuant_prod: (bits-1) MSE bits + 1 QJL bit (integer key bits 1-4)")
+    g.add_argument("--tq-window", dest="tq_window", type=_count_arg(0), metavar="N",
+                   help=f"most recent tokens kept in float16 (default {d.window}; 0 compresses every token)")
+    g.add_argument("--tq-block", dest="tq_block", type=_count_arg(1), metavar="N",
+                   help="tokens compressed at a time when the window overflows (default: the window)")
+    g.add_argument("--tq-sinks", dest="tq_sinks", type=_count_arg(0), metavar="N",
+                   help=f"first tokens kept in float16 (default {d.sinks})")
+    g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=_count_arg(0), metavar="N",
+                   help=f"first and last N attention layers use --tq-boundary-bits (default {d.boundary_layers})")
+    g.add_argument("--tq-boundary-bits", dest="tq_boundary_bits", type=bits_arg, metavar="B",
+                   help=f"bits of the boundary layers (default {d.boundary_bits})")
+    g.add_argument("--tq-no-center-keys", dest="tq_no_center_keys", action="store_true",
+                   help="do not subtract the per-head key mean before quantizing")
+    g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
+                   help="do not subtract the per-head value mean before quantizing")
+    g.add_argument("--tq-seed", dest="tq_seed", type=_count_arg(0), metavar="N",
+                   help=f"seed of the rotations (default {d.seed})")
+    return parser
+
+
+def cache_flags_given(args: argparse.Namespace) -> list[str]:
+    """The --tq-* flags set on the command line, as option names."""
+    return [
+        "--" + dest.replace("_", "-")
+        for dest in _DESTS
+        if getattr(args, dest, None) not in (None, False)
+    ]
+
+
+def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
+    """The TurboQuantConfig the --tq-* flags ask for (TurboQuantConfig's defaults for flags not given).
+
+    Raises ValueError naming the conflict when the combination is invalid (e.g. --tq-qjl with 2.5 bits).
+    """
+    kw: dict[str, Any] = {}
+    bits = getattr(args, "tq_bits", None)
+    if bits is not None:
+        kw["key_bits"] = kw["value_bits"] = bits
+    for dest, name in _FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            kw[name] = value
+    if getattr(args, "tq_qjl", False):
+        kw["qjl"] = True
+    if getattr(args, "tq_no_center_keys", False):
+        kw["center_keys"] = False
+    if getattr(args, "tq_no_center_values", False):
+        kw["center_values"] = False
+    return TurboQuantConfig(**kw)
+
+
+def config_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TurboQuantConfig | None:
+    """config_from_args, with the --kv-bits conflict and invalid combinations reported through parser.error.
+    None means "no TurboQuant" (--kv-bits alone: mlx-lm's affine cache)."""
+    flags = cache_flags_given(args)
+    if getattr(args, "kv_bits", None) is not None:
+        if flags:
+            parser.error(
+                f"--kv-bits selects mlx-lm's own affine KV quantization and cannot be combined with TurboQuant "
+                f"flags ({', '.join(flags)}); drop --kv-bits for TurboQuant, or the --tq-* flags for mlx-lm's cache"
+            )
+        return None
+    try:
+        return config_from_args(args)
+    except ValueError as e:
+        parser.error(f"invalid TurboQuant settings: {e}")
+
+
+def describe_config(config: TurboQuantConfig | None) -> str:
+    """One line: 'TurboQuant K4/V4, window 128, sinks 4' (or mlx-lm's cache)."""
+    if config is None:
+        return "mlx-lm cache"
+    b = lambda x: str(int(x)) if x == int(x) else str(x)  # noqa: E731
+    parts = [f"TurboQuant K{b(config.key_bits)}{'+QJL' if config.qjl else ''}/V{b(config.value_bits)}",
+             f"window {config.window}", f"sinks {config.sinks}"]
+    if config.boundary_layers:
+        parts.append(f"boundary {config.boundary_layers} layers at {b(config.boundary_bits)} bits")
+    return ", ".join(parts)
+
+
+def summary_line(prompt_cache) -> str:
+    """tq-generate's closing line: KV memory held against float16 (memory.cache_bytes)."""
+    from .memory import bits_summary, cache_bytes, format_bytes
+
+    s = cache_bytes(prompt_cache)
+    line = (
+        f"KV cache: {format_bytes(s['kv_bytes'])} for {s['tokens']} tokens vs {format_bytes(s['fp16_bytes'])} "
+        f"in float16 ({s['ratio']:.2f}x, {format_bytes(s['saved_bytes'])} saved); {bits_summary(prompt_cache)}"
+    )
+    if s["other_bytes"]:
+        line += f"; other cache state {format_bytes(s['other_bytes'])}"
+    return line
+
+
+@contextlib.contextmanager
+def patched_loading(config: TurboQuantConfig | None) -> Iterator[None]:
+    """While active, every model mlx_lm.utils.load / load_model loads is patched with TurboQuant caches."""
+    import mlx_lm.utils as utils
+
+    from .integration import patch_model
+
+    original = utils.load_model
+    if config is None:
+        yield
+        return
+
+    def load_model(*args, **kwargs):
+        model, model_config = original(*args, **kwargs)
+        patch_model(model, config)
+        return model, model_config
+
+    utils.load_model = load_model
+    try:
+        yield
+    finally:
+        utils.load_model = original
+
+
+class _Parsed:
+    """Stands in for the parser mlx_lm.generate.main builds, returning arguments already parsed."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def parse_args(self, *_, **__) -> argparse.Namespace:
+        return self.args
+
+
+def _generate_module():
+    # `import mlx_lm.generate as gen` would give the function: mlx_lm/__init__.py re-exports it by that name.
+    return importlib.import_module("mlx_lm.generate")
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """mlx_lm.generate's parser plus the TurboQuant flags."""
+    gen = _generate_module()
+    parser = gen.setup_arg_parser()
+    parser.prog = "tq-generate"
+    parser.description = "mlx_lm.generate with a TurboQuant-compressed KV cache."
+    return add_cache_args(parser)
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """tq-generate: mlx_lm.generate's main with the model patched, then the KV memory summary."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    gen = _generate_module()
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    config = config_or_error(parser, args)
+    used: list = []
+
+    original_generate = gen.generate
+
+    def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+        # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
+        if kwargs.get("prompt_cache") is None:
+            cache = make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
+            if kwargs.get("draft_model") is not None:
+                cache = cache + make_prompt_cache(kwargs["draft_model"])
+            kwargs["prompt_cache"] = cache
+        used.append((kwargs["prompt_cache"], len(model.layers)))
+        return original_generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
+
+    setup = gen.setup_arg_parser
+    gen.setup_arg_parser, gen.generate = (lambda: _Parsed(args)), generate
+    try:
+        with patched_loading(config):
+            gen.main()
+    except ValueError as e:
+        print(f"tq-generate: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        gen.setup_arg_parser, gen.generate = setup, original_generate
+    if used:
+        cache, n_layers = used[-1]
+        print(summary_line(cache[:n_layers]), file=sys.stdout if args.verbose else sys.stderr, flush=True)
+    return 0
+
+
+def server_main(argv: list[str] | None = None) -> int:
+    """tq-server: mlx_lm.server with every loaded model patched (ModelProvider subclass) and the --tq-* flags."""
+    import mlx_lm.server as server
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .integration import patch_model
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tq_parser = add_cache_args(argparse.ArgumentParser(prog="tq-server", add_help=False))
+    tq_args, rest = tq_parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        tq_parser.print_help()
+        print()
+    elif any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+        tq_args.kv_bits = True  # only its presence matters here
+    config = config_or_error(tq_parser, tq_args)
+
+    class ModelProvider(server.ModelProvider):
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            super()._load(model_path, adapter_path, draft_model_path)
+            if config is not None:
+                patch_model(self.model, config)
+                logging.info(f"KV cache: {describe_config(config)}")
+                # Batching needs every cache to merge; recompute for the TurboQuant caches.
+                self.is_batchable = self.draft_model is None and all(
+                    hasattr(c, "merge") for c in make_prompt_cache(self.model)
+                )
+
+    saved = server.ModelProvider, sys.argv
+    server.ModelProvider, sys.argv = ModelProvider, ["tq-server", *rest]
+    try:
+        server.main()
+    except ValueError as e:
+        print(f"tq-server: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        server.ModelProvider, sys.argv = saved
+    return 0

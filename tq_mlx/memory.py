@@ -1,0 +1,438 @@
+"""Memory numbers in one place: what a prompt cache holds, what a context would cost, what the machine has.
+
+* `cache_bytes(prompt_cache)`: bytes the caches actually hold (each cache's own `nbytes`) against what a float16
+  `KVCache` would hold for the same tokens. The tq-chat memory panel and tq-generate's summary both call it.
+* `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
+  for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. The TurboQuant estimate follows the
+  cache's storage layout (tq_mlx/cache.py) and equals `TurboQuantKVCache.nbytes` exactly when the cache was
+  filled in one prefill or token by token (chunked prefill can add up to one `step` of padding per chunk).
+* `weight_bytes(path)` from safetensors headers, `available_memory()` for MLX on this machine.
+
+Float16 references count exactly 2 · n_kv_heads · head_dim · 2 bytes per token and attention layer, without
+KVCache's 256-token buffer padding, so "saved" is never flattered by padding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+
+FLOAT16_BYTES = 2
+
+# safetensors dtype names -> bytes per element
+_ST_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+_ST_FLOATS = {"F16", "BF16", "F32", "F64"}
+
+
+# --- model layout from config.json --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Where a model keeps KV caches, read from its config.json."""
+
+    n_layers: int
+    full_layers: tuple[int, ...]  # layers with a growing KV cache (what TurboQuant compresses)
+    sliding_layers: tuple[tuple[int, int], ...] = ()  # (layer, window): bounded float caches, left alone
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    max_context: int | None = None  # the trained context (max_position_embeddings)
+    linear_layers: tuple[int, ...] = field(default=())  # linear-attention / SSM layers: fixed-size state
+
+
+def text_config(model_config: dict) -> dict:
+    """The language model's settings: Qwen3.5 / Qwen3-Next / VLM configs nest them under text_config."""
+    cfg = dict(model_config)
+    inner = model_config.get("text_config")
+    if isinstance(inner, dict):
+        cfg.update(inner)
+    return cfg
+
+
+def attention_layout(model_config: dict) -> AttentionLayout:
+    """Which layers hold a KV cache and its shape, from a config.json dict (hybrids included).
+
+    Layer kinds come from `layer_types` when present ("full_attention", "sliding_attention", anything else is
+    linear), else from `full_attention_interval` (Qwen3-Next / Qwen3.5: layer i is full attention iff
+    (i + 1) % interval == 0), else from `sliding_window_pattern` (every pattern-th layer global), else every
+    layer is full attention.
+    """
+    cfg = text_config(model_config)
+    n_layers = _first_int(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    if n_layers is None:
+        raise ValueError("model config has no num_hidden_layers (or n_layer / num_layers)")
+    n_heads = _first_int(cfg, "num_attention_heads", "n_head", "num_heads")
+    n_kv = _first_int(cfg, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or n_heads
+    head_dim = _first_int(cfg, "head_dim")
+    if head_dim is None:
+        hidden = _first_int(cfg, "hidden_size", "n_embd", "d_model")
+        if not (hidden and n_heads):
+            raise ValueError("model config has neither head_dim nor hidden_size and num_attention_heads")
+        head_dim = hidden // n_heads
+    if not n_kv:
+        raise ValueError("model config has no num_key_value_heads or num_attention_heads")
+    v_head_dim = _first_int(cfg, "v_head_dim") or head_dim
+
+    full, sliding, linear = [], [], []
+    window = _first_int(cfg, "sliding_window") or 0
+    layer_types = cfg.get("layer_types")
+    interval = _first_int(cfg, "full_attention_interval")
+    pattern = _first_int(cfg, "sliding_window_pattern")
+    for i in range(n_layers):
+        if isinstance(layer_types, list) and i < len(layer_types):
+            kind = str(layer_types[i])
+            if kind in ("full_attention", "attention", "global_attention"):
+                full.append(i)
+            elif kind in ("sliding_attention", "local_attention", "chunked_attention") and window:
+                sliding.append((i, window))
+            elif kind in ("sliding_attention", "local_attention", "chunked_attention"):
+                full.append(i)
+            else:
+                linear.append(i)
+        elif interval:
+            (full if (i + 1) % interval == 0 else linear).append(i)
+        elif pattern and window:
+            if (i + 1) % pattern == 0:
+                full.append(i)
+            else:
+                sliding.append((i, window))
+        else:
+            full.append(i)
+    max_ctx = _first_int(cfg, "max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+    return AttentionLayout(
+        n_layers=n_layers,
+        full_layers=tuple(full),
+        sliding_layers=tuple(sliding),
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        max_context=max_ctx,
+        linear_layers=tuple(linear),
+    )
+
+
+def _first_int(cfg: dict, *names: str) -> int | None:
+    for n in names:
+        v = cfg.get(n)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v:
+            return int(v)
+    return None
+
+
+def load_model_config(model_path: str | os.PathLike) -> dict:
+    """config.json of a local model folder as a dict."""
+    p = Path(model_path) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json in {model_path}") from None
+
+
+# --- per-layer sizes -----------------------------------------------------------------------------------
+
+
+def float16_kv_bytes(tokens: int, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None, batch: int = 1) -> int:
+    """What a float16 KVCache holds for `tokens` tokens of one layer (no buffer padding)."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    return batch * n_kv_heads * tokens * (head_dim + v) * FLOAT16_BYTES
+
+
+def affine_kv_bytes(
+    tokens: int, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None, bits: int = 4,
+    group_size: int = 64, batch: int = 1,
+) -> int:
+    """mlx-lm's QuantizedKVCache (`--kv-bits`) for one layer: per group of `group_size` values,
+    bits·group_size/8 bytes of codes plus a float16 scale and a float16 bias (no buffer padding)."""
+    v = head_dim if v_head_dim is None else v_head_dim
+
+    def side(d: int) -> int:
+        groups = -(-d // group_size)
+        return groups * (bits * group_size // 8 + 2 * FLOAT16_BYTES)
+
+    return batch * n_kv_heads * tokens * (side(head_dim) + side(v))
+
+
+def _turboquant_split(tokens: int, config) -> tuple[int, int, int]:
+    """(sinks, compressed, window) token counts after `tokens` tokens (TurboQuantKVCache._append_recent)."""
+    s = min(tokens, config.sinks)
+    rest = tokens - s
+    W, K = config.window, config.block_size
+    if W == 0:
+        return s, rest, 0
+    if rest <= W:
+        return s, 0, rest
+    c = -(-(rest - W) // K) * K
+    return s, c, rest - c
+
+
+@lru_cache(maxsize=None)
+def _quantizer_layout(dim: int, bits: float, qjl: bool) -> tuple[int, int, bool]:
+    """(bytes per compressed token and head, constant bytes of the quantizer, has a channel order)."""
+    from .cache import _arrays_of
+    from .quantizer import TurboQuantMSE, TurboQuantProd
+
+    q = TurboQuantProd(dim, int(bits)) if qjl else TurboQuantMSE(dim, bits)
+    # A lazy probe gives each stored field's trailing shape and dtype (as TurboQuantKVCache stores them).
+    probe = q.quantize(mx.zeros((1, 1, 1, dim), mx.float32))
+    per_token = sum(math.prod(a.shape[3:]) * a.dtype.size for a in probe)
+    constants = sum(a.nbytes for a in _arrays_of(q))
+    has_perm = isinstance(q, TurboQuantMSE) and len(q.groups) == 2
+    return per_token, constants, has_perm
+
+
+def turboquant_layer_bytes(
+    tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
+    config, batch: int = 1,
+) -> int:
+    """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
+
+    Float16 sinks and window buffers are allocated whole on first use; codes grow in `config.step` tokens;
+    means (float32) and channel orders (int32, fractional bits) appear with the first compressed tokens; the
+    quantizers' rotations and codebooks are a constant per layer.
+    """
+    if tokens <= 0:
+        return 0
+    from .quantizer import PROD_BITS
+
+    B, H = batch, n_kv_heads
+    n_s, n_c, _ = _turboquant_split(tokens, config)
+    qjl = bool(config.qjl and key_bits in PROD_BITS)
+    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl)
+    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False)
+    total = k_const + v_const
+    if config.sinks:
+        total += B * H * config.sinks * (key_dim + value_dim) * FLOAT16_BYTES
+    if config.window and tokens > n_s:
+        total += B * H * config.window * (key_dim + value_dim) * FLOAT16_BYTES
+    if n_c:
+        capacity = -(-n_c // config.step) * config.step
+        total += B * H * capacity * (k_tok + v_tok)
+        total += B * H * 4 * (key_dim * config.center_keys + value_dim * config.center_values)
+        total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
+    return total
+
+
+def estimate_kv_bytes(
+    model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
+    batch: int = 1,
+) -> int:
+    """KV cache bytes at `ctx` tokens for a model's config.json dict.
+
+    config: a TurboQuantConfig (boundary layers included), or None for float16, or None with kv_bits for
+    mlx-lm's affine QuantizedKVCache. Only full-attention layers grow with the context; sliding-window layers
+    are counted in float16 at min(ctx, window) tokens; linear-attention state (fixed size) is not counted.
+    """
+    if ctx < 0:
+        raise ValueError(f"ctx must be >= 0, got {ctx}")
+    lay = attention_layout(model_config)
+    H, dk, dv = lay.n_kv_heads, lay.head_dim, lay.v_head_dim
+    total = sum(float16_kv_bytes(min(ctx, w), H, dk, dv, batch) for _, w in lay.sliding_layers)
+    n_att = len(lay.full_layers)
+    for a in range(n_att):
+        if config is not None:
+            kb, vb = config.layer_bits(a, n_att)
+            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch)
+        elif kv_bits is not None:
+            total += affine_kv_bytes(ctx, H, dk, dv, kv_bits, kv_group_size, batch)
+        else:
+            total += float16_kv_bytes(ctx, H, dk, dv, batch)
+    return total
+
+
+# --- what a live prompt cache holds ---------------------------------------------------------------------
+
+
+def _flatten(prompt_cache: Iterable[Any]) -> list[Any]:
+    out = []
+    for c in prompt_cache:
+        inner = getattr(c, "caches", None)  # mlx-lm CacheList
+        if isinstance(inner, (list, tuple)):
+            out.extend(_flatten(inner))
+        else:
+            out.append(c)
+    return out
+
+
+def _kv_geometry(c) -> tuple[int, int, int, int, int] | None:
+    """(batch, kv heads, tokens, key_dim, value_dim) of an attention cache, None if empty or not one."""
+    from .cache import TurboQuantKVCache
+
+    if isinstance(c, TurboQuantKVCache):
+        bh = c.batch_heads() if c.key_dim else None
+        return None if bh is None else (*bh, c.offset, c.key_dim, c.value_dim)
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None or values is None:
+        return None
+    if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed uint32, scales, biases)
+        g = c.group_size
+        k_shape, dk, dv = keys[0].shape, keys[1].shape[-1] * g, values[1].shape[-1] * g
+    else:
+        k_shape, dk, dv = keys.shape, keys.shape[-1], values.shape[-1]
+    offset = getattr(c, "offset", k_shape[2])
+    tokens = offset if isinstance(offset, int) else k_shape[2]
+    max_size = getattr(c, "max_size", None)  # RotatingKVCache keeps at most max_size tokens
+    if isinstance(max_size, int):
+        tokens = min(tokens, max_size)
+    return k_shape[0], k_shape[1], tokens, dk, dv
+
+
+def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
+    """Bytes a prompt cache (a list of per-layer caches, as mlx-lm builds them) holds, against float16.
+
+    Returns a dict:
+      kv_bytes       sum of `nbytes` of the attention caches (TurboQuant, KVCache, QuantizedKVCache, ...)
+      fp16_bytes     what float16 KVCaches would hold for the same tokens (2·heads·head_dim·2 bytes per token)
+      other_bytes    sum of `nbytes` of the other caches (e.g. hybrid linear-attention ArraysCache state)
+      total_bytes    kv_bytes + other_bytes
+      saved_bytes    fp16_bytes - kv_bytes (negative while fixed float16 windows dominate a short context)
+      ratio          fp16_bytes / kv_bytes (1.0 for an empty cache)
+      tokens         tokens in the longest attention cache (the context used)
+      attention_layers, turboquant_layers  counts
+    """
+    from .cache import TurboQuantKVCache
+
+    kv = fp16 = other = tokens = n_att = n_tq = 0
+    for c in _flatten(prompt_cache):
+        geo = _kv_geometry(c)
+        is_attention = geo is not None or isinstance(c, TurboQuantKVCache) or hasattr(c, "keys")
+        if not is_attention:
+            other += c.nbytes
+            continue
+        n_att += 1
+        n_tq += isinstance(c, TurboQuantKVCache)
+        if geo is None:
+            continue
+        B, H, T, dk, dv = geo
+        kv += c.nbytes
+        fp16 += float16_kv_bytes(T, H, dk, dv, B)
+        tokens = max(tokens, T)
+    return {
+        "kv_bytes": kv,
+        "fp16_bytes": fp16,
+        "other_bytes": other,
+        "total_bytes": kv + other,
+        "saved_bytes": fp16 - kv,
+        "ratio": fp16 / kv if kv else 1.0,
+        "tokens": tokens,
+        "attention_layers": n_att,
+        "turboquant_layers": n_tq,
+    }
+
+
+def bits_summary(prompt_cache: Iterable[Any]) -> str:
+    """The per-layer bit settings in a compact form, e.g. "L0-1 K8/V8 · L2-27 K4/V3 · L28-29 K8/V8"
+    (hybrids: attention layers only; "fp16" for uncompressed KV caches)."""
+    from .cache import TurboQuantKVCache
+
+    runs: list[list] = []  # [first layer, last layer, label]
+    for i, c in enumerate(prompt_cache):
+        if isinstance(c, TurboQuantKVCache):
+            label = f"K{_b(c.key_bits)}{'+qjl' if c.qjl else ''}/V{_b(c.value_bits)}"
+        elif hasattr(c, "keys"):
+            bits = getattr(c, "bits", None)
+            label = f"{bits}-bit affine" if bits else "fp16"
+        else:
+            continue
+        if runs and runs[-1][2] == label:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, label])
+    if len(runs) == 1:
+        n = sum(1 for c in prompt_cache if isinstance(c, TurboQuantKVCache) or hasattr(c, "keys"))
+        return f"{runs[0][2]} on all {n} attention layers" if n > 1 else f"{runs[0][2]} on its 1 attention layer"
+    return " · ".join(f"L{a}{'' if a == b else f'-{b}'} {label}" for a, b, label in runs)
+
+
+def _b(bits: float) -> str:
+    return str(int(bits)) if bits == int(bits) else str(bits)
+
+
+# --- weights and the machine ------------------------------------------------------------------------------
+
+
+def safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        return json.loads(f.read(n))
+
+
+def weight_bytes(model_path: str | os.PathLike, dtype: str | None = None) -> int:
+    """Bytes the model's weights take in memory, from the safetensors headers of a local model folder.
+
+    dtype ("float16", "bfloat16", "float32") counts floating tensors as cast to it, as `--dtype` does at load
+    time; quantized weights (uint32) keep their size. A file whose header cannot be read counts its size.
+    """
+    target = {None: None, "float16": 2, "bfloat16": 2, "float32": 4}
+    if dtype not in target:
+        raise ValueError(f"dtype must be one of float16, bfloat16, float32, got {dtype!r}")
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_path}")
+    total = 0
+    for f in files:
+        try:
+            header = safetensors_header(f)
+        except (OSError, ValueError, struct.error):
+            total += f.stat().st_size
+            continue
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = t["data_offsets"]
+            n = end - begin
+            if target[dtype] and t["dtype"] in _ST_FLOATS:
+                n = n // _ST_DTYPE_BYTES[t["dtype"]] * target[dtype]
+            total += n
+    return total
+
+
+def available_memory() -> int:
+    """Bytes this machine can give MLX: on Apple silicon MLX's recommended working set (what mlx-lm wires),
+    elsewhere the physical memory."""
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            if "max_recommended_working_set_size" in info:
+                return int(info["max_recommended_working_set_size"])
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise RuntimeError(f"cannot tell how much memory this machine has ({sys.platform})")
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KB'; decimal units (as Activity Monitor and MLX's GB figures use)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 999.5:
+            break
+        n /= 1000
+    else:
+        unit = "TB"
+    digits = 0 if unit == "B" or n >= 100 else 1 if n >= 10 else 2
+    return f"{sign}{n:.{digits}f} {unit}"
