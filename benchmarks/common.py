@@ -1,0 +1,212 @@
+"""What the benchmark scripts share: run metadata, markdown tables, and where results are written.
+
+Each script prints its table, then writes benchmarks/results/<name>.json (rows + metadata) and
+benchmarks/results/<name>.md (the same table with the date and machine), which readme_tables.py copies into
+the README.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+
+# `python benchmarks/x.py` from anywhere: tq_mlx is installed, tests.support (real models, texts) is not.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def backend() -> str:
+    """'metal' on Apple silicon with a GPU build, else 'cpu'."""
+    try:
+        if mx.metal.is_available():
+            return "metal"
+    except AttributeError:
+        pass
+    return "cpu"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "tq_mlx"], capture_output=True, text=True)
+        if out.returncode:
+            return None
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return None
+
+
+def metadata(**extra: Any) -> dict:
+    """Date, machine and software of this run (every results file carries it)."""
+    import mlx_lm
+
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = None
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": f"{platform.system()} {platform.machine()}, {_cpu_name()}, {os.cpu_count()} cores"
+        + (f", {mem / 2**30:.0f} GB" if mem else ""),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "backend": backend(),
+        "device": str(mx.default_device()),
+        "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "commit": _git_commit(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    meta.update(extra)
+    return meta
+
+
+def meta_line(meta: dict) -> str:
+    """One line for the top of a markdown table: when, where, what software."""
+    blas = ", OpenBLAS" if meta.get("openblas_preloaded") else ""
+    return (
+        f"{meta['date']} · {meta['machine']} · {meta['backend']}{blas} · mlx {meta['mlx']}, "
+        f"mlx-lm {meta['mlx_lm']} · `{meta['command']}`"
+    )
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; align is one of 'l'/'r' per column (default: first left, rest right)."""
+    align = (align or "l" + "r" * (len(headers) - 1))[: len(headers)]
+    cells = [[str(c) for c in r] for r in rows]
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(":--" if a == "l" else "--:" for a in align) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(out)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """The same table padded for a terminal."""
+    align = (align or "l" + "r" * (len(headers) - 1))[: len(headers)]
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+
+    def line(vals):
+        return "  ".join(v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(vals, widths, align))
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in cells)])
+
+
+def render(title: str, meta: dict, headers, rows, notes: Sequence[str], align: str | None = None, extra: str = "") -> str:
+    """A results section: heading, when/where line, the table, its notes."""
+    md = f"### {title}\n\n{meta_line(meta)}\n\n{markdown_table(headers, rows, align)}\n\n"
+    md += "\n".join(f"* {n}" for n in notes)
+    return md + (f"\n\n{extra}" if extra else "")
+
+
+def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    """Numbers for tables; None and NaN print as '–'."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write <out_dir>/<name>.json and <name>.md (default benchmarks/results/) and return the two paths."""
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    jp, mp = out / f"{name}.json", out / f"{name}.md"
+    jp.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
+    mp.write_text(markdown.rstrip() + "\n")
+    return jp, mp
+
+
+def _jsonable(o):
+    if isinstance(o, (mx.array,)):
+        return o.tolist()
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    return str(o)
+
+
+class Budget:
+    """A wall-clock budget: `left()` seconds remain; `over()` once spent (None = unlimited)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - self.elapsed()
+
+    def over(self) -> bool:
+        return self.left() <= 0
+
+
+# --- peers ---------------------------------------------------------------------------------------------------
+
+MLX_VLM = "mlx-vlm==0.7.10"
+
+
+def load_mlx_vlm_turboquant():
+    """(mlx_vlm.turboquant module, version, None) or (None, None, one-line reason it cannot run here).
+
+    The wheel is `pip download --no-deps`-ed into the tq-mlx cache and imported from there, never installed:
+    only mlx_vlm/turboquant.py and mlx_vlm/models/cache.py are loaded (mlx_vlm/__init__ pulls in transformers,
+    Pillow, opencv, fastapi, ...), so the project's environment stays as it is.
+    """
+    import types
+    import zipfile
+
+    try:
+        from tests.support.real_models import cache_dir, pip_download
+
+        (wheel,) = pip_download([MLX_VLM], cache_dir() / "downloads")
+        root = cache_dir() / "peers" / wheel.stem
+        if not (root / "mlx_vlm" / "turboquant.py").exists():
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(root)
+        if "mlx_vlm" not in sys.modules:
+            pkg = types.ModuleType("mlx_vlm")
+            pkg.__path__ = [str(root / "mlx_vlm")]
+            sys.modules["mlx_vlm"] = pkg
+        import importlib
+
+        mod = importlib.import_module("mlx_vlm.turboquant")
+        # Smoke test on this back end: a prefill and a decode step through the cache.
+        c = mod.TurboQuantKVCache(bits=4)
+        k = mx.random.normal((1, 2, 8, 64))
+        ks, vs = c.update_and_fetch(k, k)
+        mx.eval(c.dequantize(ks, vs))
+        ks, vs = c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+        mx.eval(c.decode_attention(mx.random.normal((1, 4, 1, 64)), keys_state=ks, values_state=vs, scale=0.125, mask=None))
+        return mod, MLX_VLM.split("==")[1], None
+    except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
+        return None, None, f"{MLX_VLM} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"

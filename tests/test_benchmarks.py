@@ -1,0 +1,137 @@
+"""The benchmark scripts run end to end at their --quick sizes and write sane JSON (what CI exercises).
+
+Each script runs once per module in a subprocess, into a temporary results folder; the tests read its JSON.
+memory.py asserts real TurboQuantKVCache nbytes == tq_mlx.memory.estimate_kv_bytes itself (a mismatch is a
+non-zero exit); the checks here repeat that from the JSON and add range checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(name: str, out: Path, *extra: str, timeout: float = 600) -> dict:
+    env = dict(os.environ)
+    if sys.platform.startswith("linux") and Path(OPENBLAS).exists() and "openblas" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = OPENBLAS  # the reference BLAS of the mlx-cpu wheel is ~20x slower
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert (out / f"{name}-quick.md").exists()
+    print(proc.stdout[-2500:])
+    return json.loads((out / f"{name}-quick.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def memory(results_dir) -> dict:
+    return run_script("memory", results_dir)
+
+
+@pytest.fixture(scope="module")
+def quality(results_dir) -> dict:
+    return run_script("quality", results_dir)
+
+
+@pytest.fixture(scope="module")
+def speed(results_dir) -> dict:
+    return run_script("speed", results_dir)
+
+
+def _meta_ok(meta: dict) -> None:
+    for k in ("date", "machine", "mlx", "mlx_lm", "backend"):
+        assert meta.get(k), k
+
+
+def test_memory_real_caches_match_formula(memory: dict) -> None:
+    _meta_ok(memory["meta"])
+    models = {r["model"] for r in memory["rows"]}
+    for name in ("Qwen3.5-35B-A3B", "Qwen3-Coder-Next", "Qwen3.5-27B", "Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-14B"):
+        assert name in models
+    tq_rows = [r for r in memory["rows"] if r["cache"].startswith("TurboQuant")]
+    assert memory["formula_checks"] == len(tq_rows) * len(memory["contexts"]) > 0
+    for r in tq_rows:
+        assert r["kv_bytes_real"] == r["kv_bytes"], r["model"]
+    for c in memory["mlx_checks"]:
+        assert c["nbytes"] == c["formula"], c
+
+
+def test_memory_figures_are_sane(memory: dict) -> None:
+    by = {(r["model"], r["cache"]): r for r in memory["rows"]}
+    # Hybrids count only their attention layers: Qwen3.5-35B-A3B has 10 of 40.
+    assert by[("Qwen3.5-35B-A3B", "float16")]["attention_layers"] == 10
+    # float16 at 1k tokens for Llama-3.1-8B: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 1024.
+    assert by[("Llama-3.1-8B", "float16")]["kv_bytes"]["1024"] == 32 * 8 * 128 * 2 * 2 * 1024
+    for r in memory["rows"]:
+        kv = [r["kv_bytes"][str(c)] for c in memory["contexts"]]
+        assert kv == sorted(kv) and kv[0] > 0
+        assert math.isfinite(r["ratio_vs_fp16"]) and 0.9 < r["ratio_vs_fp16"] < 8
+        assert all(v is None or v in memory["mac_gb"] for v in r["smallest_mac_gb"].values())
+    for model in {r["model"] for r in memory["rows"]}:
+        bits = [by[(model, f"TurboQuant {b}-bit")]["bits_per_value"] for b in (4, 3.5, 3, 2.5)]
+        assert bits == sorted(bits, reverse=True)
+
+
+def test_quality_quick(quality: dict) -> None:
+    _meta_ok(quality["meta"])
+    rows = {r["setting"]: r for r in quality["models"]["smollm2"]["rows"]}
+    base = rows["float (mlx-lm KVCache)"]
+    assert 10 < base["ppl"] < 25 and base["attn_cos"] > 0.9999 and base["top1"] == 1.0
+    for name, r in rows.items():
+        if r["kind"] == "peer" and not quality["peers"]["mlx-vlm"]["runs"]:
+            assert r["error"]
+            continue
+        assert "error" not in r, (name, r.get("error"))
+        assert math.isfinite(r["ppl"]) and r["ppl"] > 1
+        assert 0 < r["bits_measured"] < 64
+        assert 0 <= r["top1"] <= 1 and 0 <= r["top5"] <= 1 and -1 <= r["attn_cos"] <= 1.0001
+        if r["kind"] == "tq":
+            assert 2 < r["bits_32k"] < 5, (name, r["bits_32k"])
+    tq4 = rows["TQ K4/V4"]
+    assert tq4["ppl_delta_pct"] < 5 and tq4["attn_cos"] > 0.98
+    needles = quality["models"]["smollm2"]["needle"]
+    assert needles and all("hit" in n for n in needles)
+
+
+def test_speed_quick(speed: dict) -> None:
+    _meta_ok(speed["meta"])
+    (model,) = speed["models"]
+    assert model["contexts"]
+    for ctx, rows in model["contexts"].items():
+        base = rows["float (mlx-lm KVCache)"]
+        assert base["decode_ratio"] == 1.0 and base["prefill_ratio"] == 1.0
+        for name, r in rows.items():
+            if "error" in r:
+                continue
+            for k in ("decode_tok_s", "prefill_tok_s", "decode_ratio", "prefill_ratio"):
+                assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (ctx, name, k)
+
+
+def test_readme_tables_render(memory: dict, quality: dict, speed: dict, results_dir: Path, tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
+    cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--readme", str(readme), "--results", str(results_dir),
+           "--suffix=-quick", "--write"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    text = readme.read_text()
+    assert "### Memory" in text and "### Quality" in text and "### Speed" in text and "OLD-SECTION-PLACEHOLDER" not in text
+    assert text.endswith("<!-- benchmark-results:end -->\n\ntail\n")
+    check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
