@@ -210,7 +210,7 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             text = rendered(app)
             for key in ("kv_bytes", "fp16_bytes", "weights"):
                 assert format_bytes(stats[key]) in text
-            assert f"{len(session.tokens):,} / 1,024" in text and "K4/V4 on all 3 attention layers" in text
+            assert f"{len(session.tokens):,} / 1,024" in text and "K4/V3 on all 3 attention layers" in text
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
@@ -313,7 +313,7 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
         async with app.run_test() as pilot:
             await loaded(pilot)
             await say(pilot, "/bits")
-            assert "K4/V4 on all 3 attention layers" in messages(app, "notice")[-1].source
+            assert "K4/V3 on all 3 attention layers" in messages(app, "notice")[-1].source
             await say(pilot, "/stats")
             assert "KV cache held" in messages(app, "notice")[-1].source
             await say(pilot, "/help")
@@ -439,4 +439,4 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     stats = session.snapshot()
     text = panel_text(MemoryPanel(), stats)
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
-    assert "K4/V4 on its 1 attention layer" in text
+    assert "K4/V3 on its 1 attention layer" in text

@@ -98,7 +98,7 @@ def test_tq_chat_answers_in_a_terminal(tmp_path):
         assert re.search(rf"float16 would hold\s+{re.escape(format_bytes(fp16))}", screen), screen
         for label in ("saved", "ratio", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in screen
-        assert "K4/V4 on all 30 attention layers" in screen
+        assert "K4/V3 on all 30 attention layers" in screen
         tmux.type(f"/screenshot {shot}")
         tmux.wait_for(r"Saved a screenshot", timeout=30)
         assert shot.exists() and "Paris" in shot.read_text()

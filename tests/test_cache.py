@@ -33,7 +33,7 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, True, False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, False)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 4, 0, 0, 256)
     assert c.block_size == c.window
     d = TurboQuantConfig.from_bits(2.5, window=32)
@@ -68,7 +68,7 @@ def test_layer_bits_boundary():
     c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
     got = [c.layer_bits(i, 6) for i in range(6)]
     assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
-    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 4)
+    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 3)
     cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
     assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
     # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.

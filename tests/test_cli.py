@@ -72,6 +72,13 @@ def test_every_flag_maps_onto_the_config():
     assert len(cache_flags_given(args)) == 11
 
 
+def test_value_centering_both_ways():
+    assert config_from_args(parse("--tq-center-values")).center_values is True
+    assert config_from_args(parse("--tq-no-center-values")).center_values is False
+    with pytest.raises(ValueError, match="contradict"):
+        config_from_args(parse("--tq-center-values", "--tq-no-center-values"))
+
+
 def test_key_and_value_bits_override_both():
     cfg = config_from_args(parse("--tq-bits", "2", "--tq-key-bits", "8"))
     assert (cfg.key_bits, cfg.value_bits) == (8, 2)
@@ -122,7 +129,7 @@ def test_generate_quiet_prints_only_the_answer_and_summary_to_stderr(tiny_model_
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4", "--verbose", "F"])
     captured = capsys.readouterr()
     assert rc == 0 and "KV cache:" not in captured.out
-    assert "K4/V4" in captured.err
+    assert "K4/V3" in captured.err
 
 
 def test_generate_kv_bits_alone_is_mlx_lm_cache(tiny_model_dir, capsys):

@@ -106,7 +106,7 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     assert s["tokens"] == 100 and s["attention_layers"] == 1 and s["turboquant_layers"] == 1
     assert s["ratio"] == pytest.approx(s["fp16_bytes"] / s["kv_bytes"])
     assert s["saved_bytes"] == s["fp16_bytes"] - s["kv_bytes"]
-    assert bits_summary(cache) == "K4/V4 on its 1 attention layer"
+    assert bits_summary(cache) == "K4/V3 on its 1 attention layer"
 
 
 def test_empty_cache():

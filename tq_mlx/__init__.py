@@ -1,18 +1,22 @@
 """tq-mlx: TurboQuant KV-cache compression for MLX and mlx-lm."""
 
+from .attention import turboquant_attention
+from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
 from .codebook import lloyd_max
+from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpatch_model, validate_prompt_cache
+from .memory import cache_bytes, estimate_kv_bytes
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rotation import Rotation
 
 __version__ = "0.1.0"
 
-__all__ = ["TurboQuantMSE", "TurboQuantProd", "MSECodes", "ProdCodes", "Rotation", "lloyd_max"]
-
-from .attention import turboquant_attention
-from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
-from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpatch_model, validate_prompt_cache
-
-__all__ += [
+__all__ = [
+    "TurboQuantMSE",
+    "TurboQuantProd",
+    "MSECodes",
+    "ProdCodes",
+    "Rotation",
+    "lloyd_max",
     "TurboQuantConfig",
     "TurboQuantKVCache",
     "CompressedKV",
@@ -22,4 +26,6 @@ __all__ += [
     "unpatch_model",
     "load_prompt_cache",
     "validate_prompt_cache",
+    "cache_bytes",
+    "estimate_kv_bytes",
 ]

@@ -63,22 +63,18 @@ def _check_int(name: str, value: Any, low: int) -> int:
 class TurboQuantConfig:
     """How a model's KV cache is compressed. Every field is validated; errors name the allowed values.
 
-    Defaults are provisional, chosen on SmolLM2-135M-Instruct (head_dim 64; Britannica text, 1024 tokens fed
-    in 32-token chunks; perplexity with a float KVCache 21.93, mlx-lm 8-bit 21.94, mlx-lm 4-bit 24.59):
-
-        TurboQuant 4/4 bits, window 128, sinks 4      21.97     (window 0: 22.86 at 4/4, 27.80 at 3/3)
-        3/3, window 128: sinks 4 / sinks 0            22.13 / 23.08;  window 64: 22.49
-        3/3, window 0, sinks 4: centering K / none    25.11 / 26.24  (seed 1: 25.02 / 25.73)
-                                K+V / V only          25.56 / 27.16  -> values are not centered by default
-        QJL keys at 4 / 3 bits (window 0)             26.93 / 51.94 vs 22.86 / 27.80 without
-        3.5 bits, outliers by mean |x| / first d/4    23.64 / 24.47
-        boundary_layers=1 at 3/3, window 128          22.28 vs 22.28 (helps only without a window)
-
-    benchmarks/quality.py measurements on the real models will set them for good.
+    The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short (perplexity on
+    the Britannica text, float cache = 0%): keys at 4 bits keep top-1 attention agreement at 0.98-0.99 on
+    SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost +4.5% on SmolLM2; values at 3 bits cost +0.8
+    points over V4 on SmolLM2 and nothing on Qwen, for 4.3x less memory than float16 at head_dim 128 instead of
+    3.8x; QJL loses at equal bits (+6.9% vs +1.3% at K4); key centering rescues Qwen (PPL 629 -> 12.16 at 4/4),
+    value centering measured slightly worse (SmolLM2 3/3 without a window: 25.56 with, 25.11 without); the
+    float16 window of 128 and 4 sinks are worth +13 points at 3/3 (+17.9% -> +4.5%); boundary layers buy less
+    than spending the same bits on keys.
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
-    value_bits: float = 4
+    value_bits: float = 3
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
     window: int = 128  # recent tokens kept in float16 (0: compress every token at once)
     block: int | None = None  # tokens compressed at a time when the window overflows; None = window

@@ -33,7 +33,7 @@ _FIELDS = {
     "tq_boundary_bits": "boundary_bits",
     "tq_seed": "seed",
 }
-_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_no_center_values", *_FIELDS)
+_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", *_FIELDS)
 
 
 def bits_arg(text: str) -> float:
@@ -92,6 +92,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"bits of the boundary layers (default {d.boundary_bits})")
     g.add_argument("--tq-no-center-keys", dest="tq_no_center_keys", action="store_true",
                    help="do not subtract the per-head key mean before quantizing")
+    g.add_argument("--tq-center-values", dest="tq_center_values", action="store_true",
+                   help=f"subtract the per-head value mean before quantizing (default {d.center_values})")
     g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
                    help="do not subtract the per-head value mean before quantizing")
     g.add_argument("--tq-seed", dest="tq_seed", type=_count_arg(0), metavar="N",
@@ -125,6 +127,10 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
         kw["qjl"] = True
     if getattr(args, "tq_no_center_keys", False):
         kw["center_keys"] = False
+    if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):
+        raise ValueError("--tq-center-values and --tq-no-center-values contradict each other: give one")
+    if getattr(args, "tq_center_values", False):
+        kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):
         kw["center_values"] = False
     return TurboQuantConfig(**kw)
@@ -148,7 +154,7 @@ def config_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def describe_config(config: TurboQuantConfig | None) -> str:
-    """One line: 'TurboQuant K4/V4, window 128, sinks 4' (or mlx-lm's cache)."""
+    """One line: "TurboQuant K4/V3, window 128, sinks 4" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
     b = lambda x: str(int(x)) if x == int(x) else str(x)  # noqa: E731

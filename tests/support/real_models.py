@@ -237,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="download and convert the test models and text")
     prep.add_argument("--qwen", action="store_true", help="also Qwen2.5-Coder-1.5B (1.1 GB, slow)")
+    path = sub.add_parser("path", help="print a converted model's folder (preparing it first if needed)")
+    path.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "qwen"])
     args = parser.parse_args(argv)
+    if args.cmd == "path":
+        print(smollm2_path() if args.model == "smollm2" else qwen25_coder_15b_path())
+        return 0
 
     from .texts import britannica_path
 
