@@ -17,6 +17,14 @@ Caches: mlx-lm's KVCache (float), QuantizedKVCache (group 64) at 8 and 4 bits, T
 and mlx-vlm's TurboQuantKVCache (a peer, from PyPI) where it runs.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/quality.py [--quick]
+
+The full run takes hours on a 2-core CPU; its parts can run side by side and be merged into one table:
+
+    quality.py --models smollm2 --out A    # SmolLM2 PPL + fidelity, then the 2k needle probes
+    quality.py --models qwen --out B       # Qwen PPL + fidelity
+    quality.py --needle-only --out C       # the 4k needle probes
+    quality.py --defaults-only --out D     # extra rows: values not centered
+    quality.py --merge A/quality.json B/quality.json C/quality.json D/quality.json
 """
 
 from __future__ import annotations
@@ -126,6 +134,11 @@ def needle_plan(lengths: list[int]) -> list[tuple[Setting, int]]:
     if long != short:
         plan += [(MLX4, long)]
     return plan
+
+
+def defaults_settings() -> list[Setting]:
+    """The float reference, then value centering off (keys centered only) at K4/V3 and K3/V3."""
+    return [FLOAT, tq(4, 3, center_values=False), tq(3, center_values=False)]
 
 
 def quick_settings() -> list[Setting]:
@@ -545,6 +558,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later settings are skipped")
     ap.add_argument("--qwen-budget", type=float, default=1500, help="seconds for the Qwen part")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="PPL and fidelity of the float cache and the library's default settings only (to --merge)")
     ap.add_argument("--needle-only", action="store_true",
                     help="SmolLM2 needle probes only, for the longest --needle-lengths (a second process next to a run)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -585,15 +600,15 @@ def main() -> None:
         models = []
     elif "smollm2" in models:
         smollm2 = load_smollm2(mx.float32)
-        results["models"]["smollm2"] = run_model("smollm2", *smollm2, smollm2_path(),
-                                                 quick_settings() if q else full_settings(), args, budget)
+        sets = defaults_settings() if args.defaults_only else quick_settings() if q else full_settings()
+        results["models"]["smollm2"] = run_model("smollm2", *smollm2, smollm2_path(), sets, args, budget)
     if "qwen" in models:
         qb = common.Budget(min(args.qwen_budget, budget.left()) if args.budget else args.qwen_budget)
         qwen = load_qwen25_coder_15b(mx.float32)
-        results["models"]["qwen"] = run_model("qwen", *qwen, qwen25_coder_15b_path(),
-                                              quick_settings() if q else qwen_settings(), args, qb)
+        sets = defaults_settings()[:2] if args.defaults_only else quick_settings() if q else qwen_settings()
+        results["models"]["qwen"] = run_model("qwen", *qwen, qwen25_coder_15b_path(), sets, args, qb)
         del qwen
-    if smollm2 is not None and not args.needle_only:
+    if smollm2 is not None and not args.needle_only and not args.defaults_only:
         plan = [(tq(4), args.needle_lengths[0])] if q else needle_plan(args.needle_lengths)
         results["models"]["smollm2"]["needle"] = run_needles(*smollm2, plan, args, budget)
     results["seconds"] = round(time.perf_counter() - t0, 1)
@@ -624,6 +639,9 @@ def merge(paths: list[str], out: str | None) -> None:
                 have = merged["models"][name]
             elif m.get("rows") and not have.get("rows"):
                 have.update({k: v for k, v in m.items() if k != "needle"})
+            elif m.get("rows"):  # more settings on the same model: add the rows it does not have
+                names = {r["setting"] for r in have["rows"]}
+                have["rows"] = have["rows"] + [r for r in m["rows"] if r["setting"] not in names]
             # needle probes: a measured one wins over a skipped one of the same (setting, length, depth)
             probes = {(n["setting"], n["length"], n["depth"]): n for n in have.get("needle", []) if "hit" in n}
             for n in m.get("needle", []) if m is not have else []:
@@ -654,10 +672,10 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
             + (f"; Qwen2.5-Coder-1.5B-Instruct (head_dim 128) over {qw['tokens']} tokens" if qw else "")
             + ". ΔPPL is against the float cache of the same model.")
         notes.append(
-            f"Needle (SmolLM2): hits out of depths {', '.join(map(str, results['needle_depths']))} (greedy, 24 new "
+            f"Needle (SmolLM2): hits / probes at depths {', '.join(map(str, results['needle_depths']))} (greedy, 24 new "
             f"tokens; '–' = not probed). Fidelity: softmax-weight cosine, top-1 and top-5 agreement of the last "
             f"{FIDELITY_QUERIES} queries of {sm['fidelity_tokens']} tokens, every layer and head, keys read back "
-            "from the cache.")
+            "from the cache (values do not enter the scores, so settings that differ only in values tie).")
     notes.append(
         "bits/val: nbytes · 8 / (tokens · layers · kv heads · head_dim · 2); float16 = 16, and the float cache here "
         f"is float32 (32), as are mlx-lm's scales on a float32 model. At short contexts TurboQuant's float16 "

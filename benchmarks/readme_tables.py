@@ -31,7 +31,8 @@ END = "<!-- benchmark-results:end -->"
 
 COMMANDS = {
     "memory": "python benchmarks/memory.py",
-    "quality": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/quality.py --budget 6000",
+    "quality": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/quality.py "
+               "(this table: four parts run side by side and joined with --merge; see the script's docstring)",
     "speed": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/speed.py",
 }
 
