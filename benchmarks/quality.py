@@ -46,6 +46,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 import tq_mlx  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
 from tq_mlx.cache import CompressedKV  # noqa: E402
+from tq_mlx.kernels import dequantize_reference  # noqa: E402
 from tq_mlx.memory import estimate_kv_bytes, load_model_config  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
@@ -363,13 +364,7 @@ def _read_back(kv: CompressedKV) -> mx.array:
     if kv.sinks is not None:
         parts.append(kv.sinks.astype(mx.float32))
     if kv.codes is not None:
-        x = kv.quantizer.dequantize(kv.codes)
-        if kv.perm is not None:
-            inv = mx.argsort(kv.perm, axis=-1)
-            x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
-        if kv.mean is not None:
-            x = x + kv.mean[:, :, None, :]
-        parts.append(x)
+        parts.append(dequantize_reference(kv, mx.float32))
     if kv.window is not None:
         parts.append(kv.window.astype(mx.float32))
     return mx.concatenate(parts, axis=2)
