@@ -247,6 +247,15 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         f"The machine was shared with other jobs (load average {', '.join(f'{x:.1f}' for x in res['meta']['load_average'] or [])} "
         "at the start): trust ratios within a column, not absolute speeds.",
     ]
+    for m in res["models"]:
+        ctxs = sorted(int(c) for c in m["contexts"])
+        for c1, c2 in zip(ctxs, ctxs[1:]):
+            d1 = m["contexts"][str(c1)].get(FLOAT.name, {}).get("decode_tok_s")
+            d2 = m["contexts"][str(c2)].get(FLOAT.name, {}).get("decode_tok_s")
+            if d1 and d2 and d2 < 0.5 * d1 * c1 / c2:  # slower than attention growing linearly with context explains
+                notes.append(f"{m['model'].split(' (')[0]}: the float cache decoded {d2:.1f} tok/s at {c2} tokens after "
+                             f"{d1:.1f} at {c1}, slower than the longer context explains: a disturbed measurement, so "
+                             f"the decode ratios at {c2} are not meaningful.")
     return headers, rows, notes
 
 
