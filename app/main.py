@@ -66,8 +66,11 @@ def default_ctx(trained: int | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from tq_mlx.memory import attention_layout, available_memory, load_model_config, weight_bytes
 
+    from tq_mlx.integration import tune_malloc
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    tune_malloc()
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:

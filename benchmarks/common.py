@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from tq_mlx.integration import tune_malloc
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
@@ -64,6 +66,11 @@ def _git_commit() -> str | None:
         return None
 
 
+# Every benchmark process runs with the allocator setting the command-line tools use (tq_mlx.integration.
+# tune_malloc), for every cache it compares, so that no path pays a page fault per transient buffer.
+MALLOC_TUNED = tune_malloc()
+
+
 def metadata(**extra: Any) -> dict:
     """Date, machine and software of this run (every results file carries it)."""
     import mlx_lm
@@ -83,6 +90,7 @@ def metadata(**extra: Any) -> dict:
         "backend": backend(),
         "device": str(mx.default_device()),
         "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
+        "malloc_tuned": MALLOC_TUNED,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "commit": _git_commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

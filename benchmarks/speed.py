@@ -241,7 +241,10 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         f"float32. Decode: best of {res['repeats']} x {res['steps']} tokens at a constant context; prefill: the context "
         f"fed in {PREFILL_STEP}-token chunks into an empty cache.",
         f"Back end: {res['meta']['backend']} ({res['meta']['device']}). Without Metal, TurboQuant runs its pure-MLX "
-        "reference attention; mlx-lm's QuantizedKVCache runs mx.quantized_matmul.",
+        "reference attention (byte-at-a-time codebook lookups, values dequantized on a second stream); mlx-lm's "
+        "QuantizedKVCache runs mx.quantized_matmul."
+        + (" Every cache ran with tq_mlx.integration.tune_malloc() (glibc keeps transient buffers in the heap)."
+           if res["meta"].get("malloc_tuned") else ""),
         f"Peer: mlx-vlm {peer['version']} TurboQuantKVCache (no Metal here: its CPU fallback, dequantize-then-SDPA for "
         "prefill)." if peer["runs"] else f"Peer mlx-vlm: {peer['reason']}.",
         f"The machine was shared with other jobs (load average {', '.join(f'{x:.1f}' for x in res['meta']['load_average'] or [])} "

@@ -359,8 +359,9 @@ def test_a_model_that_does_not_load_is_reported(tmp_path):
     async def run():
         app = make_app(bad)
         async with app.run_test() as pilot:
-            await wait_for(pilot, lambda: messages(app, "error"), "the load error")
-            assert "could not load" in messages(app, "error")[-1].source
+            # The message widget is mounted before its text is set: wait for the text.
+            await wait_for(pilot, lambda: any("could not load" in m.source for m in messages(app, "error")),
+                           "the load error")
             assert app.session is None and not app.query_one("#prompt").disabled
             await say(pilot, "hello")  # nothing to talk to, but no crash
             await say(pilot, "/quit")

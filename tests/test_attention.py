@@ -159,3 +159,30 @@ def test_block_size_does_not_change_result():
     outs = [turboquant_attention(q, kh, vh, 0.125, None, block_size=b) for b in (7, 64, 4096)]
     for o in outs[1:]:
         assert float(mx.abs(o - outs[0]).max()) < 1e-5
+
+
+def test_runs_in_a_worker_thread_with_a_cache_made_elsewhere():
+    # MLX streams belong to threads: tq-chat and tq-server decode in worker threads, on caches and quantizers
+    # built in another thread, and the reference path uses a second stream of its own.
+    import threading
+
+    rng = np.random.default_rng(5)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=3, qjl=False, window=8, sinks=2), layer_index=0)
+    *_, (L, (kh, vh)) = feed(cache, rng, (200, 1), 1, 2, 64)
+    q = mx.array(rng.normal(size=(1, 4, L, 64)), dtype=mx.float32)
+    expected = np.array(turboquant_attention(q, kh, vh, 0.125, None, block_size=64))
+    got, errors = [], []
+
+    def work():
+        try:
+            s = mx.new_stream(mx.default_device())  # as mlx-lm's generation_stream
+            with mx.stream(s):
+                got.append(np.array(turboquant_attention(q, kh, vh, 0.125, None, block_size=64)))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    np.testing.assert_allclose(got[0], expected, atol=1e-6)

@@ -33,7 +33,7 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, True)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 4, 0, 0, 256)
     assert c.block_size == c.window
     d = TurboQuantConfig.from_bits(2.5, window=32)
@@ -152,11 +152,16 @@ def rotation_bytes(d: int) -> int:
     return 4 * d + (4 * d * d if base in (20, 28) else 0)  # signs (+ explicit Hᵀ for bases 20, 28)
 
 
+def table_bytes(bits: int) -> int:
+    """packing.lookup_table: float32 rows of 8/bits codes per byte (3 bits: 64 rows of 2 codes)."""
+    return 4 * 64 * 2 if bits == 3 else 4 * 256 * (8 // bits)
+
+
 def mse_layout(d: int, bits) -> tuple[int, int, int]:
     """(code words, norms, constant bytes) per token of TurboQuant_mse(d, bits)."""
     groups = [(d, int(bits))] if bits == int(bits) else [(d // 4, int(bits) + 1), (d - d // 4, int(bits))]
     words = sum(packed_words(gd, gb) for gd, gb in groups)
-    const = sum(rotation_bytes(gd) + 4 * (2 * 2**gb - 1) for gd, gb in groups)  # centroids + boundaries
+    const = sum(rotation_bytes(gd) + 4 * (2 * 2**gb - 1) + table_bytes(gb) for gd, gb in groups)  # + codebook
     if len(groups) == 2:
         const += 4 * d + 4 * d  # each group's channel list + the inverse permutation
     return words, len(groups), const
@@ -215,10 +220,11 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
         fill(c, (50,))
         sizes.append(c.nbytes)
     meta, arrays = c.state
-    state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"]))
-    assert arrays["v_mean"] is None  # values are not centered by default
+    state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"], arrays["v_mean"]))
+    assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered by default
     const = c.nbytes - state_bytes
-    assert 0 < const < 2000  # rotation signs and codebooks only
+    # Rotation signs, codebooks and lookup tables only (K4, V3 at the default head_dim).
+    assert const == mse_layout(64, 4)[2] + mse_layout(64, 3)[2]  # fill's D = 64, default K4/V3
     # capacity in 64-token steps: 64, 128, 192, 256, 256
     per_step = (sizes[1] - sizes[0])
     assert [s - sizes[0] for s in sizes] == [0, per_step, 2 * per_step, 3 * per_step, 3 * per_step]
@@ -385,3 +391,58 @@ def test_decode_step_of_a_model_without_host_sync(monkeypatch):
         logits2 = model(mx.array([[8, 9, 10]]), cache=cache)
     assert logits.shape == (1, 1, 257) and logits2.shape == (1, 3, 257)
     assert bool(mx.all(mx.isfinite(logits2)))
+
+
+# --- calibration (μ, ν, channel order) ---------------------------------------------------------------
+
+
+def _feed16(cache, x, sizes):
+    """Feed float16 keys/values x (B, H, T, D) in chunks of the given sizes (float16: every path sees the same
+    numbers, whether a token goes straight to the codes or waits in the float16 window first)."""
+    a = 0
+    for n in sizes:
+        cache.update_and_fetch(x[:, :, a : a + n], -x[:, :, a : a + n])
+        a += n
+    mx.eval(cache.held_arrays())
+
+
+@pytest.mark.parametrize("bits", [3, 3.5])
+def test_calibration_does_not_depend_on_how_the_prompt_is_fed(bits):
+    x = mx.array(np.random.default_rng(4).normal(1.0, 1.0, size=(1, 2, 300, 64)), dtype=mx.float16)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=32, block=16, sinks=3)
+    caches = []
+    for sizes in ([300], [100, 200], [7] * 42 + [6], [1] * 300):
+        c = TurboQuantKVCache(cfg)
+        _feed16(c, x, sizes)
+        caches.append(c)
+    first = caches[0]
+    # Exactly the block_size tokens after the sinks.
+    np.testing.assert_allclose(np.array(first.k_mean), np.array(x[:, :, 3:19].astype(mx.float32).mean(axis=2)),
+                               rtol=1e-6)
+    for c in caches[1:]:
+        for name in ("k_mean", "v_mean", "k_perm", "v_perm"):
+            a, b = getattr(first, name), getattr(c, name)
+            assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item()), name
+
+
+def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
+    # A reused prompt cache that shares only its float16 sinks with the new prompt: nothing encoded with the old
+    # μ, ν is left, so it must end up exactly where a fresh cache fed the new prompt does.
+    x = mx.array(np.random.default_rng(5).normal(0.5, 1.0, size=(1, 2, 200, 64)), dtype=mx.float16)
+    cfg = TurboQuantConfig(window=16, block=8, sinks=2)
+    reused = TurboQuantKVCache(cfg)
+    _feed16(reused, mx.concatenate([x[:, :, :2], -x[:, :, 2:]], axis=2), [200])  # diverges after the sinks
+    assert reused.n_compressed > 0 and reused.calibrated
+    reused.trim(198)
+    assert reused.offset == 2 and reused.n_compressed == 0 and not reused.calibrated
+    assert reused.k_mean is None and reused.v_mean is None
+    _feed16(reused, x[:, :, 2:], [198])
+    fresh = TurboQuantKVCache(cfg)
+    _feed16(fresh, x, [2, 198])
+    for a, b in zip(reused.state[1]["k_codes"], fresh.state[1]["k_codes"]):
+        assert mx.array_equal(a, b).item()
+    assert mx.array_equal(reused.k_mean, fresh.k_mean).item() and mx.array_equal(reused.v_mean, fresh.v_mean).item()
+    # A trim that keeps compressed tokens keeps the calibration they were encoded with.
+    mean = reused.k_mean
+    reused.trim(150)
+    assert reused.n_compressed > 0 and reused.calibrated and reused.k_mean is mean

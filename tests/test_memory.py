@@ -76,6 +76,19 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
     assert estimate_kv_bytes(config_dict(args), 90, cfg) == sum(c.nbytes for c in cache)
 
 
+@pytest.mark.parametrize("n", [5, 37, 140])
+def test_short_contexts_hold_only_the_window_they_use(models, n):
+    # The float16 window grows in 32-token steps until the first compression, token by token or in one shot.
+    model, args = models["llama"]
+    cfg = TurboQuantConfig()  # window 128, 4 sinks
+    for one_shot in (True, False):
+        cache = make_prompt_cache(model, cfg)
+        fill(model, cache, n, one_shot=one_shot)
+        want = {5: 32, 37: 64, 140: 128}[n]
+        assert all(c.k_window.shape[2] == c.v_window.shape[2] == want for c in cache)
+        assert estimate_kv_bytes(config_dict(args), n, cfg) == sum(c.nbytes for c in cache)
+
+
 def test_float16_and_affine_estimates_equal_mlx_lm_caches(models):
     model, args = models["llama"]
     model = model.__class__(args)  # fresh float16 weights: a float16 KVCache

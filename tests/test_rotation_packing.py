@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-from tq_mlx.packing import SUPPORTED_BITS, pack, packed_words, unpack
+from tq_mlx.packing import SUPPORTED_BITS, lookup_table, pack, packed_words, unpack, unpack_lookup
 from tq_mlx.rotation import Rotation, hadamard_base
 
 # Sizes MLX must not be trusted with (wrong result at 36, heap corruption at 60/100/144/200) go dense.
@@ -59,6 +59,33 @@ def test_pack_roundtrip(bits, n, lead, seed):
     words = pack(mx.array(codes), bits)
     assert words.dtype == mx.uint32 and words.shape == (*lead, packed_words(n, bits))
     np.testing.assert_array_equal(np.array(unpack(words, bits, n)), codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from(SUPPORTED_BITS),
+    n=st.integers(1, 300),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_unpack_lookup_equals_codebook_of_unpack(bits, n, rows, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2**bits, size=(2, rows + 3, n), dtype=np.uint32)
+    values = rng.standard_normal(2**bits).astype(np.float32)
+    words = pack(mx.array(codes), bits)[:, 1 : rows + 1]  # a token slice, as attention reads it: not contiguous
+    got = unpack_lookup(words, bits, n, lookup_table(values, bits))
+    assert got.dtype == mx.float32 and got.shape == (2, rows, n)
+    np.testing.assert_array_equal(np.array(got), values[codes[:, 1 : rows + 1]])
+
+
+def test_lookup_table_sizes_and_errors():
+    # Bytes per table: at most 8 KB (1 bit: 8 codes per byte); 3 bits use a 64-row table of code pairs.
+    sizes = {b: lookup_table(np.zeros(2**b), b).nbytes for b in SUPPORTED_BITS}
+    assert sizes == {1: 8192, 2: 4096, 3: 512, 4: 2048, 8: 1024}
+    with pytest.raises(ValueError, match="a 4-bit table needs 16 values"):
+        lookup_table(np.zeros(8), 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_lookup(mx.zeros((3,), dtype=mx.uint32), 4, 128, lookup_table(np.zeros(16), 4))
 
 
 @settings(max_examples=30, deadline=None)

@@ -11,24 +11,45 @@ x_t - μ in the quantizer's input basis (channels in `perm` order, each group ro
     out     = (Σ_float p_t v_t  +  Πᵀ Σ_compressed p_t ŷᵛ_t  [un-permuted]  +  (Σ_compressed p_t)·ν) / Σ p_t
 
 Queries are rotated once per call, values are accumulated in the rotated basis and rotated back once per
-query and head. Sinks and the window (float16, model basis) merge with the compressed tokens by an online
-log-sum-exp, and the compressed tokens are read in blocks of at most `block_size` tokens (fewer for long
-query chunks, so one block's scores stay under SCORE_BUDGET elements): transient memory is bounded by the
-block, never a float copy of the whole cache. Everything is float32; the result has queries' dtype.
+query and head. Codes are read into codebook values a byte at a time (packing.unpack_lookup) and the norms
+scale the scores and probabilities, not every coordinate. Sinks, the window (float16, model basis) and each
+block of compressed tokens give partial softmaxes that merge exactly by log-sum-exp; compressed tokens are
+read in blocks of at most `block_size` tokens (fewer for long query chunks, so one block's scores stay under
+SCORE_BUDGET elements): transient memory is bounded by the block, never a float copy of the whole cache.
+Keys and values of a block are worked on two streams, which on a CPU means two cores. Everything is
+float32; the result has queries' dtype.
 """
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 
 from .cache import CompressedKV
-from .packing import unpack
+from .packing import lookup_table, unpack_lookup
 from .quantizer import MSECodes, TurboQuantProd
 
 BLOCK_SIZE = 4096
 # Cap on the float32 scores of one block, (B, n_q_heads, L, block): long prefill chunks get shorter blocks.
 SCORE_BUDGET = 1 << 24  # elements (64 MB)
 _NEG = float(mx.finfo(mx.float32).min)
+_SIGNS = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1
+
+
+_SIDE = threading.local()  # MLX streams belong to the thread that made them
+
+
+def _side_stream() -> mx.Stream:
+    """A second stream on the default device (one per thread and device), so independent work runs concurrently."""
+    streams = getattr(_SIDE, "streams", None)
+    if streams is None:
+        streams = _SIDE.streams = {}
+    device = mx.default_device()
+    key = str(device)
+    if key not in streams:
+        streams[key] = mx.new_stream(device)
+    return streams[key]
 
 
 def _split_query(q: mx.array, kv: CompressedKV):
@@ -51,12 +72,18 @@ def _codes_block(codes, a: int, b: int):
     return type(codes)(*(x[:, :, a:b] for x in codes))
 
 
-def _rotated(kv: CompressedKV, codes) -> list[mx.array]:
-    """Per group, the block's dequantized tokens (B, H, t, d_g) in that group's rotated basis."""
+def _units(kv: CompressedKV, codes) -> list[tuple[mx.array, mx.array]]:
+    """Per group, the block's codebook values c[idx] (B, H, t, d_g) in that group's rotated basis and the
+    group's norms (B, H, 1, t) float32. The norm is applied to the (few) scores and probabilities instead of
+    to every dequantized coordinate."""
     q = kv.quantizer
     if isinstance(q, TurboQuantProd):
-        return [] if q.mse is None else q.mse.rotated_values(MSECodes(codes.codes, codes.norms))
-    return q.rotated_values(MSECodes(codes.codes, codes.norms))
+        q = q.mse
+        if q is None:
+            return []
+    units = q.rotated_units(MSECodes(codes.codes, codes.norms))
+    norms = codes.norms.astype(mx.float32)
+    return [(u, norms[..., i][:, :, None, :]) for i, u in enumerate(units)]
 
 
 def _unrotate(kv: CompressedKV, parts: list[mx.array]) -> mx.array:
@@ -127,29 +154,43 @@ def turboquant_attention(
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     mask_at = _mask_fn(mask, B, H, R, L, T)
 
-    m = mx.full((B, H, R * L, 1), _NEG, mx.float32)  # running max
-    l = mx.zeros((B, H, R * L, 1), mx.float32)  # running Σ p
-    acc = mx.zeros((B, H, R * L, Dv), mx.float32)  # Σ p·v over float tokens, model basis
-    l_c = mx.zeros((B, H, R * L, 1), mx.float32)  # Σ p over compressed tokens (for ν)
-    acc_r = None  # per value group, Σ p·ŷ over compressed tokens, rotated basis
-
-    def softmax_step(s, a, b):
-        nonlocal m, l, acc, l_c, acc_r
+    def masked(s, a, b):
         mk = mask_at(a, b)
-        if mk is not None:
-            s5 = s.reshape(B, H, R, L, b - a)
-            s5 = mx.where(mk, s5, _NEG) if mk.dtype == mx.bool_ else s5 + mk.astype(mx.float32)
-            s = s5.reshape(B, H, R * L, b - a)
-        m_new = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
-        alpha = mx.exp(m - m_new)
-        p = mx.exp(s - m_new)
-        m = m_new
-        l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
-        acc = acc * alpha
-        l_c = l_c * alpha
-        if acc_r is not None:
-            acc_r = [x * alpha for x in acc_r]
-        return p
+        if mk is None:
+            return s
+        s5 = s.reshape(B, H, R, L, b - a)
+        s5 = mx.where(mk, s5, _NEG) if mk.dtype == mx.bool_ else s5 + mk.astype(mx.float32)
+        return s5.reshape(B, H, R * L, b - a)
+
+    # Each span of tokens gives a partial softmax (m, Σp, Σp·v in the model basis, Σp·ŷ per value group in
+    # the rotated basis); partials merge exactly by log-sum-exp, in any order.
+    state = None
+
+    def merge(part):
+        nonlocal state
+        if state is None:
+            state = part
+            return
+        m0, l0, c0, a0, r0 = state
+        m1, l1, c1, a1, r1 = part
+        m = mx.maximum(m0, m1)
+        w0, w1 = mx.exp(m0 - m), mx.exp(m1 - m)
+
+        def add(x, y):
+            if x is None or y is None:
+                return None if x is None and y is None else (y * w1 if x is None else x * w0)
+            return x * w0 + y * w1
+
+        r = r0 or r1
+        if r is not None:
+            n = len(r)
+            r = [add(x, y) for x, y in zip(r0 or [None] * n, r1 or [None] * n)]
+        state = (m, l0 * w0 + l1 * w1, add(c0, c1), add(a0, a1), r)
+
+    def softmax(s):
+        mb = mx.max(s, axis=-1, keepdims=True)
+        p = mx.exp(s - mb)
+        return mb, p, mx.sum(p, axis=-1, keepdims=True)
 
     # Float tokens: sinks at [0, n_sinks), window at [n_sinks + n_compressed, T).
     n_s, n_c = keys.n_sinks, keys.n_compressed
@@ -157,36 +198,44 @@ def turboquant_attention(
         if kf is None:
             continue
         b = a + kf.shape[2]
-        p = softmax_step(q @ kf.astype(mx.float32).swapaxes(-1, -2), a, b)
-        acc = acc + p @ vf.astype(mx.float32)
+        mb, p, lb = softmax(masked(q @ kf.astype(mx.float32).swapaxes(-1, -2), a, b))
+        merge((mb, lb, None, p @ vf.astype(mx.float32), None))
 
     if n_c:
         q_groups, sq = _split_query(q, keys)
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
         block = max(1, min(block_size, max(256, SCORE_BUDGET // (B * Hq * L))))
-        for a in range(0, n_c, block):
-            b = min(a + block, n_c)
+        n_blocks = -(-n_c // block)
+        bounds = [n_c * i // n_blocks for i in range(n_blocks + 1)]
+        # Two streams (two cores on a CPU): a block's values dequantize on one while its keys are scored on
+        # the other, and the next block swaps them. Blocks are independent; only the small merges are serial.
+        streams = [mx.default_stream(mx.default_device()), _side_stream()]
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             kc, vc = _codes_block(keys.codes, a, b), _codes_block(values.codes, a, b)
-            s = None
-            for qg, y in zip(q_groups, _rotated(keys, kc)):
-                sg = qg @ y.swapaxes(-1, -2)
-                s = sg if s is None else s + sg
-            if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
-                kq = keys.quantizer
-                z = unpack(kc.qjl, 1, kq.dim).astype(mx.float32) * 2.0 - 1.0
-                sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * kc.gamma.astype(mx.float32)[:, :, None, :])
-                s = sj if s is None else s + sj
-            if q_mu is not None:
-                s = s + q_mu
-            p = softmax_step(s, n_s + a, n_s + b)
-            l_c = l_c + mx.sum(p, axis=-1, keepdims=True)
-            yv = _rotated(values, vc)
-            contrib = [p @ y for y in yv]
-            acc_r = contrib if acc_r is None else [x + c for x, c in zip(acc_r, contrib)]
-        out = acc + _unrotate(values, acc_r)
+            with mx.stream(streams[(i + 1) % 2]):
+                v_units = _units(values, vc)
+            with mx.stream(streams[i % 2]):
+                s = None
+                for qg, (u, n) in zip(q_groups, _units(keys, kc)):
+                    sg = (qg @ u.swapaxes(-1, -2)) * n
+                    s = sg if s is None else s + sg
+                if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
+                    kq = keys.quantizer
+                    z = unpack_lookup(kc.qjl, 1, kq.dim, _SIGNS)
+                    sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * kc.gamma.astype(mx.float32)[:, :, None, :])
+                    s = sj if s is None else s + sj
+                if q_mu is not None:
+                    s = s + q_mu
+                mb, p, lb = softmax(masked(s, n_s + a, n_s + b))
+                part = (mb, lb, lb, None, [(p * n) @ u for u, n in v_units])
+            merge(part)
+    if state is None:
+        raise ValueError("attention over an empty cache: no tokens to attend to")
+    m, l, l_c, out, acc_r = state
+    if acc_r is not None:
+        y = _unrotate(values, acc_r)
+        out = y if out is None else out + y
         if values.mean is not None:
             out = out + l_c * values.mean[:, :, None, :]
-    else:
-        out = acc
     out = out / l
     return out.reshape(B, Hq, L, Dv).astype(queries.dtype)

@@ -68,9 +68,10 @@ class TurboQuantConfig:
     SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost +4.5% on SmolLM2; values at 3 bits cost +0.8
     points over V4 on SmolLM2 and nothing on Qwen, for 4.3x less memory than float16 at head_dim 128 instead of
     3.8x; QJL loses at equal bits (+6.9% vs +1.3% at K4); key centering rescues Qwen (PPL 629 -> 12.16 at 4/4),
-    value centering measured slightly worse (SmolLM2 3/3 without a window: 25.56 with, 25.11 without); the
-    float16 window of 128 and 4 sinks are worth +13 points at 3/3 (+17.9% -> +4.5%); boundary layers buy less
-    than spending the same bits on keys.
+    value centering helps with the window (SmolLM2 K4/V3 +2.1% vs +3.0%, K3/V3 +4.5% vs +7.3%; neutral on
+    Qwen); the float16 window of 128 and 4 sinks are worth +13 points at 3/3 (+17.9% -> +4.5%); boundary layers
+    buy less than spending the same bits on keys. μ, ν (and the outlier channels of 2.5/3.5 bits) are
+    calibrated on the first `block_size` tokens after the sinks, however the prompt is fed.
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
@@ -82,7 +83,7 @@ class TurboQuantConfig:
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
     center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
-    center_values: bool = False  # same for values with ν (exact too, but measured to hurt on SmolLM2)
+    center_values: bool = True  # same for values with ν (exact too)
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
 
@@ -195,6 +196,20 @@ def _arrays_of(obj, seen=None):
     elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("tq_mlx"):
         for x in vars(obj).values():
             yield from _arrays_of(x, seen)
+
+
+WINDOW_STEP = 32  # the float16 window grows in steps of this many tokens up to `window`
+
+
+def window_capacity(recent: int, window: int) -> int:
+    """Tokens the float16 window buffer holds once `recent` tokens have arrived after the sinks: steps of
+    WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
+    the token count alone, so a short chat holds only what it uses and tq_mlx.memory stays exact."""
+    if window == 0 or recent <= 0:
+        return 0
+    if recent > window:
+        return window
+    return min(window, -(-recent // WINDOW_STEP) * WINDOW_STEP)
 
 
 def _grow(buf, n_keep: int, n_new: int, step: int, template):
@@ -345,10 +360,14 @@ class TurboQuantKVCache(_BaseCache):
         W, K = self.config.window, self.config.block_size
         n_new = k.shape[2]
         total = self.n_window + n_new
-        if W and self.k_window is None:
+        cap = window_capacity(total, W)
+        if W and (self.k_window is None or self.k_window.shape[2] < cap):
             B, H = k.shape[:2]
-            self.k_window = mx.zeros((B, H, W, self.key_dim), mx.float16)
-            self.v_window = mx.zeros((B, H, W, self.value_dim), mx.float16)
+            kw, vw = mx.zeros((B, H, cap, self.key_dim), mx.float16), mx.zeros((B, H, cap, self.value_dim), mx.float16)
+            if self.n_window:
+                kw[:, :, : self.n_window] = self.k_window[:, :, : self.n_window]
+                vw[:, :, : self.n_window] = self.v_window[:, :, : self.n_window]
+            self.k_window, self.v_window = kw, vw
         if total <= W:
             self.k_window[:, :, self.n_window : total] = k.astype(mx.float16)
             self.v_window[:, :, self.n_window : total] = v.astype(mx.float16)
@@ -365,7 +384,14 @@ class TurboQuantKVCache(_BaseCache):
             self.v_window[:, :, : self.n_window] = v[:, :, n_c:].astype(mx.float16)
 
     def _calibrate(self, k: mx.array, v: mx.array) -> None:
-        """μ, ν and the outlier channel order, from the first tokens ever compressed (lazy, no sync)."""
+        """μ, ν and the outlier channel order, from the first tokens ever compressed (lazy, no sync).
+
+        With a window, from exactly the first block_size of them (the tokens right after the sinks): every first
+        compression holds at least one block, so the calibration does not depend on how the prompt was fed
+        (one shot, chunks, token by token, or a trimmed and reused cache).
+        """
+        if self.config.window:
+            k, v = k[:, :, : self.config.block_size], v[:, :, : self.config.block_size]
         if self.config.center_keys:
             self.k_mean = mx.mean(k, axis=2)
         if self.config.center_values:
@@ -448,7 +474,8 @@ class TurboQuantKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last n tokens (as many as exist): window first, then compressed tokens, then sinks."""
+        """Drop the last n tokens (as many as exist): window first, then compressed tokens, then sinks.
+        A trim that leaves no compressed token also drops the calibration (μ, ν, channel order)."""
         n = min(self.offset, n)
         left = n
         for part in ("n_window", "n_compressed", "n_sinks"):
@@ -456,6 +483,11 @@ class TurboQuantKVCache(_BaseCache):
             setattr(self, part, getattr(self, part) - d)
             left -= d
         self.offset -= n
+        if self.n_compressed == 0 and self.calibrated:
+            # Nothing encoded with μ, ν or the channel order is left: calibrate again from the next tokens
+            # compressed, exactly as a fresh cache fed the same tokens would.
+            self.k_mean = self.v_mean = self.k_perm = self.v_perm = None
+            self.calibrated = False
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -583,7 +615,10 @@ class TurboQuantKVCache(_BaseCache):
             if self.n_sinks or getattr(self, f"{side}_sinks") is not None:
                 check(f"{side}_sinks", getattr(self, f"{side}_sinks"), (B, H, cfg.sinks, dim), mx.float16)
             if self.n_window or getattr(self, f"{side}_window") is not None:
-                check(f"{side}_window", getattr(self, f"{side}_window"), (B, H, cfg.window, dim), mx.float16)
+                w = getattr(self, f"{side}_window")
+                check(f"{side}_window", w, (B, H, None, dim), mx.float16, max(self.n_window, 1))
+                if w.shape[2] > cfg.window:
+                    raise bad(f"{side}_window holds {w.shape[2]} tokens, more than the config's window {cfg.window}")
             if self.n_compressed or codes is not None:
                 # A lazy probe gives each field's trailing shape and dtype without evaluating anything.
                 probe = q.quantize(mx.zeros((1, 1, 1, dim), mx.float32))

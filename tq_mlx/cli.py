@@ -231,6 +231,9 @@ def generate_main(argv: list[str] | None = None) -> int:
     """tq-generate: mlx_lm.generate's main with the model patched, then the KV memory summary."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from .integration import tune_malloc
+
+    tune_malloc()
     gen = _generate_module()
     parser = generate_parser()
     args = parser.parse_args(argv)
@@ -270,8 +273,9 @@ def server_main(argv: list[str] | None = None) -> int:
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .integration import patch_model
+    from .integration import patch_model, tune_malloc
 
+    tune_malloc()
     argv = list(sys.argv[1:] if argv is None else argv)
     tq_parser = add_cache_args(argparse.ArgumentParser(prog="tq-server", add_help=False))
     tq_args, rest = tq_parser.parse_known_args(argv)

@@ -199,12 +199,14 @@ def turboquant_layer_bytes(
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
 
-    Float16 sinks and window buffers are allocated whole on first use; codes grow in `config.step` tokens;
+    Float16 sinks are allocated whole on first use, the window as cache.window_capacity says (steps of 32
+    tokens, then whole); codes grow in `config.step` tokens;
     means (float32) and channel orders (int32, fractional bits) appear with the first compressed tokens; the
     quantizers' rotations and codebooks are a constant per layer.
     """
     if tokens <= 0:
         return 0
+    from .cache import window_capacity
     from .quantizer import PROD_BITS
 
     B, H = batch, n_kv_heads
@@ -215,8 +217,7 @@ def turboquant_layer_bytes(
     total = k_const + v_const
     if config.sinks:
         total += B * H * config.sinks * (key_dim + value_dim) * FLOAT16_BYTES
-    if config.window and tokens > n_s:
-        total += B * H * config.window * (key_dim + value_dim) * FLOAT16_BYTES
+    total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * FLOAT16_BYTES
     if n_c:
         capacity = -(-n_c // config.step) * config.step
         total += B * H * capacity * (k_tok + v_tok)

@@ -5,14 +5,26 @@ A 3-bit code is stored as two bit planes, its low 2 bits in a 2-bit plane follow
 1-bit plane: exactly 3 bits per code, and every plane unpacks with one shift-and-mask, with no code
 straddling two words (this also keeps Metal kernels branch-free). A last word that is not full is
 zero-padded.
+
+`unpack_lookup` reads packed codes straight into a table's values, several codes per lookup: a byte for
+1/2/4/8 bits (8/4/2/1 codes), and for 3 bits a low-plane nibble with the two matching high-plane bits (2
+codes, a 64-row table). It skips the shift-and-mask pass over every code, which is what makes dequantizing
+fast on MLX's CPU back end (where `take_along_axis` is ~10x faster than `take`, and a gather costs about as
+much as writing its output). Tables are at most 8 KB (1 bit), 512 B for 3 bits.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 import mlx.core as mx
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 _PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}
+# Constants are built from numpy, so they hold data rather than a lazy graph tied to the importing thread's
+# stream (MLX streams are per thread; tq-chat and tq-server decode in worker threads).
+_NIBBLES = mx.array(np.arange(0, 32, 4, dtype=np.uint32))
+_PAIRS = mx.array(np.arange(0, 16, 2, dtype=np.uint32))
 
 
 def _check_bits(bits: int) -> None:
@@ -67,3 +79,44 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
         start += nw
         offset += p
     return codes
+
+
+def lookup_table(values, bits: int) -> mx.array:
+    """The (entries, codes per entry) float32 table unpack_lookup reads: row k holds values[code] for each code
+    packed in the byte k, lowest code first (3 bits: k = low-plane nibble | high-plane bit pair << 4).
+
+    values: the 2^bits code values (array-like). Built in numpy: the table is data, usable from any thread."""
+    _check_bits(bits)
+    v = np.asarray(values, dtype=np.float32)
+    if v.shape != (1 << bits,):
+        raise ValueError(f"a {bits}-bit table needs {1 << bits} values, got shape {v.shape}")
+    if bits == 3:
+        k = np.arange(64, dtype=np.uint32)[:, None]
+        i = np.arange(2, dtype=np.uint32)
+        codes = ((k >> (2 * i)) & 3) | (((k >> (4 + i)) & 1) << 2)
+    else:
+        k = np.arange(256, dtype=np.uint32)[:, None]
+        codes = (k >> np.arange(0, 8, bits, dtype=np.uint32)) & ((1 << bits) - 1)
+    return mx.array(v[codes])
+
+
+def unpack_lookup(words: mx.array, bits: int, n: int, table: mx.array) -> mx.array:
+    """values[unpack(words, bits, n)] for the table lookup_table(values, bits) made: (..., n), table's dtype."""
+    _check_bits(bits)
+    *lead, w = words.shape
+    if w != packed_words(n, bits):
+        raise ValueError(f"{w} words cannot hold {n} codes of {bits} bits (expected {packed_words(n, bits)})")
+    if bits == 3:
+        # Low-plane word j holds the low bits of codes 16j..16j+15 as 8 nibbles (2 codes each), and the j-th
+        # 16-bit half of the high plane their high bits as 8 bit pairs: index = nibble | pair << 4.
+        n_lo = -(-n // 16)
+        lo = words[..., :n_lo, None]
+        hi = mx.view(words[..., n_lo:], mx.uint16)[..., :n_lo, None].astype(mx.uint32)
+        idx = ((lo >> _NIBBLES) & 15) | (((hi >> _PAIRS) & 3) << 4)
+        idx = idx.reshape(*lead, n_lo * 8)
+    else:
+        idx = mx.view(words, mx.uint8)
+    per = table.shape[-1]
+    flat = mx.broadcast_to(idx.reshape(-1, 1), (idx.size, per))
+    out = mx.take_along_axis(table, flat, axis=0).reshape(*lead, idx.shape[-1] * per)
+    return out if out.shape[-1] == n else out[..., :n]

@@ -27,7 +27,7 @@ import numpy as np
 import mlx.core as mx
 
 from .codebook import MIN_DIM, lloyd_max
-from .packing import pack, packed_words, unpack
+from .packing import lookup_table, pack, packed_words, unpack, unpack_lookup
 from .rotation import Rotation
 
 MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
@@ -71,6 +71,7 @@ class Group(NamedTuple):
     centroids: mx.array  # (2^bits,) float32, raw unit-vector scale
     boundaries: mx.array  # (2^bits - 1,) float32
     words: slice  # where this group's packed words sit in MSECodes.codes
+    table: mx.array  # packing.lookup_table(centroids, bits): dequantizes a byte of codes per lookup
 
 
 def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
@@ -128,15 +129,17 @@ class TurboQuantMSE:
         for g, ((gdim, gbits), ch) in enumerate(zip(sizes, channels)):
             cb = lloyd_max(gdim, gbits)
             nw = packed_words(gdim, gbits)
+            centroids = mx.array(cb.centroids.astype(np.float32))
             self.groups.append(
                 Group(
                     channels=ch,
                     dim=gdim,
                     bits=gbits,
                     rotation=Rotation(gdim, seed=self.seed + g),
-                    centroids=mx.array(cb.centroids.astype(np.float32)),
+                    centroids=centroids,
                     boundaries=mx.array(cb.boundaries.astype(np.float32)),
                     words=slice(start, start + nw),
+                    table=lookup_table(cb.centroids, gbits),
                 )
             )
             start += nw
@@ -172,13 +175,14 @@ class TurboQuantMSE:
         norms = norms[0] if len(norms) == 1 else mx.concatenate(norms, axis=-1)
         return MSECodes(codes, norms.astype(self.norm_dtype))
 
+    def rotated_units(self, c: MSECodes) -> list[mx.array]:
+        """Per group, the codebook values c[idx] in that group's rotated basis (norm not applied), float32."""
+        return [unpack_lookup(c.codes[..., g.words], g.bits, g.dim, g.table) for g in self.groups]
+
     def rotated_values(self, c: MSECodes) -> list[mx.array]:
         """Per group, the dequantized vector in that group's rotated basis (norm included), float32."""
-        out = []
-        for i, g in enumerate(self.groups):
-            idx = unpack(c.codes[..., g.words], g.bits, g.dim)
-            out.append(mx.take(g.centroids, idx) * c.norms[..., i : i + 1].astype(mx.float32))
-        return out
+        units = self.rotated_units(c)
+        return [u * c.norms[..., i : i + 1].astype(mx.float32) for i, u in enumerate(units)]
 
     def dequantize(self, c: MSECodes) -> mx.array:
         parts = [g.rotation.inverse(y) for g, y in zip(self.groups, self.rotated_values(c))]
