@@ -298,7 +298,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       fp16_bytes     what float16 KVCaches would hold for the same tokens (2·heads·head_dim·2 bytes per token)
       other_bytes    sum of `nbytes` of the other caches (e.g. hybrid linear-attention ArraysCache state)
       total_bytes    kv_bytes + other_bytes
-      saved_bytes    fp16_bytes - kv_bytes (negative while fixed float16 windows dominate a short context)
+      saved_bytes    fp16_bytes - kv_bytes (negative while the float16 window and sinks dominate a short context)
       ratio          fp16_bytes / kv_bytes (1.0 for an empty cache)
       tokens         tokens in the longest attention cache (the context used)
       attention_layers, turboquant_layers  counts
