@@ -129,14 +129,13 @@ class TurboQuantMSE:
         for g, ((gdim, gbits), ch) in enumerate(zip(sizes, channels)):
             cb = lloyd_max(gdim, gbits)
             nw = packed_words(gdim, gbits)
-            centroids = mx.array(cb.centroids.astype(np.float32))
             self.groups.append(
                 Group(
                     channels=ch,
                     dim=gdim,
                     bits=gbits,
                     rotation=Rotation(gdim, seed=self.seed + g),
-                    centroids=centroids,
+                    centroids=mx.array(cb.centroids.astype(np.float32)),
                     boundaries=mx.array(cb.boundaries.astype(np.float32)),
                     words=slice(start, start + nw),
                     table=lookup_table(cb.centroids, gbits),
