@@ -27,14 +27,12 @@ import threading
 import mlx.core as mx
 
 from .cache import CompressedKV
-from .packing import lookup_table, unpack_lookup
 from .quantizer import MSECodes, TurboQuantProd
 
 BLOCK_SIZE = 4096
 # Cap on the float32 scores of one block, (B, n_q_heads, L, block): long prefill chunks get shorter blocks.
 SCORE_BUDGET = 1 << 24  # elements (64 MB)
 _NEG = float(mx.finfo(mx.float32).min)
-_SIGNS = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1
 
 
 _SIDE = threading.local()  # MLX streams belong to the thread that made them
@@ -221,7 +219,7 @@ def turboquant_attention(
                     s = sg if s is None else s + sg
                 if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
                     kq = keys.quantizer
-                    z = unpack_lookup(kc.qjl, 1, kq.dim, _SIGNS)
+                    z = kq.signs(kc)
                     sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * kc.gamma.astype(mx.float32)[:, :, None, :])
                     s = sj if s is None else s + sj
                 if q_mu is not None:

@@ -62,12 +62,18 @@ def pack(codes: mx.array, bits: int) -> mx.array:
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
 
 
-def unpack(words: mx.array, bits: int, n: int) -> mx.array:
-    """Inverse of pack: uint32 words (..., packed_words(n, bits)) -> uint32 codes (..., n)."""
-    _check_bits(bits)
+def _check_words(words: mx.array, bits: int, n: int) -> list[int]:
+    """Raise unless words (..., w) hold exactly n codes of `bits` bits; returns the leading shape."""
     *lead, w = words.shape
     if w != packed_words(n, bits):
         raise ValueError(f"{w} words cannot hold {n} codes of {bits} bits (expected {packed_words(n, bits)})")
+    return lead
+
+
+def unpack(words: mx.array, bits: int, n: int) -> mx.array:
+    """Inverse of pack: uint32 words (..., packed_words(n, bits)) -> uint32 codes (..., n)."""
+    _check_bits(bits)
+    lead = _check_words(words, bits, n)
     codes, start, offset = None, 0, 0
     for p in _PLANES[bits]:
         per = 32 // p
@@ -103,9 +109,7 @@ def lookup_table(values, bits: int) -> mx.array:
 def unpack_lookup(words: mx.array, bits: int, n: int, table: mx.array) -> mx.array:
     """values[unpack(words, bits, n)] for the table lookup_table(values, bits) made: (..., n), table's dtype."""
     _check_bits(bits)
-    *lead, w = words.shape
-    if w != packed_words(n, bits):
-        raise ValueError(f"{w} words cannot hold {n} codes of {bits} bits (expected {packed_words(n, bits)})")
+    lead = _check_words(words, bits, n)
     if bits == 3:
         # Low-plane word j holds the low bits of codes 16j..16j+15 as 8 nibbles (2 codes each), and the j-th
         # 16-bit half of the high plane their high bits as 8 bit pairs: index = nibble | pair << 4.

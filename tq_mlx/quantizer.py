@@ -27,12 +27,13 @@ import numpy as np
 import mlx.core as mx
 
 from .codebook import MIN_DIM, lloyd_max
-from .packing import lookup_table, pack, packed_words, unpack, unpack_lookup
+from .packing import lookup_table, pack, packed_words, unpack_lookup
 from .rotation import Rotation
 
 MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
 PROD_BITS = (1, 2, 3, 4)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_SIGN_TABLE = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1, shared by every TurboQuantProd
 
 
 class MSECodes(NamedTuple):
@@ -244,11 +245,12 @@ class TurboQuantProd:
         signs = (r @ self.projection.T) >= 0
         return ProdCodes(codes, norms, pack(signs, 1), gamma.astype(self.norm_dtype))
 
-    def _signs(self, c: ProdCodes) -> mx.array:
-        return unpack(c.qjl, 1, self.dim).astype(mx.float32) * 2.0 - 1.0
+    def signs(self, c: ProdCodes) -> mx.array:
+        """The QJL sign bits z as ±1, float32 (..., dim)."""
+        return unpack_lookup(c.qjl, 1, self.dim, _SIGN_TABLE)
 
     def dequantize(self, c: ProdCodes) -> mx.array:
-        qjl = self.qjl_scale * c.gamma.astype(mx.float32)[..., None] * (self._signs(c) @ self.projection)
+        qjl = self.qjl_scale * c.gamma.astype(mx.float32)[..., None] * (self.signs(c) @ self.projection)
         if self.mse is None:
             return qjl
         return self.mse.dequantize(MSECodes(c.codes, c.norms)) + qjl
@@ -260,7 +262,7 @@ class TurboQuantProd:
         """
         check_input(q, self.dim)
         q = q.astype(mx.float32)
-        qjl = self.qjl_scale * c.gamma.astype(mx.float32) * mx.sum((q @ self.projection.T) * self._signs(c), -1)
+        qjl = self.qjl_scale * c.gamma.astype(mx.float32) * mx.sum((q @ self.projection.T) * self.signs(c), -1)
         if self.mse is None:
             return qjl
         (g,) = self.mse.groups
