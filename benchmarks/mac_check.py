@@ -59,7 +59,7 @@ def _normal(rng, shape, dtype=mx.float32):
 # ------------------------------------------------------------------------------------------ check
 def check_rows(quick: bool) -> list[dict]:
     from tq_mlx import kernels as K
-    from tq_mlx.cache import CompressedKV
+    from tq_mlx.stream import StreamView
     from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
 
     rng = np.random.default_rng(0)
@@ -109,7 +109,7 @@ def check_rows(quick: bool) -> list[dict]:
                 def handle(q, n=300):
                     codes = K.encode_reference(_normal(rng, (1, 4, n, dim)), q, mean[:1])
                     f16 = lambda k: _normal(rng, (1, 4, k, dim), mx.float16)  # noqa: E731
-                    return CompressedKV(q, codes, f16(4), f16(20), mean[:1], None)
+                    return StreamView(q, codes, f16(4), f16(20), mean[:1], None)
 
                 keys, values = handle(kq), handle(vq)
                 record("dequantize", dim, label, name,
@@ -136,7 +136,7 @@ def _median_ms(fn, warmup: int, iters: int) -> float:
 
 def random_handle(quantizer, H: int, n: int, n_sinks: int, n_window: int, seed: int):
     """A cache handle of n compressed tokens: random words are valid codes, so nothing needs encoding."""
-    from tq_mlx.cache import CompressedKV
+    from tq_mlx.stream import StreamView
     from tq_mlx.quantizer import ProdCodes, TurboQuantProd
 
     rng = np.random.default_rng(seed)
@@ -153,7 +153,7 @@ def random_handle(quantizer, H: int, n: int, n_sinks: int, n_window: int, seed: 
     else:
         c = type(probe)(codes, norms)
     f16 = lambda k: _normal(rng, (1, H, k, D), mx.float16)  # noqa: E731
-    return CompressedKV(quantizer, c, f16(n_sinks), f16(n_window), _normal(rng, (1, H, D)) * 0.1, None)
+    return StreamView(quantizer, c, f16(n_sinks), f16(n_window), _normal(rng, (1, H, D)) * 0.1, None)
 
 
 def timing_rows(contexts, warmup: int, iters: int, with_reference: bool) -> list[dict]:

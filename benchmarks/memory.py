@@ -65,7 +65,7 @@ def tq_config(bits: float, boundary_layers: int) -> TurboQuantConfig:
 
 
 def _capacity(cache: TurboQuantKVCache) -> int:
-    return 0 if cache.k_codes is None else cache.k_codes[0].shape[2]
+    return cache.key_stream.capacity if cache.key_stream else 0
 
 
 def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tuple[int, ...], seed: int = 0,
@@ -83,7 +83,7 @@ def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tup
     pool_v = mx.random.normal((1, n_kv, POOL, head_dim), key=kv)
     mx.eval(pool_k, pool_v)
     cache = TurboQuantKVCache(config, layer_index=0)
-    K, step = config.block_size, config.step
+    K, step = config.compress_block_size, config.step
     big = chunk if step % K == 0 else K
     out, n = {}, 0
     for T in sorted(contexts):

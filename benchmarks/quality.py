@@ -45,8 +45,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 import tq_mlx  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
-from tq_mlx.cache import CompressedKV  # noqa: E402
+from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.kernels import dequantize_reference  # noqa: E402
+from tq_mlx.quantizer import format_bits  # noqa: E402
+from tq_mlx.stream import StreamView  # noqa: E402
 from tq_mlx.memory import estimate_kv_bytes, load_model_config  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
@@ -77,14 +79,10 @@ class Setting:
         return d
 
 
-def _b(x: float) -> str:
-    return str(int(x)) if x == int(x) else str(x)
-
-
 def tq(key_bits: float, value_bits: float | None = None, **over) -> Setting:
     fields = {**BASE, **over}
     cfg = TurboQuantConfig(key_bits=key_bits, value_bits=key_bits if value_bits is None else value_bits, **fields)
-    label = f"TQ K{_b(cfg.key_bits)}{'+qjl' if cfg.qjl else ''}/V{_b(cfg.value_bits)}"
+    label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}"
     extra = []
     if not cfg.center_keys and not cfg.center_values:
         extra.append("no centering")
@@ -95,7 +93,7 @@ def tq(key_bits: float, value_bits: float | None = None, **over) -> Setting:
     if cfg.window != BASE["window"] or cfg.sinks != BASE["sinks"]:
         extra.append(f"window {cfg.window}, sinks {cfg.sinks}")
     if cfg.boundary_layers:
-        extra.append(f"boundary {cfg.boundary_layers}@{_b(cfg.boundary_bits)}")
+        extra.append(f"boundary {cfg.boundary_layers}@{format_bits(cfg.boundary_bits)}")
     return Setting(label + (f" ({', '.join(extra)})" if extra else ""), "tq", config=cfg)
 
 
@@ -358,7 +356,7 @@ def capture_qkv(model: nn.Module, ids: list[int]) -> tuple[list[tuple[mx.array, 
     return seen, scale[0]
 
 
-def _read_back(kv: CompressedKV) -> mx.array:
+def _read_back(kv: StreamView) -> mx.array:
     """The keys a TurboQuant cache side holds, in the model basis (compressed tokens dequantized)."""
     parts = []
     if kv.sinks is not None:

@@ -15,13 +15,11 @@
 //   params int32 [H, N, RL, L, tokens per split, causal limit]: compressed token t is visible to query
 //   token i iff t <= causal limit + i.
 // Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
-// Template: DK, DV, KB, VB (MSE bits), QJL, NR (rows per threadgroup, a power of two).
+// Template: DK, DV, KB, VB (MSE bits), QJL, NR (rows per threadgroup, a power of two), and the layout from
+// tq_mlx.kernels._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
+// staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
 constexpr int EV = DV / 32;
-constexpr int WK = KB == 3 ? DK / 16 + DK / 32 : DK * KB / 32;
-constexpr int WV = VB == 3 ? DV / 16 + DV / 32 : DV * VB / 32;
 constexpr int WJ = DK / 32;
-constexpr int WS = (WK > WV ? WK : WV) | 1;  // odd row stride: lanes reading one word per token hit distinct banks
-constexpr int WJS = WJ | 1;
 constexpr int NKC = 1 << KB;
 constexpr int CK = KB == 3 ? 16 : 32 / KB;  // key codes per word-major step
 constexpr int NVC = 1 << VB;
@@ -47,21 +45,15 @@ const int nrows = min(NR, RL - r0);
 const int t_begin = int(split) * params[4];
 const int t_end = min(N, t_begin + params[4]);
 
-constexpr int QN = NR * DK;
-constexpr int QSN = QJL ? NR * DK : 1;
-constexpr int TWN = 32 * WS;
-constexpr int TJN = QJL ? 32 * WJS : 1;
-constexpr int PN = NR * 32;
-constexpr int CN = NKC + NVC;
-threadgroup float q_tg[QN];     // rotated query rows
-threadgroup float qs_tg[QSN];   // S·q rows (QJL)
-threadgroup uint words[TWN];    // the tile's key words, then its value words
-threadgroup uint jwords[TJN];   // the tile's QJL words
-threadgroup float tok_norm[32];
-threadgroup float tok_gamma[32];
-threadgroup float p_tg[PN];     // softmax weights (0 = skipped), row-major (row, token)
-threadgroup uint keep_tg[NSG];  // per SIMD group: tokens some of its rows kept
-threadgroup float cent[CN];     // key centroids, then value centroids
+threadgroup float q_tg[TG_Q];       // rotated query rows
+threadgroup float qs_tg[TG_QS];     // S·q rows (QJL)
+threadgroup uint words[TG_W];       // the tile's key words, then its value words
+threadgroup uint jwords[TG_J];      // the tile's QJL words
+threadgroup float tok_norm[TG_TOK];
+threadgroup float tok_gamma[TG_TOK];
+threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
+threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
+threadgroup float cent[TG_C];       // key centroids, then value centroids
 
 for (int i = int(tid); i < NR * DK; i += NT) {
   int r = i / DK;

@@ -6,10 +6,10 @@
 //   float16, qjlw (B, H, n, D/32) uint32 and gamma (B, H, n) float16 (QJL); tables float32
 //   [signs (D) | centroids (2^B) | qjl scale]; proj (D, D) float32 S; mean (B*H, D) float32;
 //   params int32 [n, H, has_mean].
-// Output: out (B, H, n, D) T. Template: T, D, B (MSE bits), QJL. Grid: 32 threads per token.
+// Output: out (B, H, n, D) T. Template: T, D, B (MSE bits), QJL, W (packed words per token:
+// tq_mlx.packing.packed_words). Grid: 32 threads per token.
 constexpr int E = D / 32;
 constexpr int NC = 1 << B;
-constexpr int W = B == 3 ? D / 16 + D / 32 : D * B / 32;
 constexpr int WJ = D / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;

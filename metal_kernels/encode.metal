@@ -5,10 +5,9 @@
 //          tables float32 [signs (D) | boundaries (2^B - 1) | centroids (2^B)]; proj (D, D) float32 S (QJL);
 //          params int32 [tokens per (batch, head), has_mean].
 // Outputs: codes (N, W) uint32; norms (N,) float16; qjl (N, D/32) uint32 and gamma (N,) float16 (QJL).
-// Template: T, D, B (MSE bits), QJL. Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
+// Template: T, D, B (MSE bits), QJL, W (packed words per token: tq_mlx.packing.packed_words). Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
 constexpr int E = D / 32;
 constexpr int NC = 1 << B;
-constexpr int W = B == 3 ? D / 16 + D / 32 : D * B / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint row = thread_position_in_grid.x / 32;

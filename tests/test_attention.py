@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tq_mlx import CompressedKV, TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 
 
-def dequantized(h: CompressedKV) -> np.ndarray:
+def dequantized(h: StreamView) -> np.ndarray:
     """(B, H, T, D) float64: what the handle stands for, in token order (sinks, compressed, window)."""
     parts = []
     if h.sinks is not None:
@@ -83,7 +83,7 @@ CASES = [
 def test_matches_float64_reference(D, kb, vb, qjl, center):
     rng = np.random.default_rng(D + int(2 * kb))
     B, H, R = 2, 2, 3
-    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, block=4, sinks=3, step=16,
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, compress_block=4, sinks=3, step=16,
                            center_keys=center, center_values=center)
     cache = TurboQuantKVCache(cfg, layer_index=1)
     # Prefill chunks, decode steps and a chunk larger than the window; block_size=5 splits the compressed
@@ -91,7 +91,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
     for L, (kh, vh) in feed(cache, rng, (7, 1, 20, 1, 1, 3, 9), B, H, D):
         q = mx.array(2 * rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
         mask = "causal" if L > 1 else None
-        out = turboquant_attention(q, kh, vh, D**-0.5, mask, block_size=5)
+        out = turboquant_attention(q, kh, vh, D**-0.5, mask, tile_tokens=5)
         ref = reference_attention(q, dequantized(kh), dequantized(vh), D**-0.5, mask)
         assert out.shape == (B, H * R, L, D)
         assert rel_err(out, ref) < 2e-5, (L, rel_err(out, ref))
@@ -101,7 +101,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
 def test_array_masks_and_per_head_masks():
     rng = np.random.default_rng(5)
     B, H, R, D = 2, 2, 2, 64
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, block=3, sinks=2), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, compress_block=3, sinks=2), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (17, 5), B, H, D)
     T = kh.n_tokens
     q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
@@ -117,7 +117,7 @@ def test_array_masks_and_per_head_masks():
                  | np.eye(L, T, T - L, dtype=bool)),  # per query head, never a fully masked row
     ]
     for mask in masks:
-        out = turboquant_attention(q, kh, vh, 0.125, mask, block_size=4)
+        out = turboquant_attention(q, kh, vh, 0.125, mask, tile_tokens=4)
         ref = reference_attention(q, dequantized(kh), dequantized(vh), 0.125, mask)
         assert rel_err(out, ref) < 2e-5
 
@@ -156,7 +156,7 @@ def test_block_size_does_not_change_result():
     cache = TurboQuantKVCache(TurboQuantConfig(key_bits=2, value_bits=2, window=16, sinks=0), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (300, 1), 1, 2, 64)
     q = mx.array(rng.normal(size=(1, 2, L, 64)), dtype=mx.float32)
-    outs = [turboquant_attention(q, kh, vh, 0.125, None, block_size=b) for b in (7, 64, 4096)]
+    outs = [turboquant_attention(q, kh, vh, 0.125, None, tile_tokens=b) for b in (7, 64, 4096)]
     for o in outs[1:]:
         assert float(mx.abs(o - outs[0]).max()) < 1e-5
 
@@ -170,14 +170,14 @@ def test_runs_in_a_worker_thread_with_a_cache_made_elsewhere():
     cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=3, qjl=False, window=8, sinks=2), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (200, 1), 1, 2, 64)
     q = mx.array(rng.normal(size=(1, 4, L, 64)), dtype=mx.float32)
-    expected = np.array(turboquant_attention(q, kh, vh, 0.125, None, block_size=64))
+    expected = np.array(turboquant_attention(q, kh, vh, 0.125, None, tile_tokens=64))
     got, errors = [], []
 
     def work():
         try:
             s = mx.new_stream(mx.default_device())  # as mlx-lm's generation_stream
             with mx.stream(s):
-                got.append(np.array(turboquant_attention(q, kh, vh, 0.125, None, block_size=64)))
+                got.append(np.array(turboquant_attention(q, kh, vh, 0.125, None, tile_tokens=64)))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import tq_mlx
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.packing import packed_words
 from tq_mlx.rotation import hadamard_base
@@ -35,7 +37,7 @@ def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
     assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, True)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 4, 0, 0, 256)
-    assert c.block_size == c.window
+    assert c.compress_block_size == c.window
     d = TurboQuantConfig.from_bits(2.5, window=32)
     assert (d.key_bits, d.value_bits, d.window) == (2.5, 2.5, 32)
     assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
@@ -54,7 +56,7 @@ def test_config_defaults_and_from_bits():
         ({"window": -1}, "window must be an integer >= 0"),
         ({"sinks": 1.5}, "sinks must be an integer >= 0"),
         ({"step": 0}, "step must be an integer >= 1"),
-        ({"window": 16, "block": 32}, "block must be between 1 and window=16"),
+        ({"window": 16, "compress_block": 32}, "compress_block must be between 1 and window=16"),
         ({"qjl": 1}, "qjl must be True or False"),
     ],
 )
@@ -80,7 +82,7 @@ def test_layer_bits_boundary():
 
 
 def test_token_layout_and_block_compression():
-    cfg = TurboQuantConfig(window=16, block=8, sinks=4)
+    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=4)
     c = TurboQuantKVCache(cfg)
     counts = []
     for L in (2, 3, 10, 7, 1, 1, 40):
@@ -93,7 +95,7 @@ def test_token_layout_and_block_compression():
 
 
 @pytest.mark.parametrize("cfg", [
-    TurboQuantConfig.from_bits(8, window=16, block=4, sinks=3),
+    TurboQuantConfig.from_bits(8, window=16, compress_block=4, sinks=3),
     TurboQuantConfig.from_bits(8, window=16, sinks=0, center_keys=False),
     TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2),
 ])
@@ -125,7 +127,7 @@ def test_stored_tokens_are_the_input_tokens(cfg):
 
 
 def test_chunked_and_one_shot_compress_the_same_tokens():
-    cfg = TurboQuantConfig(window=32, block=16, sinks=4)
+    cfg = TurboQuantConfig(window=32, compress_block=16, sinks=4)
     one, many = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
     fill(one, (300,))
     fill(many, (100, 100, 100))
@@ -234,7 +236,7 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
 
 
 def test_state_round_trip_is_exact():
-    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, block=4, sinks=2, seed=3)
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, compress_block=4, sinks=2, seed=3)
     c = TurboQuantKVCache(cfg, layer_index=4, attention_index=1, n_attention_layers=3)
     fill(c, (30, 1, 1))
     d = TurboQuantKVCache.from_state(c.state)
@@ -254,7 +256,7 @@ def test_state_is_stored_references():
     c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1))
     fill(c, (20,))
     meta, arrays = c.state
-    assert arrays["k_window"] is c.k_window and arrays["k_codes"][0] is c.k_codes[0]
+    assert arrays["k_window"] is c.key_stream.window and arrays["k_codes"][0] is c.key_stream.codes[0]
     assert meta["offset"] == 20
 
 
@@ -289,8 +291,35 @@ def test_corrupted_state_raises_clear_errors():
     del m["n_window"]
     with pytest.raises(ValueError, match="missing"):
         TurboQuantKVCache.from_state((m, arrays))
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(ValueError, match=r"version 99 was written by a newer tq-mlx; this tq-mlx reads versions 1, 2"):
         TurboQuantKVCache.from_state(({**meta, "version": 99}, arrays))
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_prompt_cache_files_written_before_the_stream_restructuring_still_load():
+    # prompt_cache_v1.safetensors was written by tq-mlx at commit ce86924 (state version 1, one class holding
+    # both sides) with mlx_lm.save_prompt_cache: K4/V3 with a window and compress block, fractional 3.5/2.5 bits
+    # (channel orders), and QJL keys at 3 bits with no window. The attention outputs it gave then are in the .npz.
+    caches = tq_mlx.load_prompt_cache(str(DATA / "prompt_cache_v1.safetensors"))
+    expected = np.load(DATA / "prompt_cache_v1_expected.npz")
+    assert [c.config.compress_block for c in caches] == [16, None, None]  # v1's "block" field
+    assert [(c.offset, c.n_compressed) for c in caches] == [(97, 64), (97, 64), (97, 97)]
+    stored = mx.load(str(DATA / "prompt_cache_v1.safetensors"))
+    for i, c in enumerate(caches):
+        # The codes are taken bit for bit; attention on them gives what it gave then (to float32 rounding,
+        # which depends on the BLAS the matmuls run on).
+        for name, a in c.state[1].items():
+            for j, x in enumerate(a if isinstance(a, tuple) else (a,)):
+                if x is not None:
+                    key = f"{i}.1.{name}" + (f".{j}" if isinstance(a, tuple) else "")
+                    assert mx.array_equal(x, stored[key]).item(), key
+        got = turboquant_attention(mx.array(expected[f"q{i}"]), c.key_stream.view(), c.value_stream.view(), 0.125)
+        np.testing.assert_allclose(np.array(got), expected[f"out{i}"], rtol=1e-5, atol=1e-6)
+    # and they keep working: one more token goes through both streams
+    k, v = c.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)))
+    assert k.n_tokens == v.n_tokens == 98
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -315,7 +344,7 @@ def test_bad_shapes_name_the_layer():
 
 
 def test_trim_window_compressed_sinks_and_beyond():
-    c = TurboQuantKVCache(TurboQuantConfig(window=8, block=4, sinks=3))
+    c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=4, sinks=3))
     fill(c, (40,))
     assert (c.n_sinks, c.n_compressed, c.n_window) == (3, 32, 5)
     assert c.trim(2) == 2 and (c.n_compressed, c.n_window, c.offset) == (32, 3, 38)
@@ -332,7 +361,7 @@ def test_trim_window_compressed_sinks_and_beyond():
 
 def test_trim_then_readd_equals_never_added():
     """What speculative decoding does: append drafts, trim the rejected ones, append again."""
-    cfg = TurboQuantConfig(window=16, block=8, sinks=2)
+    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2)
     rng = np.random.default_rng(1)
     data = list(chunks(rng, (20, 3, 1)))
     a, b = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
@@ -363,7 +392,7 @@ def forbid_host_sync(monkeypatch):
 
 
 def test_update_and_attention_build_the_graph_without_host_sync(forbid_host_sync):
-    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, block=4, sinks=2),
+    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, compress_block=4, sinks=2),
                 TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0)):
         c = TurboQuantKVCache(cfg, layer_index=0, head_dim=80)
         k = mx.random.normal((1, 2, 30, 80))
@@ -379,7 +408,7 @@ def test_decode_step_of_a_model_without_host_sync(monkeypatch):
     import tq_mlx
 
     model, _ = tiny_llama()
-    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, block=2, sinks=1))
+    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, compress_block=2, sinks=1))
     mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache))
     with monkeypatch.context() as m:
         def boom(*a, **k):
@@ -409,19 +438,19 @@ def _feed16(cache, x, sizes):
 @pytest.mark.parametrize("bits", [3, 3.5])
 def test_calibration_does_not_depend_on_how_the_prompt_is_fed(bits):
     x = mx.array(np.random.default_rng(4).normal(1.0, 1.0, size=(1, 2, 300, 64)), dtype=mx.float16)
-    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=32, block=16, sinks=3)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=32, compress_block=16, sinks=3)
     caches = []
     for sizes in ([300], [100, 200], [7] * 42 + [6], [1] * 300):
         c = TurboQuantKVCache(cfg)
         _feed16(c, x, sizes)
         caches.append(c)
     first = caches[0]
-    # Exactly the block_size tokens after the sinks.
-    np.testing.assert_allclose(np.array(first.k_mean), np.array(x[:, :, 3:19].astype(mx.float32).mean(axis=2)),
+    # Exactly the compress_block tokens after the sinks.
+    np.testing.assert_allclose(np.array(first.key_stream.mean), np.array(x[:, :, 3:19].astype(mx.float32).mean(axis=2)),
                                rtol=1e-6)
     for c in caches[1:]:
         for name in ("k_mean", "v_mean", "k_perm", "v_perm"):
-            a, b = getattr(first, name), getattr(c, name)
+            a, b = first.state[1][name], c.state[1][name]
             assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item()), name
 
 
@@ -429,20 +458,20 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     # A reused prompt cache that shares only its float16 sinks with the new prompt: nothing encoded with the old
     # μ, ν is left, so it must end up exactly where a fresh cache fed the new prompt does.
     x = mx.array(np.random.default_rng(5).normal(0.5, 1.0, size=(1, 2, 200, 64)), dtype=mx.float16)
-    cfg = TurboQuantConfig(window=16, block=8, sinks=2)
+    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2)
     reused = TurboQuantKVCache(cfg)
     _feed16(reused, mx.concatenate([x[:, :, :2], -x[:, :, 2:]], axis=2), [200])  # diverges after the sinks
     assert reused.n_compressed > 0 and reused.calibrated
     reused.trim(198)
     assert reused.offset == 2 and reused.n_compressed == 0 and not reused.calibrated
-    assert reused.k_mean is None and reused.v_mean is None
+    assert reused.key_stream.mean is None and reused.value_stream.mean is None
     _feed16(reused, x[:, :, 2:], [198])
     fresh = TurboQuantKVCache(cfg)
     _feed16(fresh, x, [2, 198])
     for a, b in zip(reused.state[1]["k_codes"], fresh.state[1]["k_codes"]):
         assert mx.array_equal(a, b).item()
-    assert mx.array_equal(reused.k_mean, fresh.k_mean).item() and mx.array_equal(reused.v_mean, fresh.v_mean).item()
+    assert mx.array_equal(reused.key_stream.mean, fresh.key_stream.mean).item() and mx.array_equal(reused.value_stream.mean, fresh.value_stream.mean).item()
     # A trim that keeps compressed tokens keeps the calibration they were encoded with.
-    mean = reused.k_mean
+    mean = reused.key_stream.mean
     reused.trim(150)
-    assert reused.n_compressed > 0 and reused.calibrated and reused.k_mean is mean
+    assert reused.n_compressed > 0 and reused.calibrated and reused.key_stream.mean is mean

@@ -66,7 +66,7 @@ def test_every_flag_maps_onto_the_config():
         "--tq-no-center-values", "--tq-seed", "7",
     )
     assert config_from_args(args) == TurboQuantConfig(
-        key_bits=3, value_bits=2.5, qjl=True, window=64, block=16, sinks=2, boundary_layers=1, boundary_bits=4,
+        key_bits=3, value_bits=2.5, qjl=True, window=64, compress_block=16, sinks=2, boundary_layers=1, boundary_bits=4,
         center_keys=False, center_values=False, seed=7,
     )
     assert len(cache_flags_given(args)) == 11

@@ -18,10 +18,11 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache
 import tq_mlx
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx import integration
+from tq_mlx.cache import install_attention_hook, uninstall_attention_hook
 from tests.support.tiny_models import TINY_MODELS, tiny_llama, tiny_tokenizer
 
 # Small window and blocks, so that a 64-token run is mostly compressed tokens.
-COMPRESSING = TurboQuantConfig(window=8, block=4, sinks=2)
+COMPRESSING = TurboQuantConfig(window=8, compress_block=4, sinks=2)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_batch_of_two(models):
     for i in range(24, 40):
         ref.append(model(batch[:, i : i + 1], cache=ref_cache)[:, -1])
         got.append(model(batch[:, i : i + 1], cache=cache)[:, -1])
-    assert cache[0].batch_heads() == (2, 2) and cache[0].k_mean.shape == (2, 2, 128)
+    assert cache[0].batch_heads() == (2, 2) and cache[0].key_stream.mean.shape == (2, 2, 128)
     assert float(rel(mx.stack(got), mx.stack(ref)).max()) < 1e-2
     # Each row equals running that sequence alone.
     solo = tq_mlx.make_prompt_cache(model, cfg)
@@ -106,7 +107,7 @@ def test_half_precision_models(dtype):
 
 def test_chunked_prefill_equals_one_shot(models):
     model = models["llama"]
-    cfg = TurboQuantConfig(window=32, block=16, sinks=4)
+    cfg = TurboQuantConfig(window=32, compress_block=16, sinks=4)
     prompt = mx.array(np.random.default_rng(1).integers(0, 256, 300))
     outs, layouts = [], []
     for step in (2048, 64):
@@ -128,7 +129,7 @@ def test_make_prompt_cache_replaces_only_full_attention_kvcache(models):
     assert cache[3].layer_index == 3 and cache[3].attention_index == 0 and cache[3].key_bits == 8
     cache = tq_mlx.make_prompt_cache(models["llama"], TurboQuantConfig(boundary_layers=1, key_bits=3))
     assert [c.key_bits for c in cache] == [8, 3, 8] and [c.layer_index for c in cache] == [0, 1, 2]
-    assert len({c.k_quantizer.seed for c in cache} | {c.v_quantizer.seed for c in cache}) == 6
+    assert len({c.key_stream.quantizer.seed for c in cache} | {c.value_stream.quantizer.seed for c in cache}) == 6
 
 
 def test_sliding_window_layers_keep_their_rotating_cache():
@@ -223,11 +224,11 @@ def test_chat_across_turns_reuses_the_cache(models):
 def test_mlx_lm_quantized_cache_unaffected_by_the_hook(models):
     model, tok = models["llama"], tiny_tokenizer()
     prompt = "quantized cache check " * 3
-    integration.uninstall()
+    uninstall_attention_hook()
     try:
         before = generate(model, tok, prompt, max_tokens=10, kv_bits=4, quantized_kv_start=0)
     finally:
-        integration.install()
+        install_attention_hook()
     after = generate(model, tok, prompt, max_tokens=10, kv_bits=4, quantized_kv_start=0)
     assert before == after
     cache = mlx_cache.make_prompt_cache(model)
@@ -263,7 +264,7 @@ def test_speculative_decoding_runs():
 @pytest.mark.parametrize("name", ["llama", "hybrid"])
 def test_save_load_round_trip_is_bit_exact(models, name, tmp_path):
     model = models[name]
-    cfg = TurboQuantConfig(key_bits=3.5, value_bits=3, window=8, block=4, sinks=2, seed=7)
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=3, window=8, compress_block=4, sinks=2, seed=7)
     cache = tq_mlx.make_prompt_cache(model, cfg)
     model(mx.array([TOKENS[:40]]), cache=cache)
     path = str(tmp_path / "cache.safetensors")
@@ -367,7 +368,7 @@ def test_smollm2_save_load_trim_nbytes_chunked(smollm2, tmp_path):
     from tests.support.texts import britannica_text
 
     ids = tok.encode(britannica_text()[:1500])[:128]
-    cfg = TurboQuantConfig(window=16, block=8, sinks=4)
+    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=4)
 
     def kl(p, q):
         return float(mx.sum(p * (mx.log(p) - mx.log(q))))

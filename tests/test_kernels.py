@@ -32,7 +32,8 @@ import mlx.core as mx
 from tests.emulator import metal_kernel as emulator_kernel
 from tests.emulator import require_emulator
 from tq_mlx import kernels as K
-from tq_mlx.cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
+from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.stream import encode as stream_encode
 from tq_mlx.packing import unpack
 from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
 from tq_mlx.rotation import Rotation
@@ -106,13 +107,13 @@ def quantizer(dim: int, bits: int, qjl: bool = False, seed: int = 1):
     return TurboQuantProd(dim, bits, seed=seed) if qjl else TurboQuantMSE(dim, bits, seed=seed)
 
 
-def handle(rng, q, B=1, H=2, n_sinks=3, n=70, n_window=5, mean=True) -> CompressedKV:
-    """A CompressedKV like TurboQuantKVCache returns: float16 sinks/window, codes of x - mean."""
+def handle(rng, q, B=1, H=2, n_sinks=3, n=70, n_window=5, mean=True) -> StreamView:
+    """A StreamView like TurboQuantKVCache returns: float16 sinks/window, codes of x - mean."""
     D = q.dim
     mu = normal(rng, (B, H, D)) * 0.3 if mean else None
     codes = K.encode_reference(normal(rng, (B, H, n, D)), q, mu)
     f16 = lambda k: normal(rng, (B, H, k, D), mx.float16) if k else None  # noqa: E731
-    return CompressedKV(q, codes, f16(n_sinks), f16(n_window), mu, None)
+    return StreamView(q, codes, f16(n_sinks), f16(n_window), mu, None)
 
 
 def assert_close(got, want, dtype, what=""):
@@ -342,7 +343,7 @@ def cache_handles(config, n_prompt, dim=64, B=1, H=2, seed=0):
     return cache, rng
 
 
-def numpy_views(kv: CompressedKV) -> CompressedKV:
+def numpy_views(kv: StreamView) -> StreamView:
     """The handle with its cache views as strided numpy arrays, so the emulator sees MLX's real strides
     (ensure_row_contiguous=False) instead of contiguous copies."""
     view = lambda a: None if a is None else np.asarray(a)  # noqa: E731
@@ -353,7 +354,7 @@ def numpy_views(kv: CompressedKV) -> CompressedKV:
 @pytest.mark.emulator
 @pytest.mark.parametrize("qjl", [False, True])
 def test_decode_on_cache_handles_strided(emulator, qjl):
-    config = TurboQuantConfig(key_bits=3, value_bits=2, qjl=qjl, window=16, sinks=4, block=8, step=64)
+    config = TurboQuantConfig(key_bits=3, value_bits=2, qjl=qjl, window=16, sinks=4, compress_block=8, step=64)
     cache, rng = cache_handles(config, 70)
     for L in (1, 4):
         keys, values = cache.update_and_fetch(normal(rng, (1, 2, L, 64)), normal(rng, (1, 2, L, 64)))
@@ -375,12 +376,12 @@ def test_encode_matches_cache_compression(emulator):
     config = TurboQuantConfig(key_bits=4, value_bits=3, window=0, sinks=0, qjl=True)
     cache, rng = cache_handles(config, 24)
     x = normal(rng, (1, 2, 8, 64))
-    for q, mean in ((cache.k_quantizer, cache.k_mean), (cache.v_quantizer, cache.v_mean)):
-        assert_codes_equal(K.encode(x, q, mean, metal_kernel=Emu()), TurboQuantKVCache._encode(x, mean, None, q), q)
+    for q, mean in ((cache.key_stream.quantizer, cache.key_stream.mean), (cache.value_stream.quantizer, cache.value_stream.mean)):
+        assert_codes_equal(K.encode(x, q, mean, metal_kernel=Emu()), stream_encode(x, q, mean, None), q)
 
 
 # ==================================================================== 5. byte counts
-def compressed_bytes(kv: CompressedKV) -> int:
+def compressed_bytes(kv: StreamView) -> int:
     return sum(np.asarray(a).nbytes for a in kv.codes)
 
 
@@ -517,7 +518,7 @@ def test_reference_path_without_metal(monkeypatch, mode):
     never = Counting()
     K.set_kernel_factory(never)
     q, keys, values = small_problem()
-    out = K.fused_decode_attention(q, keys, values, 0.125, None)
+    out = K.dispatch_attention(q, keys, values, 0.125, None)
     assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.125))
     assert never.made == 0
 
@@ -530,16 +531,16 @@ def test_forced_metal_runs_self_checked_kernels(emulator, monkeypatch):
     q, keys, values = small_problem()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a passing self-check warns about nothing
-        out = K.fused_decode_attention(q, keys, values, 0.125, None)
+        out = K.dispatch_attention(q, keys, values, 0.125, None)
         assert_close(out, K.decode_attention_reference(q, keys, values, 0.125), mx.float16)
         assert factory.made == 3  # wht, decode_partial, decode_merge
         assert all(v is None for v in K.self_check_status().values())
         x = normal(np.random.default_rng(1), (1, 2, 3, 64))
-        assert_codes_equal(K.fused_encode(x, keys.quantizer, keys.mean),
+        assert_codes_equal(K.dispatch_encode(x, keys.quantizer, keys.mean),
                            K.encode_reference(x, keys.quantizer, keys.mean), keys.quantizer)
-        assert_close(K.fused_dequantize(keys), K.dequantize_reference(keys), mx.float16)
+        assert_close(K.dispatch_dequantize(keys), K.dequantize_reference(keys), mx.float16)
         rot = keys.quantizer.groups[0].rotation
-        assert_close(K.fused_rotate(x, rot, True), K.rotate_reference(x, rot, True), mx.float32)
+        assert_close(K.dispatch_rotate(x, rot, True), K.rotate_reference(x, rot, True), mx.float32)
     assert {k[0] for k in K.self_check_status()} == {"decode_attention", "encode", "dequantize", "rotate"}
 
 
@@ -562,11 +563,11 @@ def test_self_check_disables_a_bad_kernel_and_warns_once(emulator, monkeypatch, 
     q, keys, values = small_problem()
     want = K.decode_attention_reference(q, keys, values, 0.125)
     with pytest.warns(RuntimeWarning, match=r"'decode_attention' .* disabled; the reference path is used"):
-        out = K.fused_decode_attention(q, keys, values, 0.125, None)
+        out = K.dispatch_attention(q, keys, values, 0.125, None)
     assert mx.array_equal(out, want)  # never a silent wrong answer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the second call is quiet and still right
-        assert mx.array_equal(K.fused_decode_attention(q, keys, values, 0.125, None), want)
+        assert mx.array_equal(K.dispatch_attention(q, keys, values, 0.125, None), want)
     (reason,) = [v for k, v in K.self_check_status().items() if k[0] == "decode_attention"]
     assert reason
 
@@ -595,7 +596,7 @@ def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
         mask = mx.ones((1, keys.n_tokens), dtype=mx.bool_)
     q = normal(rng, (1, 2, L, dim))
     assert K.decode_unsupported(q, keys, values, mask)
-    out = K.fused_decode_attention(q, keys, values, 0.1, mask)
+    out = K.dispatch_attention(q, keys, values, 0.1, mask)
     assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.1, mask))
     assert never.made == 0
 

@@ -51,7 +51,7 @@ CONFIGS = {
     "fractional+boundary": TurboQuantConfig(key_bits=3.5, value_bits=2.5, boundary_layers=1, window=32, sinks=2,
                                            step=64),
     "qjl, no window": TurboQuantConfig(key_bits=3, value_bits=2, qjl=True, window=0, center_values=False),
-    "block": TurboQuantConfig(key_bits=2, value_bits=4, window=48, block=16, step=32),
+    "block": TurboQuantConfig(key_bits=2, value_bits=4, window=48, compress_block=16, step=32),
 }
 
 
@@ -85,7 +85,7 @@ def test_short_contexts_hold_only_the_window_they_use(models, n):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n, one_shot=one_shot)
         want = {5: 32, 37: 64, 140: 128}[n]
-        assert all(c.k_window.shape[2] == c.v_window.shape[2] == want for c in cache)
+        assert all(c.key_stream.window.shape[2] == c.value_stream.window.shape[2] == want for c in cache)
         assert estimate_kv_bytes(config_dict(args), n, cfg) == sum(c.nbytes for c in cache)
 
 

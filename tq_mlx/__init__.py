@@ -1,12 +1,18 @@
-"""tq-mlx: TurboQuant KV-cache compression for MLX and mlx-lm."""
+"""tq-mlx: TurboQuant KV-cache compression for MLX and mlx-lm.
+
+Importing the package changes nothing in mlx-lm: the attention hook is installed by the first
+TurboQuantKVCache built (make_prompt_cache, patch_model and load_prompt_cache build or load them).
+"""
 
 from .attention import turboquant_attention
-from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
+from .cache import TurboQuantKVCache
 from .codebook import lloyd_max
+from .config import TurboQuantConfig
 from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpatch_model, validate_prompt_cache
 from .memory import cache_bytes, estimate_kv_bytes
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rotation import Rotation
+from .stream import CompressedStream, StreamView
 
 __version__ = "0.1.0"
 
@@ -19,7 +25,8 @@ __all__ = [
     "lloyd_max",
     "TurboQuantConfig",
     "TurboQuantKVCache",
-    "CompressedKV",
+    "CompressedStream",
+    "StreamView",
     "turboquant_attention",
     "make_prompt_cache",
     "patch_model",

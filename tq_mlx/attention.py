@@ -2,7 +2,7 @@
 
 `turboquant_attention(queries, keys, values, scale, mask)` has the signature of mlx-lm's
 `quantized_scaled_dot_product_attention` (tq_mlx.integration routes it there) and takes the two
-`CompressedKV` handles a `TurboQuantKVCache` returns. A kernel path shares the signature.
+`StreamView`s a `TurboQuantKVCache` returns (one per side). A kernel path shares the signature.
 
 For one query q (already times `scale`) and kv head, with compressed tokens t quantized as
 x_t - μ in the quantizer's input basis (channels in `perm` order, each group rotated by its Π_g):
@@ -13,10 +13,10 @@ x_t - μ in the quantizer's input basis (channels in `perm` order, each group ro
 Queries are rotated once per call, values are accumulated in the rotated basis and rotated back once per
 query and head. Codes are read into codebook values a byte at a time (packing.unpack_lookup) and the norms
 scale the scores and probabilities, not every coordinate. Sinks, the window (float16, model basis) and each
-block of compressed tokens give partial softmaxes that merge exactly by log-sum-exp; compressed tokens are
-read in blocks of at most `block_size` tokens (fewer for long query chunks, so one block's scores stay under
-SCORE_BUDGET elements): transient memory is bounded by the block, never a float copy of the whole cache.
-Keys and values of a block are worked on two streams, which on a CPU means two cores. Everything is
+tile of compressed tokens give partial softmaxes that merge exactly by log-sum-exp; compressed tokens are
+read in tiles of at most `tile_tokens` tokens (fewer for long query chunks, so one tile's scores stay under
+SCORE_BUDGET elements): transient memory is bounded by the tile, never a float copy of the whole cache.
+Keys and values of a tile are worked on two MLX streams, which on a CPU means two cores. Everything is
 float32; the result has queries' dtype.
 """
 
@@ -26,11 +26,11 @@ import threading
 
 import mlx.core as mx
 
-from .cache import CompressedKV
 from .quantizer import MSECodes, TurboQuantProd
+from .stream import StreamView
 
-BLOCK_SIZE = 4096
-# Cap on the float32 scores of one block, (B, n_q_heads, L, block): long prefill chunks get shorter blocks.
+TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
+# Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.
 SCORE_BUDGET = 1 << 24  # elements (64 MB)
 _NEG = float(mx.finfo(mx.float32).min)
 
@@ -50,7 +50,7 @@ def _side_stream() -> mx.Stream:
     return streams[key]
 
 
-def _split_query(q: mx.array, kv: CompressedKV):
+def _split_query(q: mx.array, kv: StreamView):
     """The query in the compressed keys' bases: per group Π_g (q[perm])_g, plus S·q for QJL."""
     quantizer = kv.quantizer
     mse = quantizer.mse if isinstance(quantizer, TurboQuantProd) else quantizer
@@ -66,12 +66,12 @@ def _split_query(q: mx.array, kv: CompressedKV):
     return groups, sq
 
 
-def _codes_block(codes, a: int, b: int):
+def _codes_tile(codes, a: int, b: int):
     return type(codes)(*(x[:, :, a:b] for x in codes))
 
 
-def _units(kv: CompressedKV, codes) -> list[tuple[mx.array, mx.array]]:
-    """Per group, the block's codebook values c[idx] (B, H, t, d_g) in that group's rotated basis and the
+def _units(kv: StreamView, codes) -> list[tuple[mx.array, mx.array]]:
+    """Per group, the tile's codebook values c[idx] (B, H, t, d_g) in that group's rotated basis and the
     group's norms (B, H, 1, t) float32. The norm is applied to the (few) scores and probabilities instead of
     to every dequantized coordinate."""
     q = kv.quantizer
@@ -84,7 +84,7 @@ def _units(kv: CompressedKV, codes) -> list[tuple[mx.array, mx.array]]:
     return [(u, norms[..., i][:, :, None, :]) for i, u in enumerate(units)]
 
 
-def _unrotate(kv: CompressedKV, parts: list[mx.array]) -> mx.array:
+def _unrotate(kv: StreamView, parts: list[mx.array]) -> mx.array:
     """Rotated-basis accumulators per group -> the model basis (inverse rotations, then channel order)."""
     q = kv.quantizer
     y = [g.rotation.inverse(p) for g, p in zip(q.groups, parts)]
@@ -133,11 +133,11 @@ def _mask_fn(mask, B: int, H: int, R: int, L: int, T: int):
 
 def turboquant_attention(
     queries: mx.array,
-    keys: CompressedKV,
-    values: CompressedKV,
+    keys: StreamView,
+    values: StreamView,
     scale: float,
     mask=None,
-    block_size: int = BLOCK_SIZE,
+    tile_tokens: int = TILE_TOKENS,
 ) -> mx.array:
     """softmax(scale·q·Kᵀ + mask)·V over a TurboQuant cache. queries (B, n_q_heads, L, D) -> (B, n_q_heads, L, Dv).
 
@@ -202,14 +202,14 @@ def turboquant_attention(
     if n_c:
         q_groups, sq = _split_query(q, keys)
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
-        block = max(1, min(block_size, max(256, SCORE_BUDGET // (B * Hq * L))))
-        n_blocks = -(-n_c // block)
-        bounds = [n_c * i // n_blocks for i in range(n_blocks + 1)]
-        # Two streams (two cores on a CPU): a block's values dequantize on one while its keys are scored on
-        # the other, and the next block swaps them. Blocks are independent; only the small merges are serial.
+        tile = max(1, min(tile_tokens, max(256, SCORE_BUDGET // (B * Hq * L))))
+        n_tiles = -(-n_c // tile)
+        bounds = [n_c * i // n_tiles for i in range(n_tiles + 1)]
+        # Two MLX streams (two cores on a CPU): a tile's values dequantize on one while its keys are scored on
+        # the other, and the next tile swaps them. Tiles are independent; only the small merges are serial.
         streams = [mx.default_stream(mx.default_device()), _side_stream()]
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            kc, vc = _codes_block(keys.codes, a, b), _codes_block(values.codes, a, b)
+            kc, vc = _codes_tile(keys.codes, a, b), _codes_tile(values.codes, a, b)
             with mx.stream(streams[(i + 1) % 2]):
                 v_units = _units(values, vc)
             with mx.stream(streams[i % 2]):

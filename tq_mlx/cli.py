@@ -17,17 +17,17 @@ import logging
 import sys
 from typing import Any, Iterator
 
-from .cache import TurboQuantConfig
-from .quantizer import MSE_BITS
+from .config import TurboQuantConfig, bits_label
+from .quantizer import MSE_BITS, check_bits, format_bits
 
-_ALLOWED_BITS = ", ".join(str(b) for b in MSE_BITS)
+_ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
 
 # dest -> TurboQuantConfig field, for the flags that map one to one
 _FIELDS = {
     "tq_key_bits": "key_bits",
     "tq_value_bits": "value_bits",
     "tq_window": "window",
-    "tq_block": "block",
+    "tq_compress_block": "compress_block",
     "tq_sinks": "sinks",
     "tq_boundary_layers": "boundary_layers",
     "tq_boundary_bits": "boundary_bits",
@@ -39,12 +39,9 @@ _DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_c
 def bits_arg(text: str) -> float:
     """argparse type for a TurboQuant bit width."""
     try:
-        value = float(text)
+        return check_bits(float(text))
     except ValueError:
-        value = None
-    if value not in MSE_BITS:
-        raise argparse.ArgumentTypeError(f"invalid bit width {text!r}: allowed are {_ALLOWED_BITS}")
-    return int(value) if value == int(value) else value
+        raise argparse.ArgumentTypeError(f"invalid bit width {text!r}: allowed are {_ALLOWED_BITS}") from None
 
 
 def _count_arg(low: int):
@@ -82,7 +79,7 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="keys as TurboQuant_prod: (bits-1) MSE bits + 1 QJL bit (integer key bits 1-4)")
     g.add_argument("--tq-window", dest="tq_window", type=_count_arg(0), metavar="N",
                    help=f"most recent tokens kept in float16 (default {d.window}; 0 compresses every token)")
-    g.add_argument("--tq-block", dest="tq_block", type=_count_arg(1), metavar="N",
+    g.add_argument("--tq-compress-block", "--tq-block", dest="tq_compress_block", type=_count_arg(1), metavar="N",
                    help="tokens compressed at a time when the window overflows (default: the window)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=_count_arg(0), metavar="N",
                    help=f"first tokens kept in float16 (default {d.sinks})")
@@ -157,11 +154,10 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     """One line: "TurboQuant K4/V3, window 128, sinks 4" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
-    b = lambda x: str(int(x)) if x == int(x) else str(x)  # noqa: E731
-    parts = [f"TurboQuant K{b(config.key_bits)}{'+QJL' if config.qjl else ''}/V{b(config.value_bits)}",
+    parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
              f"window {config.window}", f"sinks {config.sinks}"]
     if config.boundary_layers:
-        parts.append(f"boundary {config.boundary_layers} layers at {b(config.boundary_bits)} bits")
+        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
     return ", ".join(parts)
 
 

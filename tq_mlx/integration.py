@@ -1,15 +1,15 @@
-"""Plugging TurboQuantKVCache into mlx-lm 0.32.2 (shared/docs/mlx-lm-integration.md).
+"""Plugging TurboQuantKVCache into mlx-lm 0.32.2 (shared/docs/mlx-lm-integration.md), model by model.
 
-* `install()` (idempotent) replaces `mlx_lm.models.base.quantized_scaled_dot_product_attention` with a
-  dispatcher that runs `turboquant_attention` on TurboQuant handles and the original function on anything
-  else (mlx-lm's own QuantizedKVCache keeps working), and registers the cache class in
-  `mlx_lm.models.cache` so `load_prompt_cache` can rebuild it.
 * `make_prompt_cache(model, config)` replaces only the plain `KVCache` entries of the model's own cache
   list: GatedDeltaNet `ArraysCache`, sliding-window `RotatingKVCache` and everything else stay as they are.
-* `tune_malloc()` (Linux, CPU back end): keeps the per-step transient buffers of the reference path in the
-  heap; the command-line tools and benchmarks call it.
 * `patch_model(model, config)` wraps `model.make_cache` on the instance, which every mlx-lm entry point
   (generate, stream_generate, chat, server, cache_prompt) calls through `make_prompt_cache`.
+* `load_prompt_cache(file, model)` reads a prompt-cache file with clear errors and checks it fits the model.
+* `tune_malloc()` (Linux, CPU back end): keeps the per-step transient buffers of the reference path in the
+  heap; the command-line tools and benchmarks call it.
+
+Importing tq_mlx changes nothing in mlx-lm: the attention hook (tq_mlx.cache.install_attention_hook) is
+installed by the first TurboQuantKVCache built, which each of the functions above builds or loads.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from typing import Any
 import mlx.core as mx
 
 import mlx.nn as nn
-import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
-from .cache import CompressedKV, TurboQuantConfig, TurboQuantKVCache
-from .kernels import fused_decode_attention
+from .cache import TurboQuantKVCache, install_attention_hook
+from .config import TurboQuantConfig
 
 # model_type -> why its attention cannot run on handles (it post-processes fetched keys, bypasses
 # base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2.
@@ -50,29 +49,6 @@ for _t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k3", "kimi_vl", "kimi_
            "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram", "mistral4", "youtu_llm", "bailing_hybrid",
            "bailing_moe_v3"):
     UNSUPPORTED_MODEL_TYPES[_t] = _MLA
-
-
-def _dispatch(queries, q_keys, q_values, scale, mask, group_size: int = 64, bits: int = 8):
-    """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention."""
-    if isinstance(q_keys, CompressedKV):
-        # Metal kernels where enabled and self-checked; tq_mlx.attention's reference path otherwise.
-        return fused_decode_attention(queries, q_keys, q_values, scale=scale, mask=mask)
-    return _dispatch.original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
-
-
-def install() -> None:
-    """Hook mlx-lm's quantized attention and register TurboQuantKVCache for load_prompt_cache (idempotent)."""
-    current = mlx_base.quantized_scaled_dot_product_attention
-    if current is not _dispatch:
-        _dispatch.original = current
-        mlx_base.quantized_scaled_dot_product_attention = _dispatch
-    setattr(mlx_cache, TurboQuantKVCache.__name__, TurboQuantKVCache)
-
-
-def uninstall() -> None:
-    """Restore mlx-lm's own quantized attention (for tests)."""
-    if mlx_base.quantized_scaled_dot_product_attention is _dispatch:
-        mlx_base.quantized_scaled_dot_product_attention = _dispatch.original
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -163,7 +139,6 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None) 
     compressed (unsupported architecture, head_dim too small or incompatible with fractional bits).
     """
     config = config or TurboQuantConfig()
-    install()
     base = _base_cache(model)
     attention = [i for i, c in enumerate(base) if type(c) is KVCache]
     caches = {}
@@ -230,7 +205,7 @@ def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: Tu
                       return_metadata: bool = False):
     """mlx_lm's load_prompt_cache, with clear errors: a corrupted file or one that does not fit `model`
     raises ValueError naming the file (and the layer), and nothing is modified."""
-    install()
+    install_attention_hook()  # registers TurboQuantKVCache, which mlx-lm's loader looks up by name
     try:
         cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
     except ValueError as e:
@@ -244,5 +219,3 @@ def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: Tu
             raise ValueError(f"{file_name}: {e}") from None
     return (cache, metadata) if return_metadata else cache
 
-
-install()

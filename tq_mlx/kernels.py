@@ -13,7 +13,7 @@ launcher's twin (`*_reference`) takes the same arguments and runs the core's pur
                                               attention of 1..8 query tokens on the codes: pass 1 (split-K
                                               partials) + pass 2 (merge with the float16 tokens)
 
-Dispatch: `fused_decode_attention`, `fused_encode`, `fused_dequantize` and `fused_rotate` run the kernel when
+Dispatch: `dispatch_attention`, `dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run the kernel when
 the back end is Metal (`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal when
 `mx.metal.is_available()` and the default device is the GPU) and the case is supported, else the reference.
 Before a kernel variant is first used it runs once on a small random input against the reference: a compile
@@ -58,10 +58,10 @@ import numpy as np
 import mlx.core as mx
 
 from .attention import turboquant_attention
-from .cache import CompressedKV, TurboQuantKVCache
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rotation import Rotation
+from .stream import StreamView, decode, encode as stream_encode
 
 ENV_VAR = "TQ_MLX_KERNELS"
 BACKENDS = ("auto", "metal", "reference")
@@ -199,8 +199,8 @@ def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None) -> str | No
     return _quantizer_unsupported(quantizer)
 
 
-def dequantize_unsupported(kv: CompressedKV) -> str | None:
-    """Why `dequantize` cannot run this handle (None: it can)."""
+def dequantize_unsupported(kv: StreamView) -> str | None:
+    """Why `dequantize` cannot run this view (None: it can)."""
     if kv.codes is None:
         return "no compressed tokens"
     if kv.perm is not None:
@@ -208,24 +208,36 @@ def dequantize_unsupported(kv: CompressedKV) -> str | None:
     return _quantizer_unsupported(kv.quantizer)
 
 
-def _partial_tg_bytes(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
-    """Threadgroup memory of decode_partial.metal for these template values (keep in sync with it)."""
-    ws = max(packed_words(dk, kb), packed_words(dv, vb)) | 1
+def _partial_layout(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> list[tuple[str, int]]:
+    """decode_partial.metal's template values past DK, DV, KB, VB, QJL, NR: words per token and the size of
+    each threadgroup array, in 4-byte elements. The kernel declares its arrays with these values, so this is
+    the one place its threadgroup-memory layout (and so its budget) is defined."""
+    wk, wv = packed_words(dk, kb), packed_words(dv, vb)
+    ws = max(wk, wv) | 1  # odd row stride: lanes reading one word per token hit distinct banks
     wjs = (dk // 32) | 1
-    floats = (nr * dk * (2 if qjl else 1) + (0 if qjl else 1) + 32 * ws + (32 * wjs if qjl else 1) + 64
-              + nr * 32 + min(nr, 8) + 2**kb + 2**vb)
-    return 4 * floats
+    return [
+        ("WK", wk), ("WV", wv), ("WS", ws), ("WJS", wjs),
+        ("TG_Q", nr * dk), ("TG_QS", nr * dk if qjl else 1),  # rotated query rows; S·q rows (QJL)
+        ("TG_W", 32 * ws), ("TG_J", 32 * wjs if qjl else 1),  # a tile's key then value words; its QJL words
+        ("TG_TOK", 32), ("TG_P", nr * 32),  # per-token norms and γ (two arrays); weights (row, token)
+        ("TG_KEEP", min(nr, 8)), ("TG_C", 2**kb + 2**vb),  # kept-token masks per SIMD group; centroids
+    ]
+
+
+def _partial_tg_bytes(layout: list[tuple[str, int]]) -> int:
+    sizes = dict(layout)
+    return 4 * (sum(v for k, v in layout if k.startswith("TG_")) + sizes["TG_TOK"])  # TG_TOK is two arrays
 
 
 def _rows_per_threadgroup(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
     """Query rows pass 1 handles per threadgroup: all R·L rows if they fit (codes read once), else chunks."""
     nr = min(64, _pow2_ceil(rl))
-    while nr > 1 and _partial_tg_bytes(nr, dk, dv, kb, vb, qjl) > THREADGROUP_MEMORY:
+    while nr > 1 and _partial_tg_bytes(_partial_layout(nr, dk, dv, kb, vb, qjl)) > THREADGROUP_MEMORY:
         nr //= 2
-    return nr if _partial_tg_bytes(nr, dk, dv, kb, vb, qjl) <= THREADGROUP_MEMORY else 0
+    return nr if _partial_tg_bytes(_partial_layout(nr, dk, dv, kb, vb, qjl)) <= THREADGROUP_MEMORY else 0
 
 
-def _kv_bits(keys: CompressedKV, values: CompressedKV) -> tuple[int, int, bool]:
+def _kv_bits(keys: StreamView, values: StreamView) -> tuple[int, int, bool]:
     kq = keys.quantizer
     qjl = isinstance(kq, TurboQuantProd)
     kmse = kq.mse if qjl else kq
@@ -234,8 +246,8 @@ def _kv_bits(keys: CompressedKV, values: CompressedKV) -> tuple[int, int, bool]:
 
 def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
     """Why `decode_attention` cannot run this case (None: it can)."""
-    if not isinstance(keys, CompressedKV) or not isinstance(values, CompressedKV):
-        return "keys/values are not TurboQuant handles"
+    if not isinstance(keys, StreamView) or not isinstance(values, StreamView):
+        return "keys/values are not TurboQuant stream views"
     if queries.ndim != 4 or queries.dtype not in FLOAT_DTYPES:
         return f"queries of shape {tuple(queries.shape)} and dtype {queries.dtype}"
     B, Hq, L, D = queries.shape
@@ -297,8 +309,8 @@ def rotate_reference(x: mx.array, rotation: Rotation, inverse: bool = False, **_
 
 # ------------------------------------------------------------------------------------ 2. encode
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, metal_kernel=None):
-    """Codes of the block x (B, H, n, D) - mean (B, H, D), as TurboQuantKVCache._encode: MSECodes, or
-    ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token."""
+    """Codes of the tokens x (B, H, n, D) - mean (B, H, D), as stream.encode: MSECodes, or ProdCodes for a
+    TurboQuantProd (keys with QJL). One SIMD group per token."""
     _require(encode_unsupported(x, quantizer, mean, perm), "encode")
     factory = metal_kernel or _default_factory()
     B, H, n, D = x.shape
@@ -315,7 +327,7 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, m
         output_shapes=[(N, W), (N,), (N, D // 32) if prod else (1,), (N,) if prod else (1,)],
         output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
         grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", x.dtype), ("D", D), ("B", g.bits), ("QJL", prod)],
+        template=[("T", x.dtype), ("D", D), ("B", g.bits), ("QJL", prod), ("W", W)],
     )
     codes = _mx(codes, mx.uint32).reshape(B, H, n, W)
     norms = _mx(norms, mx.float16).reshape(B, H, n, 1)
@@ -326,12 +338,12 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, m
 
 
 def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, **_):
-    return TurboQuantKVCache._encode(x, mean, perm, quantizer)
+    return stream_encode(x, quantizer, mean, perm)
 
 
 # -------------------------------------------------------------------------------- 3. dequantize
-def dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
-    """The compressed tokens of a handle in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
+def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
+    """The compressed tokens of a view in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
     q = kv.quantizer
@@ -350,19 +362,13 @@ def dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_kernel=N
                 tables, q.projection if prod else _dummy(mx.float32), mean_in, _ints(n, H, kv.mean is not None)],
         output_shapes=[(B, H, n, D)], output_dtypes=[dtype],
         grid=(B * H * n * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", dtype), ("D", D), ("B", g.bits), ("QJL", prod)],
+        template=[("T", dtype), ("D", D), ("B", g.bits), ("QJL", prod), ("W", packed_words(D, g.bits))],
     )
     return _mx(out, dtype)
 
 
-def dequantize_reference(kv: CompressedKV, dtype: mx.Dtype = mx.float16, **_) -> mx.array:
-    x = kv.quantizer.dequantize(kv.codes)
-    if kv.perm is not None:
-        inv = mx.argsort(kv.perm, axis=-1)
-        x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
-    if kv.mean is not None:
-        x = x + kv.mean[:, :, None, :]
-    return x.astype(dtype)
+def dequantize_reference(kv: StreamView, dtype: mx.Dtype = mx.float16, **_) -> mx.array:
+    return decode(kv, dtype)
 
 
 # -------------------------------------------------------------------------- 4. decode attention
@@ -376,8 +382,8 @@ def _split_tokens(n: int, groups: int, partial_bytes: int, token_bytes: int) -> 
 
 def decode_attention(
     queries: mx.array,
-    keys: CompressedKV,
-    values: CompressedKV,
+    keys: StreamView,
+    values: StreamView,
     scale: float,
     mask=None,
     *,
@@ -413,6 +419,7 @@ def decode_attention(
 
     # Pass 1: split-K partials over the compressed tokens.
     nr = _rows_per_threadgroup(RL, DK, DV, kb, vb, qjl)
+    layout = _partial_layout(nr, DK, DV, kb, vb, qjl)
     chunks = -(-RL // nr)
     token_bytes = 4 * (packed_words(DK, kb) + packed_words(DV, vb) + (DK // 32 if qjl else 0)) + 2 * (3 if qjl else 2)
     per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
@@ -433,7 +440,7 @@ def decode_attention(
         output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
         output_dtypes=[mx.float32] * 3,
         grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
-        template=[("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr)],
+        template=[("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr), *layout],
     )
 
     # Pass 2: merge with the float16 tokens, rotate back, add the value mean.
@@ -584,7 +591,7 @@ def _normal(rng, shape, dtype=mx.float32) -> mx.array:
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
-def fused_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, metal_kernel=None) -> mx.array:
+def dispatch_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, metal_kernel=None) -> mx.array:
     """rotate on Metal when enabled, supported and self-checked; rotate_reference otherwise."""
     factory = metal_kernel or _factory or _default_factory()
     if kernels_enabled() and rotation_unsupported(x, rotation) is None:
@@ -598,8 +605,9 @@ def fused_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, meta
     return rotate_reference(x, rotation, inverse)
 
 
-def fused_encode(x: mx.array, quantizer, mean=None, perm=None, *, metal_kernel=None):
-    """encode on Metal when enabled, supported and self-checked; the cache's reference encode otherwise."""
+def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, *, metal_kernel=None):
+    """encode on Metal when enabled, supported and self-checked; encode_reference otherwise. A stream's
+    encoder (tq_mlx.stream.CompressedStream)."""
     factory = metal_kernel or _factory or _default_factory()
     if kernels_enabled() and encode_unsupported(x, quantizer, mean, perm) is None:
         prod = isinstance(quantizer, TurboQuantProd)
@@ -617,22 +625,22 @@ def fused_encode(x: mx.array, quantizer, mean=None, perm=None, *, metal_kernel=N
     return encode_reference(x, quantizer, mean, perm)
 
 
-def _random_handle(rng, quantizer, n_sinks: int, n: int, n_window: int, with_mean: bool) -> CompressedKV:
-    """A small random CompressedKV compressed by `quantizer` (for self-checks)."""
+def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, with_mean: bool) -> StreamView:
+    """A small random StreamView compressed by `quantizer` (for self-checks)."""
     D = quantizer.dim
     mean = _normal(rng, (1, 1, D)) * 0.2 if with_mean else None
     x = _normal(rng, (1, 1, n, D))
     codes = encode_reference(x, quantizer, mean)
     floats = lambda k: _normal(rng, (1, 1, k, D), mx.float16) if k else None  # noqa: E731
-    return CompressedKV(quantizer, codes, floats(n_sinks), floats(n_window), mean, None)
+    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, None)
 
 
-def fused_dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
+def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
     """dequantize on Metal when enabled, supported and self-checked; dequantize_reference otherwise."""
     factory = metal_kernel or _factory or _default_factory()
     if kernels_enabled() and dequantize_unsupported(kv) is None:
         def run():
-            h = _random_handle(_rng(3), kv.quantizer, 0, 7, 0, kv.mean is not None)
+            h = _random_view(_rng(3), kv.quantizer, 0, 7, 0, kv.mean is not None)
             return _mismatch(dequantize(h, dtype, metal_kernel=factory), dequantize_reference(h, dtype), dtype)
 
         q = kv.quantizer
@@ -642,7 +650,7 @@ def fused_dequantize(kv: CompressedKV, dtype: mx.Dtype = mx.float16, *, metal_ke
     return dequantize_reference(kv, dtype)
 
 
-def fused_decode_attention(queries, keys, values, scale, mask=None, *, metal_kernel=None) -> mx.array:
+def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=None) -> mx.array:
     """Drop-in for tq_mlx.attention.turboquant_attention: the fused kernels for 1..8 query tokens with mask
     None or "causal" on a Metal back end (after a self-check), the reference path for everything else."""
     factory = metal_kernel or _factory or _default_factory()
@@ -653,8 +661,8 @@ def fused_decode_attention(queries, keys, values, scale, mask=None, *, metal_ker
 
         def run():
             rng = _rng(4)
-            k = _random_handle(rng, keys.quantizer, 2, 45, 3, keys.mean is not None)
-            v = _random_handle(rng, values.quantizer, 2, 45, 3, values.mean is not None)
+            k = _random_view(rng, keys.quantizer, 2, 45, 3, keys.mean is not None)
+            v = _random_view(rng, values.quantizer, 2, 45, 3, values.mean is not None)
             qs = _normal(rng, (1, R, L, D), queries.dtype)
             sc = 1.0 / math.sqrt(D)
             got = decode_attention(qs, k, v, sc, mask, split_tokens=32, metal_kernel=factory)

@@ -4,7 +4,7 @@
   `KVCache` would hold for the same tokens. The tq-chat memory panel and tq-generate's summary both call it.
 * `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
   for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. The TurboQuant estimate follows the
-  cache's storage layout (tq_mlx/cache.py) and equals `TurboQuantKVCache.nbytes` exactly when the cache was
+  cache's storage layout (tq_mlx/stream.py) and equals `TurboQuantKVCache.nbytes` exactly when the cache was
   filled in one prefill or token by token (chunked prefill can add up to one `step` of padding per chunk).
 * `weight_bytes(path)` from safetensors headers, `available_memory()` for MLX on this machine.
 
@@ -25,6 +25,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
+
+from .cache import TurboQuantKVCache
+from .config import bits_label
+from .quantizer import constant_arrays
+from .stream import has_channel_order, make_quantizer, overflow, window_capacity
 
 FLOAT16_BYTES = 2
 
@@ -166,31 +171,21 @@ def affine_kv_bytes(
 
 
 def _turboquant_split(tokens: int, config) -> tuple[int, int, int]:
-    """(sinks, compressed, window) token counts after `tokens` tokens (TurboQuantKVCache._append_recent)."""
+    """(sinks, compressed, window) token counts after `tokens` tokens fed in one prefill or token by token."""
     s = min(tokens, config.sinks)
-    rest = tokens - s
-    W, K = config.window, config.block_size
-    if W == 0:
-        return s, rest, 0
-    if rest <= W:
-        return s, 0, rest
-    c = -(-(rest - W) // K) * K
-    return s, c, rest - c
+    c = overflow(tokens - s, config.window, config.compress_block_size)
+    return s, c, tokens - s - c
 
 
 @lru_cache(maxsize=None)
 def _quantizer_layout(dim: int, bits: float, qjl: bool) -> tuple[int, int, bool]:
     """(bytes per compressed token and head, constant bytes of the quantizer, has a channel order)."""
-    from .cache import _arrays_of
-    from .quantizer import TurboQuantMSE, TurboQuantProd
-
-    q = TurboQuantProd(dim, int(bits)) if qjl else TurboQuantMSE(dim, bits)
-    # A lazy probe gives each stored field's trailing shape and dtype (as TurboQuantKVCache stores them).
+    q = make_quantizer(dim, bits, qjl, seed=0)
+    # A lazy probe gives each stored field's trailing shape and dtype (as a stream stores them).
     probe = q.quantize(mx.zeros((1, 1, 1, dim), mx.float32))
     per_token = sum(math.prod(a.shape[3:]) * a.dtype.size for a in probe)
-    constants = sum(a.nbytes for a in _arrays_of(q))
-    has_perm = isinstance(q, TurboQuantMSE) and len(q.groups) == 2
-    return per_token, constants, has_perm
+    constants = sum(a.nbytes for a in constant_arrays(q))
+    return per_token, constants, has_channel_order(q)
 
 
 def turboquant_layer_bytes(
@@ -199,19 +194,16 @@ def turboquant_layer_bytes(
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
 
-    Float16 sinks are allocated whole on first use, the window as cache.window_capacity says (steps of 32
+    Float16 sinks are allocated whole on first use, the window as stream.window_capacity says (steps of 32
     tokens, then whole); codes grow in `config.step` tokens;
     means (float32) and channel orders (int32, fractional bits) appear with the first compressed tokens; the
     quantizers' rotations and codebooks are a constant per layer.
     """
     if tokens <= 0:
         return 0
-    from .cache import window_capacity
-    from .quantizer import PROD_BITS
-
     B, H = batch, n_kv_heads
     n_s, n_c, _ = _turboquant_split(tokens, config)
-    qjl = bool(config.qjl and key_bits in PROD_BITS)
+    qjl = config.layer_qjl(key_bits)
     k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl)
     v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False)
     total = k_const + v_const
@@ -269,8 +261,6 @@ def _flatten(prompt_cache: Iterable[Any]) -> list[Any]:
 
 def _kv_geometry(c) -> tuple[int, int, int, int, int] | None:
     """(batch, kv heads, tokens, key_dim, value_dim) of an attention cache, None if empty or not one."""
-    from .cache import TurboQuantKVCache
-
     if isinstance(c, TurboQuantKVCache):
         bh = c.batch_heads() if c.key_dim else None
         return None if bh is None else (*bh, c.offset, c.key_dim, c.value_dim)
@@ -303,7 +293,6 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       tokens         tokens in the longest attention cache (the context used)
       attention_layers, turboquant_layers  counts
     """
-    from .cache import TurboQuantKVCache
 
     kv = fp16 = other = tokens = n_att = n_tq = 0
     for c in _flatten(prompt_cache):
@@ -336,12 +325,11 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
 def bits_summary(prompt_cache: Iterable[Any]) -> str:
     """The per-layer bit settings in a compact form, e.g. "L0-1 K8/V8 · L2-27 K4/V3 · L28-29 K8/V8"
     (hybrids: attention layers only; "fp16" for uncompressed KV caches)."""
-    from .cache import TurboQuantKVCache
 
     runs: list[list] = []  # [first layer, last layer, label]
     for i, c in enumerate(prompt_cache):
         if isinstance(c, TurboQuantKVCache):
-            label = f"K{_b(c.key_bits)}{'+qjl' if c.qjl else ''}/V{_b(c.value_bits)}"
+            label = bits_label(c.key_bits, c.value_bits, c.qjl)
         elif hasattr(c, "keys"):
             bits = getattr(c, "bits", None)
             label = f"{bits}-bit affine" if bits else "fp16"
@@ -355,10 +343,6 @@ def bits_summary(prompt_cache: Iterable[Any]) -> str:
         n = sum(1 for c in prompt_cache if isinstance(c, TurboQuantKVCache) or hasattr(c, "keys"))
         return f"{runs[0][2]} on all {n} attention layers" if n > 1 else f"{runs[0][2]} on its 1 attention layer"
     return " · ".join(f"L{a}{'' if a == b else f'-{b}'} {label}" for a, b, label in runs)
-
-
-def _b(bits: float) -> str:
-    return str(int(bits)) if bits == int(bits) else str(bits)
 
 
 # --- weights and the machine ------------------------------------------------------------------------------

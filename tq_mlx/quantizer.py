@@ -52,6 +52,18 @@ class ProdCodes(NamedTuple):
     gamma: mx.array  # (*S,): ‖r‖, the residual norm
 
 
+def check_bits(bits, name: str = "bits") -> int | float:
+    """bits as the canonical number (4, not 4.0), unless it is not one of MSE_BITS (ValueError naming `name`)."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, float, np.integer, np.floating)) or bits not in MSE_BITS:
+        raise ValueError(f"{name} must be one of {MSE_BITS}, got {bits!r}")
+    return int(bits) if bits == int(bits) else float(bits)
+
+
+def format_bits(bits: float) -> str:
+    """4 -> "4", 2.5 -> "2.5"."""
+    return str(int(bits)) if bits == int(bits) else str(float(bits))
+
+
 def check_input(x: mx.array, dim: int) -> None:
     """Raise ValueError unless x is a float16/bfloat16/float32 array whose last axis is `dim` (no sync)."""
     if not isinstance(x, mx.array):
@@ -77,8 +89,7 @@ class Group(NamedTuple):
 
 def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
     """[(channels, bits)] per group: one group for integer bits, (d/4 at ⌊b⌋+1, 3d/4 at ⌊b⌋) for x.5 bits."""
-    if bits not in MSE_BITS or isinstance(bits, bool):
-        raise ValueError(f"bits must be one of {MSE_BITS}, got {bits!r}")
+    bits = check_bits(bits)
     if bits == int(bits):
         return [(dim, int(bits))]
     if dim % 4 or dim // 4 < MIN_DIM:
@@ -268,3 +279,20 @@ class TurboQuantProd:
         (g,) = self.mse.groups
         (y,) = self.mse.rotated_values(MSECodes(c.codes, c.norms))
         return mx.sum(g.rotation.forward(q) * y, axis=-1) + qjl
+
+
+def constant_arrays(quantizer, seen: set[int] | None = None):
+    """Every mx.array a quantizer holds (rotation signs or matrices, codebooks, lookup tables, channel lists,
+    QJL projection), each once: what it adds to a cache's bytes besides the codes."""
+    seen = set() if seen is None else seen
+    if id(quantizer) in seen:
+        return
+    seen.add(id(quantizer))
+    if isinstance(quantizer, mx.array):
+        yield quantizer
+    elif isinstance(quantizer, (list, tuple)):
+        for x in quantizer:
+            yield from constant_arrays(x, seen)
+    elif hasattr(quantizer, "__dict__") and type(quantizer).__module__.startswith("tq_mlx"):
+        for x in vars(quantizer).values():
+            yield from constant_arrays(x, seen)

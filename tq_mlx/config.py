@@ -1,0 +1,104 @@
+"""TurboQuantConfig: how a model's KV cache is compressed, validated, with the allowed values in every error."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .quantizer import PROD_BITS, check_bits, format_bits
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """value, unless it is not an integer >= low (ValueError naming `name`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def bits_label(key_bits: float, value_bits: float, qjl: bool = False) -> str:
+    """"K4/V3", "K4+qjl/V3": how every table, panel and summary names a key/value bit pair."""
+    return f"K{format_bits(key_bits)}{'+qjl' if qjl else ''}/V{format_bits(value_bits)}"
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """How a model's KV cache is compressed. Every field is validated; errors name the allowed values.
+
+    The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short (perplexity on
+    the Britannica text, float cache = 0%): keys at 4 bits keep top-1 attention agreement at 0.98-0.99 on
+    SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost +4.5% on SmolLM2; values at 3 bits cost +0.8
+    points over V4 on SmolLM2 and nothing on Qwen, for 4.3x less memory than float16 at head_dim 128 instead of
+    3.8x; QJL loses at equal bits (+6.9% vs +1.3% at K4); key centering rescues Qwen (PPL 629 -> 12.16 at 4/4),
+    value centering helps with the window (SmolLM2 K4/V3 +2.1% vs +3.0%, K3/V3 +4.5% vs +7.3%; neutral on
+    Qwen); the float16 window of 128 and 4 sinks are worth +13 points at 3/3 (+17.9% -> +4.5%); boundary layers
+    buy less than spending the same bits on keys. μ, ν (and the outlier channels of 2.5/3.5 bits) are
+    calibrated on the first `compress_block_size` tokens after the sinks, however the prompt is fed.
+    """
+
+    key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
+    value_bits: float = 3
+    qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
+    window: int = 128  # recent tokens kept in float16 (0: compress every token at once)
+    compress_block: int | None = None  # tokens compressed at a time when the window overflows; None = window
+    sinks: int = 4  # first tokens of the sequence kept in float16
+    boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
+    boundary_bits: float = 8
+    center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
+    center_values: bool = True  # same for values with ν (exact too)
+    seed: int = 0
+    step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        for name in ("key_bits", "value_bits", "boundary_bits"):
+            set_(name, check_bits(getattr(self, name), name))
+        for name in ("qjl", "center_keys", "center_values"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.qjl and self.key_bits not in PROD_BITS:
+            raise ValueError(f"qjl=True needs integer key_bits in {PROD_BITS}, got key_bits={self.key_bits}")
+        for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
+            check_int(name, getattr(self, name), low)
+        if self.compress_block is not None:
+            check_int("compress_block", self.compress_block, 1)
+            if self.window and self.compress_block > self.window:
+                raise ValueError(
+                    f"compress_block must be between 1 and window={self.window}, got {self.compress_block}"
+                )
+
+    @classmethod
+    def from_bits(cls, bits: float, **kwargs) -> "TurboQuantConfig":
+        """The same bit width for keys and values, other fields as given."""
+        return cls(key_bits=bits, value_bits=bits, **kwargs)
+
+    @property
+    def compress_block_size(self) -> int:
+        """Tokens compressed at a time when the window overflows."""
+        return self.compress_block if self.compress_block is not None else max(self.window, 1)
+
+    def layer_bits(self, attention_index: int, n_attention_layers: int) -> tuple[float, float]:
+        """(key_bits, value_bits) of the attention layer `attention_index` (0-based among attention layers)."""
+        n = self.boundary_layers
+        if n and (attention_index < n or attention_index >= n_attention_layers - n):
+            return max(self.key_bits, self.boundary_bits), max(self.value_bits, self.boundary_bits)
+        return self.key_bits, self.value_bits
+
+    def layer_qjl(self, key_bits: float) -> bool:
+        """Whether keys at key_bits use QJL: TurboQuant_prod needs integer bits 1-4, so an 8-bit boundary
+        layer keeps plain MSE codes."""
+        return self.qjl and key_bits in PROD_BITS
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TurboQuantConfig":
+        d = dict(d)
+        if "block" in d and "compress_block" not in d:  # the field's name in prompt-cache files of state version 1
+            d["compress_block"] = d.pop("block")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown TurboQuantConfig fields {sorted(unknown)}; allowed: {sorted(names)}")
+        return cls(**d)

@@ -1,0 +1,368 @@
+"""One side (keys or values) of a layer's KV cache as a compressed stream of tokens, and its reference codec.
+
+Token order in a stream, and the order of the attention mask's columns:
+
+    [0, n_sinks)                          attention sinks: the first `sinks` tokens, float16
+    [n_sinks, n_sinks + n_compressed)     TurboQuant codes (packed uint32) and float16 norms
+    [n_sinks + n_compressed, n_tokens)    the recent-token window, float16
+
+New tokens go to the sinks until those are full, then to the window. When the window would overflow, its
+oldest tokens are compressed in whole blocks of `compress_block` tokens (so the window keeps between
+window - compress_block + 1 and window tokens). Compressed tokens exist only as codes: no float copy of them
+is kept anywhere, and `nbytes` is the sum of every array the stream holds.
+
+Centering (turboquant.md §4): with `center`, the mean μ per (batch, kv head) of the first compressed tokens
+is subtracted before quantizing and fixed afterwards. Fractional bit widths (2.5, 3.5) quantize the d/4
+channels of largest mean |x - μ| in those same tokens at one more bit (paper §4.3): the stream stores that
+channel order per kv head as `perm` and feeds x[..., perm] to the quantizer, whose outlier group is its first
+d/4 channels. With a window, the calibration tokens are exactly the first `compress_block` tokens after the
+sinks, so it does not depend on how the prompt was fed (one shot, chunks, token by token, or trimmed).
+
+`encode` and `decode` are the reference codec (the Metal kernels' twins); `append` returns a `StreamView`,
+the immutable view of the live tokens that attention reads.
+
+Memory of one stream (batch B, H kv heads, head dim D; W words and G norms per token from the quantizer,
+capacity C a multiple of `step`; the window and sink buffers exist once first used):
+
+    4·B·H·C·W + 2·B·H·C·G  [+ 4·B·H·C·⌈D/32⌉ + 2·B·H·C with QJL]     codes and float16 norms
+    + 2·B·H·(window capacity + sinks)·D                               float16 window and sinks
+    + 4·B·H·D if centered + 4·H·D for fractional bits                  μ, channel order
+    + the quantizer's constants (rotation signs or matrices, codebooks, QJL projection)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+
+from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
+
+WINDOW_STEP = 32  # the float16 window grows in steps of this many tokens up to `window`
+
+
+def window_capacity(recent: int, window: int) -> int:
+    """Tokens the float16 window buffer holds once `recent` tokens have arrived after the sinks: steps of
+    WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
+    the token count alone, so a short chat holds only what it uses and tq_mlx.memory stays exact."""
+    if window == 0 or recent <= 0:
+        return 0
+    if recent > window:
+        return window
+    return min(window, -(-recent // WINDOW_STEP) * WINDOW_STEP)
+
+
+def overflow(recent: int, window: int, compress_block: int) -> int:
+    """Tokens compressed when the window holds `recent` tokens: none while they fit, else whole blocks until
+    what is left fits (everything when window is 0)."""
+    if recent <= window:
+        return 0
+    return recent if window == 0 else -(-(recent - window) // compress_block) * compress_block
+
+
+def make_quantizer(dim: int, bits: float, qjl: bool, seed: int) -> TurboQuantMSE | TurboQuantProd:
+    """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise."""
+    return TurboQuantProd(dim, int(bits), seed=seed) if qjl else TurboQuantMSE(dim, bits, seed=seed)
+
+
+class StreamView(NamedTuple):
+    """The live tokens of one stream, as attention reads them (update_and_fetch returns one per side).
+
+    Arrays are views of the stream's buffers cut to the live tokens; None means that part holds no tokens.
+    """
+
+    quantizer: TurboQuantMSE | TurboQuantProd
+    codes: MSECodes | ProdCodes | None  # (B, H, n_compressed, ...) in the quantizer's input basis
+    sinks: mx.array | None  # (B, H, n_sinks, D) float16, model basis
+    window: mx.array | None  # (B, H, n_window, D) float16, model basis
+    mean: mx.array | None  # (B, H, D) float32: subtracted from every compressed token before quantizing
+    perm: mx.array | None  # (H, D) int32: compressed token t was quantized as (x_t - mean)[..., perm]
+
+    @property
+    def n_sinks(self) -> int:
+        return 0 if self.sinks is None else self.sinks.shape[2]
+
+    @property
+    def n_compressed(self) -> int:
+        return 0 if self.codes is None else self.codes.codes.shape[2]
+
+    @property
+    def n_window(self) -> int:
+        return 0 if self.window is None else self.window.shape[2]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_sinks + self.n_compressed + self.n_window
+
+    @property
+    def n_heads(self) -> int:
+        parts = (self.sinks, self.window, None if self.codes is None else self.codes.codes)
+        return next(a.shape[1] for a in parts if a is not None)
+
+    @property
+    def head_dim(self) -> int:
+        return self.quantizer.dim
+
+
+# --- the reference codec -----------------------------------------------------------------------------------
+
+
+def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None):
+    """Codes of tokens x (B, H, n, D): x - mean (B, H, D), channels in `perm` (H, D) order, then quantized."""
+    if mean is not None:
+        x = x - mean[:, :, None, :]
+    if perm is not None:
+        x = mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
+    return quantizer.quantize(x)
+
+
+def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
+    """The compressed tokens of a view back in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
+    x = view.quantizer.dequantize(view.codes)
+    if view.perm is not None:
+        inv = mx.argsort(view.perm, axis=-1)
+        x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
+    if view.mean is not None:
+        x = x + view.mean[:, :, None, :]
+    return x.astype(dtype)
+
+
+def has_channel_order(quantizer) -> bool:
+    """Whether a stream with this quantizer stores a channel order (fractional bits: two channel groups)."""
+    return isinstance(quantizer, TurboQuantMSE) and len(quantizer.groups) == 2
+
+
+def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
+    """Channels per kv head by decreasing mean |x - mean| over batch and tokens (the first d/4 get the extra
+    bit of a fractional width); None for quantizers with one channel group."""
+    if not has_channel_order(quantizer):
+        return None
+    if mean is not None:
+        x = x - mean[:, :, None, :]
+    return mx.argsort(-mx.mean(mx.abs(x), axis=(0, 2)), axis=-1).astype(mx.int32)
+
+
+def _grow(buf, n_keep: int, n_new: int, step: int, template):
+    """Buffers (a NamedTuple of arrays, token axis 2) holding n_keep + n_new tokens, capacity a multiple of step."""
+    need = n_keep + n_new
+    if buf is not None and need <= buf[0].shape[2]:
+        return buf
+    capacity = -(-need // step) * step
+    if buf is None:
+        return type(template)(*(mx.zeros((*t.shape[:2], capacity, *t.shape[3:]), t.dtype) for t in template))
+    fresh = [mx.zeros((*b.shape[:2], capacity - n_keep, *b.shape[3:]), b.dtype) for b in buf]
+    return type(template)(*(mx.concatenate([b[:, :, :n_keep], f], axis=2) for b, f in zip(buf, fresh)))
+
+
+def batch_heads(state: dict, name: str) -> tuple[int, int] | None:
+    """(batch, kv heads) of a stream's arrays in a state dict (CompressedStream.state), None if it has none."""
+    codes = state.get(f"{name}_codes")
+    for a in (state.get(f"{name}_sinks"), state.get(f"{name}_window"), state.get(f"{name}_mean"),
+              codes[0] if codes else None):
+        if isinstance(a, mx.array) and a.ndim >= 2:
+            return tuple(a.shape[:2])
+    return None
+
+
+# --- the stream --------------------------------------------------------------------------------------------
+
+
+class CompressedStream:
+    """One side of a layer's cache: float16 sinks, TurboQuant codes, a float16 window (see the module docstring).
+
+    name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages. `encoder` has
+    `encode`'s signature; the cache passes the kernel dispatch (tq_mlx.kernels.dispatch_encode).
+    """
+
+    def __init__(
+        self,
+        quantizer: TurboQuantMSE | TurboQuantProd,
+        *,
+        name: str,
+        sinks: int,
+        window: int,
+        compress_block: int,
+        step: int,
+        center: bool,
+        encoder: Callable = encode,
+    ):
+        self.quantizer, self.name, self.encoder = quantizer, name, encoder
+        self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
+            sinks, window, compress_block, step, center)
+        self.n_sinks = self.n_compressed = self.n_window = 0
+        self.codes = None  # MSECodes / ProdCodes buffers (B, H, capacity, ...)
+        self.sinks = None  # (B, H, max_sinks, D) float16
+        self.window = None  # (B, H, window capacity, D) float16
+        self.mean = None  # (B, H, D) float32, with the first compressed tokens (if center)
+        self.perm = None  # (H, D) int32, with the first compressed tokens (fractional bits)
+
+    @property
+    def dim(self) -> int:
+        return self.quantizer.dim
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_sinks + self.n_compressed + self.n_window
+
+    @property
+    def capacity(self) -> int:
+        """Compressed tokens the code buffers can hold before they grow (a multiple of step)."""
+        return 0 if self.codes is None else self.codes[0].shape[2]
+
+    def append(self, x: mx.array) -> StreamView:
+        """Store tokens x (B, H, L, D) and return the view of every live token. Pure graph construction:
+        every branch depends on token counts, never on array values."""
+        B, H, L, D = x.shape
+        if self.n_sinks < self.max_sinks:
+            t = min(self.max_sinks - self.n_sinks, L)
+            if self.sinks is None:
+                self.sinks = mx.zeros((B, H, self.max_sinks, D), mx.float16)
+            self.sinks[:, :, self.n_sinks : self.n_sinks + t] = x[:, :, :t].astype(mx.float16)
+            self.n_sinks += t
+            x = x[:, :, t:]
+        if x.shape[2]:
+            self._append_recent(x)
+        return self.view()
+
+    def _append_recent(self, x: mx.array) -> None:
+        W = self.max_window
+        total = self.n_window + x.shape[2]
+        cap = window_capacity(total, W)
+        if W and (self.window is None or self.window.shape[2] < cap):
+            grown = mx.zeros((*x.shape[:2], cap, x.shape[3]), mx.float16)
+            if self.n_window:
+                grown[:, :, : self.n_window] = self.window[:, :, : self.n_window]
+            self.window = grown
+        n_c = overflow(total, W, self.compress_block)
+        if n_c == 0:
+            self.window[:, :, self.n_window : total] = x.astype(mx.float16)
+            self.n_window = total
+            return
+        if self.n_window:
+            x = mx.concatenate([self.window[:, :, : self.n_window].astype(mx.float32), x.astype(mx.float32)], axis=2)
+        self._compress(x[:, :, :n_c])
+        self.n_window = total - n_c
+        if self.n_window:
+            self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(mx.float16)
+
+    def _compress(self, x: mx.array) -> None:
+        x = x.astype(mx.float32)
+        if self.n_compressed == 0:  # calibrate on the first tokens compressed (lazy, no host sync)
+            calib = x[:, :, : self.compress_block] if self.max_window else x
+            self.mean = mx.mean(calib, axis=2) if self.center else None
+            self.perm = outlier_order(calib, self.mean, self.quantizer)
+        new = self.encoder(x, self.quantizer, self.mean, self.perm)
+        start, n = self.n_compressed, x.shape[2]
+        self.codes = _grow(self.codes, start, n, self.step, new)
+        for b, a in zip(self.codes, new):
+            b[:, :, start : start + n] = a
+        self.n_compressed += n
+
+    def view(self) -> StreamView:
+        s, c, w = self.n_sinks, self.n_compressed, self.n_window
+        return StreamView(
+            quantizer=self.quantizer,
+            codes=type(self.codes)(*(a[:, :, :c] for a in self.codes)) if c else None,
+            sinks=self.sinks[:, :, :s] if s else None,
+            window=self.window[:, :, :w] if w else None,
+            mean=self.mean,
+            perm=self.perm,
+        )
+
+    def trim(self, n: int) -> None:
+        """Drop the last n tokens (at most n_tokens): window first, then compressed tokens, then sinks. A trim
+        that leaves no compressed token drops the calibration, so the next tokens compressed calibrate again
+        exactly as in a fresh stream fed the same tokens."""
+        for part in ("n_window", "n_compressed", "n_sinks"):
+            d = min(getattr(self, part), n)
+            setattr(self, part, getattr(self, part) - d)
+            n -= d
+        if self.n_compressed == 0:
+            self.mean = self.perm = None
+
+    def batch_heads(self) -> tuple[int, int] | None:
+        """(batch, kv heads) of the stored arrays, None before the first tokens."""
+        return batch_heads(self.state, self.name)
+
+    def held_arrays(self) -> list[mx.array]:
+        """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
+        parts = [*(self.codes or ()), self.sinks, self.window, self.mean, self.perm]
+        return [a for a in parts if a is not None] + list(constant_arrays(self.quantizer))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.held_arrays())
+
+    def __deepcopy__(self, memo):
+        # Quantizers are immutable (and hold mx.Dtype, which cannot be copied), so copies share them and the
+        # encoder; every stored array is copied.
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for name in ("codes", "sinks", "window", "mean", "perm"):
+            setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+        return new
+
+    # --- state: the arrays under "<name>_codes", "<name>_sinks", ... (the token counts are the cache's) -----
+
+    @property
+    def state(self) -> dict:
+        return {
+            f"{self.name}_codes": None if self.codes is None else tuple(self.codes),
+            **{f"{self.name}_{part}": getattr(self, part) for part in ("sinks", "window", "mean", "perm")},
+        }
+
+    def load_state(self, arrays: dict, n_sinks: int, n_compressed: int, n_window: int,
+                   bh: tuple[int, int] | None) -> None:
+        """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
+        this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens)."""
+        codes_type = ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes
+        # mx.array(a) shares a's data but is a new object, so this stream's in-place slice updates never reach
+        # another stream built from the same state.
+        own = lambda a: mx.array(a) if isinstance(a, mx.array) else a  # noqa: E731
+        codes = arrays.get(f"{self.name}_codes")
+        if codes is not None:
+            if not isinstance(codes, (list, tuple)) or len(codes) != len(codes_type._fields):
+                raise ValueError(f"{self.name}_codes must hold {codes_type._fields}")
+            codes = codes_type(*map(own, codes))
+        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in ("sinks", "window", "mean", "perm")}
+        self._check_state(codes, parts, n_sinks, n_compressed, n_window, bh)
+        self.codes = codes
+        for p, a in parts.items():
+            setattr(self, p, a)
+        self.n_sinks, self.n_compressed, self.n_window = n_sinks, n_compressed, n_window
+
+    def _check_state(self, codes, parts: dict, n_sinks: int, n_compressed: int, n_window: int, bh) -> None:
+        B, H = bh or (None, None)
+        D, name = self.dim, self.name
+
+        def check(field, a, expected, dtype, min_tokens=0):
+            # expected: the full shape, with None on the token axis of growable buffers (>= min_tokens)
+            if not isinstance(a, mx.array) or a.dtype != dtype:
+                raise ValueError(f"{name}_{field} must be a {dtype} array, got "
+                                 f"{getattr(a, 'dtype', type(a).__name__)}")
+            got = tuple(a.shape)
+            ok = len(got) == len(expected)
+            ok = ok and all(e is None and g >= min_tokens or e == g for g, e in zip(got, expected))
+            if not ok:
+                raise ValueError(f"{name}_{field} has shape {got}, expected {expected} (None: at least {min_tokens})")
+
+        if n_sinks or parts["sinks"] is not None:
+            check("sinks", parts["sinks"], (B, H, self.max_sinks, D), mx.float16)
+        if n_window or parts["window"] is not None:
+            check("window", parts["window"], (B, H, None, D), mx.float16, max(n_window, 1))
+            if parts["window"].shape[2] > self.max_window:
+                raise ValueError(f"{name}_window holds {parts['window'].shape[2]} tokens, more than the "
+                                 f"config's window {self.max_window}")
+        if n_compressed or codes is not None:
+            # A lazy probe gives each field's trailing shape and dtype without evaluating anything.
+            probe = self.quantizer.quantize(mx.zeros((1, 1, 1, D), mx.float32))
+            if codes is None or len(codes) != len(probe):
+                raise ValueError(f"{name}_codes must hold {probe._fields}")
+            for field, a, p in zip(probe._fields, codes, probe):
+                check(f"codes.{field}", a, (B, H, None, *p.shape[3:]), p.dtype, n_compressed)
+        if n_compressed:
+            if self.center:
+                check("mean", parts["mean"], (B, H, D), mx.float32)
+            if has_channel_order(self.quantizer):
+                check("perm", parts["perm"], (H, D), mx.int32)
