@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tq_mlx
+from tests.support.host_sync import HostSync, forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.packing import packed_words
 from tq_mlx.rotation import hadamard_base
@@ -378,29 +379,31 @@ def test_trim_then_readd_equals_never_added():
 # --- pipelining -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def forbid_host_sync(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("host synchronization")
-
-    names = ["item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__"]
-    for n in names:
-        monkeypatch.setattr(mx.array, n, boom)
-    monkeypatch.setattr(mx, "eval", boom)
-    monkeypatch.setattr(mx, "async_eval", boom)
-    yield
+def test_the_host_sync_guard_sees_numpy_and_the_buffer_protocol(monkeypatch):
+    x = mx.ones((2, 3))
+    # (looked up at call time, as library code does)
+    for read in (lambda a: np.asarray(a), lambda a: np.array(a), lambda a: np.frombuffer(a, np.float32),
+                 lambda a: memoryview(a), lambda a: a.item()):
+        with forbid_host_sync(monkeypatch), pytest.raises(HostSync):
+            read(x)
+    np.asarray(x)  # and it is gone afterwards
 
 
-def test_update_and_attention_build_the_graph_without_host_sync(forbid_host_sync):
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_update_and_attention_build_the_graph_without_host_sync(monkeypatch, head_dim):
+    # Building a cache may read constants back (make_prompt_cache builds them before the first forward);
+    # storing tokens and attending to them never does.
+    D = head_dim
     for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, compress_block=4, sinks=2),
                 TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0)):
-        c = TurboQuantKVCache(cfg, layer_index=0, head_dim=80)
-        k = mx.random.normal((1, 2, 30, 80))
-        for L in (9, 1, 1, 1, 1, 12):  # first compression (calibration), flushes, decode steps, a chunk
-            kh, vh = c.update_and_fetch(k[:, :, :L], k[:, :, :L] * 2)
-            out = turboquant_attention(mx.ones((1, 4, L, 80)), kh, vh, 0.1, "causal" if L > 1 else None)
-        _ = c.state, c.nbytes, c.offset
-    assert out.shape == (1, 4, 12, 80)
+        c = TurboQuantKVCache(cfg, layer_index=0, head_dim=D)
+        k = mx.random.normal((1, 2, 30, D))
+        with forbid_host_sync(monkeypatch):
+            for L in (9, 1, 1, 1, 1, 12):  # first compression (calibration), flushes, decode steps, a chunk
+                kh, vh = c.update_and_fetch(k[:, :, :L], k[:, :, :L] * 2)
+                out = turboquant_attention(mx.ones((1, 4, L, D)), kh, vh, 0.1, "causal" if L > 1 else None)
+            _ = c.state, c.nbytes, c.offset
+    assert out.shape == (1, 4, 12, D)
 
 
 def test_decode_step_of_a_model_without_host_sync(monkeypatch):
@@ -410,12 +413,7 @@ def test_decode_step_of_a_model_without_host_sync(monkeypatch):
     model, _ = tiny_llama()
     cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, compress_block=2, sinks=1))
     mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache))
-    with monkeypatch.context() as m:
-        def boom(*a, **k):
-            raise AssertionError("host synchronization")
-        for n in ("item", "tolist", "__array__", "__float__", "__int__", "__bool__", "__index__"):
-            m.setattr(mx.array, n, boom)
-        m.setattr(mx, "eval", boom)
+    with forbid_host_sync(monkeypatch):
         logits = model(mx.array([[7]]), cache=cache)  # includes a window flush
         logits2 = model(mx.array([[8, 9, 10]]), cache=cache)
     assert logits.shape == (1, 1, 257) and logits2.shape == (1, 3, 257)
@@ -475,3 +473,29 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     mean = reused.key_stream.mean
     reused.trim(150)
     assert reused.n_compressed > 0 and reused.calibrated and reused.key_stream.mean is mean
+
+
+@pytest.mark.parametrize("bits, bad", [(4, float("nan")), (3.5, float("inf")), (3, -float("inf"))])
+def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, bad):
+    rng = np.random.default_rng(11)
+    x = rng.normal(0.5, 1.0, size=(1, 2, 40, 64)).astype(np.float32)
+    poisoned = x.copy()
+    poisoned[:, :, 7, 5] = bad  # token 7: inside the calibration block (tokens 2..17 after 2 sinks)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=16, compress_block=16, sinks=2)
+    clean, dirty = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
+    clean.update_and_fetch(mx.array(x), mx.array(x))
+    kh, vh = dirty.update_and_fetch(mx.array(poisoned), mx.array(poisoned))
+    finite = np.delete(x[:, :, 2:18], 5, axis=2)  # the calibration block without token 7
+    for s in dirty.streams:
+        np.testing.assert_allclose(np.array(s.mean), finite.mean(axis=2), rtol=1e-5, atol=1e-6)
+        assert s.perm is None or np.isfinite(np.array(s.perm)).all()
+    # Every other compressed token decodes as well as in a cache that never saw the bad value.
+    from tq_mlx.stream import decode
+
+    got = np.array(decode(kh, mx.float32))
+    want = np.array(decode(clean.key_stream.view(), mx.float32))
+    others = [t for t in range(got.shape[2]) if t != 5]  # compressed index 5 = token 7
+    assert np.isfinite(got[:, :, others]).all()
+    err_dirty = np.abs(got[:, :, others] - x[:, :, 2:2 + got.shape[2]][:, :, others]).mean()
+    err_clean = np.abs(want[:, :, others] - x[:, :, 2:2 + got.shape[2]][:, :, others]).mean()
+    assert err_dirty < 1.1 * err_clean

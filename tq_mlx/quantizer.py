@@ -131,7 +131,7 @@ class TurboQuantMSE:
             raise ValueError(f"norm_dtype must be float16, bfloat16 or float32, got {norm_dtype}")
         self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
         sizes = split_dims(self.dim, bits)
-        channels: list[mx.array | None] = [None]
+        channels: list[np.ndarray | None] = [None]
         if len(sizes) == 2:
             channels = _split_channels(self.dim, sizes[0][0], outlier_channels)
         elif outlier_channels is not None:
@@ -143,7 +143,7 @@ class TurboQuantMSE:
             nw = packed_words(gdim, gbits)
             self.groups.append(
                 Group(
-                    channels=ch,
+                    channels=None if ch is None else mx.array(ch),
                     dim=gdim,
                     bits=gbits,
                     rotation=Rotation(gdim, seed=self.seed + g),
@@ -158,7 +158,7 @@ class TurboQuantMSE:
         # Gathering the groups back into model order: the inverse of the channel permutation.
         self._inverse_perm = None
         if len(self.groups) == 2:
-            perm = np.concatenate([np.asarray(g.channels) for g in self.groups])
+            perm = np.concatenate(channels)  # numpy: building a quantizer reads nothing back from MLX
             self._inverse_perm = mx.array(np.argsort(perm).astype(np.int32))
 
     @property
@@ -202,7 +202,7 @@ class TurboQuantMSE:
         return mx.take(mx.concatenate(parts, axis=-1), self._inverse_perm, axis=-1)
 
 
-def _split_channels(dim: int, n_hi: int, outliers) -> list[mx.array]:
+def _split_channels(dim: int, n_hi: int, outliers) -> list[np.ndarray]:
     if outliers is None:
         hi = np.arange(n_hi)
     else:
@@ -211,7 +211,7 @@ def _split_channels(dim: int, n_hi: int, outliers) -> list[mx.array]:
             raise ValueError(f"outlier_channels must be {n_hi} distinct channel indices in [0, {dim}), got {hi.tolist()}")
         hi = np.sort(hi)
     lo = np.setdiff1d(np.arange(dim), hi)
-    return [mx.array(hi.astype(np.int32)), mx.array(lo.astype(np.int32))]
+    return [hi.astype(np.int32), lo.astype(np.int32)]
 
 
 def gaussian_projection(dim: int, seed: int) -> mx.array:

@@ -133,14 +133,29 @@ def has_channel_order(quantizer) -> bool:
     return isinstance(quantizer, TurboQuantMSE) and len(quantizer.groups) == 2
 
 
+def _finite_tokens(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(mask of the tokens of x (B, H, n, D) whose every coordinate is finite, how many per (B, H))."""
+    ok = mx.all(mx.isfinite(x), axis=-1, keepdims=True)
+    return ok, mx.sum(ok, axis=2)
+
+
+def calibration_mean(x: mx.array) -> mx.array:
+    """μ per (batch, kv head) over the finite tokens of x: one NaN or Inf token affects only itself (0 when
+    no token is finite)."""
+    ok, n = _finite_tokens(x)
+    return mx.sum(mx.where(ok, x, 0.0), axis=2) / mx.maximum(n, 1)
+
+
 def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
-    """Channels per kv head by decreasing mean |x - mean| over batch and tokens (the first d/4 get the extra
-    bit of a fractional width); None for quantizers with one channel group."""
+    """Channels per kv head by decreasing mean |x - mean| over batch and finite tokens (the first d/4 get the
+    extra bit of a fractional width); None for quantizers with one channel group."""
     if not has_channel_order(quantizer):
         return None
     if mean is not None:
         x = x - mean[:, :, None, :]
-    return mx.argsort(-mx.mean(mx.abs(x), axis=(0, 2)), axis=-1).astype(mx.int32)
+    ok, _ = _finite_tokens(x)
+    score = mx.sum(mx.where(ok, mx.abs(x), 0.0), axis=(0, 2))  # a sum ranks channels as the mean does
+    return mx.argsort(-score, axis=-1).astype(mx.int32)
 
 
 def _grow(buf, n_keep: int, n_new: int, step: int, template):
@@ -250,7 +265,7 @@ class CompressedStream:
         x = x.astype(mx.float32)
         if self.n_compressed == 0:  # calibrate on the first tokens compressed (lazy, no host sync)
             calib = x[:, :, : self.compress_block] if self.max_window else x
-            self.mean = mx.mean(calib, axis=2) if self.center else None
+            self.mean = calibration_mean(calib) if self.center else None
             self.perm = outlier_order(calib, self.mean, self.quantizer)
         new = self.encoder(x, self.quantizer, self.mean, self.perm)
         start, n = self.n_compressed, x.shape[2]
