@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     ctx = args.ctx or default_ctx(trained)
-    plan = make_plan(source.name, model_config, weights, ctx, config, available_memory(), memory_source())
+    plan = make_plan(source.name, model_config, weights, ctx, config, available_memory(), memory_source(),
+                     dtype=args.dtype)
     if args.plan:
         print(format_plan(plan))
         return 0 if plan.fits else 1

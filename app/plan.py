@@ -61,8 +61,11 @@ def memory_source() -> str:
 
 
 def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: TurboQuantConfig | None,
-              available: int, available_source: str = "physical memory") -> Plan:
-    """Estimate weights + KV at `ctx` tokens, compare with `available`, and suggest settings that fit."""
+              available: int, available_source: str = "physical memory", dtype: str | None = None) -> Plan:
+    """Estimate weights + KV at `ctx` tokens, compare with `available`, and suggest settings that fit.
+    dtype: what --dtype casts the model to (its config's torch_dtype otherwise)."""
+    if dtype:  # the KV cache's float parts hold the dtype the model runs in
+        model_config = {**model_config, "torch_dtype": dtype}
     lay = attention_layout(model_config)
     plan = Plan(
         model=model, ctx=ctx, config=config, weights=weights,

@@ -79,8 +79,9 @@ def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tup
     """
     key = mx.random.key(seed)
     kk, kv = mx.random.split(key)
-    pool_k = mx.random.normal((1, n_kv, POOL, head_dim), key=kk)
-    pool_v = mx.random.normal((1, n_kv, POOL, head_dim), key=kv)
+    # float16, as a Mac model's keys and values are (the cache's float parts keep the model's dtype)
+    pool_k = mx.random.normal((1, n_kv, POOL, head_dim), key=kk).astype(mx.float16)
+    pool_v = mx.random.normal((1, n_kv, POOL, head_dim), key=kv).astype(mx.float16)
     mx.eval(pool_k, pool_v)
     cache = TurboQuantKVCache(config, layer_index=0)
     K, step = config.compress_block_size, config.step

@@ -28,10 +28,10 @@ const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const float rs = 1.0f / sqrt(float(DV));
 
-const device half* ks_bh = ks + b * ks_strides[0] + h * ks_strides[1];
-const device half* vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
-const device half* kw_bh = kw + b * kw_strides[0] + h * kw_strides[1];
-const device half* vw_bh = vw + b * vw_strides[0] + h * vw_strides[1];
+const auto ks_bh = ks + b * ks_strides[0] + h * ks_strides[1];
+const auto vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
+const auto kw_bh = kw + b * kw_strides[0] + h * kw_strides[1];
+const auto vw_bh = vw + b * vw_strides[0] + h * vw_strides[1];
 
 for (int r = int(sg); r < RL; r += int(nsg)) {
   const size_t row = size_t(bh) * RL + r;
@@ -50,9 +50,9 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
   for (int f = 0; f < ns + nw; ++f) {
     const bool sink = f < ns;
     const int t = sink ? f : f - ns;
-    const device half* kp = sink ? ks_bh + t * ks_strides[2] + lane * EK * ks_strides[3]
+    const auto kp = sink ? ks_bh + t * ks_strides[2] + lane * EK * ks_strides[3]
                                  : kw_bh + t * kw_strides[2] + lane * EK * kw_strides[3];
-    const device half* vp = sink ? vs_bh + t * vs_strides[2] + lane * EV * vs_strides[3]
+    const auto vp = sink ? vs_bh + t * vs_strides[2] + lane * EV * vs_strides[3]
                                  : vw_bh + t * vw_strides[2] + lane * EV * vw_strides[3];
     const int64_t kstep = sink ? ks_strides[3] : kw_strides[3];
     const int64_t vstep = sink ? vs_strides[3] : vw_strides[3];

@@ -92,7 +92,7 @@ def test_tq_chat_answers_in_a_terminal(tmp_path):
         tokens = int(re.search(r"context\s+([\d,]+) / 4,096", screen).group(1).replace(",", ""))
         assert 30 < tokens < 120
         # the panel's KV figure is what memory's layout formula gives for that many tokens
-        expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig())
+        expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig(), dtype="float32")
         assert re.search(rf"held\s+{re.escape(format_bytes(expected))}", screen), screen
         fp16 = 30 * 3 * 64 * 2 * 2 * tokens  # layers x kv heads x head_dim x (k, v) x float16
         assert re.search(rf"float16 would hold\s+{re.escape(format_bytes(fp16))}", screen), screen

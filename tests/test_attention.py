@@ -22,6 +22,8 @@ def dequantized(h: StreamView) -> np.ndarray:
         parts.append(np.asarray(h.sinks.astype(mx.float32)).astype(np.float64))
     if h.codes is not None:
         x = np.asarray(h.quantizer.dequantize(h.codes)).astype(np.float64)
+        if h.scale is not None:
+            x = x * np.asarray(h.scale).astype(np.float64)[:, :, None, None]
         if h.perm is not None:
             inv = np.argsort(np.asarray(h.perm), axis=-1)
             x = np.take_along_axis(x, np.broadcast_to(inv[None, :, None, :], x.shape), -1)
@@ -186,3 +188,38 @@ def test_runs_in_a_worker_thread_with_a_cache_made_elsewhere():
     t.join()
     assert not errors, errors
     np.testing.assert_allclose(got[0], expected, atol=1e-6)
+
+
+def _attend(dtype, magnitude: float, cfg: TurboQuantConfig | None):
+    """Attention of one query over 300 tokens whose keys and values are `magnitude` times unit-scale ones
+    (the query divided by it, so the scores stay the same), as the unit-scale result: TurboQuant with `cfg`,
+    or the float cache (mx.fast SDPA on the same dtype-rounded arrays) when cfg is None."""
+    rng = np.random.default_rng(8)
+    k = mx.array(rng.normal(size=(1, 2, 300, 64)) + 1.0, dtype=mx.float32) * magnitude
+    v = mx.array(rng.normal(size=(1, 2, 300, 64)) - 0.5, dtype=mx.float32) * magnitude
+    q = mx.array(rng.normal(size=(1, 4, 1, 64)), dtype=mx.float32) / magnitude
+    k, v, q = k.astype(dtype), v.astype(dtype), q.astype(dtype)
+    if cfg is None:
+        f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+        out = mx.fast.scaled_dot_product_attention(f32(q), f32(k), f32(v), scale=0.125)
+    else:
+        kh, vh = TurboQuantKVCache(cfg).update_and_fetch(k, v)
+        assert kh.sinks.dtype == kh.window.dtype == dtype  # the float parts keep the model's dtype
+        out = turboquant_attention(q, kh, vh, 0.125)
+    return np.array(out.astype(mx.float32)) / magnitude
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("magnitude", [1e-8, 1e5])
+def test_extreme_scales_stay_finite_and_track_the_float_cache(dtype, magnitude):
+    # 1e5 overflows float16 (a float16 window or norm would give inf, then NaN); 1e-8 is below float16's
+    # normal range (a float16 norm would lose its precision). Neither may change what compression does.
+    for cfg, tol in ((TurboQuantConfig.from_bits(8, window=32, sinks=4), 0.02), (TurboQuantConfig(window=32), 0.2)):
+        out = _attend(dtype, magnitude, cfg)
+        assert np.isfinite(out).all()
+        ref = _attend(dtype, magnitude, None)
+        err = np.abs(out - ref).max() / np.abs(ref).max()
+        unit = _attend(dtype, 1.0, cfg)
+        err_unit = np.abs(unit - _attend(dtype, 1.0, None)).max() / np.abs(ref).max()
+        assert err < tol, (cfg.key_bits, err)
+        assert err <= 1.1 * err_unit + 1e-3, (cfg.key_bits, err, err_unit)  # as good as at unit scale

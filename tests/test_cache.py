@@ -101,8 +101,8 @@ def test_token_layout_and_block_compression():
     TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2),
 ])
 def test_stored_tokens_are_the_input_tokens(cfg):
-    """Whatever the chunking, the handles stand for the tokens fed so far, in order: float16 copies for sinks
-    and window, 8-bit codes (centering and channel order undone) for the rest."""
+    """Whatever the chunking, the views stand for the tokens fed so far, in order: exact copies in the input's
+    dtype for sinks and window, 8-bit codes (centering, scale and channel order undone) for the rest."""
     from tests.test_attention import dequantized
 
     rng = np.random.default_rng(2)
@@ -119,11 +119,12 @@ def test_stored_tokens_are_the_input_tokens(cfg):
             ref = np.concatenate(seen, axis=2)
             got = dequantized(h)
             assert got.shape == ref.shape
-            f16 = lambda x: x.astype(np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
+            f32 = lambda x: x.astype(np.float32).astype(np.float64)  # noqa: E731
             s, w = h.n_sinks, h.n_window
-            np.testing.assert_array_equal(got[:, :, :s], f16(ref[:, :, :s]))
+            assert all(a is None or a.dtype == mx.float32 for a in (h.sinks, h.window))
+            np.testing.assert_array_equal(got[:, :, :s], f32(ref[:, :, :s]))
             if w:
-                np.testing.assert_array_equal(got[:, :, -w:], f16(ref[:, :, -w:]))
+                np.testing.assert_array_equal(got[:, :, -w:], f32(ref[:, :, -w:]))
             assert np.abs(got - ref).max() < 0.1  # 8-bit codes
 
 
@@ -171,8 +172,9 @@ def mse_layout(d: int, bits) -> tuple[int, int, int]:
 
 
 def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, have_sinks: bool,
-                  have_window: bool) -> int:
-    """The cache's memory, from the layout alone (nothing read from the cache)."""
+                  have_window: bool, float_bytes: int = 4) -> int:
+    """The cache's memory, from the layout alone (nothing read from the cache). float_bytes: the input's
+    dtype, which the sinks and the window keep (fill feeds float32)."""
     per_token = 0
     const = 0
     for bits, qjl, center in ((cfg.key_bits, cfg.qjl, cfg.center_keys), (cfg.value_bits, False, cfg.center_values)):
@@ -188,7 +190,9 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
                 const += 4 * H * D  # per-head channel order
         if center:
             const += 4 * B * H * D  # μ or ν, float32
-    floats = 2 * 2 * B * H * D * (cfg.window * have_window + cfg.sinks * have_sinks)  # keys + values, float16
+        if capacity:
+            const += 4 * B * H  # the power-of-two scale, float32
+    floats = 2 * float_bytes * B * H * D * (cfg.window * have_window + cfg.sinks * have_sinks)  # keys + values
     return B * H * capacity * per_token + floats + const
 
 
@@ -209,7 +213,7 @@ def test_nbytes_equals_layout_formula(cfg, D):
     assert c.n_compressed > 256 or cfg.window > 0
     assert c.nbytes == layout_nbytes(cfg, B, H, D, capacity, cfg.sinks > 0, cfg.window > 0)
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
-    # Compressed tokens exist only as codes: the float arrays with a token axis are the float16 window and
+    # Compressed tokens exist only as codes: the float arrays with a token axis are the float window and
     # sinks (fixed sizes) and the per-token norms (at most two per vector).
     for a in c.held_arrays():
         if a.dtype in (mx.float16, mx.bfloat16, mx.float32) and a.ndim == 4:
@@ -223,8 +227,10 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
         fill(c, (50,))
         sizes.append(c.nbytes)
     meta, arrays = c.state
-    state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"], arrays["v_mean"]))
+    state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"], arrays["v_mean"],
+                                         arrays["k_scale"], arrays["v_scale"]))
     assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered by default
+    assert arrays["k_scale"].shape == arrays["v_scale"].shape == (1, 2)
     const = c.nbytes - state_bytes
     # Rotation signs, codebooks and lookup tables only (K4, V3 at the default head_dim).
     assert const == mse_layout(64, 4)[2] + mse_layout(64, 3)[2]  # fill's D = 64, default K4/V3
@@ -282,7 +288,10 @@ def test_corrupted_state_raises_clear_errors():
             TurboQuantKVCache.from_state((m, a))
         return str(e.value)
 
-    assert "layer 6" in broken(array_changes={"k_window": arrays["k_window"].astype(mx.float32)})
+    assert "layer 6" in broken(array_changes={"k_window": arrays["k_window"].astype(mx.int32)})
+    assert "k_sinks (float32) and k_window (float16) must have one dtype" in broken(
+        array_changes={"k_window": arrays["k_window"].astype(mx.float16)})
+    assert "k_scale" in broken(array_changes={"k_scale": arrays["k_scale"][:, :1]})
     assert "k_codes.codes" in broken(array_changes={"k_codes": (arrays["k_codes"][0][..., :-1], arrays["k_codes"][1])})
     assert "k_mean" in broken(array_changes={"k_mean": None})
     assert "offset" in broken(meta_changes={"offset": 21})

@@ -636,3 +636,30 @@ def test_mac_check_exits_cleanly_without_metal(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Metal is not available on this machine (" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=ids)
+@pytest.mark.parametrize("magnitude", [1e-8, 1e5])
+def test_kernels_take_the_streams_scale_and_float_tokens_in_the_models_dtype(emulator, dtype, magnitude):
+    # A bfloat16 or float32 model's cache keeps its sinks and window in that dtype and stores codes of
+    # (x - μ) / scale: decode attention, encode and dequantize all agree with the reference on it.
+    rng = np.random.default_rng(5)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8))  # the default K4/V3
+    k = ((normal(rng, (1, 2, 70, 64)) + 0.7) * magnitude).astype(dtype)
+    v = (normal(rng, (1, 2, 70, 64)) * magnitude).astype(dtype)
+    keys, values = cache.update_and_fetch(k, v)
+    assert keys.window.dtype == keys.sinks.dtype == dtype and keys.scale is not None and values.scale is not None
+    for L in (1, 3):
+        q = (normal(rng, (1, 4, L, 64)) / magnitude).astype(dtype)
+        mask = "causal" if L > 1 else None
+        assert K.decode_unsupported(q, keys, values, mask) is None
+        got = K.decode_attention(q, keys, values, 0.125, mask, split_tokens=32, metal_kernel=Emu())
+        want = K.decode_attention_reference(q, keys, values, 0.125, mask)
+        assert_close(got.astype(mx.float32) / magnitude, want.astype(mx.float32) / magnitude, dtype)
+    x = (normal(rng, (1, 2, 8, 64)) + 0.7) * magnitude
+    kq = keys.quantizer
+    assert_codes_equal(K.encode(x, kq, keys.mean, None, keys.scale, metal_kernel=Emu()),
+                       stream_encode(x, kq, keys.mean, None, keys.scale), kq)
+    assert_close(K.dequantize(keys, mx.float32, metal_kernel=Emu()) / magnitude,
+                 K.dequantize_reference(keys, mx.float32) / magnitude, mx.float32)

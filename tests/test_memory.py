@@ -65,7 +65,7 @@ def test_estimate_equals_real_nbytes_after_a_prefill(models, name, cfg):
         fill(model, cache, n)
         real = sum(c.nbytes for c in cache if hasattr(c, "key_bits"))
         assert cache_bytes(cache)["kv_bytes"] == real
-        assert estimate_kv_bytes(config_dict(args), n, cfg) == real, (name, n)
+        assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") == real, (name, n)
 
 
 def test_estimate_equals_real_nbytes_token_by_token(models):
@@ -73,7 +73,7 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
     cfg = CONFIGS["block"]
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, 90, one_shot=False)
-    assert estimate_kv_bytes(config_dict(args), 90, cfg) == sum(c.nbytes for c in cache)
+    assert estimate_kv_bytes(config_dict(args), 90, cfg, dtype="float32") == sum(c.nbytes for c in cache)
 
 
 @pytest.mark.parametrize("n", [5, 37, 140])
@@ -86,7 +86,7 @@ def test_short_contexts_hold_only_the_window_they_use(models, n):
         fill(model, cache, n, one_shot=one_shot)
         want = {5: 32, 37: 64, 140: 128}[n]
         assert all(c.key_stream.window.shape[2] == c.value_stream.window.shape[2] == want for c in cache)
-        assert estimate_kv_bytes(config_dict(args), n, cfg) == sum(c.nbytes for c in cache)
+        assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") == sum(c.nbytes for c in cache)
 
 
 def test_float16_and_affine_estimates_equal_mlx_lm_caches(models):

@@ -5,14 +5,15 @@
 `StreamView`s a `TurboQuantKVCache` returns (one per side). A kernel path shares the signature.
 
 For one query q (already times `scale`) and kv head, with compressed tokens t quantized as
-x_t - μ in the quantizer's input basis (channels in `perm` order, each group rotated by its Π_g):
+(x_t - μ) / s in the quantizer's input basis (channels in `perm` order, each group rotated by its Π_g; s the
+stream's power-of-two scale):
 
-    score_t = Σ_g (Π_g q[perm]_g) · ŷ_t,g  (+ QJL term)  + q·μ      ŷ = codebook value × norm, rotated basis
-    out     = (Σ_float p_t v_t  +  Πᵀ Σ_compressed p_t ŷᵛ_t  [un-permuted]  +  (Σ_compressed p_t)·ν) / Σ p_t
+    score_t = Σ_g (Π_g (s_k q)[perm]_g) · ŷ_t,g  (+ QJL term)  + q·μ      ŷ = codebook value × norm, rotated
+    out     = (Σ_float p_t v_t  +  s_v Πᵀ Σ_compressed p_t ŷᵛ_t  [un-permuted]  +  (Σ_compressed p_t)·ν) / Σ p_t
 
 Queries are rotated once per call, values are accumulated in the rotated basis and rotated back once per
 query and head. Codes are read into codebook values a byte at a time (packing.unpack_lookup) and the norms
-scale the scores and probabilities, not every coordinate. Sinks, the window (float16, model basis) and each
+scale the scores and probabilities, not every coordinate. Sinks, the window (model dtype and basis) and each
 tile of compressed tokens give partial softmaxes that merge exactly by log-sum-exp; compressed tokens are
 read in tiles of at most `tile_tokens` tokens (fewer for long query chunks, so one tile's scores stay under
 SCORE_BUDGET elements): transient memory is bounded by the tile, never a float copy of the whole cache.
@@ -200,7 +201,8 @@ def turboquant_attention(
         merge((mb, lb, None, p @ vf.astype(mx.float32), None))
 
     if n_c:
-        q_groups, sq = _split_query(q, keys)
+        # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
+        q_groups, sq = _split_query(q if keys.scale is None else q * keys.scale[:, :, None, None], keys)
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
         tile = max(1, min(tile_tokens, max(256, SCORE_BUDGET // (B * Hq * L))))
         n_tiles = -(-n_c // tile)
@@ -232,6 +234,8 @@ def turboquant_attention(
     m, l, l_c, out, acc_r = state
     if acc_r is not None:
         y = _unrotate(values, acc_r)
+        if values.scale is not None:
+            y = y * values.scale[:, :, None, None]
         out = y if out is None else out + y
         if values.mean is not None:
             out = out + l_c * values.mean[:, :, None, :]

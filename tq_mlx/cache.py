@@ -23,12 +23,13 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
 from .kernels import dispatch_attention, dispatch_encode
-from .quantizer import split_dims
-from .stream import CompressedStream, StreamView, batch_heads, make_quantizer
+from .quantizer import FLOAT_DTYPES, split_dims
+from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer
 
-# Version 2 renamed the config's `block` to `compress_block`; version 1 files still load.
-STATE_VERSION = 2
-READABLE_STATE_VERSIONS = (1, 2)
+# Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
+# buffers in the model's dtype. Files of every earlier version still load.
+STATE_VERSION = 3
+READABLE_STATE_VERSIONS = (1, 2, 3)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -146,6 +147,9 @@ class TurboQuantKVCache(_BaseCache):
                 f"{self._where()}: expected keys and values of shape (B, n_kv_heads, L, head_dim), "
                 f"got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
+        if keys.dtype not in FLOAT_DTYPES or values.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{self._where()}: keys and values must be float16, bfloat16 or float32, got "
+                             f"{keys.dtype} and {values.dtype}")
         B, H, _, dk = keys.shape
         dv = values.shape[3]
         if self.key_stream is None:
@@ -236,7 +240,7 @@ class TurboQuantKVCache(_BaseCache):
         for s in self.streams:
             arrays.update(s.state)
         if not self.streams:  # the array names are fixed, whether or not the streams exist yet
-            arrays = {f"{side}_{part}": None for side in "kv" for part in ("codes", "sinks", "window", "mean", "perm")}
+            arrays = {f"{side}_{part}": None for side in "kv" for part in STATE_PARTS}
         return meta, arrays
 
     @state.setter
@@ -267,7 +271,7 @@ class TurboQuantKVCache(_BaseCache):
         def bad(msg):
             return ValueError(f"{self._where()}: invalid state: {msg}")
 
-        names = {f"{side}_{part}" for side in "kv" for part in ("codes", "sinks", "window", "mean", "perm")}
+        names = {f"{side}_{part}" for side in "kv" for part in STATE_PARTS}
         unknown = set(arrays) - names
         if unknown:
             raise ValueError(f"{self._where()}: unknown state arrays {sorted(unknown)}")

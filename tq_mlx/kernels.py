@@ -186,8 +186,10 @@ def rotation_unsupported(x: mx.array, rotation: Rotation) -> str | None:
     return _rotation_unsupported(rotation)
 
 
-def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None) -> str | None:
+def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None, scale=None) -> str | None:
     """Why `encode` cannot run this case (None: it can)."""
+    if scale is not None and tuple(scale.shape) != tuple(x.shape[:2]):
+        return f"scale of shape {tuple(scale.shape)}"
     if perm is not None:
         return "channel permutation (fractional bits)"
     if x.dtype not in FLOAT_DTYPES:
@@ -254,7 +256,7 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     if not 1 <= L <= MAX_QUERY_TOKENS:
         return f"{L} query tokens (the kernel handles 1..{MAX_QUERY_TOKENS})"
     if keys.n_compressed == 0:
-        return "no compressed tokens (float16 tokens only)"
+        return "no compressed tokens (float tokens only)"
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         return "array masks"
     H = keys.n_heads
@@ -263,9 +265,11 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     for kv in (keys, values):
         if kv.perm is not None:
             return "channel permutation (fractional bits)"
-        for a in (kv.sinks, kv.window):
-            if a is not None and not _is_float16(a):
-                return f"float tokens of dtype {a.dtype}"
+        dtypes = {_mx_dtype(a) for a in (kv.sinks, kv.window) if a is not None}
+        if len(dtypes) > 1 or not dtypes <= set(FLOAT_DTYPES):
+            return f"float tokens of dtypes {sorted(map(str, dtypes))}"
+        if kv.scale is not None and tuple(kv.scale.shape) != (queries.shape[0], H):
+            return f"scale of shape {tuple(kv.scale.shape)}"
     reason = _quantizer_unsupported(keys.quantizer) or (
         "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
     )
@@ -277,9 +281,17 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     return None
 
 
-def _is_float16(a) -> bool:
-    # Handles hold mx.arrays; the emulator tests also pass numpy views to exercise strided inputs.
-    return a.dtype == mx.float16 if isinstance(a, mx.array) else np.dtype(a.dtype) == np.float16
+def _mx_dtype(a) -> mx.Dtype | None:
+    # Views hold mx.arrays; the emulator tests also pass numpy views to exercise strided inputs.
+    if isinstance(a, mx.array):
+        return a.dtype
+    return {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}.get(np.dtype(a.dtype).name)
+
+
+def _float_dtype(kv: StreamView) -> mx.Dtype:
+    """The dtype of a view's float tokens (float16 when it has none)."""
+    held = next((a for a in (kv.sinks, kv.window) if a is not None), None)
+    return mx.float16 if held is None else _mx_dtype(held)
 
 
 def _require(reason: str | None, what: str) -> None:
@@ -308,10 +320,14 @@ def rotate_reference(x: mx.array, rotation: Rotation, inverse: bool = False, **_
 
 
 # ------------------------------------------------------------------------------------ 2. encode
-def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, metal_kernel=None):
-    """Codes of the tokens x (B, H, n, D) - mean (B, H, D), as stream.encode: MSECodes, or ProdCodes for a
-    TurboQuantProd (keys with QJL). One SIMD group per token."""
-    _require(encode_unsupported(x, quantizer, mean, perm), "encode")
+def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, *, metal_kernel=None):
+    """Codes of the tokens (x (B, H, n, D) - mean (B, H, D)) / scale (B, H), as stream.encode: MSECodes, or
+    ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token."""
+    _require(encode_unsupported(x, quantizer, mean, perm, scale), "encode")
+    if scale is not None:  # a power of two: x/s - μ/s is exactly (x - μ)/s
+        s = scale.astype(mx.float32)
+        x = x.astype(mx.float32) / s[:, :, None, None]
+        mean = None if mean is None else mean.astype(mx.float32) / s[:, :, None]
     factory = metal_kernel or _default_factory()
     B, H, n, D = x.shape
     N = B * H * n
@@ -337,8 +353,8 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, *, m
                      _mx(gamma, mx.float16).reshape(B, H, n))
 
 
-def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, **_):
-    return stream_encode(x, quantizer, mean, perm)
+def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, **_):
+    return stream_encode(x, quantizer, mean, perm, scale)
 
 
 # -------------------------------------------------------------------------------- 3. dequantize
@@ -346,6 +362,11 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
     """The compressed tokens of a view in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
+    if kv.scale is not None:  # codes hold (x - μ) / s: decode with μ / s, then scale back
+        s = kv.scale.astype(mx.float32)
+        mean = None if kv.mean is None else kv.mean.astype(mx.float32) / s[:, :, None]
+        y = dequantize(kv._replace(mean=mean, scale=None), mx.float32, metal_kernel=factory)
+        return (y * s[:, :, None, None]).astype(dtype)
     q = kv.quantizer
     prod = isinstance(q, TurboQuantProd)
     g = (q.mse if prod else q).groups[0]
@@ -396,7 +417,7 @@ def decode_attention(
     Same semantics as tq_mlx.attention.turboquant_attention for mask None or "causal". Queries are rotated
     once (WHT kernel); pass 1 reads each compressed byte of a kv head once for all R·L query rows of its GQA
     group, per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass 2 merges the
-    splits with the float16 sinks and window, rotates back once and adds the value mean.
+    splits with the float sinks and window, rotates back once and adds the value mean.
     """
     _require(decode_unsupported(queries, keys, values, mask), "decode_attention")
     factory = metal_kernel or _default_factory()
@@ -413,8 +434,10 @@ def decode_attention(
 
     # Query rows of one kv head are consecutive (mlx-lm's GQA layout): row = head_in_group * L + token.
     q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, RL, DK))
-    q_rot = rotate(q, kmse.groups[0].rotation, metal_kernel=factory)  # keys' rotated basis, once per step
-    qs = mx.contiguous(q @ kq.projection.T) if qjl else _dummy(mx.float32)
+    # Compressed keys hold (k - μ) / s_k: the query is scaled instead, once per step.
+    qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]
+    q_rot = rotate(qk, kmse.groups[0].rotation, metal_kernel=factory)  # keys' rotated basis, once per step
+    qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
     qmu = None if keys.mean is None else mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(B, H, RL))
 
     # Pass 1: split-K partials over the compressed tokens.
@@ -443,16 +466,20 @@ def decode_attention(
         template=[("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr), *layout],
     )
 
-    # Pass 2: merge with the float16 tokens, rotate back, add the value mean.
-    half4 = _dummy(mx.float16, 4)
+    if values.scale is not None:  # compressed values hold (v - ν) / s_v
+        pacc = _mx(pacc, mx.float32) * values.scale.astype(mx.float32)[:, :, None, None, None]
+
+    # Pass 2: merge with the float tokens, rotate back, add the value mean. An absent part is a dummy of its
+    # side's float dtype (sinks and window share one in the kernel).
+    kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
     nsg = min(RL, 8)
     p2 = _kernel(factory, "decode_merge",
                  ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "params"], ["out"],
                  row_contiguous=False)
     (out,) = p2(
         inputs=[q, _dummy(mx.float32) if qmu is None else qmu,
-                keys.sinks if n_s else half4, values.sinks if n_s else half4,
-                keys.window if n_w else half4, values.window if n_w else half4,
+                keys.sinks if n_s else kdum, values.sinks if n_s else vdum,
+                keys.window if n_w else kdum, values.window if n_w else vdum,
                 _mx(pm, mx.float32), _mx(pl, mx.float32), _mx(pacc, mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
                 vg.rotation.signs,
@@ -605,34 +632,38 @@ def dispatch_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, m
     return rotate_reference(x, rotation, inverse)
 
 
-def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, *, metal_kernel=None):
+def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *, metal_kernel=None):
     """encode on Metal when enabled, supported and self-checked; encode_reference otherwise. A stream's
     encoder (tq_mlx.stream.CompressedStream)."""
     factory = metal_kernel or _factory or _default_factory()
-    if kernels_enabled() and encode_unsupported(x, quantizer, mean, perm) is None:
+    if kernels_enabled() and encode_unsupported(x, quantizer, mean, perm, scale) is None:
         prod = isinstance(quantizer, TurboQuantProd)
 
         def run():
             rng = _rng(2)
+            s = None if scale is None else mx.full((1, 2), 2.0**-3)
             xs = _normal(rng, (1, 2, 9, quantizer.dim), x.dtype)
             mu = None if mean is None else _normal(rng, (1, 2, quantizer.dim)) * 0.1
-            return _codes_mismatch(encode(xs, quantizer, mu, metal_kernel=factory),
-                                   encode_reference(xs, quantizer, mu), quantizer)
+            return _codes_mismatch(encode(xs, quantizer, mu, None, s, metal_kernel=factory),
+                                   encode_reference(xs, quantizer, mu, None, s), quantizer)
 
-        variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None)
+        variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None,
+                   scale is not None)
         if _self_check("encode", variant, factory, run):
-            return encode(x, quantizer, mean, perm, metal_kernel=factory)
-    return encode_reference(x, quantizer, mean, perm)
+            return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
+    return encode_reference(x, quantizer, mean, perm, scale)
 
 
-def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, with_mean: bool) -> StreamView:
-    """A small random StreamView compressed by `quantizer` (for self-checks)."""
+def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: StreamView) -> StreamView:
+    """A small random StreamView compressed by `quantizer`, with a mean, a scale and float tokens of the
+    dtype where `like` has them (for self-checks)."""
     D = quantizer.dim
-    mean = _normal(rng, (1, 1, D)) * 0.2 if with_mean else None
+    mean = _normal(rng, (1, 1, D)) * 0.2 if like.mean is not None else None
+    scale = mx.full((1, 1), 2.0**-2) if like.scale is not None else None
     x = _normal(rng, (1, 1, n, D))
-    codes = encode_reference(x, quantizer, mean)
-    floats = lambda k: _normal(rng, (1, 1, k, D), mx.float16) if k else None  # noqa: E731
-    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, None)
+    codes = encode_reference(x, quantizer, mean, None, scale)
+    floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
+    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, None, scale)
 
 
 def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
@@ -640,11 +671,12 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
     factory = metal_kernel or _factory or _default_factory()
     if kernels_enabled() and dequantize_unsupported(kv) is None:
         def run():
-            h = _random_view(_rng(3), kv.quantizer, 0, 7, 0, kv.mean is not None)
+            h = _random_view(_rng(3), kv.quantizer, 0, 7, 0, kv)
             return _mismatch(dequantize(h, dtype, metal_kernel=factory), dequantize_reference(h, dtype), dtype)
 
         q = kv.quantizer
-        variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype))
+        variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype), kv.mean is not None,
+                   kv.scale is not None)
         if _self_check("dequantize", variant, factory, run):
             return dequantize(kv, dtype, metal_kernel=factory)
     return dequantize_reference(kv, dtype)
@@ -661,14 +693,16 @@ def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=
 
         def run():
             rng = _rng(4)
-            k = _random_view(rng, keys.quantizer, 2, 45, 3, keys.mean is not None)
-            v = _random_view(rng, values.quantizer, 2, 45, 3, values.mean is not None)
+            k = _random_view(rng, keys.quantizer, 2, 45, 3, keys)
+            v = _random_view(rng, values.quantizer, 2, 45, 3, values)
             qs = _normal(rng, (1, R, L, D), queries.dtype)
             sc = 1.0 / math.sqrt(D)
             got = decode_attention(qs, k, v, sc, mask, split_tokens=32, metal_kernel=factory)
             return _mismatch(got, decode_attention_reference(qs, k, v, sc, mask), queries.dtype)
 
-        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask)
+        floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
+        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask, floats,
+                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None)
         if _self_check("decode_attention", variant, factory, run):
             return decode_attention(queries, keys, values, scale, mask, metal_kernel=factory)
     return turboquant_attention(queries, keys, values, scale=scale, mask=mask)

@@ -190,14 +190,14 @@ def _quantizer_layout(dim: int, bits: float, qjl: bool) -> tuple[int, int, bool]
 
 def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
-    config, batch: int = 1,
+    config, batch: int = 1, float_bytes: int = FLOAT16_BYTES,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
 
-    Float16 sinks are allocated whole on first use, the window as stream.window_capacity says (steps of 32
-    tokens, then whole); codes grow in `config.step` tokens;
-    means (float32) and channel orders (int32, fractional bits) appear with the first compressed tokens; the
-    quantizers' rotations and codebooks are a constant per layer.
+    Sinks (float_bytes per value: the model's dtype) are allocated whole on first use, the window as
+    stream.window_capacity says (steps of 32 tokens, then whole); codes grow in `config.step` tokens;
+    means (float32), scales (float32) and channel orders (int32, fractional bits) appear with the first
+    compressed tokens; the quantizers' rotations and codebooks are a constant per layer.
     """
     if tokens <= 0:
         return 0
@@ -208,28 +208,44 @@ def turboquant_layer_bytes(
     v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False)
     total = k_const + v_const
     if config.sinks:
-        total += B * H * config.sinks * (key_dim + value_dim) * FLOAT16_BYTES
-    total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * FLOAT16_BYTES
+        total += B * H * config.sinks * (key_dim + value_dim) * float_bytes
+    total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * float_bytes
     if n_c:
         capacity = -(-n_c // config.step) * config.step
         total += B * H * capacity * (k_tok + v_tok)
-        total += B * H * 4 * (key_dim * config.center_keys + value_dim * config.center_values)
+        total += B * H * 4 * (key_dim * config.center_keys + value_dim * config.center_values + 2)  # μ, ν, scales
         total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
     return total
 
 
+FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
+    """Bytes per value of the model's keys and values: `dtype` (what --dtype casts to) if given, else the
+    config's torch_dtype, else 2."""
+    name = dtype or model_config.get("torch_dtype") or text_config(model_config).get("torch_dtype") or "float16"
+    if name not in FLOAT_BYTES:
+        if dtype is not None:
+            raise ValueError(f"dtype must be one of {', '.join(FLOAT_BYTES)}, got {dtype!r}")
+        name = "float16"  # a config's unusual torch_dtype: the weights' dtype, not a KV dtype
+    return FLOAT_BYTES[name]
+
+
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
-    batch: int = 1,
+    batch: int = 1, dtype: str | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
     config: a TurboQuantConfig (boundary layers included), or None for float16, or None with kv_bits for
     mlx-lm's affine QuantizedKVCache. Only full-attention layers grow with the context; sliding-window layers
     are counted in float16 at min(ctx, window) tokens; linear-attention state (fixed size) is not counted.
+    TurboQuant's float sinks and window hold the model's dtype (kv_float_bytes: `dtype`, else torch_dtype).
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
+    float_bytes = kv_float_bytes(model_config, dtype)
     lay = attention_layout(model_config)
     H, dk, dv = lay.n_kv_heads, lay.head_dim, lay.v_head_dim
     total = sum(float16_kv_bytes(min(ctx, w), H, dk, dv, batch) for _, w in lay.sliding_layers)
@@ -237,7 +253,7 @@ def estimate_kv_bytes(
     for a in range(n_att):
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
-            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch)
+            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes)
         elif kv_bits is not None:
             total += affine_kv_bytes(ctx, H, dk, dv, kv_bits, kv_group_size, batch)
         else:

@@ -74,6 +74,13 @@ def check_input(x: mx.array, dim: int) -> None:
         raise ValueError(f"input's last axis must be dim={dim}, got shape {tuple(x.shape)}")
 
 
+def saturate(norms: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Norms (>= 0 or NaN) in `dtype`, the largest finite value where they exceed its range: a stored norm is
+    never inf. Streams scale tokens so that their norms sit near 1 (stream.calibration_scale); only a token far
+    outside its head's range can reach the limit."""
+    return mx.minimum(norms, mx.finfo(dtype).max).astype(dtype)
+
+
 class Group(NamedTuple):
     """One independent TurboQuant_mse instance over a subset of the channels (all of them for integer bits)."""
 
@@ -184,7 +191,7 @@ class TurboQuantMSE:
             norms.append(norm)
         codes = codes[0] if len(codes) == 1 else mx.concatenate(codes, axis=-1)
         norms = norms[0] if len(norms) == 1 else mx.concatenate(norms, axis=-1)
-        return MSECodes(codes, norms.astype(self.norm_dtype))
+        return MSECodes(codes, saturate(norms, self.norm_dtype))
 
     def rotated_units(self, c: MSECodes) -> list[mx.array]:
         """Per group, the codebook values c[idx] in that group's rotated basis (norm not applied), float32."""
@@ -254,7 +261,7 @@ class TurboQuantProd:
             r = x - self.mse.dequantize(MSECodes(codes, norms))
         gamma = mx.sqrt(mx.sum(r * r, axis=-1))
         signs = (r @ self.projection.T) >= 0
-        return ProdCodes(codes, norms, pack(signs, 1), gamma.astype(self.norm_dtype))
+        return ProdCodes(codes, norms, pack(signs, 1), saturate(gamma, self.norm_dtype))
 
     def signs(self, c: ProdCodes) -> mx.array:
         """The QJL sign bits z as ±1, float32 (..., dim)."""

@@ -2,9 +2,9 @@
 
 Token order in a stream, and the order of the attention mask's columns:
 
-    [0, n_sinks)                          attention sinks: the first `sinks` tokens, float16
+    [0, n_sinks)                          attention sinks: the first `sinks` tokens, in the model's dtype
     [n_sinks, n_sinks + n_compressed)     TurboQuant codes (packed uint32) and float16 norms
-    [n_sinks + n_compressed, n_tokens)    the recent-token window, float16
+    [n_sinks + n_compressed, n_tokens)    the recent-token window, in the model's dtype
 
 New tokens go to the sinks until those are full, then to the window. When the window would overflow, its
 oldest tokens are compressed in whole blocks of `compress_block` tokens (so the window keeps between
@@ -15,18 +15,21 @@ Centering (turboquant.md §4): with `center`, the mean μ per (batch, kv head) o
 is subtracted before quantizing and fixed afterwards. Fractional bit widths (2.5, 3.5) quantize the d/4
 channels of largest mean |x - μ| in those same tokens at one more bit (paper §4.3): the stream stores that
 channel order per kv head as `perm` and feeds x[..., perm] to the quantizer, whose outlier group is its first
-d/4 channels. With a window, the calibration tokens are exactly the first `compress_block` tokens after the
+d/4 channels. Every stream also fixes a power-of-two scale per (batch, kv head) there (calibration_scale) and
+quantizes (x - μ) / scale, so float16 norms neither overflow nor lose precision at any model scale. With a
+window, the calibration tokens are exactly the first `compress_block` tokens after the
 sinks, so it does not depend on how the prompt was fed (one shot, chunks, token by token, or trimmed).
 
 `encode` and `decode` are the reference codec (the Metal kernels' twins); `append` returns a `StreamView`,
 the immutable view of the live tokens that attention reads.
 
 Memory of one stream (batch B, H kv heads, head dim D; W words and G norms per token from the quantizer,
-capacity C a multiple of `step`; the window and sink buffers exist once first used):
+capacity C a multiple of `step`; F bytes per float of the model's dtype; the window and sink buffers exist
+once first used):
 
     4·B·H·C·W + 2·B·H·C·G  [+ 4·B·H·C·⌈D/32⌉ + 2·B·H·C with QJL]     codes and float16 norms
-    + 2·B·H·(window capacity + sinks)·D                               float16 window and sinks
-    + 4·B·H·D if centered + 4·H·D for fractional bits                  μ, channel order
+    + F·B·H·(window capacity + sinks)·D                               float window and sinks
+    + 4·B·H·D if centered + 4·H·D for fractional bits + 4·B·H          μ, channel order, scale
     + the quantizer's constants (rotation signs or matrices, codebooks, QJL projection)
 """
 
@@ -37,13 +40,15 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
+from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 
-WINDOW_STEP = 32  # the float16 window grows in steps of this many tokens up to `window`
+WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
+# A stream's arrays, under "<name>_<part>" in a cache's state. `scale` came with state version 3 (None: 1).
+STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale")
 
 
 def window_capacity(recent: int, window: int) -> int:
-    """Tokens the float16 window buffer holds once `recent` tokens have arrived after the sinks: steps of
+    """Tokens the float window buffer holds once `recent` tokens have arrived after the sinks: steps of
     WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
     the token count alone, so a short chat holds only what it uses and tq_mlx.memory stays exact."""
     if window == 0 or recent <= 0:
@@ -74,10 +79,11 @@ class StreamView(NamedTuple):
 
     quantizer: TurboQuantMSE | TurboQuantProd
     codes: MSECodes | ProdCodes | None  # (B, H, n_compressed, ...) in the quantizer's input basis
-    sinks: mx.array | None  # (B, H, n_sinks, D) float16, model basis
-    window: mx.array | None  # (B, H, n_window, D) float16, model basis
+    sinks: mx.array | None  # (B, H, n_sinks, D) the model's float dtype, model basis
+    window: mx.array | None  # (B, H, n_window, D) the model's float dtype, model basis
     mean: mx.array | None  # (B, H, D) float32: subtracted from every compressed token before quantizing
     perm: mx.array | None  # (H, D) int32: compressed token t was quantized as (x_t - mean)[..., perm]
+    scale: mx.array | None = None  # (B, H) float32, a power of two: ... and divided by scale (None: 1)
 
     @property
     def n_sinks(self) -> int:
@@ -108,10 +114,14 @@ class StreamView(NamedTuple):
 # --- the reference codec -----------------------------------------------------------------------------------
 
 
-def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None):
-    """Codes of tokens x (B, H, n, D): x - mean (B, H, D), channels in `perm` (H, D) order, then quantized."""
+def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
+           scale: mx.array | None = None):
+    """Codes of tokens x (B, H, n, D): (x - mean (B, H, D)) / scale (B, H), channels in `perm` (H, D) order,
+    then quantized."""
     if mean is not None:
         x = x - mean[:, :, None, :]
+    if scale is not None:
+        x = x / scale[:, :, None, None]
     if perm is not None:
         x = mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
     return quantizer.quantize(x)
@@ -120,6 +130,8 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array 
 def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
     """The compressed tokens of a view back in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
     x = view.quantizer.dequantize(view.codes)
+    if view.scale is not None:
+        x = x * view.scale[:, :, None, None]
     if view.perm is not None:
         inv = mx.argsort(view.perm, axis=-1)
         x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
@@ -144,6 +156,19 @@ def calibration_mean(x: mx.array) -> mx.array:
     no token is finite)."""
     ok, n = _finite_tokens(x)
     return mx.sum(mx.where(ok, x, 0.0), axis=2) / mx.maximum(n, 1)
+
+
+def calibration_scale(x: mx.array, mean: mx.array | None) -> mx.array:
+    """A power of two per (batch, kv head) near the RMS norm of the finite tokens of x - mean (1 where there
+    is none). Streams divide tokens by it before quantizing (exact: a power of two), so stored float16 norms
+    sit near 1 whatever the model's scale: 1e-8 or 1e5 keys keep float16's full precision and never overflow."""
+    if mean is not None:
+        x = x - mean[:, :, None, :]
+    ok, n = _finite_tokens(x)
+    rms = mx.sqrt(mx.sum(mx.where(ok, x * x, 0.0), axis=(2, 3)) / mx.maximum(n[..., 0], 1))
+    # 2^floor(log2(rms)), exactly: the float's exponent bits alone. 0 (rms subnormal or 0) and inf fall back to 1.
+    power = mx.view(mx.view(rms.astype(mx.float32), mx.uint32) & 0x7F800000, mx.float32)
+    return mx.where((power > 0) & mx.isfinite(power), power, 1.0)
 
 
 def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
@@ -180,11 +205,18 @@ def batch_heads(state: dict, name: str) -> tuple[int, int] | None:
     return None
 
 
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
 # --- the stream --------------------------------------------------------------------------------------------
 
 
 class CompressedStream:
-    """One side of a layer's cache: float16 sinks, TurboQuant codes, a float16 window (see the module docstring).
+    """One side of a layer's cache: float sinks, TurboQuant codes, a float window (see the module docstring).
+
+    The sinks and the window keep the dtype of the tokens appended (the model's, as mlx-lm's KVCache does), so
+    they overflow exactly when the model does.
 
     name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages. `encoder` has
     `encode`'s signature; the cache passes the kernel dispatch (tq_mlx.kernels.dispatch_encode).
@@ -207,10 +239,11 @@ class CompressedStream:
             sinks, window, compress_block, step, center)
         self.n_sinks = self.n_compressed = self.n_window = 0
         self.codes = None  # MSECodes / ProdCodes buffers (B, H, capacity, ...)
-        self.sinks = None  # (B, H, max_sinks, D) float16
-        self.window = None  # (B, H, window capacity, D) float16
+        self.sinks = None  # (B, H, max_sinks, D) the tokens' float dtype
+        self.window = None  # (B, H, window capacity, D) the tokens' float dtype
         self.mean = None  # (B, H, D) float32, with the first compressed tokens (if center)
         self.perm = None  # (H, D) int32, with the first compressed tokens (fractional bits)
+        self.scale = None  # (B, H) float32 power of two, with the first compressed tokens
 
     @property
     def dim(self) -> int:
@@ -219,6 +252,11 @@ class CompressedStream:
     @property
     def n_tokens(self) -> int:
         return self.n_sinks + self.n_compressed + self.n_window
+
+    def _float_dtype(self, x: mx.array) -> mx.Dtype:
+        """The dtype of the float buffers: theirs once they exist, else that of the first tokens."""
+        held = self.sinks if self.sinks is not None else self.window
+        return x.dtype if held is None else held.dtype
 
     @property
     def capacity(self) -> int:
@@ -232,8 +270,8 @@ class CompressedStream:
         if self.n_sinks < self.max_sinks:
             t = min(self.max_sinks - self.n_sinks, L)
             if self.sinks is None:
-                self.sinks = mx.zeros((B, H, self.max_sinks, D), mx.float16)
-            self.sinks[:, :, self.n_sinks : self.n_sinks + t] = x[:, :, :t].astype(mx.float16)
+                self.sinks = mx.zeros((B, H, self.max_sinks, D), self._float_dtype(x))
+            self.sinks[:, :, self.n_sinks : self.n_sinks + t] = x[:, :, :t].astype(self.sinks.dtype)
             self.n_sinks += t
             x = x[:, :, t:]
         if x.shape[2]:
@@ -245,13 +283,13 @@ class CompressedStream:
         total = self.n_window + x.shape[2]
         cap = window_capacity(total, W)
         if W and (self.window is None or self.window.shape[2] < cap):
-            grown = mx.zeros((*x.shape[:2], cap, x.shape[3]), mx.float16)
+            grown = mx.zeros((*x.shape[:2], cap, x.shape[3]), self._float_dtype(x))
             if self.n_window:
                 grown[:, :, : self.n_window] = self.window[:, :, : self.n_window]
             self.window = grown
         n_c = overflow(total, W, self.compress_block)
         if n_c == 0:
-            self.window[:, :, self.n_window : total] = x.astype(mx.float16)
+            self.window[:, :, self.n_window : total] = x.astype(self.window.dtype)
             self.n_window = total
             return
         if self.n_window:
@@ -259,7 +297,7 @@ class CompressedStream:
         self._compress(x[:, :, :n_c])
         self.n_window = total - n_c
         if self.n_window:
-            self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(mx.float16)
+            self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
 
     def _compress(self, x: mx.array) -> None:
         x = x.astype(mx.float32)
@@ -267,7 +305,8 @@ class CompressedStream:
             calib = x[:, :, : self.compress_block] if self.max_window else x
             self.mean = calibration_mean(calib) if self.center else None
             self.perm = outlier_order(calib, self.mean, self.quantizer)
-        new = self.encoder(x, self.quantizer, self.mean, self.perm)
+            self.scale = calibration_scale(calib, self.mean)
+        new = self.encoder(x, self.quantizer, self.mean, self.perm, self.scale)
         start, n = self.n_compressed, x.shape[2]
         self.codes = _grow(self.codes, start, n, self.step, new)
         for b, a in zip(self.codes, new):
@@ -283,6 +322,7 @@ class CompressedStream:
             window=self.window[:, :, :w] if w else None,
             mean=self.mean,
             perm=self.perm,
+            scale=self.scale,
         )
 
     def trim(self, n: int) -> None:
@@ -294,7 +334,7 @@ class CompressedStream:
             setattr(self, part, getattr(self, part) - d)
             n -= d
         if self.n_compressed == 0:
-            self.mean = self.perm = None
+            self.mean = self.perm = self.scale = None
 
     def batch_heads(self) -> tuple[int, int] | None:
         """(batch, kv heads) of the stored arrays, None before the first tokens."""
@@ -302,7 +342,7 @@ class CompressedStream:
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
-        parts = [*(self.codes or ()), self.sinks, self.window, self.mean, self.perm]
+        parts = [*(self.codes or ()), self.sinks, self.window, self.mean, self.perm, self.scale]
         return [a for a in parts if a is not None] + list(constant_arrays(self.quantizer))
 
     @property
@@ -314,7 +354,7 @@ class CompressedStream:
         # encoder; every stored array is copied.
         new = copy.copy(self)
         memo[id(self)] = new
-        for name in ("codes", "sinks", "window", "mean", "perm"):
+        for name in STATE_PARTS:
             setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         return new
 
@@ -324,7 +364,7 @@ class CompressedStream:
     def state(self) -> dict:
         return {
             f"{self.name}_codes": None if self.codes is None else tuple(self.codes),
-            **{f"{self.name}_{part}": getattr(self, part) for part in ("sinks", "window", "mean", "perm")},
+            **{f"{self.name}_{part}": getattr(self, part) for part in STATE_PARTS[1:]},
         }
 
     def load_state(self, arrays: dict, n_sinks: int, n_compressed: int, n_window: int,
@@ -340,7 +380,7 @@ class CompressedStream:
             if not isinstance(codes, (list, tuple)) or len(codes) != len(codes_type._fields):
                 raise ValueError(f"{self.name}_codes must hold {codes_type._fields}")
             codes = codes_type(*map(own, codes))
-        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in ("sinks", "window", "mean", "perm")}
+        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in STATE_PARTS[1:]}
         self._check_state(codes, parts, n_sinks, n_compressed, n_window, bh)
         self.codes = codes
         for p, a in parts.items():
@@ -352,10 +392,12 @@ class CompressedStream:
         D, name = self.dim, self.name
 
         def check(field, a, expected, dtype, min_tokens=0):
-            # expected: the full shape, with None on the token axis of growable buffers (>= min_tokens)
-            if not isinstance(a, mx.array) or a.dtype != dtype:
-                raise ValueError(f"{name}_{field} must be a {dtype} array, got "
-                                 f"{getattr(a, 'dtype', type(a).__name__)}")
+            # expected: the full shape, with None on the token axis of growable buffers (>= min_tokens);
+            # dtype: one dtype or a tuple of the allowed ones
+            allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+            if not isinstance(a, mx.array) or a.dtype not in allowed:
+                raise ValueError(f"{name}_{field} must be a {' or '.join(map(_dtype_name, allowed))} array, got "
+                                 f"{_dtype_name(a.dtype) if isinstance(a, mx.array) else type(a).__name__}")
             got = tuple(a.shape)
             ok = len(got) == len(expected)
             ok = ok and all(e is None and g >= min_tokens or e == g for g, e in zip(got, expected))
@@ -363,12 +405,15 @@ class CompressedStream:
                 raise ValueError(f"{name}_{field} has shape {got}, expected {expected} (None: at least {min_tokens})")
 
         if n_sinks or parts["sinks"] is not None:
-            check("sinks", parts["sinks"], (B, H, self.max_sinks, D), mx.float16)
+            check("sinks", parts["sinks"], (B, H, self.max_sinks, D), FLOAT_DTYPES)
         if n_window or parts["window"] is not None:
-            check("window", parts["window"], (B, H, None, D), mx.float16, max(n_window, 1))
+            check("window", parts["window"], (B, H, None, D), FLOAT_DTYPES, max(n_window, 1))
             if parts["window"].shape[2] > self.max_window:
                 raise ValueError(f"{name}_window holds {parts['window'].shape[2]} tokens, more than the "
                                  f"config's window {self.max_window}")
+            if parts["sinks"] is not None and parts["sinks"].dtype != parts["window"].dtype:
+                raise ValueError(f"{name}_sinks ({_dtype_name(parts['sinks'].dtype)}) and {name}_window "
+                                 f"({_dtype_name(parts['window'].dtype)}) must have one dtype")
         if n_compressed or codes is not None:
             # A lazy probe gives each field's trailing shape and dtype without evaluating anything.
             probe = self.quantizer.quantize(mx.zeros((1, 1, 1, D), mx.float32))
@@ -381,3 +426,5 @@ class CompressedStream:
                 check("mean", parts["mean"], (B, H, D), mx.float32)
             if has_channel_order(self.quantizer):
                 check("perm", parts["perm"], (H, D), mx.int32)
+            if parts["scale"] is not None:
+                check("scale", parts["scale"], (B, H), mx.float32)
