@@ -39,6 +39,7 @@ UNSUPPORTED_MODEL_TYPES = {
     "plamo": "it tiles the fetched keys (plamo.py:93)",
     "plamo2": "it calls mx.fast.scaled_dot_product_attention directly",
     "phi": "it reads the dtype of the fetched values (phi.py:102)",
+    "phixtral": "it reads the dtype of the fetched values (phixtral.py:80)",
     "afm7": "its KV-reuse layers attend to the last layer's fetched keys without the cache (afm7.py:361)",
     "iquestloopcoder": "its second loop attends to the first loop's fetched keys through a RotatingKVCache "
                        "(iquestloopcoder.py:196)",
