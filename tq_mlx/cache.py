@@ -173,6 +173,13 @@ class TurboQuantKVCache(_BaseCache):
         self.offset += keys.shape[2]
         return self.key_stream.append(keys), self.value_stream.append(values)
 
+    def keys_and_values(self) -> tuple[StreamView, StreamView]:
+        """Views of everything stored, without appending: for models whose KV-shared layers read another
+        layer's cache back and attend through it (gemma3n.py:133)."""
+        if self.key_stream is None:
+            raise ValueError(f"{self._where()}: keys_and_values() before any update")
+        return self.key_stream.view(), self.value_stream.view()
+
     # --- the rest of mlx-lm's cache protocol ---------------------------------------------------------
 
     def __deepcopy__(self, memo):

@@ -1,7 +1,9 @@
 """Plugging TurboQuantKVCache into mlx-lm 0.32.2 (shared/docs/mlx-lm-integration.md), model by model.
 
 * `make_prompt_cache(model, config)` replaces only the plain `KVCache` entries of the model's own cache
-  list: GatedDeltaNet `ArraysCache`, sliding-window `RotatingKVCache` and everything else stay as they are.
+  list, those nested in a `CacheList` included: GatedDeltaNet `ArraysCache`, sliding-window `RotatingKVCache`
+  and everything else stay as they are (`float_layers` lists them). A model with no such entry, or one whose
+  attention cannot run on compressed keys, is refused with a ValueError naming the layer and the way out.
 * `patch_model(model, config)` wraps `model.make_cache` on the instance, which every mlx-lm entry point
   (generate, stream_generate, chat, server, cache_prompt) calls through `make_prompt_cache`.
 * `load_prompt_cache(file, model)` reads a prompt-cache file with clear errors and checks it fits the model.
@@ -22,19 +24,25 @@ import mlx.core as mx
 
 import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from .cache import TurboQuantKVCache, install_attention_hook
 from .config import TurboQuantConfig
 
-# model_type -> why its attention cannot run on handles (it post-processes fetched keys, bypasses
-# base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2.
+# model_type -> why its attention cannot run on compressed keys (it post-processes fetched keys, bypasses
+# base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2; the zoo test
+# (tests/test_zoo.py) checks every entry against mlx-lm's model files.
 UNSUPPORTED_MODEL_TYPES = {
     "gemma2": "its attention is computed by hand on the fetched keys (gemma2.py:89-92)",
     "olmo": "its attention is computed by hand on the fetched keys (olmo.py:91)",
     "stablelm": "it casts the fetched keys (stablelm.py:119-120)",
     "plamo": "it tiles the fetched keys (plamo.py:93)",
     "plamo2": "it calls mx.fast.scaled_dot_product_attention directly",
+    "phi": "it reads the dtype of the fetched values (phi.py:102)",
+    "phixtral": "it reads the dtype of the fetched values (phixtral.py:80)",
+    "afm7": "its KV-reuse layers attend to the last layer's fetched keys without the cache (afm7.py:361)",
+    "iquestloopcoder": "its second loop attends to the first loop's fetched keys through a RotatingKVCache "
+                       "(iquestloopcoder.py:196)",
     "deepseek_v32": "its sparse attention indexes the fetched keys (deepseek_v32.py:102-107)",
     "deepseek_v41": "it calls mx.fast.scaled_dot_product_attention directly",
     "muse_spark": "it calls mx.fast.scaled_dot_product_attention directly",
@@ -45,10 +53,12 @@ UNSUPPORTED_MODEL_TYPES = {
     "mimo_v2_flash": "its attention has learned sinks, which mlx-lm's quantized attention path rejects",
 }
 _MLA = "multi-head latent attention caches a compressed latent, not per-head keys/values"
-for _t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k3", "kimi_vl", "kimi_linear", "minicpm3", "glm4_moe_lite",
-           "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram", "mistral4", "youtu_llm", "bailing_hybrid",
-           "bailing_moe_v3"):
+for _t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_k3", "kimi_vl", "kimi_linear", "minicpm3",
+           "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram", "mistral4", "youtu_llm",
+           "bailing_hybrid", "bailing_moe_v3"):
     UNSUPPORTED_MODEL_TYPES[_t] = _MLA
+
+WAY_OUT = "use mlx-lm's own cache for this model (drop the TurboQuant options)"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -124,44 +134,122 @@ def _check_supported(model: nn.Module, i: int) -> None:
     for t in sorted(_model_types(model)):
         if t in UNSUPPORTED_MODEL_TYPES:
             reason = UNSUPPORTED_MODEL_TYPES[t]
-            raise ValueError(f"layer {i}: model type {t!r} is not supported by TurboQuant: {reason}")
+            raise ValueError(f"layer {i}: model type {t!r} is not supported by TurboQuant: {reason}; {WAY_OUT}")
     attn = _attention_module(model, i)
     if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays and submodules
         raise ValueError(
-            f"layer {i}: attention sinks are not supported (mlx-lm's quantized attention path rejects them)"
+            f"layer {i}: attention sinks are not supported (mlx-lm's quantized attention path rejects them); "
+            f"{WAY_OUT}"
         )
 
 
-def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None) -> list[Any]:
-    """The model's prompt cache with every full-attention KVCache replaced by a TurboQuantKVCache.
+def _kv_slots(base: list[Any]) -> list[tuple[int, int | None]]:
+    """(layer, member) of every plain KVCache: member is None at the top level, else the index in a CacheList."""
+    slots = []
+    for i, c in enumerate(base):
+        if type(c) is KVCache:
+            slots.append((i, None))
+        elif type(c) is CacheList:
+            slots += [(i, j) for j, m in enumerate(c.caches) if type(m) is KVCache]
+    return slots
 
-    Raises ValueError naming the layer and the reason, before building anything, if a layer cannot be
-    compressed (unsupported architecture, head_dim too small or incompatible with fractional bits).
+
+_WHY_FLOAT = {"RotatingKVCache": "sliding window", "ArraysCache": "recurrent state", "MambaCache": "recurrent state",
+              "ConcatenateKVCache": "not a KVCache"}
+
+
+def _kind(c: Any) -> str:
+    if type(c) is CacheList:
+        return f"CacheList({', '.join(_kind(m) for m in c.caches)})"
+    name = type(c).__name__
+    return f"{name} ({_WHY_FLOAT[name]})" if name in _WHY_FLOAT else name
+
+
+def _describe(base: list[Any]) -> str:
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(base):
+        groups.setdefault(_kind(c), []).append(i)
+    return "; ".join(f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}: {k}" for k, ix in groups.items())
+
+
+def float_layers(model: nn.Module) -> dict[int, str]:
+    """Layers whose cache TurboQuant leaves as mlx-lm builds it, with the cache kind (e.g. sliding window)."""
+    base = _base_cache(model)
+    compressed = {i for i, _ in _kv_slots(base)}
+    return {i: _kind(c) for i, c in enumerate(base) if i not in compressed}
+
+
+def _refuse_max_kv_size(max_kv_size: int | None) -> None:
+    if max_kv_size is not None:
+        raise ValueError(
+            f"max_kv_size={max_kv_size}: a bounded TurboQuant cache is not supported yet and the bound would be "
+            f"ignored; for a bounded cache drop the TurboQuant options (mlx-lm's own RotatingKVCache), or drop "
+            f"max_kv_size / --max-kv-size for an unbounded TurboQuant cache"
+        )
+
+
+def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
+                      max_kv_size: int | None = None) -> list[Any]:
+    """The model's prompt cache with every full-attention KVCache replaced by a TurboQuantKVCache, those
+    nested in a mlx-lm CacheList included.
+
+    Raises ValueError naming the layer, the reason and the way out, before building anything, if a layer
+    cannot be compressed (unsupported architecture, head_dim too small or incompatible with fractional bits),
+    if no layer holds a full-attention KVCache (nothing would be compressed), or if max_kv_size is given
+    (a bounded TurboQuant cache does not exist yet).
     """
+    _refuse_max_kv_size(max_kv_size)
     config = config or TurboQuantConfig()
     base = _base_cache(model)
-    attention = [i for i, c in enumerate(base) if type(c) is KVCache]
-    caches = {}
-    for j, i in enumerate(attention):
-        _check_supported(model, i)
-        head_dim, _ = layer_geometry(model, i)
-        caches[i] = TurboQuantKVCache(
-            config, layer_index=i, attention_index=j, n_attention_layers=len(attention), head_dim=head_dim
+    slots = _kv_slots(base)
+    if not slots:
+        types = ", ".join(repr(t) for t in sorted(_model_types(model))) or "this model"
+        raise ValueError(
+            f"{types}: no layer holds a full-attention KVCache for TurboQuant to compress ({_describe(base)}); "
+            f"{WAY_OUT}"
         )
-    return [caches.get(i, c) for i, c in enumerate(base)]
+    layers = sorted({i for i, _ in slots})
+    for i in layers:
+        _check_supported(model, i)
+    caches = {}
+    for j, (i, member) in enumerate(slots):
+        head_dim, _ = layer_geometry(model, i)
+        try:
+            caches[i, member] = TurboQuantKVCache(
+                config, layer_index=i, attention_index=j, n_attention_layers=len(slots), head_dim=head_dim
+            )
+        except ValueError as e:
+            raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
+    out = []
+    for i, c in enumerate(base):
+        if type(c) is CacheList and any((i, m) in caches for m in range(len(c.caches))):
+            c = CacheList(*(caches.get((i, m), x) for m, x in enumerate(c.caches)))
+        out.append(caches.get((i, None), c))
+    return out
 
 
 def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.Module:
     """From now on mlx-lm builds TurboQuant caches for this model (generate, stream_generate, chat, server).
 
-    Validates the model at once (raises like make_prompt_cache). Calling it again changes the config.
+    Validates the model at once (raises like make_prompt_cache). Calling it again changes the config. A later
+    mlx-lm make_prompt_cache(model, max_kv_size=N) (--max-kv-size) raises ValueError rather than silently
+    returning an unbounded cache.
     """
     config = config or TurboQuantConfig()
     make_prompt_cache(model, config)  # validate now (raises before touching the model), not at the first request
     if getattr(model, "_tq_make_cache", None) is None:
         original = getattr(model, "make_cache", None)
         model._tq_make_cache = original if original is not None else (lambda: [KVCache() for _ in model.layers])
-    model.make_cache = lambda: make_prompt_cache(model, config)
+
+    def make_cache() -> list[Any]:
+        # mlx-lm's make_prompt_cache(model, max_kv_size) calls model.make_cache() without the bound
+        # (cache.py:31-32); read it from that caller's frame so a bounded request is refused, not dropped.
+        caller = sys._getframe(1)
+        if caller.f_code is mlx_cache.make_prompt_cache.__code__:
+            _refuse_max_kv_size(caller.f_locals.get("max_kv_size"))
+        return make_prompt_cache(model, config)
+
+    model.make_cache = make_cache
     model._tq_config = config
     return model
 
@@ -176,29 +264,36 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuantConfig | None) -> None:
+    if isinstance(c, TurboQuantKVCache):
+        if type(b) is not KVCache:
+            raise ValueError(f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}")
+        if c.layer_index != i:
+            raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
+        head_dim, n_kv = layer_geometry(model, i)
+        if c.key_dim and head_dim is not None and c.key_dim != head_dim:
+            raise ValueError(f"layer {i}: prompt cache has head_dim {c.key_dim}, the model has head_dim {head_dim}")
+        bh = c.batch_heads()
+        if bh is not None and n_kv is not None and bh[1] != n_kv:
+            raise ValueError(f"layer {i}: prompt cache has {bh[1]} kv heads, the model has {n_kv}")
+        if config is not None and c.config != config:
+            raise ValueError(f"layer {i}: prompt cache was built with {c.config}, expected {config}")
+    elif type(c) is CacheList and type(b) is CacheList:
+        if len(c.caches) != len(b.caches):
+            raise ValueError(f"layer {i}: prompt cache holds {len(c.caches)} caches, the model uses {len(b.caches)}")
+        for m, n in zip(c.caches, b.caches):
+            _validate_entry(model, i, m, n, config)
+    elif type(c) is not type(b) and not (type(b) is KVCache and type(c).__name__ == "QuantizedKVCache"):
+        raise ValueError(f"layer {i}: prompt cache holds a {type(c).__name__}, the model uses {type(b).__name__}")
+
+
 def validate_prompt_cache(model: nn.Module, cache: list[Any], config: TurboQuantConfig | None = None) -> None:
     """Raise ValueError, naming the layer, unless `cache` fits `model` (and was built with `config`, if given)."""
     base = _base_cache(model)
     if len(cache) != len(base):
         raise ValueError(f"prompt cache has {len(cache)} layers, the model has {len(base)}")
     for i, (c, b) in enumerate(zip(cache, base)):
-        if isinstance(c, TurboQuantKVCache):
-            if type(b) is not KVCache:
-                raise ValueError(
-                    f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}"
-                )
-            if c.layer_index != i:
-                raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
-            head_dim, n_kv = layer_geometry(model, i)
-            if c.key_dim and head_dim is not None and c.key_dim != head_dim:
-                raise ValueError(f"layer {i}: prompt cache has head_dim {c.key_dim}, the model has head_dim {head_dim}")
-            bh = c.batch_heads()
-            if bh is not None and n_kv is not None and bh[1] != n_kv:
-                raise ValueError(f"layer {i}: prompt cache has {bh[1]} kv heads, the model has {n_kv}")
-            if config is not None and c.config != config:
-                raise ValueError(f"layer {i}: prompt cache was built with {c.config}, expected {config}")
-        elif type(c) is not type(b) and not (type(b) is KVCache and type(c).__name__ == "QuantizedKVCache"):
-            raise ValueError(f"layer {i}: prompt cache holds a {type(c).__name__}, the model uses {type(b).__name__}")
+        _validate_entry(model, i, c, b, config)
 
 
 def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: TurboQuantConfig | None = None,

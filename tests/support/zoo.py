@@ -1,0 +1,186 @@
+"""Tiny random-weight models of every mlx-lm architecture (every module of mlx_lm.models with Model and
+ModelArgs), built from their own ModelArgs: 4 layers, hidden 128, 4 q / 2 kv heads of head_dim 32 where the
+architecture takes those fields. Architectures that cannot be built here are listed in NOT_BUILDABLE with why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import pkgutil
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm.models
+
+from tests.support.tiny_models import VOCAB, _randomize
+
+H, L, HEADS, KV_HEADS, HD = 128, 4, 4, 2, 32
+
+# Field names shared by many ModelArgs; each architecture picks the ones its from_dict accepts.
+GENERIC: dict[str, Any] = dict(
+    hidden_size=H, num_hidden_layers=L, intermediate_size=2 * H, num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS, head_dim=HD, vocab_size=VOCAB, rms_norm_eps=1e-5, layer_norm_eps=1e-5,
+    layer_norm_epsilon=1e-5, norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+    tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_bias=False, use_qkv_bias=False,
+    num_experts=4, num_local_experts=4, moe_num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_topk=2,
+    moe_intermediate_size=64, expert_ffn_hidden_size=64, shared_expert_intermediate_size=64, n_shared_experts=1,
+    num_shared_experts=1, num_shared_expert=1, first_k_dense_replace=1, norm_topk_prob=True,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1, decoder_sparse_step=1, mlp_only_layers=[],
+    moe_layer_freq=1, partial_rotary_factor=1.0, rope_scaling=None, sliding_window=16, sliding_window_pattern=2,
+    use_qk_norm=False, qk_norm=False, post_norm=False, hidden_act="silu",
+    # gpt2 / bigcode / dbrx / afm7 / openelm / lille spellings
+    n_embd=H, n_head=HEADS, n_layer=L, n_ctx=4096, n_positions=4096, n_inner=2 * H, d_model=H, n_layers=L,
+    n_heads=HEADS, num_layers=L, hidden_dim=H, num_heads=HEADS, num_kv_heads=KV_HEADS, n_kv_heads=KV_HEADS,
+    num_transformer_layers=L, model_dim=H, num_query_heads=[HEADS] * L, block_size=4096,
+    rotary_emb_base=10000, rotary_pct=1.0, ffn_hidden_size=2 * H,
+    # MLA
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    # linear attention / SSM
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, full_attention_interval=2, conv_kernel=4, state_size=16, ssm_state_size=16,
+    n_groups=1, time_step_rank=8, use_conv_bias=True, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2,
+    mamba_num_heads=4, mamba_head_dim=32, mamba_proj_bias=False, conv1d_width=4, conv_bias=False,
+    conv_L_cache=3, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+    # granite / minicpm / minimax / gptj scalars
+    logits_scaling=1.0, attention_multiplier=HD**-0.5, embedding_multiplier=1.0, residual_multiplier=1.0,
+    dim_model_base=H, scale_depth=1.0, scale_emb=1.0, rotary_dim=HD, shared_intermediate_size=64,
+)
+SW = ["sliding_attention", "full_attention"] * (L // 2)
+ROPE = {"rope_theta": 10000.0, "rope_type": "default", "type": "default"}
+
+# Per-architecture fields GENERIC lacks or gets wrong.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "afm7": dict(num_kv_reuse_layers=1),
+    "afmoe": dict(layer_types=SW),
+    "baichuan_m1": dict(sliding_window_layers=[0, 2], conv_window=2),
+    "bailing_hybrid": dict(layer_group_size=2, group_norm_size=1),
+    "bailing_moe_linear": dict(layer_group_size=2, group_norm_size=1),
+    "dbrx": dict(ffn_config={"ffn_hidden_size": 2 * H, "moe_num_experts": 4, "moe_top_k": 2},
+                 attn_config={"kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0}),
+    "exaone4": dict(sliding_window_pattern="LG"),
+    "exaone_moe": dict(layer_types=SW, is_moe_layer=[False] + [True] * (L - 1)),
+    "gear": dict(layer_types=SW),
+    "mellum": dict(layer_types=SW),
+    "gemma3n": dict(text_config=dict(
+        num_kv_shared_layers=1, vocab_size_per_layer_input=VOCAB, rope_local_base_freq=10000.0,
+        final_logit_softcapping=30.0, layer_types=SW, activation_sparsity_pattern=[0.0] * L,
+        hidden_size_per_layer_input=16, altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=16)),
+    "glm_moe_dsa": dict(index_head_dim=32, index_n_heads=2, index_topk=8, topk_method="noaux_tc",
+                        scoring_func="sigmoid", rope_parameters=ROPE),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"] * (L // 2)),
+    "hunyuan": dict(use_mixed_mlp_moe=False, use_cla=False, cla_share_factor=1),
+    "kimi_k3": dict(hidden_act=None),
+    "kimi_linear": dict(model_max_length=4096, linear_attn_config={
+        "kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 4, "short_conv_kernel_size": 4}),
+    "lfm2": dict(block_dim=H, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                 full_attn_idxs=[1, 3]),
+    "lfm2-vl": dict(text_config=dict(block_dim=H, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                                     block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3], model_type="lfm2")),
+    "lfm2_moe": dict(use_expert_bias=False, num_dense_layers=1, full_attn_idxs=[1, 3]),
+    "llama4_text": dict(intermediate_size_mlp=2 * H, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=16,
+                        interleave_moe_layer_step=1),
+    "llama4": dict(text_config=dict(intermediate_size_mlp=2 * H, no_rope_layers=[1, 1, 1, 0],
+                                    attention_chunk_size=16, interleave_moe_layer_step=1)),
+    "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity", zero_expert_num=1,
+                          mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "longcat_flash_ngram": dict(zero_expert_num=1, mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "mamba2": dict(time_step_limit=(0.0, float("inf")), num_heads=8, head_dim=32),
+    "ministral3": dict(rope_parameters=dict(ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=4096)),
+    "mistral3": dict(text_config=dict(model_type="ministral3", rope_parameters=dict(
+        ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=4096))),
+    "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "*"]),
+    "olmo_hybrid": dict(linear_allow_neg_eigval=False, layer_types=["linear_attention", "full_attention"] * 2),
+    "openelm": dict(ffn_dim_divisor=8, ffn_multipliers=[2.0] * L, num_kv_heads=[KV_HEADS] * L),
+    "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=2 * H, gegelu_limit=20.0),
+    "qwen": dict(intermediate_size=4 * H),
+    "recurrent_gemma": dict(logits_soft_cap=30.0, attention_window_size=16,
+                            block_types=["recurrent", "attention"]),
+    "rwkv7": dict(a_low_rank_dim=16, v_low_rank_dim=16, gate_low_rank_dim=16, decay_low_rank_dim=16),
+    "spark2_5": dict(rope_parameters=ROPE),
+    "step3p5": dict(num_attention_groups=KV_HEADS),
+}
+
+# architecture -> (why no tiny model runs here, where it fails: "build", "forward" (the float model's own
+# forward) or None (it aborts the process, so the test cannot re-check it)). The zoo test checks that each
+# entry still fails where it says, so an architecture that starts working shows up.
+_TODO = "the zoo's builder does not fill its ModelArgs yet: "
+NOT_BUILDABLE: dict[str, tuple[str, str | None]] = {
+    "olmo": ("needs the ai2-olmo package (hf_olmo); mlx_lm.models.olmo exits at import without it", "build"),
+    "bitnet": ("its BitLinear layers run a Metal kernel; no CPU path", "forward"),
+    "prism_hadamard_qwen35": ("needs a Hadamard pack (schema, namespace) that ships with the converted weights",
+                              "build"),
+    "phi3small": ("its float forward aborts the process on the MLX CPU build (heap corruption)", None),
+    "deepseek_v2": (_TODO + "rope_scaling (MLA, would be refused)", "build"),
+    "minicpm3": (_TODO + "rope_scaling (MLA, would be refused)", "build"),
+    "gemma4": (_TODO + "per-layer types (would be refused: KV sharing)", "build"),
+    "gemma4_text": (_TODO + "per-layer types (would be refused: KV sharing)", "build"),
+    "minimax_m3_vl": (_TODO + "nested text config (would be refused)", "build"),
+    "muse_spark": (_TODO + "nested text config (would be refused)", "build"),
+    "mimo_v2_flash": (_TODO + "hybrid layer pattern (would be refused: attention sinks)", "build"),
+    "kimi_k3": (_TODO + "activation (MLA, would be refused)", "build"),
+    "granitemoehybrid": (_TODO + "mamba fields", "build"),
+    "hunyuan": (_TODO + "MoE layout", "build"),
+    "llama4": (_TODO + "vision-language MoE layout (one expert per token)", "build"),
+    "mellum": (_TODO + "layer types", "build"),
+    "nemotron-nas": (_TODO + "block_configs", "build"),
+    "spark2_5": (_TODO + "per-layer-type RoPE parameters", "build"),
+    "qwen": (_TODO + "its MLP width convention", "forward"),
+    "step3p5": (_TODO + "MoE layout (top-k above the expert count)", "forward"),
+}
+
+
+def architectures() -> list[str]:
+    """Every mlx_lm.models module that defines Model and ModelArgs (those that fail to import included)."""
+    names = []
+    for m in sorted(pkgutil.iter_modules(mlx_lm.models.__path__), key=lambda m: m.name):
+        path = f"{mlx_lm.models.__path__[0]}/{m.name}.py"
+        try:
+            src = open(path).read()
+        except OSError:
+            continue
+        if re.search(r"^class ModelArgs\b", src, re.M) and re.search(r"^class Model\b|^from .* import Model\b", src, re.M):
+            names.append(m.name)
+    return names
+
+
+def model_args(arch: str):
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    params = dict(GENERIC, model_type=arch)
+    extra = OVERRIDES.get(arch, {})
+    params.update({k: v for k, v in extra.items() if k != "text_config"})
+    if "text_config" in extra or "text_config" in _fields(mod.ModelArgs):
+        text = dict(GENERIC, model_type=arch)
+        text.update(extra.get("text_config", {}))
+        params["text_config"] = text
+    if hasattr(mod.ModelArgs, "from_dict"):
+        return mod, mod.ModelArgs.from_dict(params)
+    fields = _fields(mod.ModelArgs)  # phixtral's ModelArgs has no from_dict
+    return mod, mod.ModelArgs(**{k: v for k, v in params.items() if k in fields})
+
+
+def _fields(cls) -> set[str]:
+    return set(inspect.signature(cls).parameters)
+
+
+def tolerance(arch: str) -> float:
+    return LOOSER.get(arch, (TOLERANCE, ""))[0]
+
+
+TOLERANCE = 1e-2  # 8-bit logits vs the float cache, max relative error (test_integration's measure)
+# These tiny random models amplify cache error more than the others (their float-vs-float noise is 2-10x the
+# others' too); measured max 1.0-3.6e-2 at 8 bits, so each gets a bound of about 1.5x its measurement.
+LOOSER: dict[str, tuple[float, str]] = {
+    a: (t, "random-weight model amplifies cache error") for a, t in {
+        "bailing_moe": 3e-2, "bailing_moe_linear": 6e-2, "dbrx": 3e-2, "mixtral": 3e-2, "nemotron": 4e-2,
+        "olmo2": 2e-2, "openelm": 2e-2}.items()
+}
+
+
+def build(arch: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
+    """A tiny random-weight model of `arch`, float32 by default."""
+    mod, args = model_args(arch)
+    return _randomize(mod.Model(args), seed, dtype)

@@ -1,0 +1,196 @@
+"""The model zoo: every mlx-lm architecture (tests/support/zoo.py builds a tiny random-weight model of each) is
+either compressed on every full-attention KVCache layer (nested CacheList members included) with 8-bit logits
+within 1e-2 of the float cache, or refused with a ValueError before any forward that names the layer, the
+reason and the way out. A crash mid-forward or a silently float model fails.
+
+`python -m tests.test_zoo --table` prints the README's "Model support" table; the test checks the README row of
+each architecture against the outcome it measured.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import CacheList, KVCache
+
+import tq_mlx
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tests.support import zoo
+
+CONFIG = TurboQuantConfig(key_bits=8, value_bits=8, window=8, compress_block=4, sinks=2)
+TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
+PREFILL = 16
+README = Path(__file__).resolve().parent.parent / "README.md"
+WAY_OUT = re.compile(r"use mlx-lm's own cache|change key_bits")
+
+
+def teacher_forced(model, cache) -> mx.array:
+    out = [model(mx.array([TOKENS[:PREFILL]]), cache=cache)[0, -1]]
+    for t in TOKENS[PREFILL:]:
+        out.append(model(mx.array([[t]]), cache=cache)[0, -1])
+    return mx.stack(out).astype(mx.float32)
+
+
+def _flat(cache) -> list[tuple[int, object]]:
+    """(layer, cache) of every cache, CacheList members included."""
+    return [(i, m) for i, c in enumerate(cache) for m in (c.caches if type(c) is CacheList else [c])]
+
+
+def _layers(ix) -> str:
+    ix = sorted(set(ix))
+    return f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}"
+
+
+def outcome(arch: str) -> tuple[str, str]:
+    """(kind, detail) for one architecture, asserting the zoo's contract on the way."""
+    if arch in zoo.NOT_BUILDABLE:
+        reason, where = zoo.NOT_BUILDABLE[arch]
+        if where == "build":
+            with pytest.raises(BaseException):  # olmo exits at import (SystemExit)
+                zoo.build(arch)
+        elif where == "forward":
+            model = zoo.build(arch)
+            with pytest.raises(Exception):
+                teacher_forced(model, mlx_cache.make_prompt_cache(model))
+        return "not buildable", reason
+
+    model = zoo.build(arch)
+    try:
+        cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    except ValueError as e:
+        msg = str(e)
+        assert re.search(r"\blayers? \d+", msg), f"refusal does not name the layer: {msg}"
+        assert WAY_OUT.search(msg), f"refusal gives no way out: {msg}"
+        with pytest.raises(ValueError):  # patch_model refuses the same way and leaves the model untouched
+            tq_mlx.patch_model(model, CONFIG)
+        assert "make_cache" not in vars(model) and "_tq_make_cache" not in vars(model)
+        reason = msg.split("; use mlx-lm")[0]
+        reason = re.sub(r"^layer \d+: ", "", reason).replace("|", "/")
+        return "refused", reason
+
+    base = mlx_cache.make_prompt_cache(model)
+    flat, base_flat = _flat(cache), _flat(base)
+    assert [i for i, _ in flat] == [i for i, _ in base_flat]
+    tq = []
+    for (i, c), (_, b) in zip(flat, base_flat):
+        if type(b) is KVCache:
+            assert isinstance(c, TurboQuantKVCache), f"layer {i}: full-attention KVCache left float"
+            tq.append(i)
+        else:
+            assert type(c) is type(b), f"layer {i}: {type(b).__name__} replaced by {type(c).__name__}"
+    assert tq, "nothing compressed"
+    ref = teacher_forced(model, base)
+    assert bool(mx.all(mx.isfinite(ref))), "the float model itself is not finite"
+    got = teacher_forced(model, cache)
+    for i, c in _flat(cache):
+        if isinstance(c, TurboQuantKVCache):
+            assert c.n_compressed > 0, f"layer {i}: no token compressed"
+    err = float((mx.linalg.norm(got - ref, axis=-1) / mx.linalg.norm(ref, axis=-1)).max())
+    assert err < zoo.tolerance(arch), f"8-bit logits {err:.2e} from the float cache"
+    nested = any(type(c) is CacheList for c in cache)
+    detail = f"{_layers(tq)} of {len(base)} caches" + (" (inside CacheList)" if nested else "")
+    floating = tq_mlx.integration.float_layers(model)
+    if floating:
+        kinds: dict[str, list[int]] = {}
+        for i, k in floating.items():
+            kinds.setdefault(k, []).append(i)
+        detail += "; float: " + "; ".join(f"{_layers(ix)} {k}" for k, ix in kinds.items())
+    if arch in zoo.LOOSER:
+        detail += f"; 8-bit bound {zoo.LOOSER[arch][0]:g} ({zoo.LOOSER[arch][1]})"
+    return "compressed", detail
+
+
+def row(arch: str, kind: str, detail: str) -> str:
+    return f"| `{arch}` | {kind} | {detail} |"
+
+
+# Most architectures take 0.2-1 s; the whole zoo about a minute on 2 cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", zoo.architectures())
+def test_zoo(arch):
+    kind, detail = outcome(arch)
+    readme_rows = [line for line in README.read_text().splitlines() if line.startswith(f"| `{arch}` |")]
+    assert readme_rows == [row(arch, kind, detail)], "README's Model support table is stale: python -m tests.test_zoo --table"
+
+
+def test_every_architecture_is_accounted_for():
+    archs = zoo.architectures()
+    assert len(archs) > 100 and {"llama", "qwen3", "falcon_h1", "gemma3n", "olmo"} <= set(archs)
+    assert set(zoo.NOT_BUILDABLE) <= set(archs) and set(zoo.OVERRIDES) <= set(archs)
+
+
+# --- CacheList, keys_and_values, max_kv_size -----------------------------------------------------------------
+
+
+def test_cache_list_members_are_compressed_and_round_trip(tmp_path):
+    model = zoo.build("falcon_h1")
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    assert all(type(c) is CacheList and isinstance(c.caches[1], TurboQuantKVCache) for c in cache)
+    assert [c.caches[1].layer_index for c in cache] == [0, 1, 2, 3]
+    teacher_forced(model, cache)
+    path = str(tmp_path / "falcon.safetensors")
+    mlx_cache.save_prompt_cache(path, cache)
+    loaded = tq_mlx.load_prompt_cache(path, model, config=CONFIG)
+    nxt = mx.array([[7]])
+    np.testing.assert_array_equal(np.array(model(nxt, cache=cache)), np.array(model(nxt, cache=loaded)))
+
+
+def test_keys_and_values_serves_kv_shared_layers():
+    model = zoo.build("gemma3n")
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    teacher_forced(model, cache)
+    c = next(c for c in cache if isinstance(c, TurboQuantKVCache))
+    k, v = c.keys_and_values()
+    assert k.n_tokens == v.n_tokens == c.offset == len(TOKENS) and k.n_compressed > 0
+
+
+def test_models_with_nothing_to_compress_are_refused():
+    with pytest.raises(ValueError, match=r"no layer holds a full-attention KVCache.*layers 0, 1, 2, 3: ArraysCache"):
+        tq_mlx.make_prompt_cache(zoo.build("mamba"))
+    with pytest.raises(ValueError, match=r"layers 1, 3: RotatingKVCache \(sliding window\).*mlx-lm's own cache"):
+        tq_mlx.make_prompt_cache(zoo.build("recurrent_gemma"))
+
+
+def test_max_kv_size_is_refused_never_silently_unbounded():
+    from mlx_lm import generate
+
+    from tests.support.tiny_models import tiny_llama, tiny_tokenizer
+
+    model, _ = tiny_llama(layers=1)
+    with pytest.raises(ValueError, match=r"max_kv_size=64: a bounded TurboQuant cache is not supported"):
+        tq_mlx.make_prompt_cache(model, CONFIG, max_kv_size=64)
+    tq_mlx.patch_model(model, CONFIG)
+    try:
+        with pytest.raises(ValueError, match=r"max_kv_size=64.*drop the TurboQuant options"):
+            mlx_cache.make_prompt_cache(model, max_kv_size=64)
+        with pytest.raises(ValueError, match=r"max_kv_size=32"):  # what --max-kv-size reaches
+            generate(model, tiny_tokenizer(), "hi", max_tokens=2, max_kv_size=32)
+        assert all(isinstance(c, TurboQuantKVCache) for c in mlx_cache.make_prompt_cache(model))
+    finally:
+        tq_mlx.unpatch_model(model)
+    assert type(mlx_cache.make_prompt_cache(model, max_kv_size=64)[0]) is KVCache  # mlx-lm's own behaviour again
+
+
+def table() -> str:
+    counts: dict[str, int] = {}
+    rows = ["| architecture | outcome | detail |", "|---|---|---|"]
+    for arch in zoo.architectures():
+        try:
+            kind, detail = outcome(arch)
+        except AssertionError as e:
+            kind, detail = "FAILS THE ZOO TEST", str(e).splitlines()[0]
+        counts[kind] = counts.get(kind, 0) + 1
+        rows.append(row(arch, kind, detail))
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items())
+    return f"{len(rows) - 2} architectures: {summary}.\n\n" + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if "--table" in sys.argv:
+        print(table())
