@@ -193,4 +193,9 @@ def table() -> str:
 
 if __name__ == "__main__":
     if "--table" in sys.argv:
-        print(table())
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # olmo prints an install hint at import
+            text = table()
+        print(text)
