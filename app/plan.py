@@ -35,6 +35,8 @@ class Plan:
     head_dim: int
     warnings: list[str] = field(default_factory=list)
     suggestion: str | None = None
+    sliding_layers: tuple[tuple[int, int], ...] = ()  # (layer, window): bounded float caches, never compressed
+    linear_layers: tuple[int, ...] = ()  # recurrent / linear-attention layers: a fixed-size state
 
     @property
     def usable(self) -> int:
@@ -73,7 +75,7 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         kv=estimate_kv_bytes(model_config, ctx, config),
         available=available, available_source=available_source, trained_ctx=lay.max_context,
         attention_layers=len(lay.full_layers), n_layers=lay.n_layers, kv_heads=lay.n_kv_heads,
-        head_dim=lay.head_dim,
+        head_dim=lay.head_dim, sliding_layers=lay.sliding_layers, linear_layers=lay.linear_layers,
     )
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
@@ -126,15 +128,27 @@ def format_ctx(n: int) -> str:
     return str(n)
 
 
+def layer_roles(plan: Plan) -> str:
+    """Which layers TurboQuant compresses and which keep mlx-lm's own cache, and why."""
+    full = f"{plan.attention_layers} full-attention layer{'s' if plan.attention_layers != 1 else ''}"
+    parts = [f"{full} {'compressed' if plan.config else 'in float16'}"]
+    if plan.sliding_layers:
+        windows = sorted({w for _, w in plan.sliding_layers})
+        parts.append(f"{len(plan.sliding_layers)} sliding-window layers stay float (window "
+                     f"{', '.join(f'{w:,}' for w in windows)}: bounded)")
+    if plan.linear_layers:
+        parts.append(f"{len(plan.linear_layers)} linear-attention layers keep a fixed-size state")
+    return "; ".join(parts)
+
+
 def format_plan(plan: Plan) -> str:
     """The preflight report, as tq-chat --plan prints it."""
     cfg = describe_config(plan.config) if plan.config else "float16 (no TurboQuant)"
     ratio = plan.kv_fp16 / plan.kv if plan.kv else 1.0
     trained = f" (trained: {plan.trained_ctx:,})" if plan.trained_ctx else ""
-    layers = (f"{plan.attention_layers} of {plan.n_layers} layers with attention"
-              if plan.attention_layers != plan.n_layers else f"{plan.n_layers} layers")
     rows = [
-        ("model", f"{plan.model} ({layers}, {plan.kv_heads} KV heads x {plan.head_dim})"),
+        ("model", f"{plan.model} ({plan.n_layers} layers, {plan.kv_heads} KV heads x {plan.head_dim})"),
+        ("layers", layer_roles(plan)),
         ("context", f"{plan.ctx:,} tokens{trained}"),
         ("weights", format_bytes(plan.weights)),
         ("KV float16", format_bytes(plan.kv_fp16)),

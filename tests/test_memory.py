@@ -217,3 +217,25 @@ def test_available_memory_is_physical_memory_off_apple_silicon():
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_bits_summary_names_the_layers_that_stay_float():
+    from tests.support import zoo
+
+    sliding = make_prompt_cache(zoo.build("gemma3"), TurboQuantConfig())  # global layer every second layer
+    assert bits_summary(sliding) == "L0 float (sliding window 16) · L1 K4/V3 · L2 float (sliding window 16) · L3 K4/V3"
+    nested = make_prompt_cache(zoo.build("falcon_h1"), TurboQuantConfig(boundary_layers=1))  # KVCache in CacheList
+    assert bits_summary(nested) == "L0 K8/V8 · L1-2 K4/V3 · L3 K8/V8"
+    hybrid = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig())  # linear-attention state left out
+    assert bits_summary(hybrid) == "K4/V3 on all 2 attention layers"
+
+
+def test_plan_says_which_layers_are_compressed_and_which_stay_float():
+    from app.plan import format_plan, make_plan
+
+    cfg = {"num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+           "sliding_window": 512, "sliding_window_pattern": 3}
+    text = format_plan(make_plan("m", cfg, 10**9, 8192, TurboQuantConfig(), 48 * 10**9))
+    assert "2 full-attention layers compressed; 4 sliding-window layers stay float (window 512: bounded)" in text
+    text = format_plan(make_plan("q", QWEN35_35B_A3B, 10**9, 8192, TurboQuantConfig(), 48 * 10**9))
+    assert "10 full-attention layers compressed; 30 linear-attention layers keep a fixed-size state" in text

@@ -338,27 +338,55 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
     }
 
 
-def bits_summary(prompt_cache: Iterable[Any]) -> str:
-    """The per-layer bit settings in a compact form, e.g. "L0-1 K8/V8 · L2-27 K4/V3 · L28-29 K8/V8"
-    (hybrids: attention layers only; "fp16" for uncompressed KV caches)."""
-
-    runs: list[list] = []  # [first layer, last layer, label]
+def _layer_caches(prompt_cache: Iterable[Any]) -> list[tuple[int, Any]]:
+    """(model layer, cache) of every cache, the members of a mlx-lm CacheList under their layer."""
+    out = []
     for i, c in enumerate(prompt_cache):
-        if isinstance(c, TurboQuantKVCache):
-            label = bits_label(c.key_bits, c.value_bits, c.qjl)
-        elif hasattr(c, "keys"):
-            bits = getattr(c, "bits", None)
-            label = f"{bits}-bit affine" if bits else "fp16"
+        inner = getattr(c, "caches", None)
+        out.extend((i, m) for m in (inner if isinstance(inner, (list, tuple)) else [c]))
+    return out
+
+
+def _layer_label(c) -> str | None:
+    """How bits_summary names one cache: its bits, "float" (with a sliding window's size), None for caches
+    without keys and values (recurrent state)."""
+    if isinstance(c, TurboQuantKVCache):
+        return bits_label(c.key_bits, c.value_bits, c.qjl)
+    if not hasattr(c, "keys"):
+        return None
+    bits = getattr(c, "bits", None)
+    if bits:
+        return f"{bits}-bit affine"
+    window = getattr(c, "max_size", None)  # RotatingKVCache: a bounded float cache, left uncompressed
+    return f"float (sliding window {window})" if isinstance(window, int) else "float"
+
+
+def bits_summary(prompt_cache: Iterable[Any]) -> str:
+    """Which layers hold what, compactly: "K4/V3 on all 28 attention layers", or per run of layers, e.g.
+    "L0-1 K8/V8 · L2-27 K4/V3 · L28-29 K8/V8" or "L0 float (sliding window 512) · L1 K4/V3 · ..." (layers
+    that stay float are named; recurrent-state layers are left out)."""
+    runs: list[tuple[str, list[int]]] = []  # (label, layers), consecutive attention layers with one label
+    labelled = [(i, lab) for i, c in _layer_caches(prompt_cache) if (lab := _layer_label(c)) is not None]
+    for i, label in labelled:
+        if runs and runs[-1][0] == label:
+            runs[-1][1].append(i)
         else:
-            continue
-        if runs and runs[-1][2] == label:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i, label])
+            runs.append((label, [i]))
     if len(runs) == 1:
-        n = sum(1 for c in prompt_cache if isinstance(c, TurboQuantKVCache) or hasattr(c, "keys"))
-        return f"{runs[0][2]} on all {n} attention layers" if n > 1 else f"{runs[0][2]} on its 1 attention layer"
-    return " · ".join(f"L{a}{'' if a == b else f'-{b}'} {label}" for a, b, label in runs)
+        n = len(labelled)
+        return f"{runs[0][0]} on all {n} attention layers" if n > 1 else f"{runs[0][0]} on its 1 attention layer"
+    return " · ".join(f"L{_layer_list(layers)} {label}" for label, layers in runs)
+
+
+def _layer_list(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    spans: list[list[int]] = []
+    for i in sorted(set(layers)):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 # --- weights and the machine ------------------------------------------------------------------------------
