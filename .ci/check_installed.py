@@ -78,13 +78,13 @@ def main() -> int:
             fail("the cache compressed no token: encode never ran")
         q = normal(1, 4, 1, 64)
         checks = [
-            ("decode_attention", K.fused_decode_attention(q, keys, values, 0.125),
+            ("decode_attention", K.dispatch_attention(q, keys, values, 0.125),
              K.decode_attention_reference(q, keys, values, 0.125)),
-            ("dequantize", K.fused_dequantize(keys), K.dequantize_reference(keys)),
+            ("dequantize", K.dispatch_dequantize(keys), K.dequantize_reference(keys)),
         ]
         x = normal(3, 64).astype(mx.float32)
         rotation = keys.quantizer.groups[0].rotation
-        checks.append(("rotate", K.fused_rotate(x, rotation, True), K.rotate_reference(x, rotation, True)))
+        checks.append(("rotate", K.dispatch_rotate(x, rotation, True), K.rotate_reference(x, rotation, True)))
         for name, got, want in checks:
             g, w = np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32))
             if g.shape != w.shape or not np.allclose(g, w, atol=2e-2, rtol=2e-2):
