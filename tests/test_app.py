@@ -1,4 +1,4 @@
-"""tq-chat (app/): argument parsing, model resolution, preflight, and the Textual app driven headless by its Pilot
+"""tq-chat (app/, installed as tq_chat): argument parsing, model resolution, preflight, and the Textual app driven headless by its Pilot
 on a tiny random model folder."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app import main as cli
-from app.chat import ChatApp, ChatSettings, Progress, Stats, Streamed
-from app.models import ALIASES, ModelSource, ModelUnavailable, resolve
-from app.plan import format_ctx, make_plan, max_context
-from app.widgets import ChatMessage
+from tq_chat import main as cli
+from tq_chat.chat import ChatApp, ChatSettings, Progress, Stats, Streamed
+from tq_chat.models import ALIASES, ModelSource, ModelUnavailable, resolve
+from tq_chat.plan import format_ctx, make_plan, max_context
+from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.memory import estimate_kv_bytes, format_bytes, load_model_config, weight_bytes
@@ -85,7 +85,7 @@ def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, cap
     # room for the weights and a 2-bit KV cache of 64k tokens: the default 4 bits do not fit
     room = weights + estimate_kv_bytes(cfg, 65536, TurboQuantConfig.from_bits(2))
     monkeypatch.setattr("tq_mlx.memory.available_memory", lambda: int(room / 0.9) + 1)
-    monkeypatch.setattr("app.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
+    monkeypatch.setattr("tq_chat.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
     assert cli.main([str(tiny_model_dir), "--ctx", "64k"]) == 1
     err = capsys.readouterr().err
     assert "does NOT fit" in err and "not starting" in err and "--force" in err
@@ -95,7 +95,7 @@ def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, cap
     assert cli.main([str(tiny_model_dir), "--ctx", "64k", "--plan"]) == 1
 
     started = []
-    monkeypatch.setattr("app.chat.ChatApp.run", lambda self: started.append(self.settings))
+    monkeypatch.setattr("tq_chat.chat.ChatApp.run", lambda self: started.append(self.settings))
     assert cli.main([str(tiny_model_dir), "--ctx", "64k", "--force", "--max-tokens", "9"]) == 0
     assert started[0].ctx == 65536 and started[0].max_tokens == 9
 
@@ -111,7 +111,7 @@ def test_plan_for_a_hybrid_counts_only_attention_layers():
 
 def test_offline_without_the_model_is_a_clear_message(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "app.main", "someone/not-downloaded", "--plan"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "someone/not-downloaded", "--plan"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "not in the Hugging Face cache" in proc.stderr and "local model folder" in proc.stderr
@@ -382,7 +382,7 @@ def test_download_progress_goes_to_the_app(tiny_model_dir, monkeypatch):
         return str(tiny_model_dir)
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
-    monkeypatch.setattr("app.models.check_hub", lambda repo_id: None)
+    monkeypatch.setattr("tq_chat.models.check_hub", lambda repo_id: None)
 
     async def run():
         app = RecordingApp(ChatSettings(source=ModelSource("org/tiny", repo_id="org/tiny"), ctx=256,
@@ -402,7 +402,7 @@ def test_download_failure_is_a_message_not_a_crash(monkeypatch):
         raise OSError("network is unreachable")
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
-    monkeypatch.setattr("app.models.check_hub", lambda repo_id: None)
+    monkeypatch.setattr("tq_chat.models.check_hub", lambda repo_id: None)
 
     async def run():
         app = RecordingApp(ChatSettings(source=ModelSource("org/tiny", repo_id="org/tiny"), ctx=256))
@@ -419,7 +419,7 @@ def test_download_failure_is_a_message_not_a_crash(monkeypatch):
 def test_hybrid_model_reuses_its_cache_across_turns():
     """Qwen3.5-style hybrid: the linear-attention state cannot be trimmed, so a turn whose template differs at
     the end of the previous answer goes back to the checkpoint at the end of the previous prompt."""
-    from app.session import ChatSession
+    from tq_chat.session import ChatSession
     from tests.support.tiny_models import tiny_hybrid, tiny_tokenizer
 
     model, _ = tiny_hybrid()
@@ -435,7 +435,7 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     assert session.tokens[: len(prompt)] == prompt
     assert len(session.tokens) == len(prompt) + second.generated
     # the panel shows the linear-attention state apart from the KV cache
-    from app.widgets import MemoryPanel
+    from tq_chat.widgets import MemoryPanel
 
     stats = session.snapshot()
     text = panel_text(MemoryPanel(), stats)

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tq_mlx"
 # included); codebook, rotation and packing are independent leaves.
 RANKS = {
     "codebook": 0, "rotation": 0, "packing": 0,
+    "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
     "quantizer": 1,
     "config": 2,
     "stream": 3,

@@ -225,6 +225,10 @@ def generate_parser() -> argparse.ArgumentParser:
 
 def generate_main(argv: list[str] | None = None) -> int:
     """tq-generate: mlx_lm.generate's main with the model patched, then the KV memory summary."""
+    if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
+        from .blas import use_openblas
+
+        use_openblas("tq-generate")
     from mlx_lm.models.cache import make_prompt_cache
 
     from .integration import tune_malloc
@@ -266,6 +270,10 @@ def generate_main(argv: list[str] | None = None) -> int:
 
 def server_main(argv: list[str] | None = None) -> int:
     """tq-server: mlx_lm.server with every loaded model patched (ModelProvider subclass) and the --tq-* flags."""
+    if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
+        from .blas import use_openblas
+
+        use_openblas("tq-server")
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -144,8 +144,8 @@ def require_emulator() -> Compiler:
     c = find_compiler()
     if c is None:
         msg = (
-            "MSL emulator unavailable: no clang >= 17 "
-            "(apt-get install -y clang-19, or set TQ_EMULATOR_CXX)"
+            "MSL emulator unavailable: no clang >= 17 (pip install -e \".[test]\" brings ziglang's; "
+            "or apt-get install -y clang-19, or set TQ_EMULATOR_CXX)"
         )
         if os.environ.get("TQ_REQUIRE_EMULATOR") == "1":
             pytest.fail(msg + " and TQ_REQUIRE_EMULATOR=1")

@@ -93,8 +93,8 @@ def require_compiler() -> Compiler:
     c = find_compiler()
     if c is None:
         raise EmulatorUnavailable(
-            "the MSL emulator needs clang >= 17: `apt-get install -y clang-19` "
-            "(or `pip install ziglang`), or set TQ_EMULATOR_CXX"
+            "the MSL emulator needs clang >= 17: `pip install ziglang` (in the test extra), "
+            "`apt-get install -y clang-19`, or set TQ_EMULATOR_CXX"
         )
     return c
 

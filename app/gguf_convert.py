@@ -5,7 +5,8 @@ dequantized with the pure-Python ``gguf`` package and the byte-level BPE tokeniz
 with ``tokenizers``.  No torch, no transformers model code.
 
 Supported: ``llama`` (e.g. SmolLM2; undoes llama.cpp's rotary row permutation) and ``qwen2``
-(q/k/v biases, stored unpermuted).  See shared/docs/real-models.md §2.
+(q/k/v biases, stored unpermuted).  See shared/docs/real-models.md §2.  Needs the `demo` extra
+(``pip install "tq-mlx[demo]"``): tq_chat.demo imports this module only when it converts.
 
 Output folder: config.json, model.safetensors, tokenizer.json, tokenizer_config.json.
 """
@@ -16,14 +17,15 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 
-# Bump when the output changes, so cached conversions are redone (see real_models.py).
+if TYPE_CHECKING:  # gguf is imported where it is used, so demo.py can read CONVERTER_VERSION without it
+    from gguf import GGUFReader
+
+# Bump when the output changes, so cached conversions are redone (see demo.py).
 CONVERTER_VERSION = 1
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -124,10 +126,13 @@ def _config(reader: GGUFReader, arch: str, tied: bool) -> dict[str, Any]:
 
 
 def _convert_weights(
-    reader: GGUFReader, arch: str, cfg: dict[str, Any], dtype: mx.Dtype
+    reader: GGUFReader, arch: str, cfg: dict[str, Any], dtype: mx.Dtype,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, mx.array]:
+    from gguf.quants import dequantize
+
     weights: dict[str, mx.array] = {}
-    for t in reader.tensors:
+    for i, t in enumerate(reader.tensors):
         # dequantize() handles F32/F16/Q*/K-quants; GGUF shapes are listed innermost-first.
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
@@ -139,6 +144,8 @@ def _convert_weights(
                 w = _unpermute_rotary(w, cfg["num_key_value_heads"])
         weights[name] = mx.array(w).astype(dtype)
         mx.eval(weights[name])  # materialize now so the float32 copy can be freed
+        if progress:
+            progress(i + 1, len(reader.tensors))
     return weights
 
 
@@ -215,12 +222,18 @@ def _tokenizer_config(reader: GGUFReader) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16") -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16",
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write an mlx-lm loadable HF folder for ``gguf_path`` into ``out_dir`` and return it.
 
     ``dtype`` is the on-disk weight dtype ("float16", "bfloat16" or "float32"); on CPU, cast to
-    float32 after loading (fp16 matmuls don't use BLAS there).
+    float32 after loading (fp16 matmuls don't use BLAS there). ``progress(done, total)`` is called
+    after each tensor.
     """
+    from gguf import GGUFReader
+
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     reader = GGUFReader(str(gguf_path))
@@ -232,7 +245,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = _convert_weights(reader, arch, cfg, _DTYPES[dtype])
+    weights = _convert_weights(reader, arch, cfg, _DTYPES[dtype], progress)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -243,7 +256,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     return out
 
 
-if __name__ == "__main__":  # python -m tests.support.gguf_convert IN.gguf OUT_DIR [dtype]
+if __name__ == "__main__":  # python -m tq_chat.gguf_convert IN.gguf OUT_DIR [dtype]
     if len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m tests.support.gguf_convert IN.gguf OUT_DIR [float16|bfloat16|float32]")
+        sys.exit("usage: python -m tq_chat.gguf_convert IN.gguf OUT_DIR [float16|bfloat16|float32]")
     print(convert_gguf(sys.argv[1], sys.argv[2], *(sys.argv[3:])))
