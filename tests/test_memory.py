@@ -231,7 +231,7 @@ def test_bits_summary_names_the_layers_that_stay_float():
 
 
 def test_plan_says_which_layers_are_compressed_and_which_stay_float():
-    from app.plan import format_plan, make_plan
+    from tq_chat.plan import format_plan, make_plan
 
     cfg = {"num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
            "sliding_window": 512, "sliding_window_pattern": 3}
