@@ -304,7 +304,7 @@ def test_decode_default_split_and_no_float_tokens(emulator):
 
 @pytest.mark.emulator
 def test_sparse_v_skips_negligible_weights(emulator):
-    # A large scale makes most softmax weights < 1e-6 of the max: their values are neither read nor added.
+    # A large scale makes most softmax weights < ε/64 of the max: their values are neither read nor added.
     f = Emu()
     got, want, _, values = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f,
                                       n=200, scale=4.0, split_tokens=64)
@@ -316,9 +316,73 @@ def test_sparse_v_skips_negligible_weights(emulator):
     # Threshold 0 keeps every token: all value words are read.
     f0 = Emu()
     got0, *_ = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f0,
-                          n=200, scale=4.0, split_tokens=64, sparse_threshold=-1.0)
+                          n=200, scale=4.0, split_tokens=64, sparse_epsilon=-1.0)
     assert f0.stats("tq_decode_partial")[0].buffers["vc"].total_bytes_read == vc.nbytes
     assert_close(got0, want, mx.float32)
+
+
+def adversarial_sparse_v(n, per, weight, anchor_value, D=32, R=8, L=4, A=30.0):
+    """Keys and values of n tokens built so every split of `per` tokens opens with one anchor (score A) and
+    holds per - 1 tokens of relative weight just below `weight`: the most a skip rule lets through per split.
+    All keys share one code word (score = its float16 norm: the query is scaled so), all values one code word
+    (the anchors' values scaled by anchor_value). Returns q, keys, values, scale, the low tokens' actual
+    weight, the exact output (float64) and the largest value norm."""
+    rng = np.random.default_rng(0)
+    kq, vq = quantizer(D, 4, seed=2), quantizer(D, 3, seed=3)
+    kc, vc = (K.encode_reference(normal(rng, (1, 1, 1, D)), q, None) for q in (kq, vq))
+    khat = np.asarray(K.dequantize_reference(StreamView(kq, kc._replace(norms=mx.ones_like(kc.norms)), None, None,
+                                                        None, None), mx.float32)).reshape(D).astype(np.float64)
+    low = np.float16(A + math.log(weight))
+    if float(low) > A + math.log(weight):  # round down: the weight must stay below `weight`
+        low = np.nextafter(low, np.float16(-np.inf))
+    knorm = np.full(n, low, np.float16)
+    knorm[::per] = A
+    vnorm = np.full(n, np.asarray(vc.norms.astype(mx.float32)).item(), np.float16)
+    vnorm[::per] *= anchor_value
+    many = lambda c, norms: c._replace(codes=mx.broadcast_to(c.codes, (1, 1, n, c.codes.shape[-1])),  # noqa: E731
+                                       norms=mx.array(norms).reshape(1, 1, n, 1))
+    keys = StreamView(kq, many(kc, knorm), None, None, None, None)
+    values = StreamView(vq, many(vc, vnorm), None, None, None, None)
+    scale = 1.0 / math.sqrt(D)
+    qv = khat / (khat @ khat) / scale  # scale·q·k_t = |k_t|
+    q = mx.array(np.broadcast_to(qv, (1, R, L, D)).astype(np.float32))
+    p = np.exp((scale * qv @ khat) * (knorm.astype(np.float64) - A))
+    V = np.asarray(K.dequantize_reference(values, mx.float32)).reshape(n, D).astype(np.float64)
+    exact = (p @ V) / p.sum()
+    return q, keys, values, scale, float(np.exp(float(low) - A)), exact, np.linalg.norm(V, axis=-1).max()
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("per", [20000, 2720], ids=["one-split", "2720-token-splits"])
+def test_sparse_v_departure_is_bounded_at_20k_tokens(emulator, per):
+    # GQA 8 x 4 query rows at 20k tokens. Low tokens just under ε/n each drop (n - 1)·0.95ε/n of the split's
+    # mass, the most the rule allows: the departure is close to, and below, ε · max |v| (SPARSE_V_EPSILON).
+    n, eps = 20000, K.SPARSE_V_EPSILON
+
+    def departure(weight, anchor_value, sparse_epsilon, f=None):
+        q, keys, values, scale, w, exact, vmax = adversarial_sparse_v(n, per, weight, anchor_value)
+        got = K.decode_attention(q, keys, values, scale, None, split_tokens=per, sparse_epsilon=sparse_epsilon,
+                                 metal_kernel=f or Emu())
+        g = np.asarray(got, np.float64).reshape(-1, q.shape[-1])
+        return np.linalg.norm(g - exact, axis=-1).max() / vmax, w
+
+    # Anchors hold a zero value, so the output is the low tokens' share alone: skipping them all is the worst.
+    f = Emu()
+    dep, w = departure(0.95 * eps / per, 0.0, eps, f)
+    assert 0.9 * eps / per < w < eps / per
+    vc = f.stats("tq_decode_partial")[0].buffers["vc"]
+    assert vc.total_bytes_read < 0.01 * vc.nbytes, "the low tokens' values should be skipped"
+    assert 0.8 * eps < dep <= eps * (1 + 1e-3), dep
+    assert dep < 1e-4
+    # The earlier rule (a fixed 1e-6 of the running max) drops up to n·1e-6 on the same pattern.
+    old, _ = departure(0.95e-6, 0.0, 1e-6 * per)
+    assert old > 1e-3, old
+    # Every token kept (ε < 0): float32 accumulation of many tiny weights into a large sum (every value
+    # equal) stays within the same 1e-4 (summed one token at a time it was off by 4e-4).
+    f = Emu()
+    dep, _ = departure(0.95e-6, 1.0, -1.0, f)
+    assert f.stats("tq_decode_partial")[0].buffers["vc"].total_bytes_read == vc.nbytes
+    assert dep < 1e-4, dep
 
 
 @pytest.mark.emulator
