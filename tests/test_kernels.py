@@ -6,11 +6,11 @@ thread as a fiber (tests/emulator). Matrix:
   also 32 and 512) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
-* decode on real TurboQuantKVCache views (μ, ν, scale, strided capacity buffers): every key/value bit pair
-  the kernels take (the default K4/V3 first; 25 integer pairs and 15 with QJL keys) at head_dim 64 with
-  batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three dtypes; K4/V3 and K4+qjl/V3 at every head_dim
-  32..512 with batch 2; every other pair the config accepts (fractional bits, QJL at 1 bit) and head_dim
-  80/96 must be refused by decode_unsupported with its reason and fall back to the reference;
+* decode on real TurboQuantKVCache views (μ, ν, scale, strided capacity buffers), in all three schedules:
+  every key/value bit pair the kernels take (the default K4/V3 first; 25 integer pairs and 15 with QJL keys)
+  at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three dtypes; K4/V3 and K4+qjl/V3
+  at every head_dim 32..512 with batch 2; every other pair the config accepts (fractional bits, QJL at 1 bit)
+  and head_dim 80/96 must be refused by decode_unsupported with its reason and fall back to the reference;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
   batch 2: K4/V3, K4+qjl/V3, K8/V2 with 8 query tokens, K1/V8 with 64 query rows);
@@ -18,8 +18,9 @@ thread as a fiber (tests/emulator). Matrix:
 * planted bugs (a missing barrier, a shuffle to a wrong lane, a dropped packing shuffle) that must fail;
 * byte counts: decode attention reads each compressed byte once per kv head and step, writes no float copy;
 * the self-check/disable logic, the backend setting and environment variable, MLX's own source generator.
-Cost is dominated by compiling ~190 kernel variants (about 0.5 s of CPU each, cached in ~/.cache/tq-mlx): 1.7
-CPU-minutes cold (3.6 min wall on a shared 2-core machine at load 8), 35 CPU-seconds warm (70 s wall there).
+Cost is dominated by compiling ~250 kernel variants (about 0.4 s of CPU each, cached in ~/.cache/tq-mlx): 1.8
+CPU-minutes cold (80 s wall on a 2-core machine at load 2), 30 CPU-seconds warm (28 s wall there); the bit-pair,
+head_dim, schedule and sparse-V bound tests above take 24 s of that cold, 10 s warm.
 """
 
 from __future__ import annotations
@@ -495,11 +496,12 @@ def check_cache_decode(kb, vb, qjl, dim, B, R, L, dtype, schedule="forward", str
 
 @pytest.mark.slow
 @pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=bits_id)
-def test_decode_every_kernel_bit_pair_on_cache(emulator, pair):
+def test_decode_every_kernel_bit_pair_on_cache(emulator, pair, schedule):
     i = KERNEL_PAIRS.index(pair)
     B, R, L, dtype = PAIR_SHAPES[i % len(PAIR_SHAPES)]
-    check_cache_decode(*pair, 64, B, R, L, dtype, strided=i % 2 == 1)
+    check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1)
 
 
 def test_bit_pair_matrix_covers_the_config():
@@ -529,12 +531,14 @@ DIM_SHAPES = {32: (2, 8, 4, mx.float16), 64: (2, 4, 2, mx.bfloat16), 128: (2, 4,
               256: (2, 2, 3, mx.float32), 512: (2, 4, 2, mx.float16)}
 
 
+@pytest.mark.slow
 @pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("qjl", [False, True], ids=["K4/V3", "K4+qjl/V3"])
 @pytest.mark.parametrize("dim", sorted(DIM_SHAPES))
-def test_decode_every_head_dim_on_cache(emulator, dim, qjl):
+def test_decode_every_head_dim_on_cache(emulator, dim, qjl, schedule):
     assert tuple(sorted(DIM_SHAPES)) == K.SUPPORTED_DIMS
-    check_cache_decode(4, 3, qjl, dim, *DIM_SHAPES[dim], strided=qjl)
+    check_cache_decode(4, 3, qjl, dim, *DIM_SHAPES[dim], schedule, strided=qjl)
 
 
 @pytest.mark.parametrize("dim", [80, 96])
