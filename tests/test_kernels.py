@@ -6,13 +6,21 @@ thread as a fiber (tests/emulator). Matrix:
   also 32 and 512) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
+* decode on real TurboQuantKVCache views (μ, ν, scale, strided capacity buffers), in all three schedules:
+  every key/value bit pair the kernels take (the default K4/V3 first; 25 integer pairs and 15 with QJL keys)
+  at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three dtypes; K4/V3 and K4+qjl/V3
+  at every head_dim 32..512 with batch 2; every other pair the config accepts (fractional bits, QJL at 1 bit)
+  and head_dim 80/96 must be refused by decode_unsupported with its reason and fall back to the reference;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
-  with a causal mask, many query rows split into chunks, encode and dequantize with QJL);
+  with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
+  batch 2: K4/V3, K4+qjl/V3, K8/V2 with 8 query tokens, K1/V8 with 64 query rows);
+* sparse V's bound (SPARSE_V_EPSILON) on an adversarial 20k-token pattern against a float64 exact result;
 * planted bugs (a missing barrier, a shuffle to a wrong lane, a dropped packing shuffle) that must fail;
 * byte counts: decode attention reads each compressed byte once per kv head and step, writes no float copy;
 * the self-check/disable logic, the backend setting and environment variable, MLX's own source generator.
-Cost is dominated by compiling ~190 kernel variants (about 0.5 s of CPU each, cached in ~/.cache/tq-mlx): 1.7
-CPU-minutes cold (3.6 min wall on a shared 2-core machine at load 8), 35 CPU-seconds warm (70 s wall there).
+Cost is dominated by compiling ~250 kernel variants (about 0.4 s of CPU each, cached in ~/.cache/tq-mlx): 1.8
+CPU-minutes cold (80 s wall on a 2-core machine at load 2), 30 CPU-seconds warm (28 s wall there); the bit-pair,
+head_dim, schedule and sparse-V bound tests above take 24 s of that cold, 10 s warm.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from tq_mlx import kernels as K
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.stream import encode as stream_encode
 from tq_mlx.packing import unpack
-from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
+from tq_mlx.quantizer import MSE_BITS, PROD_BITS, TurboQuantMSE, TurboQuantProd
 from tq_mlx.rotation import Rotation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,7 +312,7 @@ def test_decode_default_split_and_no_float_tokens(emulator):
 
 @pytest.mark.emulator
 def test_sparse_v_skips_negligible_weights(emulator):
-    # A large scale makes most softmax weights < 1e-6 of the max: their values are neither read nor added.
+    # A large scale makes most softmax weights < ε/64 of the max: their values are neither read nor added.
     f = Emu()
     got, want, _, values = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f,
                                       n=200, scale=4.0, split_tokens=64)
@@ -316,9 +324,73 @@ def test_sparse_v_skips_negligible_weights(emulator):
     # Threshold 0 keeps every token: all value words are read.
     f0 = Emu()
     got0, *_ = run_decode(np.random.default_rng(6), 64, 4, 4, False, mx.float32, 2, 1, None, f0,
-                          n=200, scale=4.0, split_tokens=64, sparse_threshold=-1.0)
+                          n=200, scale=4.0, split_tokens=64, sparse_epsilon=-1.0)
     assert f0.stats("tq_decode_partial")[0].buffers["vc"].total_bytes_read == vc.nbytes
     assert_close(got0, want, mx.float32)
+
+
+def adversarial_sparse_v(n, per, weight, anchor_value, D=32, R=8, L=4, A=30.0):
+    """Keys and values of n tokens built so every split of `per` tokens opens with one anchor (score A) and
+    holds per - 1 tokens of relative weight just below `weight`: the most a skip rule lets through per split.
+    All keys share one code word (score = its float16 norm: the query is scaled so), all values one code word
+    (the anchors' values scaled by anchor_value). Returns q, keys, values, scale, the low tokens' actual
+    weight, the exact output (float64) and the largest value norm."""
+    rng = np.random.default_rng(0)
+    kq, vq = quantizer(D, 4, seed=2), quantizer(D, 3, seed=3)
+    kc, vc = (K.encode_reference(normal(rng, (1, 1, 1, D)), q, None) for q in (kq, vq))
+    khat = np.asarray(K.dequantize_reference(StreamView(kq, kc._replace(norms=mx.ones_like(kc.norms)), None, None,
+                                                        None, None), mx.float32)).reshape(D).astype(np.float64)
+    low = np.float16(A + math.log(weight))
+    if float(low) > A + math.log(weight):  # round down: the weight must stay below `weight`
+        low = np.nextafter(low, np.float16(-np.inf))
+    knorm = np.full(n, low, np.float16)
+    knorm[::per] = A
+    vnorm = np.full(n, np.asarray(vc.norms.astype(mx.float32)).item(), np.float16)
+    vnorm[::per] *= anchor_value
+    many = lambda c, norms: c._replace(codes=mx.broadcast_to(c.codes, (1, 1, n, c.codes.shape[-1])),  # noqa: E731
+                                       norms=mx.array(norms).reshape(1, 1, n, 1))
+    keys = StreamView(kq, many(kc, knorm), None, None, None, None)
+    values = StreamView(vq, many(vc, vnorm), None, None, None, None)
+    scale = 1.0 / math.sqrt(D)
+    qv = khat / (khat @ khat) / scale  # scale·q·k_t = |k_t|
+    q = mx.array(np.broadcast_to(qv, (1, R, L, D)).astype(np.float32))
+    p = np.exp((scale * qv @ khat) * (knorm.astype(np.float64) - A))
+    V = np.asarray(K.dequantize_reference(values, mx.float32)).reshape(n, D).astype(np.float64)
+    exact = (p @ V) / p.sum()
+    return q, keys, values, scale, float(np.exp(float(low) - A)), exact, np.linalg.norm(V, axis=-1).max()
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("per", [20000, 2720], ids=["one-split", "2720-token-splits"])
+def test_sparse_v_departure_is_bounded_at_20k_tokens(emulator, per):
+    # GQA 8 x 4 query rows at 20k tokens. Low tokens just under ε/n each drop (n - 1)·0.95ε/n of the split's
+    # mass, the most the rule allows: the departure is close to, and below, ε · max |v| (SPARSE_V_EPSILON).
+    n, eps = 20000, K.SPARSE_V_EPSILON
+
+    def departure(weight, anchor_value, sparse_epsilon, f=None):
+        q, keys, values, scale, w, exact, vmax = adversarial_sparse_v(n, per, weight, anchor_value)
+        got = K.decode_attention(q, keys, values, scale, None, split_tokens=per, sparse_epsilon=sparse_epsilon,
+                                 metal_kernel=f or Emu())
+        g = np.asarray(got, np.float64).reshape(-1, q.shape[-1])
+        return np.linalg.norm(g - exact, axis=-1).max() / vmax, w
+
+    # Anchors hold a zero value, so the output is the low tokens' share alone: skipping them all is the worst.
+    f = Emu()
+    dep, w = departure(0.95 * eps / per, 0.0, eps, f)
+    assert 0.9 * eps / per < w < eps / per
+    vc = f.stats("tq_decode_partial")[0].buffers["vc"]
+    assert vc.total_bytes_read < 0.01 * vc.nbytes, "the low tokens' values should be skipped"
+    assert 0.8 * eps < dep <= eps * (1 + 1e-3), dep
+    assert dep < 1e-4
+    # The earlier rule (a fixed 1e-6 of the running max) drops up to n·1e-6 on the same pattern.
+    old, _ = departure(0.95e-6, 0.0, 1e-6 * per)
+    assert old > 1e-3, old
+    # Every token kept (ε < 0): float32 accumulation of many tiny weights into a large sum (every value
+    # equal) stays within the same 1e-4 (summed one token at a time it was off by 4e-4).
+    f = Emu()
+    dep, _ = departure(0.95e-6, 1.0, -1.0, f)
+    assert f.stats("tq_decode_partial")[0].buffers["vc"].total_bytes_read == vc.nbytes
+    assert dep < 1e-4, dep
 
 
 @pytest.mark.emulator
@@ -346,7 +418,8 @@ def cache_handles(config, n_prompt, dim=64, B=1, H=2, seed=0):
 def numpy_views(kv: StreamView) -> StreamView:
     """The handle with its cache views as strided numpy arrays, so the emulator sees MLX's real strides
     (ensure_row_contiguous=False) instead of contiguous copies."""
-    view = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    # bfloat16 has no numpy buffer format: those float tokens stay mx arrays.
+    view = lambda a: a if a is None or a.dtype == mx.bfloat16 else np.asarray(a)  # noqa: E731
     return kv._replace(codes=type(kv.codes)(*(view(a) for a in kv.codes)), sinks=view(kv.sinks),
                        window=view(kv.window))
 
@@ -369,6 +442,132 @@ def test_decode_on_cache_handles_strided(emulator, qjl):
         assert np.asarray(keys.codes.codes).strides[2] == W * 4 and not np.asarray(keys.codes.codes).flags.c_contiguous
         # Only the live tokens of the capacity buffers are read, each word once.
         assert st.buffers["kc"].unique_bytes_read == st.buffers["kc"].total_bytes_read == 1 * 2 * n * W * 4
+
+
+# ------------------------------------------ every bit pair, head_dim, batch and schedule, on real caches
+# The config accepts key/value bits in MSE_BITS (QJL keys: PROD_BITS); the kernels take integer bits
+# 1, 2, 3, 4, 8 (QJL keys 2, 3, 4: a 1..3-bit MSE stage + 1 QJL bit) and head dims 32..512. The rest must be
+# refused by decode_unsupported with its reason, so dispatch_attention takes the reference path.
+KERNEL_KEY_BITS = {False: (1, 2, 3, 4, 8), True: (2, 3, 4)}
+KERNEL_VALUE_BITS = (1, 2, 3, 4, 8)
+DEFAULT_PAIR = (4, 3, False)  # TurboQuantConfig's default K4/V3
+ALL_PAIRS = [(kb, vb, qjl) for qjl, kbits in ((False, MSE_BITS), (True, PROD_BITS)) for kb in kbits for vb in MSE_BITS]
+KERNEL_PAIRS = [DEFAULT_PAIR] + [
+    (kb, vb, qjl) for kb, vb, qjl in ALL_PAIRS
+    if kb in KERNEL_KEY_BITS[qjl] and vb in KERNEL_VALUE_BITS and (kb, vb, qjl) != DEFAULT_PAIR
+]
+REFERENCE_PAIRS = [p for p in ALL_PAIRS if p not in KERNEL_PAIRS]
+# (B, R, L, model dtype) cycled through the pairs: batch 1 and 2, 1..8 query tokens, GQA 1..8, every dtype.
+PAIR_SHAPES = [(1, 4, 1, mx.float16), (2, 2, 3, mx.bfloat16), (1, 1, 1, mx.float32), (2, 8, 2, mx.float16),
+               (1, 3, 4, mx.bfloat16), (2, 1, 8, mx.float32), (1, 2, 1, mx.float16)]
+
+
+def bits_id(p) -> str:
+    kb, vb, qjl = p
+    return f"K{kb}{'+qjl' if qjl else ''}/V{vb}"
+
+
+def cache_step(kb, vb, qjl, dim, B, R, L, dtype, H=2, n_prompt=70, seed=0, **config):
+    """A decode step on a real TurboQuantKVCache (mean and scale from its calibration, strided views of its
+    capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens."""
+    rng = np.random.default_rng(seed)
+    cfg = dict(window=16, sinks=4, compress_block=8, step=64) | config
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **cfg))
+    kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
+    cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
+    keys, values = cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
+    return normal(rng, (B, H * R, L, dim), dtype), keys, values
+
+
+def check_cache_decode(kb, vb, qjl, dim, B, R, L, dtype, schedule="forward", strided=False, **config):
+    q, keys, values = cache_step(kb, vb, qjl, dim, B, R, L, dtype, **config)
+    assert keys.mean is not None and keys.scale is not None and values.mean is not None  # as in production
+    assert keys.n_compressed > 32  # two splits of 32, the second partial
+    mask = "causal" if L > 1 else None
+    assert K.decode_unsupported(q, keys, values, mask) is None
+    f = Emu(schedule, seed=13)
+    kv = (numpy_views(keys), numpy_views(values)) if strided else (keys, values)
+    got = K.decode_attention(q, *kv, 1.0 / math.sqrt(dim), mask, split_tokens=32, metal_kernel=f)
+    assert got.dtype == dtype and got.shape == (B, 2 * R, L, dim)
+    assert_close(got, K.decode_attention_reference(q, keys, values, 1.0 / math.sqrt(dim), mask), dtype,
+                 f"{bits_id((kb, vb, qjl))} d={dim} B={B} R={R} L={L} {schedule}")
+    return f
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=bits_id)
+def test_decode_every_kernel_bit_pair_on_cache(emulator, pair, schedule):
+    i = KERNEL_PAIRS.index(pair)
+    B, R, L, dtype = PAIR_SHAPES[i % len(PAIR_SHAPES)]
+    check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1)
+
+
+def test_bit_pair_matrix_covers_the_config():
+    assert KERNEL_PAIRS[0] == DEFAULT_PAIR
+    assert len(KERNEL_PAIRS) == 5 * 5 + 3 * 5 and len(ALL_PAIRS) == 7 * 7 + 4 * 7
+    for kb, vb, qjl in ALL_PAIRS:
+        TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl)  # every pair here is one the config accepts
+
+
+@pytest.mark.parametrize("pair", REFERENCE_PAIRS, ids=bits_id)
+def test_bit_pairs_without_a_kernel_say_why_and_fall_back(monkeypatch, pair):
+    kb, vb, qjl = pair
+    q, keys, values = cache_step(kb, vb, qjl, 64, 1, 2, 1, mx.float16, n_prompt=40)
+    reason = K.decode_unsupported(q, keys, values, None)
+    assert reason and ("fractional bits" in reason if 2.5 in (kb, vb) or 3.5 in (kb, vb) else
+                       reason == "QJL at 1 bit (no MSE stage)"), reason
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    never = Counting()
+    K.set_kernel_factory(never)
+    out = K.dispatch_attention(q, keys, values, 0.125, None)
+    assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.125))
+    assert never.made == 0
+
+
+# (B, R, L, dtype) per head_dim: 512 keeps R·L small (threadgroup memory), 32 takes the most rows.
+DIM_SHAPES = {32: (2, 8, 4, mx.float16), 64: (2, 4, 2, mx.bfloat16), 128: (2, 4, 1, mx.float16),
+              256: (2, 2, 3, mx.float32), 512: (2, 4, 2, mx.float16)}
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("qjl", [False, True], ids=["K4/V3", "K4+qjl/V3"])
+@pytest.mark.parametrize("dim", sorted(DIM_SHAPES))
+def test_decode_every_head_dim_on_cache(emulator, dim, qjl, schedule):
+    assert tuple(sorted(DIM_SHAPES)) == K.SUPPORTED_DIMS
+    check_cache_decode(4, 3, qjl, dim, *DIM_SHAPES[dim], schedule, strided=qjl)
+
+
+@pytest.mark.parametrize("dim", [80, 96])
+def test_head_dims_without_a_kernel_say_why_and_fall_back(monkeypatch, dim):
+    q, keys, values = cache_step(4, 3, False, dim, 2, 2, 1, mx.float16, n_prompt=40)
+    assert f"head dim {dim}" in (K.decode_unsupported(q, keys, values, None) or "")
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    never = Counting()
+    K.set_kernel_factory(never)
+    out = K.dispatch_attention(q, keys, values, 0.125, None)
+    assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.125))
+    assert never.made == 0
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "kb,vb,qjl,dim,R,L,dtype",
+    [
+        (4, 3, False, 128, 4, 1, mx.float16),  # the default, Llama-like GQA decode
+        (4, 3, True, 64, 2, 3, mx.bfloat16),  # QJL keys, speculative verify
+        (8, 2, False, 256, 1, 8, mx.float32),  # 8 query tokens
+        (1, 8, False, 32, 8, 8, mx.float16),  # 64 query rows in one threadgroup, 8 per SIMD group
+    ],
+    ids=ids,
+)
+def test_decode_schedules_on_cache_batch_2(emulator, schedule, kb, vb, qjl, dim, R, L, dtype):
+    check_cache_decode(kb, vb, qjl, dim, 2, R, L, dtype, schedule, strided=schedule != "forward")
 
 
 @pytest.mark.emulator
