@@ -166,6 +166,7 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         assert "Traceback" not in term.output()
         if terminal == "pty":
             term.child.close()
-            assert term.child.exitstatus == 0, term.output()[-2000:]
+            assert term.child.exitstatus == 0, (f"exit status {term.child.exitstatus}, signal "
+                                                f"{term.child.signalstatus}:\n{term.output()[-2000:]}")
     finally:
         term.kill()
