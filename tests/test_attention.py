@@ -223,3 +223,25 @@ def test_extreme_scales_stay_finite_and_track_the_float_cache(dtype, magnitude):
         err_unit = np.abs(unit - _attend(dtype, 1.0, None)).max() / np.abs(ref).max()
         assert err < tol, (cfg.key_bits, err)
         assert err <= 1.1 * err_unit + 1e-3, (cfg.key_bits, err, err_unit)  # as good as at unit scale
+
+
+def test_long_prefill_chunk_transient_is_flat_in_context():
+    # A prefill chunk attending to a compressed context: the lazy graph must not hold every tile's scores at
+    # once, so the transient memory is bounded by a few tiles, whatever the context length.
+    H, D, Hq, L = 2, 64, 8, 1024
+    transients = {}
+    for T in (L + 2048, L + 8192):
+        c = TurboQuantKVCache(TurboQuantConfig(), head_dim=D)
+        for _ in range(0, T - L, 1024):
+            c.update_and_fetch(mx.random.normal((1, H, 1024, D)), mx.random.normal((1, H, 1024, D)))
+            mx.eval(c.held_arrays())
+        kh, vh = c.update_and_fetch(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D)))
+        q = mx.random.normal((1, Hq, L, D))
+        mx.eval(kh, vh, q)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
+        transients[T] = mx.get_peak_memory() - base
+    scores_9k = Hq * L * (L + 8192) * 4  # what one float32 score matrix over the whole context would take
+    assert transients[L + 8192] < 1.25 * transients[L + 2048], transients
+    assert transients[L + 8192] < 0.5 * scores_9k, (transients, scores_9k)
