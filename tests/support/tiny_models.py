@@ -29,16 +29,22 @@ EOS = 256
 
 
 def _randomize(model: nn.Module, seed: int, dtype: mx.Dtype) -> nn.Module:
-    # Weights come from numpy's PCG64 seeded per parameter, so they are the same on every platform and
-    # independent of construction order. Norms and A_log keep their initial values; embeddings have std 1 (a
-    # residual stream of unit scale, as in trained models), other matrices std 1/sqrt(fan_in), biases std 0.5
-    # so that keys get a per-channel mean (what key centering removes).
+    # Every weight comes from numpy's PCG64 seeded per parameter, so models are the same on every platform and
+    # whatever MLX's global random state (A_log's own init draws from it: a model that changed with the tests run
+    # before it made results order-dependent). Norm weights keep their initial ones; A_log is log U(1, 16) as
+    # in the models' own init; embeddings have std 1 (a residual stream of unit scale, as in trained models),
+    # other matrices std 1/sqrt(fan_in), biases std 0.5 so that keys get a per-channel mean (what key
+    # centering removes).
     params = []
     for i, (name, p) in enumerate(tree_flatten(model.parameters())):
-        if "norm" in name or name.endswith("A_log") or p.ndim == 0:
+        rng = np.random.default_rng([seed, i])
+        parts = name.split(".")
+        if any("norm" in part for part in parts[-2:]) or p.ndim == 0:  # the norm module's own weights only
             params.append((name, p))
             continue
-        rng = np.random.default_rng([seed, i])
+        if name.endswith("A_log"):
+            params.append((name, mx.array(np.log(rng.uniform(1, 16, p.shape)).astype(np.float32))))
+            continue
         if name.endswith("bias"):
             std = 0.5
         elif "embed_tokens" in name:

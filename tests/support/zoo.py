@@ -172,13 +172,13 @@ def tolerance(arch: str) -> float:
 
 TOLERANCE = 1e-2  # 8-bit logits vs the float cache, max relative error (test_integration's measure)
 # These tiny random models miss the 1e-2 target at 8 bits: measured max 1.0-3.6e-2 (mlx-lm's own 8-bit affine
-# cache, group 32, all tokens quantized, measured beside it: bailing_moe 1.5e-2, dbrx 1.2e-2, lille-130m 1.1e-2,
+# cache, group 32, all tokens quantized, measured beside it: bailing_moe 1.5e-2, dbrx 1.1e-2, lille-130m 1.1e-2,
 # nemotron 2.1e-2, openelm 1.7e-2, olmo2 0.9e-2, mixtral 0.5e-2, bailing_moe_linear 0.7e-2: the first five are
 # as sensitive to any 8-bit cache; the two MoE models flip expert routes). Each keeps a bound of about 1.5x its
 # measurement, so a regression still fails, and its README row says it misses the target.
 LOOSER: dict[str, tuple[float, str]] = {
     a: (t, "misses the 1e-2 target on this random-weight model") for a, t in {
-        "bailing_moe": 3e-2, "bailing_moe_linear": 6e-2, "dbrx": 3e-2, "mixtral": 3e-2, "nemotron": 4e-2,
+        "bailing_moe": 3e-2, "bailing_moe_linear": 6e-2, "dbrx": 1.7e-2, "mixtral": 3e-2, "nemotron": 4e-2,
         "olmo2": 2e-2, "openelm": 2e-2, "lille-130m": 1.5e-2}.items()
 }
 
