@@ -78,11 +78,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-qjl", dest="tq_qjl", action="store_true",
                    help="keys as TurboQuant_prod: (bits-1) MSE bits + 1 QJL bit (integer key bits 1-4)")
     g.add_argument("--tq-window", dest="tq_window", type=_count_arg(0), metavar="N",
-                   help=f"most recent tokens kept in float16 (default {d.window}; 0 compresses every token)")
+                   help=f"most recent tokens kept in the model's float dtype (default {d.window}; 0 compresses "
+                        "every token)")
     g.add_argument("--tq-compress-block", "--tq-block", dest="tq_compress_block", type=_count_arg(1), metavar="N",
                    help="tokens compressed at a time when the window overflows (default: the window)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=_count_arg(0), metavar="N",
-                   help=f"first tokens kept in float16 (default {d.sinks})")
+                   help=f"first tokens kept in the model's float dtype (default {d.sinks})")
     g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=_count_arg(0), metavar="N",
                    help=f"first and last N attention layers use --tq-boundary-bits (default {d.boundary_layers})")
     g.add_argument("--tq-boundary-bits", dest="tq_boundary_bits", type=bits_arg, metavar="B",
