@@ -132,7 +132,7 @@ class ChatApp(App):
         if plan is not None:
             note = (f"**{self.settings.source.name}**: weights {format_bytes(plan.weights)}, KV cache at "
                     f"{plan.ctx:,} tokens {format_bytes(plan.kv)} (float16 would be {format_bytes(plan.kv_fp16)}); "
-                    f"{format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
+                    f"predicted peak {format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
             await self.transcript.add(note, "notice")
             for w in plan.warnings:
                 await self.transcript.add(f"Warning: {w}", "error")
@@ -198,7 +198,7 @@ class ChatApp(App):
             await self.transcript.add(message.error or "could not load the model", "error")
             return
         self.session = message.session
-        self.panel.stats = self.session.snapshot()
+        self.panel.stats = self._with_plan(self.session.snapshot())
         await self.transcript.add("Ready. Type a message, or /help for commands.", "notice")
         prompt.placeholder = "Message (/help for commands)"
         prompt.disabled = False
@@ -273,7 +273,12 @@ class ChatApp(App):
         await self._stream.write(message.text)
 
     def on_stats(self, message: Stats) -> None:
-        self.panel.stats = message.stats
+        self.panel.stats = self._with_plan(message.stats)
+
+    def _with_plan(self, stats: dict) -> dict:
+        """The panel shows the predicted peak next to the measured one."""
+        plan = self.settings.plan
+        return {**stats, "planned_peak": plan.needed} if plan is not None else stats
 
     async def on_turn_done(self, message: TurnDone) -> None:
         if self._stream is not None:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = args.ctx or default_ctx(trained)
     plan = make_plan(source.name, model_config, weights, ctx, config, available_memory(), memory_source(),
-                     dtype=args.dtype)
+                     dtype=args.dtype, prefill_step=args.prefill_step_size)
     if args.plan:
         print(format_plan(plan))
         return 0 if plan.fits else 1
@@ -127,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         system=args.system, dtype=args.dtype, prefill_step_size=args.prefill_step_size, seed=args.seed, plan=plan,
     ))
     app.run()
-    _exit_without_teardown(app.return_code or 0)
+    return app.return_code or 0
 
 
-def _exit_without_teardown(code: int) -> None:
-    """End the process now, skipping interpreter and C++ teardown. MLX 0.32 can abort in its exit-time
-    destructors ("terminate called without an active exception", SIGABRT) once a worker thread has used it:
-    2 of 10 runs of a five-line script with one worker thread; tq-chat decodes in worker threads. By now the
-    app has restored the terminal and nothing is left unsaved, so only the streams are flushed."""
+def console_main() -> None:
+    """The tq-chat command: main(), then the end of the process without interpreter and C++ teardown. MLX
+    0.32 can abort in its exit-time destructors ("terminate called without an active exception", SIGABRT)
+    once a worker thread has used it: 2 of 10 runs of a five-line script with one worker thread; tq-chat
+    decodes in worker threads. When main returns, the app has restored the terminal and nothing is left
+    unsaved, so only the output streams are flushed."""
+    code = main()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -142,4 +144,4 @@ def _exit_without_teardown(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import describe_config
-from tq_mlx.memory import attention_layout, estimate_kv_bytes, format_bytes
+from tq_mlx.memory import attention_layout, estimate_kv_bytes, estimate_peak_bytes, format_bytes
 
 # Share of the available memory the weights and KV cache may take; the rest is left for activations
 # (prefill chunks, attention scores) and everything else running.
@@ -37,6 +37,9 @@ class Plan:
     suggestion: str | None = None
     sliding_layers: tuple[tuple[int, int], ...] = ()  # (layer, window): bounded float caches, never compressed
     linear_layers: tuple[int, ...] = ()  # recurrent / linear-attention layers: a fixed-size state
+    peak: int = 0  # predicted peak MLX memory of prefill + decode at ctx with `config` (memory.estimate_peak_bytes)
+    peak_float: int = 0  # the same with mlx-lm's float cache
+    prefill_step: int = 2048
 
     @property
     def usable(self) -> int:
@@ -44,7 +47,8 @@ class Plan:
 
     @property
     def needed(self) -> int:
-        return self.weights + self.kv
+        """What must fit: the predicted peak (weights + KV + one prefill chunk's transient)."""
+        return self.peak or self.weights + self.kv
 
     @property
     def fits(self) -> bool:
@@ -63,9 +67,11 @@ def memory_source() -> str:
 
 
 def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: TurboQuantConfig | None,
-              available: int, available_source: str = "physical memory", dtype: str | None = None) -> Plan:
-    """Estimate weights + KV at `ctx` tokens, compare with `available`, and suggest settings that fit.
-    dtype: what --dtype casts the model to (its config's torch_dtype otherwise)."""
+              available: int, available_source: str = "physical memory", dtype: str | None = None,
+              prefill_step: int = 2048) -> Plan:
+    """Estimate weights, KV and the peak of prefill + decode at `ctx` tokens, compare the peak with
+    `available`, and suggest settings that fit. dtype: what --dtype casts the model to (its config's
+    torch_dtype otherwise)."""
     if dtype:  # the KV cache's float parts hold the dtype the model runs in
         model_config = {**model_config, "torch_dtype": dtype}
     lay = attention_layout(model_config)
@@ -76,6 +82,9 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         available=available, available_source=available_source, trained_ctx=lay.max_context,
         attention_layers=len(lay.full_layers), n_layers=lay.n_layers, kv_heads=lay.n_kv_heads,
         head_dim=lay.head_dim, sliding_layers=lay.sliding_layers, linear_layers=lay.linear_layers,
+        peak=estimate_peak_bytes(model_config, ctx, config, weights=weights, prefill_step=prefill_step),
+        peak_float=estimate_peak_bytes(model_config, ctx, None, weights=weights, prefill_step=prefill_step),
+        prefill_step=prefill_step,
     )
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
@@ -96,10 +105,11 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     base = plan.config or TurboQuantConfig()
     for bits in SUGGESTED_BITS:
         cfg = replace(base, key_bits=bits, value_bits=bits, qjl=False)
-        if bits < max(base.key_bits, base.value_bits) and estimate_kv_bytes(model_config, plan.ctx, cfg) <= room:
+        peak = estimate_peak_bytes(model_config, plan.ctx, cfg, weights=plan.weights, prefill_step=plan.prefill_step)
+        if bits < max(base.key_bits, base.value_bits) and peak <= plan.usable:
             tips.append(f"--bits {bits} fits {plan.ctx:,} tokens")
             break
-    ctx = max_context(model_config, room, plan.config)
+    ctx = max_context(model_config, room, plan.config, plan.prefill_step)
     if ctx >= 1024:
         tips.append(f"--ctx {format_ctx(ctx)} fits with the current settings")
     if not tips:
@@ -107,12 +117,13 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     return "; or ".join(tips)
 
 
-def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None) -> int:
-    """The largest context (rounded down to 1024 tokens) whose KV cache fits in `budget` bytes."""
+def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048) -> int:
+    """The largest context (rounded down to 1024 tokens) whose KV cache and prefill transient (the predicted
+    peak beyond the weights) fit in `budget` bytes."""
     lo, hi = 0, 1 << 24
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate_kv_bytes(model_config, mid, config) <= budget:
+        if estimate_peak_bytes(model_config, mid, config, weights=0, prefill_step=prefill_step) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -153,6 +164,8 @@ def format_plan(plan: Plan) -> str:
         ("weights", format_bytes(plan.weights)),
         ("KV float16", format_bytes(plan.kv_fp16)),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
+        ("peak", f"{format_bytes(plan.needed)} predicted for prefill ({plan.prefill_step:,}-token chunks) + decode"
+                 + (f"; {format_bytes(plan.peak_float)} with mlx-lm's float cache" if plan.config else "")),
         ("total", f"{format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable "
                   f"({int(USABLE_FRACTION * 100)}% of {format_bytes(plan.available)} {plan.available_source})"),
     ]

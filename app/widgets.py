@@ -94,6 +94,7 @@ class MemoryPanel(Static):
                 ("weights", format_bytes(s["weights"]), ""),
                 ("MLX active", format_bytes(s["active"]), ""),
                 ("MLX peak", format_bytes(s["peak"]), ""),
+                *([("planned peak", format_bytes(s["planned_peak"]), "dim")] if s.get("planned_peak") else []),
             ]),
             ("speed", [
                 ("prefill", f"{s['prefill'][0]:,} / {s['prefill'][1]:,}" if s.get("prefill") else _tps(s["prompt_tps"]), ""),

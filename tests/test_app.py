@@ -19,7 +19,7 @@ from tq_chat.plan import format_ctx, make_plan, max_context
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.memory import estimate_kv_bytes, format_bytes, load_model_config, weight_bytes
+from tq_mlx.memory import estimate_kv_bytes, estimate_peak_bytes, format_bytes, load_model_config, weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds any single wait in the app may take
@@ -82,14 +82,15 @@ def test_context_beyond_training_warns(tiny_model_dir, capsys):
 def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, capsys):
     cfg = load_model_config(tiny_model_dir)
     weights = weight_bytes(tiny_model_dir)
-    # room for the weights and a 2-bit KV cache of 64k tokens: the default 4 bits do not fit
-    room = weights + estimate_kv_bytes(cfg, 65536, TurboQuantConfig.from_bits(2))
+    # room for the predicted peak with a 2-bit KV cache of 64k tokens (tq-chat prefills 512 tokens at a time):
+    # the default 4 bits do not fit
+    room = estimate_peak_bytes(cfg, 65536, TurboQuantConfig.from_bits(2), weights=weights, prefill_step=512)
     monkeypatch.setattr("tq_mlx.memory.available_memory", lambda: int(room / 0.9) + 1)
     monkeypatch.setattr("tq_chat.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
     assert cli.main([str(tiny_model_dir), "--ctx", "64k"]) == 1
     err = capsys.readouterr().err
     assert "does NOT fit" in err and "not starting" in err and "--force" in err
-    fits_ctx = max_context(cfg, room - weights, TurboQuantConfig())
+    fits_ctx = max_context(cfg, room - weights, TurboQuantConfig(), prefill_step=512)
     assert 16 * 1024 < fits_ctx < 64 * 1024
     assert f"--bits 2 fits 65,536 tokens; or --ctx {format_ctx(fits_ctx)} fits" in err
     assert cli.main([str(tiny_model_dir), "--ctx", "64k", "--plan"]) == 1

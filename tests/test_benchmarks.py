@@ -135,3 +135,12 @@ def test_readme_tables_render(memory: dict, quality: dict, speed: dict, results_
     assert text.endswith("<!-- benchmark-results:end -->\n\ntail\n")
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_peak_quick_planner_tracks_the_measured_peak(results_dir: Path) -> None:
+    # A real SmolLM2 prefill + decode per cache, in fresh processes, against tq_mlx.memory.estimate_peak_bytes.
+    rows = run_script("peak", results_dir)["rows"]
+    assert {r["cache"] for r in rows} == {"float", "tq"}
+    for r in rows:
+        assert r["peak"] >= r["weights"] + r["kv"]  # the peak holds at least what stays
+        assert abs(r["error"]) < 0.1, r  # the planner within 10% of the measured peak

@@ -239,3 +239,18 @@ def test_plan_says_which_layers_are_compressed_and_which_stay_float():
     assert "2 full-attention layers compressed; 4 sliding-window layers stay float (window 512: bounded)" in text
     text = format_plan(make_plan("q", QWEN35_35B_A3B, 10**9, 8192, TurboQuantConfig(), 48 * 10**9))
     assert "10 full-attention layers compressed; 30 linear-attention layers keep a fixed-size state" in text
+
+
+def test_peak_estimate_is_flat_for_turboquant_and_grows_with_the_float_cache():
+    from tq_mlx.memory import estimate_peak_bytes
+
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+           "hidden_size": 576, "intermediate_size": 1536, "torch_dtype": "float32"}
+    tq = TurboQuantConfig()
+    peak = {(c, n): estimate_peak_bytes(cfg, n, c, weights=10**8) for c in (None, tq) for n in (4096, 16384)}
+    kv = {(c, n): estimate_kv_bytes(cfg, n, c) * (2 if c is None else 1) for c in (None, tq) for n in (4096, 16384)}
+    transient = {k: peak[k] - 10**8 - kv[k] for k in peak}
+    assert transient[tq, 16384] == transient[tq, 4096]  # tiles of scores, whatever the context
+    assert transient[None, 16384] > 3 * transient[None, 4096] // 2  # a score matrix over the whole context
+    assert peak[tq, 4096] < peak[None, 4096] and peak[tq, 16384] < peak[None, 16384]
+    assert estimate_peak_bytes(cfg, 4096, tq, weights=10**8, prefill_step=512) < peak[tq, 4096]  # smaller chunks

@@ -55,6 +55,12 @@ def _side_stream() -> mx.Stream:
     return streams[key]
 
 
+def tile_size(batch: int, n_q_heads: int, n_queries: int, tile_tokens: int = TILE_TOKENS) -> int:
+    """Compressed tokens read per tile for this many query rows: tile_tokens, fewer for long query chunks so
+    that one tile's scores stay under SCORE_BUDGET elements, but never fewer than 256."""
+    return max(1, min(tile_tokens, max(256, SCORE_BUDGET // (batch * n_q_heads * n_queries))))
+
+
 def _split_query(q: mx.array, kv: StreamView):
     """The query in the compressed keys' bases: per group Π_g (q[perm])_g, plus S·q for QJL."""
     quantizer = kv.quantizer
@@ -208,7 +214,7 @@ def turboquant_attention(
         # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
         q_groups, sq = _split_query(q if keys.scale is None else q * keys.scale[:, :, None, None], keys)
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
-        tile = max(1, min(tile_tokens, max(256, SCORE_BUDGET // (B * Hq * L))))
+        tile = tile_size(B, Hq, L, tile_tokens)
         n_tiles = -(-n_c // tile)
         bounds = [n_c * i // n_tiles for i in range(n_tiles + 1)]
         # Two MLX streams (two cores on a CPU): a tile's values dequantize on one while its keys are scored on

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
+from .attention import tile_size
 from .cache import TurboQuantKVCache
 from .config import bits_label
 from .quantizer import constant_arrays
@@ -56,6 +57,9 @@ class AttentionLayout:
     v_head_dim: int = 0
     max_context: int | None = None  # the trained context (max_position_embeddings)
     linear_layers: tuple[int, ...] = field(default=())  # linear-attention / SSM layers: fixed-size state
+    n_heads: int = 0  # query heads
+    hidden_size: int = 0
+    intermediate_size: int = 0  # the MLP's width (the widest activation of a prefill chunk)
 
 
 def text_config(model_config: dict) -> dict:
@@ -126,6 +130,10 @@ def attention_layout(model_config: dict) -> AttentionLayout:
         v_head_dim=v_head_dim,
         max_context=max_ctx,
         linear_layers=tuple(linear),
+        n_heads=n_heads or n_kv,
+        hidden_size=_first_int(cfg, "hidden_size", "n_embd", "d_model") or 0,
+        intermediate_size=_first_int(cfg, "intermediate_size", "moe_intermediate_size", "ffn_hidden_size",
+                                     "n_inner") or 0,
     )
 
 
@@ -259,6 +267,47 @@ def estimate_kv_bytes(
         else:
             total += float16_kv_bytes(ctx, H, dk, dv, batch)
     return total
+
+
+# --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------
+
+# The transient of one prefill chunk of C tokens, beyond weights and KV. Activations: the residual stream and
+# its normed copy (2·hidden) and the MLP's gate, up and product (3·intermediate) per token, in the model's
+# dtype. Attention: mx.fast.scaled_dot_product_attention on MLX's CPU back end materializes the chunk's
+# float32 scores against the whole context (FLOAT_SCORE_COPIES of them, measured), growing with the context;
+# TurboQuant attention holds about TQ_SCORE_TILES tiles of scores and softmax temporaries (tq_mlx.attention:
+# two MLX streams, each tile scored after the previous merge), flat in the context. Both constants were
+# measured on SmolLM2-135M (float32, CPU, 2048-token chunks at 2k-8k: benchmarks/peak.py) and checked on
+# Qwen2.5-Coder-0.5B. On Metal, SDPA runs fused (no score matrix): the float figure there is a bound, not a
+# measurement; nobody here has measured a Mac.
+FLOAT_SCORE_COPIES = 1.1
+TQ_SCORE_TILES = 10
+
+
+def estimate_peak_bytes(
+    model_config: dict, ctx: int, config=None, *, weights: int, prefill_step: int = 2048,
+    dtype: str | None = None, batch: int = 1,
+) -> int:
+    """Peak MLX memory of a prefill of `ctx` tokens in `prefill_step` chunks, then decoding: the weights, the KV
+    cache at ctx (estimate_kv_bytes) and the largest transient of one chunk (see FLOAT_SCORE_COPIES). config:
+    a TurboQuantConfig, or None for mlx-lm's float cache."""
+    lay = attention_layout(model_config)
+    chunk = max(1, min(prefill_step, ctx))
+    F = kv_float_bytes(model_config, dtype)
+    activations = batch * chunk * F * (2 * lay.hidden_size + 3 * lay.intermediate_size)
+    if config is None:
+        attention = FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * ctx * 4
+    else:
+        tile = min(tile_size(batch, lay.n_heads, chunk), max(1, _turboquant_split(ctx, config)[1]))
+        attention = TQ_SCORE_TILES * batch * lay.n_heads * chunk * tile * 4
+        if lay.sliding_layers or ctx <= config.window + config.sinks:
+            # float tokens (window, sinks, sliding layers) go through float scores too
+            attention = max(attention, FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * min(
+                ctx, max([config.window + config.sinks] + [w for _, w in lay.sliding_layers])) * 4)
+    kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype)
+    if config is None:
+        kv = kv * F // FLOAT16_BYTES  # mlx-lm's KVCache holds the model's dtype
+    return weights + kv + int(activations + attention)
 
 
 # --- what a live prompt cache holds ---------------------------------------------------------------------
