@@ -33,6 +33,8 @@ COMMANDS = {
     "memory": "python benchmarks/memory.py",
     "quality": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/quality.py "
                "(this table: four parts run side by side and joined with --merge; see the script's docstring)",
+    "long_context": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py "
+                    "(this table: one run per model side by side, joined with --merge; see the script's docstring)",
     "speed": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/speed.py",
 }
 
@@ -52,17 +54,31 @@ def section(results: Path = common.RESULTS, readme_dir: Path = common.REPO, suff
         path = results / f"{name}{suffix}.json"
         if not path.exists():
             parts.append(f"### {title}\n\nNo results yet: run `{COMMANDS[name]}`.")
+            if name == "quality":
+                parts.append(long_context_part(results, suffix))
             continue
         res = json.loads(path.read_text())
         headers, rows, notes = mod.report(res)
         align = {"memory": memory.ALIGN, "speed": speed.ALIGN}.get(name)
         extra = memory.chart_link(res, f"{rel}/") if name == "memory" else ""
         parts.append(common.render(title, res["meta"], headers, rows, notes, align, extra) + f"\n\nCommand: `{COMMANDS[name]}`")
+        if name == "quality":
+            parts.append(long_context_part(results, suffix))
     defaults = results.parent / "DEFAULTS.md"
     if defaults.exists():
         parts.append(f"Why the cache's defaults are what they are: [{Path(os.path.relpath(defaults, readme_dir)).as_posix()}]"
                      f"({Path(os.path.relpath(defaults, readme_dir)).as_posix()}).")
     return "\n\n".join(parts) + "\n"
+
+
+def long_context_part(results: Path, suffix: str) -> str:
+    """The '#### Quality at long context' subsection under Quality, from long_context<suffix>.json."""
+    import long_context
+
+    path = results / f"long_context{suffix}.json"
+    if not path.exists():
+        return f"#### Quality at long context\n\nNo results yet: run `{COMMANDS['long_context']}`."
+    return long_context.render(json.loads(path.read_text()), "####") + f"\n\nCommand: `{COMMANDS['long_context']}`"
 
 
 def splice(readme: str, body: str) -> str:

@@ -51,6 +51,11 @@ def quality(results_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
+def long_context(results_dir) -> dict:
+    return run_script("long_context", results_dir)
+
+
+@pytest.fixture(scope="module")
 def speed(results_dir) -> dict:
     return run_script("speed", results_dir)
 
@@ -110,6 +115,33 @@ def test_quality_quick(quality: dict) -> None:
     assert needles and all("hit" in n for n in needles)
 
 
+def test_long_context_quick(long_context: dict) -> None:
+    _meta_ok(long_context["meta"])
+    m = long_context["models"]["smollm2"]
+    assert m["contexts"] == [256, 384] and set(m["texts"]) == {"britannica", "hamlet"}
+    rows = {r["setting"]: r for r in m["rows"]}
+    for name, r in rows.items():
+        for text in m["texts"]:
+            cell = r["texts"][text]
+            assert "error" not in cell, (name, text, cell.get("error"))
+            for c in m["contexts"]:
+                x = cell[str(c)]
+                assert math.isfinite(x["ppl"]) and x["ppl"] > 1 and math.isfinite(x["kl"]) and x["kl"] > -1e-4
+                if r["kind"] == "float":
+                    assert x["kl"] == 0 and x["ppl_delta_pct"] == 0
+                else:
+                    assert x["kl"] < 1, (name, text, c, x)
+        if r["kind"] != "peer":
+            assert 0 < r["bits"]["384"] <= 17 and 2 < r["bits_32k"] <= 16, (name, r["bits"], r["bits_32k"])
+    default = rows["TQ K4/V3 (the default)"]
+    assert default["bits_32k"] < 4 and 0 < default["texts"]["britannica"]["384"]["kl"] < 0.1
+    # window 512 holds all 384 tokens in float: the same as the float cache
+    assert abs(rows["TQ K4/V4 (window 512, block 128)"]["texts"]["hamlet"]["384"]["kl"]) < 1e-4
+    rot = rows["rotation + affine 4-bit g64 (window 128, sinks 4)"]
+    assert 4.5 < rot["bits_32k"] < 4.6
+    assert rows["float (mlx-lm KVCache)"]["bits_32k"] == 16
+
+
 def test_speed_quick(speed: dict) -> None:
     _meta_ok(speed["meta"])
     (model,) = speed["models"]
@@ -124,7 +156,7 @@ def test_speed_quick(speed: dict) -> None:
                 assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (ctx, name, k)
 
 
-def test_readme_tables_render(memory: dict, quality: dict, speed: dict, results_dir: Path, tmp_path: Path) -> None:
+def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, speed: dict, results_dir: Path, tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
     cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--readme", str(readme), "--results", str(results_dir),
@@ -132,6 +164,7 @@ def test_readme_tables_render(memory: dict, quality: dict, speed: dict, results_
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     text = readme.read_text()
     assert "### Memory" in text and "### Quality" in text and "### Speed" in text and "OLD-SECTION-PLACEHOLDER" not in text
+    assert "#### Quality at long context" in text and "rotation + affine" in text
     assert text.endswith("<!-- benchmark-results:end -->\n\ntail\n")
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
