@@ -102,6 +102,8 @@ PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 ALL = [FLOAT, DEFAULT, K4V4, W512, W1024, ROT4, K8V8, K3V3, K25, BOUND, MLX4, MLX8, PEER4]
 FIRST = 6  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, W512, ROT4, MLX4]
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v4": K4V4, "w512": W512, "w1024": W1024, "rot4": ROT4, "k8v8": K8V8,
+          "k3v3": K3V3, "k2.5": K25, "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
@@ -277,7 +279,9 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     _MODEL_CONFIG[0] = mcfg
     n_att, H, D = quality.kv_geometry(mcfg)
     contexts = args.contexts_for(key)
-    settings = QUICK if args.quick else ALL
+    settings = [BY_KEY[k] for k in args.settings.split(",")] if args.settings else QUICK if args.quick else ALL
+    if settings[0] is not FLOAT:
+        settings = [FLOAT, *[x for x in settings if x is not FLOAT]]
     m = results["models"][key] = {
         "model": label, "contexts": contexts, "chunk": args.chunk, "eval_tokens": args.eval_tokens,
         "geometry": {"attention_layers": n_att, "kv_heads": H, "head_dim": D}, "texts": args.texts,
@@ -442,6 +446,8 @@ def main() -> None:
     ap.add_argument("--texts", default="britannica,hamlet")
     ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096)")
     ap.add_argument("--qwen-contexts", default=None, help="Qwen contexts (default 1024,2048,4096)")
+    ap.add_argument("--settings", default=None, help=f"comma list of {','.join(BY_KEY)} (default: all, in that "
+                    "order; float is always run first, as the reference)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
@@ -492,8 +498,24 @@ def merge(paths: list[str], out: str | None) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
     merged["models"] = {}
-    for r in runs:
-        merged["models"].update(r["models"])
+    for r in runs:  # the same model in several runs (e.g. more settings in a second process): rows joined per text
+        for key, m in r["models"].items():
+            have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
+            if have is m or have == m:
+                continue
+            rows = {x["setting"]: x for x in have["rows"]}
+            for x in m["rows"]:
+                if x["setting"] not in rows:
+                    have["rows"].append(x)
+                    rows[x["setting"]] = x
+                    continue
+                for text, cell in x["texts"].items():
+                    old = rows[x["setting"]]["texts"].get(text)
+                    if old is None or ("error" in old and "error" not in cell):
+                        rows[x["setting"]]["texts"][text] = cell
+            order = {s.name: i for i, s in enumerate(ALL)}
+            have["rows"].sort(key=lambda x: order.get(x["setting"], len(order)))
+            have["texts"] = list(dict.fromkeys(have["texts"] + m["texts"]))
     merged["meta"] = dict(runs[0]["meta"], command=" + ".join(r["meta"]["command"] for r in runs),
                           runs=[r["meta"] for r in runs])
     merged["seconds"] = max(r["seconds"] for r in runs)
