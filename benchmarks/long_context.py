@@ -24,13 +24,15 @@ mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
-The README's table came from three processes side by side (about 55 minutes on the 2-core CPU, shared with
-other jobs), then --merge (rows of the same model from several runs are joined):
+The README's table came from four processes (the first three side by side, the fourth once the first had
+finished; about 70 minutes of wall time on the 2-core CPU, shared with other jobs), then --merge (rows of the same
+model from several runs are joined):
 
     long_context.py --models smollm2 --budget 3000 --out A
     long_context.py --models qwen05 --budget 3000 --out B
     long_context.py --models qwen05 --texts britannica --settings float,boundary,mlx8,mlx4 --budget 2000 --out C
-    long_context.py --merge A/long_context.json B/long_context.json C/long_context.json
+    long_context.py --models smollm2 --texts britannica --settings float,mlx4,k2.5 --budget 600 --out D
+    long_context.py --merge A/long_context.json B/long_context.json C/long_context.json D/long_context.json
 
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
