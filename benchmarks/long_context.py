@@ -429,7 +429,8 @@ def report(results: dict) -> tuple[str, list[str]]:
         notes.append(f"Peer mlx-vlm: {peer.get('reason')}.")
     errors = sorted({c.get("error") for m in results["models"].values() for r in m["rows"]
                      for c in r["texts"].values() if c.get("error")})
-    notes += [f"Not measured: {e}" for e in errors]
+    notes += ["'–' = not measured: the run's time budget was spent before that pass (passes run most important "
+              "first)" if e == "skipped: time budget spent" else f"Not measured: {e}" for e in errors]
     secs = {m["model"]: sum(c.get("seconds", 0) for r in m["rows"] for c in r["texts"].values())
             for m in results["models"].values()}
     notes.append("Compute: " + ", ".join(f"{k} {v / 60:.0f} min" for k, v in secs.items()) + " of passes.")
