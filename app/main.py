@@ -15,12 +15,10 @@ converted once into ~/.cache/tq-mlx; it needs `pip install "tq-mlx[demo]"` and n
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import re
 import sys
 
-from tq_mlx.cli import add_cache_args, config_from_args
+from tq_mlx.cli import add_cache_args, config_from_args, exit_without_teardown
 
 from .demo import DEMO_MODELS, demo_spec, prepare_model
 from .models import ALIASES, ModelUnavailable, remote_info, resolve
@@ -131,16 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The tq-chat command: main(), then the end of the process without interpreter and C++ teardown. MLX
-    0.32 can abort in its exit-time destructors ("terminate called without an active exception", SIGABRT)
-    once a worker thread has used it: 2 of 10 runs of a five-line script with one worker thread; tq-chat
-    decodes in worker threads. When main returns, the app has restored the terminal and nothing is left
-    unsaved, so only the output streams are flushed."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The tq-chat command: main(), then tq_mlx.cli.exit_without_teardown (MLX can abort in its exit-time
+    destructors once a worker thread used it; the app has restored the terminal and saved everything by then)."""
+    exit_without_teardown(main())
 
 
 if __name__ == "__main__":
