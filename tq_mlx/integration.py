@@ -17,6 +17,7 @@ installed by the first TurboQuantKVCache built, which each of the functions abov
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 from typing import Any
 
@@ -28,6 +29,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from .cache import TurboQuantKVCache, install_attention_hook
 from .config import TurboQuantConfig
+from .memory import AttentionLayout, attention_layout
 
 # model_type -> why its attention cannot run on compressed keys (it post-processes fetched keys, bypasses
 # base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2; the zoo test
@@ -117,17 +119,32 @@ def _attention_module(model: nn.Module, i: int):
 
 
 def layer_geometry(model: nn.Module, i: int) -> tuple[int | None, int | None]:
-    """(head_dim, n_kv_heads) of model layer i's attention, None where it cannot be found."""
+    """(head_dim, n_kv_heads) of model layer i's attention: the module's own attributes, else what the planner
+    reads from the model's config (memory.attention_layout, one reading of a config for both); None where
+    neither says."""
 
     def first_int(obj, names):
         return next((v for v in (getattr(obj, n, None) for n in names) if isinstance(v, int)), None)
 
     attn = _attention_module(model, i)
+    head_dim = first_int(attn, ("head_dim",))
+    n_kv = first_int(attn, ("n_kv_heads", "num_key_value_heads", "num_kv_heads"))
+    if head_dim is None or n_kv is None:
+        layout = _config_layout(model)
+        if layout is not None:
+            head_dim = head_dim or layout.head_dim or None
+            n_kv = n_kv or layout.n_kv_heads or None
+    return head_dim, n_kv
+
+
+def _config_layout(model: nn.Module) -> AttentionLayout | None:
+    """attention_layout of the model's ModelArgs (the config.json it was built from), None if it has none."""
     args = getattr(model, "args", None)
-    head_dim = first_int(attn, ("head_dim",)) or first_int(args, ("head_dim",))
-    if head_dim is None and first_int(args, ("hidden_size",)) and first_int(args, ("num_attention_heads",)):
-        head_dim = args.hidden_size // args.num_attention_heads
-    return head_dim, first_int(attn, ("n_kv_heads", "num_key_value_heads", "num_kv_heads"))
+    try:
+        cfg = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+        return attention_layout(cfg)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_supported(model: nn.Module, i: int) -> None:
