@@ -51,8 +51,8 @@ threadgroup float q_tg[TG_Q];       // rotated query rows
 threadgroup float qs_tg[TG_QS];     // S·q rows (QJL)
 threadgroup uint words[TG_W];       // the tile's key words, then its value words
 threadgroup uint jwords[TG_J];      // the tile's QJL words
-threadgroup float tok_norm[TG_TOK];
-threadgroup float tok_gamma[TG_TOK];
+threadgroup float tok_norm[TG_NORM];
+threadgroup float tok_gamma[TG_GAMMA];
 threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
 threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
 threadgroup float cent[TG_C];       // key centroids, then value centroids

@@ -229,14 +229,13 @@ def _partial_layout(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> l
         ("WK", wk), ("WV", wv), ("WS", ws), ("WJS", wjs),
         ("TG_Q", nr * dk), ("TG_QS", nr * dk if qjl else 1),  # rotated query rows; S·q rows (QJL)
         ("TG_W", 32 * ws), ("TG_J", 32 * wjs if qjl else 1),  # a tile's key then value words; its QJL words
-        ("TG_TOK", 32), ("TG_P", nr * 32),  # per-token norms and γ (two arrays); weights (row, token)
+        ("TG_NORM", 32), ("TG_GAMMA", 32), ("TG_P", nr * 32),  # per-token norms, γ; weights (row, token)
         ("TG_KEEP", min(nr, 8)), ("TG_C", 2**kb + 2**vb),  # kept-token masks per SIMD group; centroids
     ]
 
 
 def _partial_tg_bytes(layout: list[tuple[str, int]]) -> int:
-    sizes = dict(layout)
-    return 4 * (sum(v for k, v in layout if k.startswith("TG_")) + sizes["TG_TOK"])  # TG_TOK is two arrays
+    return 4 * sum(v for k, v in layout if k.startswith("TG_"))
 
 
 def _rows_per_threadgroup(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:

@@ -389,11 +389,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
 
 def _layer_caches(prompt_cache: Iterable[Any]) -> list[tuple[int, Any]]:
     """(model layer, cache) of every cache, the members of a mlx-lm CacheList under their layer."""
-    out = []
-    for i, c in enumerate(prompt_cache):
-        inner = getattr(c, "caches", None)
-        out.extend((i, m) for m in (inner if isinstance(inner, (list, tuple)) else [c]))
-    return out
+    return [(i, m) for i, c in enumerate(prompt_cache) for m in _flatten([c])]
 
 
 def _layer_label(c) -> str | None:

@@ -195,14 +195,16 @@ def _grow(buf, n_keep: int, n_new: int, step: int, template):
     return type(template)(*(mx.concatenate([b[:, :, :n_keep], f], axis=2) for b, f in zip(buf, fresh)))
 
 
-def batch_heads(state: dict, name: str) -> tuple[int, int] | None:
-    """(batch, kv heads) of a stream's arrays in a state dict (CompressedStream.state), None if it has none."""
-    codes = state.get(f"{name}_codes")
-    for a in (state.get(f"{name}_sinks"), state.get(f"{name}_window"), state.get(f"{name}_mean"),
-              codes[0] if codes else None):
+def _batch_heads_of(sinks, window, mean, codes) -> tuple[int, int] | None:
+    for a in (sinks, window, mean, codes[0] if codes else None):
         if isinstance(a, mx.array) and a.ndim >= 2:
             return tuple(a.shape[:2])
     return None
+
+
+def batch_heads(state: dict, name: str) -> tuple[int, int] | None:
+    """(batch, kv heads) of a stream's arrays in a state dict (CompressedStream.state), None if it has none."""
+    return _batch_heads_of(*(state.get(f"{name}_{part}") for part in ("sinks", "window", "mean", "codes")))
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
@@ -338,7 +340,7 @@ class CompressedStream:
 
     def batch_heads(self) -> tuple[int, int] | None:
         """(batch, kv heads) of the stored arrays, None before the first tokens."""
-        return batch_heads(self.state, self.name)
+        return _batch_heads_of(self.sinks, self.window, self.mean, self.codes)  # every update: no state dict
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
