@@ -401,10 +401,11 @@ def test_the_host_sync_guard_sees_numpy_and_the_buffer_protocol(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_update_and_attention_build_the_graph_without_host_sync(monkeypatch, head_dim):
     # Building a cache may read constants back (make_prompt_cache builds them before the first forward);
-    # storing tokens and attending to them never does.
+    # storing tokens and attending to them never does, with key protection off. (With it on, the first
+    # compression reads one number per key stream: test_key_protection_reads_one_number_at_calibration.)
     D = head_dim
-    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, compress_block=4, sinks=2),
-                TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0)):
+    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, compress_block=4, sinks=2, protect_factor=None),
+                TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0, protect_factor=None)):
         c = TurboQuantKVCache(cfg, layer_index=0, head_dim=D)
         k = mx.random.normal((1, 2, 30, D))
         with forbid_host_sync(monkeypatch):
@@ -508,3 +509,97 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
     err_dirty = np.abs(got[:, :, others] - x[:, :, 2:2 + got.shape[2]][:, :, others]).mean()
     err_clean = np.abs(want[:, :, others] - x[:, :, 2:2 + got.shape[2]][:, :, others]).mean()
     assert err_dirty < 1.1 * err_clean
+
+
+# --- key protection (TurboQuantConfig.protect_factor, stream.bias_outlier_factor) -------------------------------
+
+
+def _biased_keys(T: int = 64, D: int = 64, offset: float = 30.0, seed: int = 0) -> mx.array:
+    """Keys (1, 2, T, D): head 0 isotropic, head 1 with a large offset along a direction in which they hardly vary
+    (the shape of Qwen2's key biases)."""
+    x = mx.random.normal((1, 2, T, D), key=mx.random.key(seed))
+    u = mx.random.normal((D,), key=mx.random.key(seed + 1))
+    u = u / mx.linalg.norm(u)
+    along = mx.sum(x[:, 1:] * u, axis=-1, keepdims=True)
+    biased = x[:, 1:] - along * u + (offset + 0.05 * along) * u  # offset along u, spread 0.05 there
+    return mx.concatenate([x[:, :1], biased], axis=1)
+
+
+def test_bias_outlier_factor_is_one_for_isotropic_keys_and_large_for_biased_ones():
+    from tq_mlx.stream import bias_outlier_factor, calibration_mean
+
+    x = _biased_keys(T=4096)
+    f = bias_outlier_factor(x, calibration_mean(x))
+    assert f.shape == (1, 2)
+    assert 0.8 < f[0, 0].item() < 1.25  # isotropic: a query along the (noise) mean sees the average error
+    assert f[0, 1].item() > 15  # the error is ~1/0.05 of the spread of scores along the offset
+
+
+def test_a_layer_with_biased_keys_protects_its_keys():
+    x = _biased_keys()
+    base = dict(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2)
+    fresh = lambda **kw: TurboQuantKVCache(TurboQuantConfig(**{**base, **kw}), layer_index=3, head_dim=64)  # noqa: E731
+    on, off = fresh(), fresh(protect_factor=None)
+    for c in (on, off):
+        c.update_and_fetch(x, x)
+    assert (on.key_bits, on.value_bits, on.protected) == (8, 3, True)
+    assert (off.key_bits, off.protected) == (4, False)
+    assert tq_mlx.memory.bits_summary([on]) == "K8/V3 on its 1 attention layer"
+    # The protected keys are 8-bit codes (no float copy): more bytes than 4-bit codes, far fewer than float.
+    k_on, k_off = on.key_stream.codes.codes, off.key_stream.codes.codes
+    assert k_on.shape[-1] == 2 * k_off.shape[-1] and k_on.dtype == mx.uint32
+    # ... and a query along the offset attends far more like float (values at 8 bits, so keys decide).
+    k8 = [fresh(value_bits=8), fresh(value_bits=8, protect_factor=None)]
+    for c in k8:
+        c.update_and_fetch(x, x)
+    q = 0.3 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(5)) + mx.mean(x, axis=2, keepdims=True) / 3
+    ref = mx.fast.scaled_dot_product_attention(q, x, x, scale=0.125)
+    errs = [mx.abs(turboquant_attention(q, *c.keys_and_values(), 0.125) - ref)[0, 1].max().item() for c in k8]
+    assert errs[0] < errs[1] / 4
+    # Unbiased keys stay at the configured bits.
+    iso = fresh()
+    iso.update_and_fetch(x[:, :1], x[:, :1])
+    assert (iso.key_bits, iso.protected) == (4, False)
+
+
+def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it():
+    x = _biased_keys()
+    cfg = TurboQuantConfig(window=8, compress_block=8, sinks=2)
+    c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
+    c.update_and_fetch(x, x)
+    assert c.protected
+    d = TurboQuantKVCache()
+    d.state = c.state
+    assert d.protected and d.key_bits == 8 and d.nbytes == c.nbytes
+    q = mx.random.normal((1, 2, 3, 64))
+    a, b = (turboquant_attention(q, *m.keys_and_values(), 0.125, "causal") for m in (c, d))
+    assert mx.array_equal(a, b)
+    c.trim(c.offset - 2)  # only the sinks left: calibration and protection are gone
+    assert not c.protected and c.key_bits == 4
+    meta, arrays = d.state
+    with pytest.raises(ValueError, match="protected keys without compressed tokens"):
+        TurboQuantKVCache().state = (dict(meta, key_protected=True, n_compressed=0, n_window=8, offset=10,
+                                          calibrated=False), arrays)
+
+
+def test_key_protection_reads_one_number_at_calibration(monkeypatch):
+    import tq_mlx.stream as stream
+
+    reads = []
+    real = stream.bias_outlier_factor
+
+    def counted(*a):
+        out = real(*a)
+        reads.append(out)
+        return out
+
+    monkeypatch.setattr(stream, "bias_outlier_factor", counted)
+    x = _biased_keys()
+    c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=8, sinks=2), layer_index=0, head_dim=64)
+    c.update_and_fetch(x[:, :, :20], x[:, :, :20])  # the first compression: keys decide, values do not
+    assert len(reads) == 1 and c.protected
+    with forbid_host_sync(monkeypatch):  # every later update and attention is graph construction again
+        for L in (1, 1, 9, 1):
+            kh, vh = c.update_and_fetch(x[:, :, :L], x[:, :, :L])
+            turboquant_attention(mx.ones((1, 4, L, 64)), kh, vh, 0.1, "causal" if L > 1 else None)
+    assert len(reads) == 1

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.cli import add_cache_args, cache_flags_given, config_from_args, generate_main
+from tq_mlx.cli import add_cache_args, cache_flags_given, config_from_args, describe_config, generate_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,13 +63,22 @@ def test_every_flag_maps_onto_the_config():
     args = parse(
         "--tq-bits", "3", "--tq-value-bits", "2.5", "--tq-qjl", "--tq-window", "64", "--tq-block", "16",
         "--tq-sinks", "2", "--tq-boundary-layers", "1", "--tq-boundary-bits", "4", "--tq-no-center-keys",
-        "--tq-no-center-values", "--tq-seed", "7",
+        "--tq-no-center-values", "--tq-seed", "7", "--tq-protect-factor", "3.5", "--tq-protect-bits", "4",
     )
     assert config_from_args(args) == TurboQuantConfig(
         key_bits=3, value_bits=2.5, qjl=True, window=64, compress_block=16, sinks=2, boundary_layers=1, boundary_bits=4,
-        center_keys=False, center_values=False, seed=7,
+        center_keys=False, center_values=False, seed=7, protect_factor=3.5, protect_bits=4,
     )
-    assert len(cache_flags_given(args)) == 11
+    assert len(cache_flags_given(args)) == 13
+
+
+def test_key_protection_flags():
+    assert config_from_args(parse("--tq-no-protect")).protect_factor is None
+    assert "no key protection" in describe_config(config_from_args(parse("--tq-no-protect")))
+    with pytest.raises(ValueError, match="contradict"):
+        config_from_args(parse("--tq-no-protect", "--tq-protect-factor", "6"))
+    with pytest.raises(SystemExit):
+        parse("--tq-protect-factor", "0.5")
 
 
 def test_value_centering_both_ways():

@@ -23,13 +23,13 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
 from .kernels import dispatch_attention, dispatch_encode
-from .quantizer import FLOAT_DTYPES, split_dims
+from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
-# buffers in the model's dtype. Files of every earlier version still load.
-STATE_VERSION = 3
-READABLE_STATE_VERSIONS = (1, 2, 3)
+# buffers in the model's dtype; version 4 whether the keys protected themselves. Earlier files still load.
+STATE_VERSION = 4
+READABLE_STATE_VERSIONS = (1, 2, 3, 4)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -62,10 +62,9 @@ class TurboQuantKVCache(_BaseCache):
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
         self.n_attention_layers = n_attention_layers
         if n_attention_layers is None:
-            self.key_bits, self.value_bits = self.config.key_bits, self.config.value_bits
+            self.config_bits = self.config.key_bits, self.config.value_bits
         else:
-            self.key_bits, self.value_bits = self.config.layer_bits(self.attention_index, n_attention_layers)
-        self.qjl = self.config.layer_qjl(self.key_bits)
+            self.config_bits = self.config.layer_bits(self.attention_index, n_attention_layers)
         self.expected_head_dim = head_dim
         self.offset = 0
         self.key_stream: CompressedStream | None = None  # built once the head dims are known
@@ -80,6 +79,26 @@ class TurboQuantKVCache(_BaseCache):
         return self.key_bits
 
     @property
+    def key_bits(self) -> float:
+        """Bits of the keys' codes: the layer's configured bits, or protect_bits once the key stream protected
+        itself at calibration (TurboQuantConfig.protect_factor)."""
+        return self.key_stream.quantizer.bits if self.key_stream else self.config_bits[0]
+
+    @property
+    def value_bits(self) -> float:
+        return self.config_bits[1]
+
+    @property
+    def qjl(self) -> bool:
+        return isinstance(self.key_stream.quantizer, TurboQuantProd) if self.key_stream else \
+            self.config.layer_qjl(self.config_bits[0])
+
+    @property
+    def protected(self) -> bool:
+        """Whether the keys protected themselves (stored at protect_bits; see stream.bias_outlier_factor)."""
+        return bool(self.key_stream and self.key_stream.protected)
+
+    @property
     def group_size(self):
         return 0
 
@@ -88,7 +107,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Raise ValueError, naming the layer, unless this cache can store heads of these sizes."""
-        for name, d, bits in (("key", key_dim, self.key_bits), ("value", value_dim, self.value_bits)):
+        for name, d, bits in (("key", key_dim, self.config_bits[0]), ("value", value_dim, self.value_bits)):
             if d < MIN_DIM:
                 raise ValueError(f"{self._where()}: {name} head_dim {d} is below the minimum {MIN_DIM}")
             try:
@@ -102,8 +121,10 @@ class TurboQuantKVCache(_BaseCache):
         common = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
                       encoder=dispatch_encode)
         seeds = [layer_seed(c.seed, self.layer_index, side) for side in (0, 1)]
-        self.key_stream = CompressedStream(make_quantizer(int(key_dim), self.key_bits, self.qjl, seeds[0]),
-                                           name="k", center=c.center_keys, **common)
+        kb = self.config_bits[0]
+        protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
+        self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0]),
+                                           name="k", center=c.center_keys, protect=protect, **common)
         self.value_stream = CompressedStream(make_quantizer(int(value_dim), self.value_bits, False, seeds[1]),
                                              name="v", center=c.center_values, **common)
 
@@ -242,6 +263,7 @@ class TurboQuantKVCache(_BaseCache):
             "key_dim": self.key_dim,
             "value_dim": self.value_dim,
             "calibrated": self.calibrated,
+            "key_protected": self.protected,
         }
         arrays = {}
         for s in self.streams:
@@ -272,6 +294,7 @@ class TurboQuantKVCache(_BaseCache):
             counts = {n: check_int(n, meta[n], 0) for n in ("offset", "n_sinks", "n_compressed", "n_window",
                                                              "key_dim", "value_dim")}
             calibrated = bool(meta["calibrated"])
+            protected = bool(meta.get("key_protected", False))  # absent before version 4
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
 
@@ -289,12 +312,16 @@ class TurboQuantKVCache(_BaseCache):
             raise bad(f"{n_s} sinks / {n_w} window tokens exceed the config's {config.sinks} / {config.window}")
         if calibrated != (n_c > 0):
             raise bad("compressed tokens without calibration" if n_c else "calibration without compressed tokens")
+        if protected and not (n_c and config.protect_factor is not None):
+            raise bad("protected keys without compressed tokens or a protect_factor")
         self.offset = counts["offset"]
         if counts["key_dim"] == 0:
             if self.offset or any(a is not None for a in arrays.values()):
                 raise bad("arrays but no head_dim")
             return
         self._make_streams(counts["key_dim"], counts["value_dim"])
+        if protected:
+            self.key_stream.set_protected(True)
         bh = batch_heads(arrays, "k")
         try:
             for s in self.streams:

@@ -33,8 +33,11 @@ _FIELDS = {
     "tq_boundary_layers": "boundary_layers",
     "tq_boundary_bits": "boundary_bits",
     "tq_seed": "seed",
+    "tq_protect_factor": "protect_factor",
+    "tq_protect_bits": "protect_bits",
 }
-_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", *_FIELDS)
+_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+          *_FIELDS)
 
 
 def bits_arg(text: str) -> float:
@@ -43,6 +46,17 @@ def bits_arg(text: str) -> float:
         return check_bits(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid bit width {text!r}: allowed are {_ALLOWED_BITS}") from None
+
+
+def _factor_arg(text: str) -> float:
+    """argparse type for --tq-protect-factor: a number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"invalid factor {text!r}: must be a number >= 1")
+    return value
 
 
 def _count_arg(low: int):
@@ -89,6 +103,13 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"first and last N attention layers use --tq-boundary-bits (default {d.boundary_layers})")
     g.add_argument("--tq-boundary-bits", dest="tq_boundary_bits", type=bits_arg, metavar="B",
                    help=f"bits of the boundary layers (default {d.boundary_bits})")
+    g.add_argument("--tq-protect-factor", dest="tq_protect_factor", type=_factor_arg, metavar="F",
+                   help="a layer whose keys' score error along their mean direction is more than F times that of "
+                        f"evenly spread keys stores its keys at --tq-protect-bits (default {d.protect_factor:g})")
+    g.add_argument("--tq-protect-bits", dest="tq_protect_bits", type=bits_arg, metavar="B",
+                   help=f"bits of self-protected keys (default {format_bits(d.protect_bits)})")
+    g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
+                   help="never protect keys: every layer keeps the configured bits")
     g.add_argument("--tq-no-center-keys", dest="tq_no_center_keys", action="store_true",
                    help="do not subtract the per-head key mean before quantizing")
     g.add_argument("--tq-center-values", dest="tq_center_values", action="store_true",
@@ -128,6 +149,10 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
         kw["center_keys"] = False
     if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):
         raise ValueError("--tq-center-values and --tq-no-center-values contradict each other: give one")
+    if getattr(args, "tq_no_protect", False):
+        if getattr(args, "tq_protect_factor", None) is not None:
+            raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")
+        kw["protect_factor"] = None
     if getattr(args, "tq_center_values", False):
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):
@@ -160,6 +185,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
              f"window {config.window}", f"sinks {config.sinks}"]
     if config.boundary_layers:
         parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
+    if config.protect_factor is None:
+        parts.append("no key protection")
     return ", ".join(parts)
 
 

@@ -44,6 +44,8 @@ class TurboQuantConfig:
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
+    protect_factor: float | None = 5.0  # keys whose calibration bias_outlier_factor exceeds this: protect_bits
+    protect_bits: float = 8
     center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
     center_values: bool = True  # same for values with ν (exact too)
     seed: int = 0
@@ -51,13 +53,16 @@ class TurboQuantConfig:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for name in ("key_bits", "value_bits", "boundary_bits"):
+        for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
         for name in ("qjl", "center_keys", "center_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.qjl and self.key_bits not in PROD_BITS:
             raise ValueError(f"qjl=True needs integer key_bits in {PROD_BITS}, got key_bits={self.key_bits}")
+        f = self.protect_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
+            raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
             check_int(name, getattr(self, name), low)
         if self.compress_block is not None:

@@ -171,6 +171,26 @@ def calibration_scale(x: mx.array, mean: mx.array | None) -> mx.array:
     return mx.where((power > 0) & mx.isfinite(power), power, 1.0)
 
 
+def bias_outlier_factor(x: mx.array, mean: mx.array) -> mx.array:
+    """Per (batch, kv head) of calibration tokens x (B, H, n, D) with mean μ: how many times larger the score
+    error of quantized keys is, relative to the spread of scores, for a query along μ than for keys that vary
+    evenly in every direction (1 for those, at any bit width).
+
+    TurboQuant's error is isotropic after the rotation: per direction it is ε·mean‖x - μ‖²/D. A query along μ
+    sees scores that spread by std(u·(x - μ)), u = μ/‖μ‖. Queries of layers with large key offsets (Qwen2's
+    key biases) point there, and in such layers the keys hardly vary along it: Qwen2.5-Coder-0.5B's layer 0
+    scores 9.5, every other layer of it and of SmolLM2 at most 2.7 (benchmarks/DEFAULTS.md)."""
+    d = x - mean[:, :, None, :]
+    ok, n = _finite_tokens(d)
+    d = mx.where(ok, d, 0.0)
+    n = mx.maximum(n[..., 0], 1)
+    u = mean / mx.maximum(mx.linalg.norm(mean, axis=-1, keepdims=True), 1e-30)
+    s = mx.sum(d * u[:, :, None, :], axis=-1)  # (B, H, n): the centered scores of a unit query along μ
+    spread = mx.sqrt(mx.maximum(mx.sum(s * s, axis=-1) / n - (mx.sum(s, axis=-1) / n) ** 2, 0.0))
+    error = mx.sqrt(mx.sum(d * d, axis=(2, 3)) / (n * x.shape[-1]))
+    return error / mx.maximum(spread, 1e-30 * mx.maximum(error, 1e-30))
+
+
 def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
     """Channels per kv head by decreasing mean |x - mean| over batch and finite tokens (the first d/4 get the
     extra bit of a fractional width); None for quantizers with one channel group."""
@@ -220,6 +240,10 @@ class CompressedStream:
     The sinks and the window keep the dtype of the tokens appended (the model's, as mlx-lm's KVCache does), so
     they overflow exactly when the model does.
 
+    protect = (factor, bits): when the calibration tokens' bias_outlier_factor exceeds `factor` in any (batch,
+    kv head), the stream quantizes at `bits` instead (self.protected). Deciding reads one number back from the
+    device, once per stream and sequence, at its first compression; every later append is graph construction.
+
     name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages. `encoder` has
     `encode`'s signature; the cache passes the kernel dispatch (tq_mlx.kernels.dispatch_encode).
     """
@@ -235,8 +259,10 @@ class CompressedStream:
         step: int,
         center: bool,
         encoder: Callable = encode,
+        protect: tuple[float, float] | None = None,
     ):
         self.quantizer, self.name, self.encoder = quantizer, name, encoder
+        self.base_quantizer, self.protect = quantizer, protect
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
             sinks, window, compress_block, step, center)
         self.n_sinks = self.n_compressed = self.n_window = 0
@@ -303,9 +329,12 @@ class CompressedStream:
 
     def _compress(self, x: mx.array) -> None:
         x = x.astype(mx.float32)
-        if self.n_compressed == 0:  # calibrate on the first tokens compressed (lazy, no host sync)
+        if self.n_compressed == 0:  # calibrate on the first tokens compressed
             calib = x[:, :, : self.compress_block] if self.max_window else x
-            self.mean = calibration_mean(calib) if self.center else None
+            mean = calibration_mean(calib)
+            if self.protect is not None and self.protect[1] > self.base_quantizer.bits:
+                self.set_protected(mx.max(bias_outlier_factor(calib, mean)).item() > self.protect[0])
+            self.mean = mean if self.center else None
             self.perm = outlier_order(calib, self.mean, self.quantizer)
             self.scale = calibration_scale(calib, self.mean)
         new = self.encoder(x, self.quantizer, self.mean, self.perm, self.scale)
@@ -314,6 +343,15 @@ class CompressedStream:
         for b, a in zip(self.codes, new):
             b[:, :, start : start + n] = a
         self.n_compressed += n
+
+    @property
+    def protected(self) -> bool:
+        return self.quantizer is not self.base_quantizer
+
+    def set_protected(self, protected: bool) -> None:
+        """Quantize at the protection bits (plain MSE codes, same seed), or at the configured quantizer."""
+        q = self.base_quantizer
+        self.quantizer = make_quantizer(q.dim, self.protect[1], False, q.seed) if protected else q
 
     def view(self) -> StreamView:
         s, c, w = self.n_sinks, self.n_compressed, self.n_window
@@ -337,6 +375,7 @@ class CompressedStream:
             n -= d
         if self.n_compressed == 0:
             self.mean = self.perm = self.scale = None
+            self.quantizer = self.base_quantizer
 
     def batch_heads(self) -> tuple[int, int] | None:
         """(batch, kv heads) of the stored arrays, None before the first tokens."""
@@ -345,7 +384,8 @@ class CompressedStream:
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
         parts = [*(self.codes or ()), self.sinks, self.window, self.mean, self.perm, self.scale]
-        return [a for a in parts if a is not None] + list(constant_arrays(self.quantizer))
+        quantizers = (self.quantizer, self.base_quantizer) if self.protected else (self.quantizer,)
+        return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
 
     @property
     def nbytes(self) -> int:
