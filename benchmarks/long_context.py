@@ -66,9 +66,10 @@ from tq_mlx.stream import overflow  # noqa: E402
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
 
-# Library defaults spelled out, so a later change of the defaults does not change what a row measures.
-DEFAULTS = dict(key_bits=4, value_bits=3, window=128, compress_block=None, sinks=4, boundary_layers=0, boundary_bits=8,
-                center_keys=True, center_values=True, qjl=False, seed=0)
+# Library defaults spelled out, so a later change of the defaults does not change what a row measures
+# (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
+DEFAULTS = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
+                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=True, qjl=False, seed=0)
 
 
 def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
@@ -79,6 +80,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
     if cfg.boundary_layers:
         extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
+    if cfg.protect_factor is None:
+        extra.append("no key protection")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -87,34 +90,48 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 def config_text(cfg: TurboQuantConfig) -> str:
     return (f"K{cfg.key_bits:g}/V{cfg.value_bits:g}, window {cfg.window}, compress_block {cfg.compress_block_size}, "
-            f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, boundary_layers "
-            f"{cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "") + f", seed {cfg.seed}")
+            f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, key protection "
+            + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
+            + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
+            + f", seed {cfg.seed}")
 
 
+def rot(bits: int, window: int) -> Setting:
+    """"Rotation + affine" at `bits` with TurboQuant's 4 sinks and a `window`-token float window."""
+    ROT_WINDOW[name := f"rotation + affine {bits}-bit g64 (window {window}, sinks 4)"] = window
+    return Setting(name, "rot", bits=bits)
+
+
+ROT_WINDOW: dict[str, int] = {}
 FLOAT = Setting("float (mlx-lm KVCache)", "float")
 DEFAULT = tq(4, 3, "the default")
+PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
+NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
-W512 = tq(4, 4, window=512, compress_block=128)
-W1024 = tq(4, 3, window=1024, compress_block=128)
-ROT4 = Setting("rotation + affine 4-bit g64 (window 128, sinks 4)", "rot", bits=4)
+K4V2 = tq(4, 2, window=512, compress_block=128)
+K3V3 = tq(3, 3, window=512, compress_block=128)
+K25V2 = tq(2.5, 2, window=256, compress_block=128)
+K2V2 = tq(2, 2, window=512, compress_block=128)
+ROT4 = rot(4, DEFAULTS["window"])
+ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
-K3V3 = tq(3, 3)
-K25 = tq(2.5, 2.5)
-BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8)
+BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8, window=128, compress_block=None)
 MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
 MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, K4V4, W512, W1024, ROT4, K8V8, K3V3, K25, BOUND, MLX4, MLX8, PEER4]
+ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K8V8, BOUND, MLX4, MLX8, PEER4]
 FIRST = 6  # ALL[:FIRST] on every text before the rest on any
-QUICK = [FLOAT, DEFAULT, W512, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v4": K4V4, "w512": W512, "w1024": W1024, "rot4": ROT4, "k8v8": K8V8,
-          "k3v3": K3V3, "k2.5": K25, "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
+QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
+          "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
     "qwen05": ("Qwen2.5-Coder-0.5B-Instruct", "load_qwen25_coder_05b", "qwen25_coder_05b_path"),
+    "qwen15": ("Qwen2.5-Coder-1.5B-Instruct", "load_qwen25_coder_15b", "qwen25_coder_15b_path"),
 }
 
 
@@ -187,7 +204,8 @@ class RotatedAffineCache(KVCache):
 
 def make_cache(model: nn.Module, s: Setting) -> list:
     if s.kind == "rot":
-        return [RotatedAffineCache(i, int(s.bits)) for i in range(len(model.layers))]
+        return [RotatedAffineCache(i, int(s.bits), window=ROT_WINDOW[s.name], block=DEFAULTS["compress_block"])
+                for i in range(len(model.layers))]
     return quality.make_cache(model, s)
 
 
@@ -204,9 +222,9 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     elif s.kind == "float":
         b = estimate_kv_bytes(model_config, ctx)
     elif s.kind == "rot":
-        sinks, window = DEFAULTS["sinks"], DEFAULTS["window"]
+        sinks, window = DEFAULTS["sinks"], ROT_WINDOW[s.name]
         recent = max(0, ctx - sinks)
-        n_q = overflow(recent, window, window)
+        n_q = overflow(recent, window, min(window, DEFAULTS["compress_block"]))
         per_layer = float16_kv_bytes(ctx - n_q, H, D) + affine_kv_bytes(n_q, H, D, bits=int(s.bits))
         b = n_att * per_layer
     else:
@@ -335,6 +353,49 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     m["seconds"] = round(time.perf_counter() - t0, 1)
 
 
+def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> None:
+    """The needle probes of quality.py (a magic number at depths 0.1/0.5/0.9 of a Britannica haystack, greedy
+    answer) at args.needle_lengths, float and the default, on the model already loaded by run_model."""
+    from tests.support import real_models
+
+    if not args.needle_lengths:
+        return
+    label, loader, _ = MODELS[key]
+    model, tok = getattr(real_models, loader)(mx.float32)
+    m = results["models"][key]
+    m["needles"] = out = []
+    for length in args.needle_lengths:
+        for s in (FLOAT, DEFAULT):
+            for depth in args.needle_depths:
+                if budget.over():
+                    out.append({"setting": s.name, "length": length, "depth": depth, "error": "skipped: time budget spent"})
+                    continue
+                r = quality.needle_probe(model, tok, s, length, depth, args.chunk)
+                out.append({"setting": s.name, **r})
+                print(f"  needle {s.name} @{length} depth {depth}: {'hit' if r['hit'] else 'MISS'} "
+                      f"({r['answer'][:40]!r}, {r['seconds']} s)", flush=True)
+                save()
+
+
+def needle_line(m: dict) -> str | None:
+    """"Needles (depths 0.1/0.5/0.9 found): 4k float 3/3, default 3/3; 8k ..." from a model's probes."""
+    probes = m.get("needles") or []
+    if not probes:
+        return None
+    parts = []
+    for length in sorted({r["length"] for r in probes}):
+        cells = []
+        for name in dict.fromkeys(r["setting"] for r in probes):
+            rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
+            if rs:
+                cells.append(f"{name.split(' (')[0]} {sum(r['hit'] for r in rs)}/{len(rs)}"
+                             + ("" if all(r["hit"] for r in rs) else
+                                " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][:24]!r}" for r in rs if not r["hit"]) + ")"))
+        parts.append(f"{ctx_label(length)}: " + ", ".join(cells))
+    depths = "/".join(f"{d:g}" for d in sorted({r["depth"] for r in probes}))
+    return f"Needles on {m['model']} (the magic number at depths {depths} of a Britannica haystack, greedy): " + "; ".join(parts)
+
+
 def _deltas(m: dict) -> None:
     base = next(r for r in m["rows"] if r["kind"] == "float")
     for r in m["rows"]:
@@ -402,7 +463,7 @@ def report(results: dict) -> tuple[str, list[str]]:
         parts.append(f"**{m['model']}** ({g['attention_layers']} layers, {g['kv_heads']} kv heads, head_dim "
                      f"{g['head_dim']})\n\n{common.markdown_table(headers, rows)}")
     n = results.get("eval_tokens", EVAL)
-    notes = [
+    notes = [x for m in results["models"].values() if (x := needle_line(m))] + [
         f"KL: mean KL(p_float ‖ p_cache) in nats over the last {n} tokens of the context (next-token distributions), "
         f"the context fed {n} tokens at a time through the cache; ΔPPL: perplexity of the same {n} tokens against "
         "the float cache fed the same way (float's own PPL in brackets). One pass per setting gives every context "
@@ -449,14 +510,16 @@ def write(results: dict, name: str, out: str | None) -> tuple[Path, Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 256/384, 128-token chunks, 5 settings")
-    ap.add_argument("--models", default="smollm2,qwen05", help="comma list of smollm2,qwen05")
+    ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 1024/1152, 128-token chunks, 5 settings, no needles")
+    ap.add_argument("--models", default="smollm2,qwen05,qwen15", help="comma list of smollm2,qwen05,qwen15")
     ap.add_argument("--texts", default="britannica,hamlet")
-    ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096)")
-    ap.add_argument("--qwen-contexts", default=None, help="Qwen contexts (default 1024,2048,4096)")
+    ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096,8192)")
+    ap.add_argument("--qwen-contexts", default=None, help="Qwen2.5-Coder-0.5B contexts (default 1024,2048,4096)")
+    ap.add_argument("--qwen15-contexts", default="1024,2048", help="Qwen2.5-Coder-1.5B contexts")
     ap.add_argument("--settings", default=None, help=f"comma list of {','.join(BY_KEY)} (default: all, in that "
                     "order; float is always run first, as the reference)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
+    ap.add_argument("--needles", default="4096,8192", help="SmolLM2 needle haystack lengths ('' for none)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -469,11 +532,14 @@ def main() -> None:
         args.models = "smollm2"
     args.chunk = args.chunk or (128 if q else 512)
     args.eval_tokens = args.chunk
-    sm = [int(x) for x in (args.contexts or ("256,384" if q else "1024,2048,4096")).split(",")]
+    sm = [int(x) for x in (args.contexts or ("1024,1152" if q else "1024,2048,4096,8192")).split(",")]
     qw = [int(x) for x in (args.qwen_contexts or "1024,2048,4096").split(",")]
-    args.contexts_for = lambda key: sm if key == "smollm2" else qw
+    qw15 = [int(x) for x in args.qwen15_contexts.split(",")]
+    args.contexts_for = lambda key: {"smollm2": sm, "qwen15": qw15}.get(key, qw)
     args.texts = args.texts.split(",")
-    for c in sm + qw:
+    args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
+    args.needle_depths = (0.1, 0.5, 0.9)
+    for c in sm + qw + qw15:
         if c % args.chunk:
             raise SystemExit(f"context {c} is not a multiple of the chunk {args.chunk}")
 
@@ -496,6 +562,8 @@ def main() -> None:
 
     for key in args.models.split(","):
         run_model(key, args, budget, results, save)
+        if key == "smollm2":
+            run_needles(key, args, budget, results, save)
     save()
     print()
     print(render(results))
@@ -511,6 +579,7 @@ def merge(paths: list[str], out: str | None) -> None:
             have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
             if have is m or have == m:
                 continue
+            have["needles"] = have.get("needles", []) + [x for x in m.get("needles", []) if x not in have.get("needles", [])]
             rows = {x["setting"]: x for x in have["rows"]}
             for x in m["rows"]:
                 if x["setting"] not in rows:

@@ -227,10 +227,12 @@ def test_extreme_scales_stay_finite_and_track_the_float_cache(dtype, magnitude):
 
 def test_long_prefill_chunk_transient_is_flat_in_context():
     # A prefill chunk attending to a compressed context: the lazy graph must not hold every tile's scores at
-    # once, so the transient memory is bounded by a few tiles, whatever the context length.
+    # once, so the transient memory is bounded by a few tiles, whatever the context length. The two-stream
+    # schedule moves the peak by +-15% from run to run, so the contexts are far apart (8x the compressed tokens):
+    # a graph holding every tile would add 0.5 GB at the longer one.
     H, D, Hq, L = 2, 64, 8, 1024
     transients = {}
-    for T in (L + 2048, L + 8192):
+    for T in (L + 2048, L + 16384):
         c = TurboQuantKVCache(TurboQuantConfig(), head_dim=D)
         for _ in range(0, T - L, 1024):
             c.update_and_fetch(mx.random.normal((1, H, 1024, D)), mx.random.normal((1, H, 1024, D)))
@@ -242,6 +244,6 @@ def test_long_prefill_chunk_transient_is_flat_in_context():
         mx.reset_peak_memory()
         mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
         transients[T] = mx.get_peak_memory() - base
-    scores_9k = Hq * L * (L + 8192) * 4  # what one float32 score matrix over the whole context would take
-    assert transients[L + 8192] < 1.25 * transients[L + 2048], transients
-    assert transients[L + 8192] < 0.5 * scores_9k, (transients, scores_9k)
+    scores = Hq * L * (L + 16384) * 4  # what one float32 score matrix over the whole context would take
+    assert transients[L + 16384] < 1.5 * transients[L + 2048], transients
+    assert transients[L + 16384] < 0.25 * scores, (transients, scores)

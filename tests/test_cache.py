@@ -37,8 +37,10 @@ def fill(cache, lengths, seed=0, **kw):
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
     assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, True)
-    assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 4, 0, 0, 256)
-    assert c.compress_block_size == c.window
+    assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
+    assert (c.protect_factor, c.protect_bits) == (5.0, 8)
+    assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
+    assert TurboQuantConfig(window=32).compress_block_size == 32
     d = TurboQuantConfig.from_bits(2.5, window=32)
     assert (d.key_bits, d.value_bits, d.window) == (2.5, 2.5, 32)
     assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
@@ -314,7 +316,9 @@ def test_prompt_cache_files_written_before_the_stream_restructuring_still_load()
     # (channel orders), and QJL keys at 3 bits with no window. The attention outputs it gave then are in the .npz.
     caches = tq_mlx.load_prompt_cache(str(DATA / "prompt_cache_v1.safetensors"))
     expected = np.load(DATA / "prompt_cache_v1_expected.npz")
-    assert [c.config.compress_block for c in caches] == [16, None, None]  # v1's "block" field
+    # v1's "block" field; None meant "the window" before version 4 and is spelled out on load (window 32; the
+    # third cache has no window)
+    assert [c.config.compress_block for c in caches] == [16, 32, None]
     assert [(c.offset, c.n_compressed) for c in caches] == [(97, 64), (97, 64), (97, 97)]
     stored = mx.load(str(DATA / "prompt_cache_v1.safetensors"))
     for i, c in enumerate(caches):
@@ -453,8 +457,8 @@ def test_calibration_does_not_depend_on_how_the_prompt_is_fed(bits):
         _feed16(c, x, sizes)
         caches.append(c)
     first = caches[0]
-    # Exactly the compress_block tokens after the sinks.
-    np.testing.assert_allclose(np.array(first.key_stream.mean), np.array(x[:, :, 3:19].astype(mx.float32).mean(axis=2)),
+    # Exactly the `window` tokens after the sinks.
+    np.testing.assert_allclose(np.array(first.key_stream.mean), np.array(x[:, :, 3:35].astype(mx.float32).mean(axis=2)),
                                rtol=1e-6)
     for c in caches[1:]:
         for name in ("k_mean", "v_mean", "k_perm", "v_perm"):

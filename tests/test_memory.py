@@ -80,7 +80,7 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
 def test_short_contexts_hold_only_the_window_they_use(models, n):
     # The float16 window grows in 32-token steps until the first compression, token by token or in one shot.
     model, args = models["llama"]
-    cfg = TurboQuantConfig()  # window 128, 4 sinks
+    cfg = TurboQuantConfig(window=128)  # 4 sinks
     for one_shot in (True, False):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n, one_shot=one_shot)

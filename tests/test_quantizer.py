@@ -113,15 +113,21 @@ def test_dtypes_and_leading_shapes(dtype, cls, bits):
 
 @pytest.mark.parametrize("cls,bits", [(TurboQuantMSE, 4), (TurboQuantMSE, 3.5), (TurboQuantProd, 2), (TurboQuantProd, 1)])
 def test_zero_and_nonfinite_vectors_are_isolated(cls, bits):
-    x = mx.random.normal((6, 64))
+    x = mx.random.normal((6, 64), key=mx.random.key(7))
     x = x.at[1].multiply(0.0)
     x = x.at[3, 5].add(float("nan"))
     x = x.at[4, 0].add(float("inf"))
     q = cls(64, bits)
-    clean = q.dequantize(q.quantize(mx.concatenate([x[:1], x[2:3], x[5:]])))
-    out = q.dequantize(q.quantize(x))
+    keep = mx.array([0, 2, 5])
+    clean_codes = q.quantize(x[keep])
+    codes = q.quantize(x)
+    out = q.dequantize(codes)
     assert mx.array_equal(out[1], mx.zeros((64,)))  # exact zeros, no NaN
-    assert mx.array_equal(mx.concatenate([out[:1], out[2:3], out[5:]]), clean)
+    # The other rows' codes are exactly those they get without the bad rows beside them ...
+    for got, want in zip(codes, clean_codes):
+        assert mx.array_equal(got[keep], want)
+    # ... and so are their values, up to the last bit a BLAS matmul may round differently for 6 rows than for 3.
+    assert mx.allclose(out[keep], q.dequantize(clean_codes), rtol=1e-6, atol=1e-6)
 
 
 def test_no_host_sync_inside_quantize():

@@ -288,7 +288,10 @@ class TurboQuantKVCache(_BaseCache):
                 f"{', '.join(map(str, READABLE_STATE_VERSIONS))}"
             )
         try:
-            config = TurboQuantConfig.from_dict(dict(meta["config"]))
+            fields = dict(meta["config"])
+            if version < 4 and fields.get("compress_block", fields.get("block")) is None and fields.get("window"):
+                fields["compress_block"] = fields.pop("block", None) or fields["window"]  # None meant the window
+            config = TurboQuantConfig.from_dict(fields)
             self.__init__(config, meta["layer_index"], meta["attention_index"], meta["n_attention_layers"])
             self.expected_head_dim = meta["head_dim"]
             counts = {n: check_int(n, meta[n], 0) for n in ("offset", "n_sinks", "n_compressed", "n_window",

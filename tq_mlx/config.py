@@ -9,6 +9,11 @@ from typing import Any
 from .quantizer import PROD_BITS, check_bits, format_bits
 
 
+# Tokens compressed at a time by default: small blocks keep the window near full (between window - 127 and
+# window tokens), and blocks of 64 measured worse than 128 (benchmarks/DEFAULTS.md).
+COMPRESS_BLOCK = 128
+
+
 def check_int(name: str, value: Any, low: int) -> int:
     """value, unless it is not an integer >= low (ValueError naming `name`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -25,22 +30,23 @@ def bits_label(key_bits: float, value_bits: float, qjl: bool = False) -> str:
 class TurboQuantConfig:
     """How a model's KV cache is compressed. Every field is validated; errors name the allowed values.
 
-    The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short (perplexity on
-    the Britannica text, float cache = 0%): keys at 4 bits keep top-1 attention agreement at 0.98-0.99 on
-    SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost +4.5% on SmolLM2; values at 3 bits cost +0.8
-    points over V4 on SmolLM2 and nothing on Qwen, for 4.3x less memory than float16 at head_dim 128 instead of
-    3.8x; QJL loses at equal bits (+6.9% vs +1.3% at K4); key centering rescues Qwen (PPL 629 -> 12.16 at 4/4),
-    value centering helps with the window (SmolLM2 K4/V3 +2.1% vs +3.0%, K3/V3 +4.5% vs +7.3%; neutral on
-    Qwen); the float16 window of 128 and 4 sinks are worth +13 points at 3/3 (+17.9% -> +4.5%); boundary layers
-    buy less than spending the same bits on keys. μ, ν (and the outlier channels of 2.5/3.5 bits) are
-    calibrated on the first `compress_block_size` tokens after the sinks, however the prompt is fed.
+    The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short: keys at 4 bits
+    keep top-1 attention agreement at 0.98-0.99 on SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost
+    2-4x the KL; values at 3 bits cost little over V4, for ~4.1x less memory than float16 at head_dim 128 and 32k
+    tokens; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
+    (4k-8k tokens) the float window decides quality: 768 recent tokens (compressed 128 at a time) bring KL at 8k
+    from 0.0126 (window 512) to 0.0072 nats on SmolLM2, and cost 0.3 bits/value at 32k. A key stream whose
+    tokens barely vary along their own mean direction (bias_outlier_factor > protect_factor; layer 0 of
+    Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. μ, ν (and the outlier channels of
+    2.5/3.5 bits) are calibrated on the first `window` tokens after the sinks, however the prompt is fed.
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
     value_bits: float = 3
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
-    window: int = 128  # recent tokens kept in float16 (0: compress every token at once)
-    compress_block: int | None = None  # tokens compressed at a time when the window overflows; None = window
+    window: int = 768  # recent tokens kept in the model's float dtype (0: compress every token at once)
+    compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
+    # the window if smaller (COMPRESS_BLOCK)
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
@@ -80,7 +86,7 @@ class TurboQuantConfig:
     @property
     def compress_block_size(self) -> int:
         """Tokens compressed at a time when the window overflows."""
-        return self.compress_block if self.compress_block is not None else max(self.window, 1)
+        return self.compress_block if self.compress_block is not None else min(max(self.window, 1), COMPRESS_BLOCK)
 
     def layer_bits(self, attention_index: int, n_attention_layers: int) -> tuple[float, float]:
         """(key_bits, value_bits) of the attention layer `attention_index` (0-based among attention layers)."""

@@ -17,8 +17,9 @@ channels of largest mean |x - μ| in those same tokens at one more bit (paper §
 channel order per kv head as `perm` and feeds x[..., perm] to the quantizer, whose outlier group is its first
 d/4 channels. Every stream also fixes a power-of-two scale per (batch, kv head) there (calibration_scale) and
 quantizes (x - μ) / scale, so float16 norms neither overflow nor lose precision at any model scale. With a
-window, the calibration tokens are exactly the first `compress_block` tokens after the
-sinks, so it does not depend on how the prompt was fed (one shot, chunks, token by token, or trimmed).
+window, the calibration tokens are exactly the first `window` tokens after the sinks (all of them are
+at hand at the first compression), so it does not depend on how the prompt was fed (one shot, chunks, token by
+token, or trimmed).
 
 `encode` and `decode` are the reference codec (the Metal kernels' twins); `append` returns a `StreamView`,
 the immutable view of the live tokens that attention reads.
@@ -322,23 +323,26 @@ class CompressedStream:
             return
         if self.n_window:
             x = mx.concatenate([self.window[:, :, : self.n_window].astype(mx.float32), x.astype(mx.float32)], axis=2)
-        self._compress(x[:, :, :n_c])
+        self._compress(x, n_c)
         self.n_window = total - n_c
         if self.n_window:
             self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
 
-    def _compress(self, x: mx.array) -> None:
+    def _compress(self, x: mx.array, n: int) -> None:
+        """Compress the first n tokens of x (the window's tokens, then the new ones)."""
         x = x.astype(mx.float32)
-        if self.n_compressed == 0:  # calibrate on the first tokens compressed
-            calib = x[:, :, : self.compress_block] if self.max_window else x
+        if self.n_compressed == 0:  # calibrate on the first tokens after the sinks
+            # With a window, the first compression sees at least `window + 1` tokens after the sinks, however
+            # the prompt is fed: calibrating on the first `window` gives the most tokens independent of feeding.
+            calib = x[:, :, : self.max_window] if self.max_window else x
             mean = calibration_mean(calib)
             if self.protect is not None and self.protect[1] > self.base_quantizer.bits:
                 self.set_protected(mx.max(bias_outlier_factor(calib, mean)).item() > self.protect[0])
             self.mean = mean if self.center else None
             self.perm = outlier_order(calib, self.mean, self.quantizer)
             self.scale = calibration_scale(calib, self.mean)
-        new = self.encoder(x, self.quantizer, self.mean, self.perm, self.scale)
-        start, n = self.n_compressed, x.shape[2]
+        new = self.encoder(x[:, :, :n], self.quantizer, self.mean, self.perm, self.scale)
+        start = self.n_compressed
         self.codes = _grow(self.codes, start, n, self.step, new)
         for b, a in zip(self.codes, new):
             b[:, :, start : start + n] = a
