@@ -5,7 +5,7 @@
 Run by .ci/run with the wheel installed (not editable) in a fresh venv, from a directory outside the
 checkout, with PYTHONPATH holding only a copy of tests/emulator (as the package `emulator`). Fails unless
 tq_mlx and its .metal sources come from site-packages, the emulator compiles exactly those sources, and every
-kernel (rotate, encode, dequantize, decode_attention) passes its self-check and agrees with the reference.
+kernel (rotate, encode, dequantize, decode_attention, prefill_attention) passes its self-check and agrees with the reference.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def main() -> int:
              K.decode_attention_reference(q, keys, values, 0.125)),
             ("dequantize", K.dispatch_dequantize(keys), K.dequantize_reference(keys)),
         ]
+        qp = normal(1, 4, 12, 64)  # a 12-token chunk over the compressed context: prefill_attention
+        checks.append(("prefill_attention", K.dispatch_attention(qp, keys, values, 0.125, "causal"),
+                       K.prefill_attention_reference(qp, keys, values, 0.125, "causal")))
         x = normal(3, 64).astype(mx.float32)
         rotation = keys.quantizer.groups[0].rotation
         checks.append(("rotate", K.dispatch_rotate(x, rotation, True), K.rotate_reference(x, rotation, True)))
@@ -93,7 +96,7 @@ def main() -> int:
     for (kernel, variant), reason in sorted(status.items(), key=str):
         print(f"self-check {kernel} {variant}: {'passed' if reason is None else 'FAILED: ' + reason}")
     ran = {kernel for kernel, _ in status}
-    want = {"rotate", "encode", "dequantize", "decode_attention"}
+    want = {"rotate", "encode", "dequantize", "decode_attention", "prefill_attention"}
     if ran != want:
         fail(f"self-checks ran for {sorted(ran)}, expected {sorted(want)}")
     if any(reason is not None for reason in status.values()):

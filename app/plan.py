@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import describe_config
+from tq_mlx import memory
 from tq_mlx.memory import attention_layout, estimate_kv_bytes, estimate_peak_bytes, format_bytes
 
 # Share of the available memory the weights and KV cache may take; the rest is left for activations
@@ -40,6 +41,7 @@ class Plan:
     peak: int = 0  # predicted peak MLX memory of prefill + decode at ctx with `config` (memory.estimate_peak_bytes)
     peak_float: int = 0  # the same with mlx-lm's float cache
     prefill_step: int = 2048
+    protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
 
     @property
     def usable(self) -> int:
@@ -86,6 +88,11 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         peak_float=estimate_peak_bytes(model_config, ctx, None, weights=weights, prefill_step=prefill_step),
         prefill_step=prefill_step,
     )
+    if config is not None and config.protect_factor is not None and config.protect_bits > config.key_bits:
+        # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
+        flat = replace(config, boundary_layers=0)
+        more = estimate_kv_bytes(model_config, ctx, replace(flat, key_bits=config.protect_bits, qjl=False))
+        plan.protect_bytes = (more - estimate_kv_bytes(model_config, ctx, flat)) // max(plan.attention_layers, 1)
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
             f"--ctx {ctx:,} is beyond the model's trained context of {lay.max_context:,} tokens; "
@@ -120,14 +127,7 @@ def _suggest(plan: Plan, model_config: dict) -> str:
 def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048) -> int:
     """The largest context (rounded down to 1024 tokens) whose KV cache and prefill transient (the predicted
     peak beyond the weights) fit in `budget` bytes."""
-    lo, hi = 0, 1 << 24
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if estimate_peak_bytes(model_config, mid, config, weights=0, prefill_step=prefill_step) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo // 1024 * 1024
+    return memory.max_context(model_config, budget, config, prefill_step=prefill_step) // 1024 * 1024
 
 
 def format_ctx(n: int) -> str:
@@ -164,6 +164,11 @@ def format_plan(plan: Plan) -> str:
         ("weights", format_bytes(plan.weights)),
         ("KV float16", format_bytes(plan.kv_fp16)),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
+    ]
+    if plan.protect_bytes:
+        rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
+                         f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
+    rows += [
         ("peak", f"{format_bytes(plan.needed)} predicted for prefill ({plan.prefill_step:,}-token chunks) + decode"
                  + (f"; {format_bytes(plan.peak_float)} with mlx-lm's float cache" if plan.config else "")),
         ("total", f"{format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable "

@@ -15,12 +15,15 @@ The computation is causal and every cache here depends only on the tokens before
 longest context gives every shorter one too: the chunk ending at 1k in a 4k pass is exactly the last chunk of a
 1k run. One pass per (model, text, setting).
 
-Settings (library defaults otherwise; each TurboQuant row spells its config out in the JSON and the notes):
-float; TurboQuant K8/V8, K4/V4, K4/V3 (the default), K3/V3, K2.5/V2.5, K4/V4 window 512 block 128, K4/V3 window
-1024 block 128, K4/V4 boundary_layers=2 at 8 bits; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64
-(no window), "rotation + affine" (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head
-of keys and values, then mlx-lm affine 4-bit g64, with TurboQuant's default 4 sinks and 128-token window), and
-mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run).
+Settings (library defaults otherwise; each TurboQuant row spells its config out in the JSON and the notes; keys
+for --settings in BY_KEY): float; TurboQuant K4/V3 (the default: window 768 in blocks of 128, keys that protect
+themselves), the previous default (window 128), the default without key protection, K4/V4, and settings near 3.5
+and 2.75 bits/value at 32k (K4/V2 and K3/V3 window 512, K2.5/V2 window 256, K2/V2 window 512), K8/V8, boundary
+layers; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64 (no window), "rotation + affine"
+(RotatedAffineCache below: a seeded random Hadamard rotation per layer and head of keys and values, then mlx-lm
+affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128 tokens), and mlx-vlm's
+TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run). Needles (SmolLM2): the
+default and float at --needles haystack lengths, depths 0.1/0.5/0.9.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
@@ -112,6 +115,10 @@ K4V2 = tq(4, 2, window=512, compress_block=128)
 K3V3 = tq(3, 3, window=512, compress_block=128)
 K25V2 = tq(2.5, 2, window=256, compress_block=128)
 K2V2 = tq(2, 2, window=512, compress_block=128)
+# Keys decide where attention goes, values are only averaged: 1-bit values buy a 1024-token window.
+K4V1 = tq(4, 1, window=1024, compress_block=128)
+K3V1 = tq(3, 1, window=1024, compress_block=128)
+K2V2_1024 = tq(2, 2, window=1024, compress_block=128)
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -121,11 +128,13 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K8V8, BOUND, MLX4, MLX8, PEER4]
+ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024, K8V8,
+       BOUND, MLX4, MLX8, PEER4]
 FIRST = 6  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
 BY_KEY = {"float": FLOAT, "default": DEFAULT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
-          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
+          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1,
+          "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
           "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
 
 MODELS = {
@@ -478,8 +487,8 @@ def report(results: dict) -> tuple[str, list[str]]:
         "what it changes.",
         "rotation + affine: a seeded random Hadamard rotation (H·diag(±1) per layer, head and side) of keys and "
         "values, then mlx-lm's affine 4-bit quantization in groups of 64 (= one head vector at head_dim 64), with "
-        "the same 4 float sinks and 128-token float window as TurboQuant's default (blocks of 128 leave the "
-        "window); implemented in this script as a quantize-dequantize cache, its bits from the formula. "
+        "TurboQuant's 4 float sinks and the float window its row names (blocks of 128 leave the window); "
+        "implemented in this script as a quantize-dequantize cache, its bits from the formula. "
         "mlx-lm affine rows: QuantizedKVCache(group_size=64) on every token, no window.",
     ]
     peer = results.get("peers", {}).get("mlx-vlm", {})

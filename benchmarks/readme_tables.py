@@ -36,11 +36,13 @@ COMMANDS = {
     "long_context": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py "
                     "(this table: one run per model side by side, joined with --merge; see the script's docstring)",
     "speed": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/speed.py",
+    "serve": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/serve.py",
 }
 
 
 def section(results: Path = common.RESULTS, readme_dir: Path = common.REPO, suffix: str = "") -> str:
-    """The markdown between the markers, from <results>/{memory,quality,speed}<suffix>.json (missing ones noted)."""
+    """The markdown between the markers, from <results>/{memory,quality,long_context,speed,serve}<suffix>.json (missing
+    ones noted)."""
     import memory
     import quality
     import speed
@@ -64,6 +66,7 @@ def section(results: Path = common.RESULTS, readme_dir: Path = common.REPO, suff
         parts.append(common.render(title, res["meta"], headers, rows, notes, align, extra) + f"\n\nCommand: `{COMMANDS[name]}`")
         if name == "quality":
             parts.append(long_context_part(results, suffix))
+    parts.append(serve_part(results, suffix))
     defaults = results.parent / "DEFAULTS.md"
     if defaults.exists():
         parts.append(f"Why the cache's defaults are what they are: [{Path(os.path.relpath(defaults, readme_dir)).as_posix()}]"
@@ -81,6 +84,19 @@ def long_context_part(results: Path, suffix: str) -> str:
     return long_context.render(json.loads(path.read_text()), "####") + f"\n\nCommand: `{COMMANDS['long_context']}`"
 
 
+def serve_part(results: Path, suffix: str) -> str:
+    """The '### Serving: concurrent clients' subsection (tq-server against mlx_lm.server), from serve<suffix>.json."""
+    import serve
+
+    path = results / f"serve{suffix}.json"
+    if not path.exists():
+        return f"### {serve.TITLE}\n\nNo results yet: run `{COMMANDS['serve']}`."
+    res = json.loads(path.read_text())
+    headers, rows, notes = serve.report(res)
+    table = common.render(serve.TITLE, res["meta"], headers, rows, notes, serve.ALIGN)
+    return f"{table}\n\nCommand: `{COMMANDS['serve']}`"
+
+
 def splice(readme: str, body: str) -> str:
     if START not in readme or END not in readme:
         raise ValueError(f"README has no {START} ... {END} markers")
@@ -92,7 +108,7 @@ def splice(readme: str, body: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--readme", default=str(common.REPO / "README.md"))
-    ap.add_argument("--results", default=str(common.RESULTS), help="folder with memory.json, quality.json, speed.json")
+    ap.add_argument("--results", default=str(common.RESULTS), help="folder with memory.json, quality.json, speed.json, ...")
     ap.add_argument("--suffix", default="", help="e.g. -quick to render the --quick results")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help="replace the section in the README")

@@ -15,7 +15,7 @@ import pytest
 from tq_chat import main as cli
 from tq_chat.chat import ChatApp, ChatSettings, Progress, Stats, Streamed
 from tq_chat.models import ALIASES, ModelSource, ModelUnavailable, resolve
-from tq_chat.plan import format_ctx, make_plan, max_context
+from tq_chat.plan import format_ctx, format_plan, make_plan, max_context
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
@@ -72,6 +72,19 @@ def test_plan_prints_the_estimate(tiny_model_dir, capsys):
     assert format_bytes(estimate_kv_bytes(cfg, 2048, None)) in out
     assert format_bytes(estimate_kv_bytes(cfg, 2048, TurboQuantConfig.from_bits(3))) in out
     assert "2,048 tokens (trained: 4,096)" in out and "verdict     fits" in out
+
+
+def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
+    cfg = load_model_config(tiny_model_dir)
+    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
+    n = plan.attention_layers
+    all_protected = estimate_kv_bytes(cfg, 32768, TurboQuantConfig(key_bits=8))
+    assert plan.protect_bytes == (all_protected - plan.kv) // n > 0
+    assert "for each layer whose keys protect themselves (K8" in format_plan(plan)
+    # nothing to price without protection, or when the keys are already at the protected bits
+    for off in (TurboQuantConfig(protect_factor=None), TurboQuantConfig(key_bits=8, value_bits=8)):
+        plan = make_plan("m", cfg, 10**8, 32768, off, 10**10)
+        assert plan.protect_bytes == 0 and "protect themselves" not in format_plan(plan)
 
 
 def test_context_beyond_training_warns(tiny_model_dir, capsys):

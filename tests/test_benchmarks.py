@@ -192,3 +192,88 @@ def test_long_context_default_row_is_the_library_default() -> None:
 
     library = TurboQuantConfig()
     assert long_context.DEFAULT.config == dataclasses.replace(library, compress_block=library.compress_block_size)
+
+
+def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
+    # mac_check.py needs Metal; --dry-run runs the same code at tiny sizes on the CPU, kernels on the emulator
+    # (when it can compile), and writes the JSON a Mac user attaches to an issue, with the same schema.
+    from tests.emulator import find_compiler
+
+    emulated = find_compiler() is not None
+    proc = subprocess.run([sys.executable, str(BENCH / "mac_check.py"), "--dry-run", "--out-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DRY RUN" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mac_check-dry-run.json", "mac_check-dry-run.md"]
+
+    def no_nan(c):
+        raise AssertionError(f"{c} in the JSON: not strict JSON")
+
+    r = json.loads((tmp_path / "mac_check-dry-run.json").read_text(), parse_constant=no_nan)
+    assert r["schema"] == "tq-mlx mac_check 2" and r["dry_run"] is True
+    assert r["kernel_runner"] == ("emulator (CPU)" if emulated else "none")
+    import mlx.core as mx
+    import mlx_lm
+
+    m = r["machine"]
+    assert {"chip", "macos", "os", "mlx", "mlx_lm", "tq_mlx", "python", "metal_available",
+            "metal_device_info"} <= set(m)
+    assert m["mlx"] == mx.__version__ and m["mlx_lm"] == mlx_lm.__version__ and m["metal_available"] is False
+    assert m["chip"] and r["meta"]["date"]
+
+    kernels = {c["kernel"].split()[0] for c in r["checks"]}
+    assert kernels == {"rotate", "rotate-inverse", "encode", "dequantize", "decode", "prefill"}
+    for c in r["checks"]:
+        assert {"kernel", "dim", "bits", "dtype", "max_abs_err", "ok", "reason", "seconds"} == set(c)
+        assert c["ok"] is (True if emulated else None), c
+    if emulated:  # every kernel's variants went through its self-check, and passed
+        assert {s["kernel"] for s in r["self_checks"]} == {"rotate", "encode", "dequantize", "decode_attention",
+                                                          "prefill_attention"}
+        assert all(s["passed"] and s["reason"] is None and s["variant"] for s in r["self_checks"])
+    assert r["summary"] == dict(checks=len(r["checks"]), checks_failed=0, self_checks=len(r["self_checks"]),
+                                self_checks_failed=0)
+
+    s = r["settings"]
+    for kind, tokens in (("decode", 1), ("prefill", s["chunk"])):
+        rows = r[kind]
+        assert [row["context"] for row in rows] == s["contexts"]
+        assert kind == "decode" or tokens > 8  # a prefill chunk takes prefill_attention, not the decode kernels
+        for row in rows:
+            assert set(row) == {"shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "context",
+                                "query_tokens", "fused_ms", "sdpa_fp16_ms", "reference_ms", "speedup_vs_sdpa",
+                                "fused_peak_bytes", "sdpa_peak_bytes", "reference_peak_bytes", "cache_bytes",
+                                "fp16_cache_bytes", "error"}
+            assert row["query_tokens"] == tokens and row["sdpa_fp16_ms"] > 0 and row["reference_ms"] > 0
+            assert row["cache_bytes"] < row["fp16_cache_bytes"]  # the compressed cache is smaller
+            assert isinstance(row["sdpa_peak_bytes"], int) and row["reference_peak_bytes"] > 0
+            if emulated:
+                assert row["error"] is None and row["fused_ms"] > 0 and isinstance(row["fused_peak_bytes"], int)
+                assert row["speedup_vs_sdpa"] == pytest.approx(row["sdpa_fp16_ms"] / row["fused_ms"])
+            else:
+                assert row["fused_ms"] is None and "skipped" in row["error"]
+
+
+def test_serve_quick_load_test_against_mlx_lm_server(results_dir: Path, tmp_path: Path) -> None:
+    # tq-server and mlx_lm.server on SmolLM2, one after the other on free localhost ports: every request answered,
+    # the batches' KV bytes measured inside each server, and the README renders the table from the JSON.
+    res = run_script("serve", results_dir, timeout=300)
+    _meta_ok(res["meta"])
+    assert res["settings"]["clients"] == [1, 2] and min(res["settings"]["prompt_tokens"]) > 16 + 4
+    rows = {(r["server"], r["n"]): r for r in res["rows"]}
+    assert set(rows) == {(s, n) for s in ("tq", "float") for n in ("sequential", 1, 2)}
+    for (server, n), r in rows.items():
+        assert r["answered"] == r["requests"] and r["tokens"] > 0, r
+        assert math.isfinite(r["tok_s"]) and r["tok_s"] > 0 and r["vs_sequential"] > 0
+        assert 1 <= r["max_rows"] <= r["requests"] and r["kv_peak"] > 0
+        if n == "sequential":
+            assert r["max_rows"] == 1 and r["equal"] is None
+        else:
+            assert 0 <= r["equal"] <= n
+        if server == "tq":  # the compressed cache holds less than mlx-lm's float32 one
+            assert r["kv_peak"] < rows[("float", n)]["kv_peak"], (n, r["kv_peak"], rows[("float", n)]["kv_peak"])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- benchmark-results:start -->\nOLD\n<!-- benchmark-results:end -->\n")
+    subprocess.run([sys.executable, str(BENCH / "readme_tables.py"), "--readme", str(readme), "--results",
+                    str(results_dir), "--suffix=-quick", "--write"], cwd=REPO, check=True, capture_output=True)
+    text = readme.read_text()
+    assert "### Serving: concurrent clients" in text and "| 2 | tq-server |" in text and "benchmarks/serve.py" in text

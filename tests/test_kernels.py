@@ -773,7 +773,7 @@ def test_self_check_disables_a_bad_kernel_and_warns_once(emulator, monkeypatch, 
 
 @pytest.mark.parametrize(
     "case",
-    ["head_dim_96", "fractional_bits", "array_mask", "many_query_tokens", "qjl_1bit"],
+    ["head_dim_96", "fractional_bits", "array_mask", "qjl_1bit"],
 )
 def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
     monkeypatch.setenv(K.ENV_VAR, "metal")
@@ -789,8 +789,6 @@ def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
         kq = TurboQuantProd(64, 1, seed=2)
     keys = handle(rng, kq, n=20)
     values = handle(rng, quantizer(dim, 4, seed=3), n=20)
-    if case == "many_query_tokens":
-        L, mask = 9, "causal"
     if case == "array_mask":
         mask = mx.ones((1, keys.n_tokens), dtype=mx.bool_)
     q = normal(rng, (1, 2, L, dim))

@@ -22,11 +22,12 @@ RANKS = {
     "stream": 3,
     "attention": 4,
     "kernels": 5,
-    "cache": 6,
-    "memory": 7,
-    "integration": 8,
-    "cli": 9,
-    "__init__": 10,
+    "batch": 6,
+    "cache": 7,
+    "memory": 8,
+    "integration": 9,
+    "cli": 10,
+    "__init__": 11,
 }
 
 

@@ -5,6 +5,7 @@ TurboQuantKVCache built (make_prompt_cache, patch_model and load_prompt_cache bu
 """
 
 from .attention import turboquant_attention
+from .batch import BatchTurboQuantKVCache
 from .cache import TurboQuantKVCache
 from .codebook import lloyd_max
 from .config import TurboQuantConfig
@@ -25,6 +26,7 @@ __all__ = [
     "lloyd_max",
     "TurboQuantConfig",
     "TurboQuantKVCache",
+    "BatchTurboQuantKVCache",
     "CompressedStream",
     "StreamView",
     "turboquant_attention",

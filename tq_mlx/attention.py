@@ -27,6 +27,7 @@ float32; the result has queries' dtype.
 from __future__ import annotations
 
 import threading
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
@@ -142,6 +143,53 @@ def _mask_fn(mask, B: int, H: int, R: int, L: int, T: int):
     return lambda a, b: m[..., a:b]
 
 
+class BatchView(NamedTuple):
+    """One side of a batch of TurboQuant caches (tq_mlx.batch), as attention reads it: one B=1 StreamView per
+    row, so every row keeps its own calibration and attends only to its own tokens (padding is never stored).
+
+    Row i's real tokens in the update are the query positions [start, start + count) of `spans[i]`; the other
+    positions are padding and get zeros. `ends[i]` is the column, in the padded layout of mlx-lm's
+    BatchKVCache (what the batch cache's make_mask covers), just past row i's last stored token: an array
+    mask is read there. A row with no token in the update has the view None.
+    """
+
+    rows: tuple[StreamView | None, ...]
+    spans: tuple[tuple[int, int], ...]
+    ends: tuple[int, ...]
+
+
+def _row_mask(mask, i: int, start: int, count: int, end: int, n_tokens: int):
+    """Row i's part of a batch mask: None/"causal" become the row's own (what it gets alone: "causal" for
+    more than one query); an array (.., L, T) in the padded layout is cut to the row's queries and tokens."""
+    if mask is None or isinstance(mask, str):
+        return mask if count > 1 else None
+    if mask.shape[-1] < end:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not cover the batch's {end} cached columns")
+    m = mask[i : i + 1] if mask.ndim == 4 and mask.shape[0] > 1 else mask  # (B, ...) or broadcast (1, ...)
+    return m[..., start : start + count, end - n_tokens : end]
+
+
+def batched_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
+                      attend: Callable | None = None) -> mx.array:
+    """Attention of a batch view, row by row with `attend` (default turboquant_attention) on each row's own
+    views and queries, stacked; padding query positions get zeros. queries (B, n_q_heads, L, D)."""
+    attend = attend or turboquant_attention
+    B, Hq, L, _ = queries.shape
+    if len(keys.rows) != B:
+        raise ValueError(f"queries have batch {B}, the batch view holds {len(keys.rows)} rows")
+    Dv = next((v.head_dim for v in values.rows if v is not None), queries.shape[3])
+    out = []
+    for i, (k, v, (start, count), end) in enumerate(zip(keys.rows, values.rows, keys.spans, keys.ends)):
+        if k is None or count == 0:
+            out.append(mx.zeros((1, Hq, L, Dv), queries.dtype))
+            continue
+        q = queries[i : i + 1, :, start : start + count] if count < L else queries[i : i + 1]
+        o = attend(q, k, v, scale=scale, mask=_row_mask(mask, i, start, count, end, k.n_tokens))
+        pad = [(0, 0), (0, 0), (start, L - start - count), (0, 0)]
+        out.append(mx.pad(o, pad) if count < L else o)
+    return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
 def turboquant_attention(
     queries: mx.array,
     keys: StreamView,
@@ -153,8 +201,12 @@ def turboquant_attention(
     """softmax(scale·q·Kᵀ + mask)·V over a TurboQuant cache. queries (B, n_q_heads, L, D) -> (B, n_q_heads, L, Dv).
 
     mask: None, "causal" (lower-right aligned), or a bool/additive array (L, T) / (B, 1, L, T) /
-    (B, n_q_heads, L, T) over the cache's T tokens in order (sinks, compressed, window).
+    (B, n_q_heads, L, T) over the cache's T tokens in order (sinks, compressed, window). Batch views
+    (tq_mlx.batch) run row by row (batched_attention).
     """
+    if isinstance(keys, BatchView):
+        return batched_attention(queries, keys, values, scale, mask,
+                                 lambda q, k, v, scale, mask: turboquant_attention(q, k, v, scale, mask, tile_tokens))
     B, Hq, L, D = queries.shape
     T, H, Dv = keys.n_tokens, keys.n_heads, values.head_dim
     R = Hq // H

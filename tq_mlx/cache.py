@@ -4,7 +4,8 @@ It reads like mlx-lm's KVCache with codes instead of floats: update_and_fetch ap
 (tq_mlx.stream: float16 sinks, TurboQuant codes, a float16 window) and returns their `StreamView`s, which
 mlx-lm's attention routes to `quantized_scaled_dot_product_attention` because the cache has `bits`. That
 entry point is hooked (install_attention_hook) when the first cache is built, never at import, and sends
-views to tq_mlx.kernels.dispatch_attention and anything else to mlx-lm's own function.
+views to tq_mlx.kernels.dispatch_attention and anything else to mlx-lm's own function. mlx-lm's batching
+merges caches (`merge`) into a tq_mlx.batch.BatchTurboQuantKVCache, whose batch views the hook sends there.
 
 Memory: `nbytes` is the sum of every array the two streams hold (their docstring has the formula), and no
 float copy of a compressed token exists anywhere.
@@ -20,6 +21,8 @@ import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from .attention import BatchView
+from .batch import BatchTurboQuantKVCache, batch_attention
 from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
 from .kernels import dispatch_attention, dispatch_encode
@@ -201,6 +204,32 @@ class TurboQuantKVCache(_BaseCache):
             raise ValueError(f"{self._where()}: keys_and_values() before any update")
         return self.key_stream.view(), self.value_stream.view()
 
+    # mlx-lm's pipelined models tie a stage's send to its last cache, `cache[-1].keys = mx.depends(
+    # cache[-1].keys, h)` (qwen2.py:165-167 and every PipelineMixin model), so that generate's mx.eval of the
+    # cache state after each prefill chunk runs the send. `keys` is one buffer of the key stream that the state
+    # holds (the float window, else the sinks, else the codes); assigning replaces that buffer.
+    @property
+    def keys(self) -> mx.array | None:
+        s = self.key_stream
+        if s is None:
+            return None
+        for a in (s.window, s.sinks):
+            if a is not None:
+                return a
+        return s.codes[0] if s.codes else None
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        s = self.key_stream
+        if s is None or self.keys is None:
+            raise ValueError(f"{self._where()}: keys assigned before any update")
+        if s.window is not None:
+            s.window = value
+        elif s.sinks is not None:
+            s.sinks = value
+        else:
+            s.codes = type(s.codes)(value, *s.codes[1:])
+
     # --- the rest of mlx-lm's cache protocol ---------------------------------------------------------
 
     def __deepcopy__(self, memo):
@@ -212,6 +241,12 @@ class TurboQuantKVCache(_BaseCache):
 
     def size(self) -> int:
         return self.offset
+
+    @classmethod
+    def merge(cls, caches: list[TurboQuantKVCache]) -> BatchTurboQuantKVCache:
+        """mlx-lm's batching (BatchGenerator, batch_generate, the server) merges one cache per sequence: a
+        BatchTurboQuantKVCache of copies, one row each (tq_mlx.batch)."""
+        return BatchTurboQuantKVCache.merge(caches)
 
     def empty(self) -> bool:
         return self.batch_heads() is None
@@ -333,11 +368,16 @@ class TurboQuantKVCache(_BaseCache):
             raise bad(str(e)) from None
 
 
+BatchTurboQuantKVCache.row_class = TurboQuantKVCache  # tq_mlx.batch sits below this module
+
+
 # --- the attention hook: installed by the first cache, not at import -----------------------------------------
 
 
 def _attention(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 8):
     """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention."""
+    if isinstance(keys, BatchView):
+        return batch_attention(queries, keys, values, scale=scale, mask=mask)
     if isinstance(keys, StreamView):
         return dispatch_attention(queries, keys, values, scale=scale, mask=mask)
     return _attention.original(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
@@ -350,15 +390,17 @@ def install_attention_hook() -> None:
     if current is not _attention:
         _attention.original = current
         mlx_base.quantized_scaled_dot_product_attention = _attention
-    setattr(mlx_cache, TurboQuantKVCache.__name__, TurboQuantKVCache)
+    for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
+        setattr(mlx_cache, cls.__name__, cls)
 
 
 def uninstall_attention_hook() -> None:
     """Leave mlx-lm exactly as it was before install_attention_hook."""
     if mlx_base.quantized_scaled_dot_product_attention is _attention:
         mlx_base.quantized_scaled_dot_product_attention = _attention.original
-    if getattr(mlx_cache, TurboQuantKVCache.__name__, None) is TurboQuantKVCache:
-        delattr(mlx_cache, TurboQuantKVCache.__name__)
+    for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
+        if getattr(mlx_cache, cls.__name__, None) is cls:
+            delattr(mlx_cache, cls.__name__)
 
 
 def hook_installed() -> bool:

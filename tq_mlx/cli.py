@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import logging
 import os
 import sys
@@ -96,7 +97,7 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"most recent tokens kept in the model's float dtype (default {d.window}; 0 compresses "
                         "every token)")
     g.add_argument("--tq-compress-block", "--tq-block", dest="tq_compress_block", type=_count_arg(1), metavar="N",
-                   help="tokens compressed at a time when the window overflows (default: the window)")
+                   help="tokens compressed at a time when the window overflows (default: 128, or the window if smaller)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=_count_arg(0), metavar="N",
                    help=f"first tokens kept in the model's float dtype (default {d.sinks})")
     g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=_count_arg(0), metavar="N",
@@ -178,7 +179,7 @@ def config_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def describe_config(config: TurboQuantConfig | None) -> str:
-    """One line: "TurboQuant K4/V3, window 128, sinks 4" (or mlx-lm's cache)."""
+    """One line: "TurboQuant K4/V3, window 768, sinks 4" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
     parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
@@ -249,6 +250,13 @@ def generate_parser() -> argparse.ArgumentParser:
     parser = gen.setup_arg_parser()
     parser.prog = "tq-generate"
     parser.description = "mlx_lm.generate with a TurboQuant-compressed KV cache."
+    # mlx_lm.generate 0.32.2 has no distributed mode; tq-generate has that of mlx_lm.chat and mlx_lm.server:
+    # under mlx.launch the model is sharded across the processes, tensor parallel unless --pipeline.
+    try:
+        parser.add_argument("--pipeline", action="store_true",
+                            help="Use pipelining instead of tensor parallelism (distributed runs under mlx.launch)")
+    except argparse.ArgumentError:  # a later mlx_lm.generate has its own
+        pass
     return add_cache_args(parser)
 
 
@@ -258,6 +266,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         from .blas import use_openblas
 
         use_openblas("tq-generate")
+    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from .integration import tune_malloc
@@ -267,9 +276,13 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser = generate_parser()
     args = parser.parse_args(argv)
     config = config_or_error(parser, args)
+    group = mx.distributed.init()
+    distributed = group.size() > 1
+    if distributed and (args.adapter_path or args.draft_model or getattr(args, "quantize_activations", False)):
+        parser.error("--adapter-path, --draft-model and --quantize-activations are not supported in distributed mode")
     used: list = []
 
-    original_generate = gen.generate
+    original_generate, original_load = gen.generate, gen.load
 
     def generate(model, tokenizer, prompt, verbose=False, **kwargs):
         # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
@@ -281,24 +294,102 @@ def generate_main(argv: list[str] | None = None) -> int:
         used.append((kwargs["prompt_cache"], len(model.layers)))
         return original_generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
 
+    def load(path, tokenizer_config=None, return_config=False, trust_remote_code=False, **_):
+        # Distributed: each process loads its shard, as mlx_lm.chat does (sharded_load calls the patched
+        # load_model, so the shards build TurboQuant caches of their own heads or layers).
+        from mlx_lm.utils import sharded_load
+
+        return sharded_load(path, pipeline_group=group if args.pipeline else None,
+                            tensor_group=None if args.pipeline else group, return_config=return_config,
+                            tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code)
+
     setup = gen.setup_arg_parser
     gen.setup_arg_parser, gen.generate = (lambda: _Parsed(args)), generate
+    if distributed:
+        gen.load = load
     try:
-        with patched_loading(config):
-            gen.main()
+        # Every rank computes the same answer; rank 0 prints it.
+        with patched_loading(config), open(os.devnull, "w") as null:
+            with contextlib.redirect_stdout(null if group.rank() else sys.stdout):
+                gen.main()
+        if distributed:
+            # Generation leaves a step in flight: finish it on every rank before any exits and closes its
+            # connections under a peer still receiving.
+            mx.synchronize()
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
     except ValueError as e:
         print(f"tq-generate: error: {e}", file=sys.stderr)
         return 2
     finally:
-        gen.setup_arg_parser, gen.generate = setup, original_generate
-    if used:
+        gen.setup_arg_parser, gen.generate, gen.load = setup, original_generate, original_load
+    if used and group.rank() == 0:
         cache, n_layers = used[-1]
-        print(summary_line(cache[:n_layers]), file=sys.stdout if args.verbose else sys.stderr, flush=True)
+        line = summary_line(cache[:n_layers])
+        if distributed:
+            line += f" (rank 0's shard of {group.size()})"
+        print(line, file=sys.stdout if args.verbose else sys.stderr, flush=True)
     return 0
 
 
+class ContextTooLong(ValueError):
+    """A request whose prompt tokens + max_tokens exceed tq-server's context bound (answered with HTTP 400)."""
+
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
+        self.limit, self.prompt_tokens, self.max_tokens = limit, prompt_tokens, max_tokens
+        super().__init__(
+            f"This server's maximum context length is {limit:,} tokens (--tq-max-context). However, you requested "
+            f"{prompt_tokens + max_tokens:,} tokens ({prompt_tokens:,} in the prompt, {max_tokens:,} in the "
+            f"completion). Please reduce the length of the messages or completion."
+        )
+
+    def body(self) -> dict:
+        """OpenAI's error JSON for an over-long context."""
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": "messages",
+                          "code": "context_length_exceeded"}}
+
+
+class _Refusal(BaseException):
+    # mlx_lm.server's handler answers every Exception raised by generate() with 404 and its own body; a
+    # BaseException passes that `except Exception`, so tq-server's handler answers 400 with OpenAI's body.
+    def __init__(self, error: ContextTooLong):
+        super().__init__(str(error))
+        self.error = error
+
+
+def context_bound(model_config: dict, weights: int, config: TurboQuantConfig | None,
+                  prefill_step: int = 2048) -> tuple[int | None, str]:
+    """tq-server's default --tq-max-context: the model's trained context, or less if one sequence's planned
+    peak at it does not fit this machine's memory (memory.available_memory); and a phrase saying which."""
+    from .memory import attention_layout, available_memory, format_bytes, max_context
+
+    try:
+        trained = attention_layout(model_config).max_context
+        fits = max_context(model_config, available_memory(), config, weights=weights, prefill_step=prefill_step)
+    except Exception as e:  # noqa: BLE001 (a config the planner cannot read: no bound, said in the log)
+        return None, f"the memory plan cannot read this model's config: {type(e).__name__}: {e}"
+    if trained and trained <= fits:
+        return trained, "the model's trained context"
+    if not fits:  # the plan has no room even for the weights: refusing everything would not help
+        return None, f"the planned peak exceeds {format_bytes(available_memory())} at any context"
+    return fits, f"what one sequence's planned peak fits in {format_bytes(available_memory())}"
+
+
+def _model_config(model_path: str) -> dict:
+    """config.json of the model mlx_lm.server just loaded (a local folder or a Hugging Face cache entry)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import hf_repo_to_path
+
+    from .memory import load_model_config
+
+    path = Path(model_path)
+    return load_model_config(path if path.exists() else hf_repo_to_path(model_path))
+
+
 def server_main(argv: list[str] | None = None) -> int:
-    """tq-server: mlx_lm.server with every loaded model patched (ModelProvider subclass) and the --tq-* flags."""
+    """tq-server: mlx_lm.server with every loaded model patched (ModelProvider subclass) and the --tq-* flags,
+    and requests longer than --tq-max-context refused with HTTP 400 (ResponseGenerator and APIHandler
+    subclasses)."""
     if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
         from .blas import use_openblas
 
@@ -311,6 +402,10 @@ def server_main(argv: list[str] | None = None) -> int:
     tune_malloc()
     argv = list(sys.argv[1:] if argv is None else argv)
     tq_parser = add_cache_args(argparse.ArgumentParser(prog="tq-server", add_help=False))
+    tq_parser.add_argument("--tq-max-context", dest="tq_max_context", type=_count_arg(0), metavar="N",
+                           help="refuse (HTTP 400, before any forward) a request whose prompt tokens + max_tokens "
+                                "exceed N (default: the model's trained context, or less if one sequence's planned "
+                                "peak memory there does not fit this machine; 0: no bound)")
     tq_args, rest = tq_parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         tq_parser.print_help()
@@ -324,21 +419,73 @@ def server_main(argv: list[str] | None = None) -> int:
             super()._load(model_path, adapter_path, draft_model_path)
             if config is not None:
                 patch_model(self.model, config)
-                logging.info(f"KV cache: {describe_config(config)}")
-                # Batching needs every cache to merge; recompute for the TurboQuant caches.
-                self.is_batchable = self.draft_model is None and all(
+                # Batching needs every cache to merge (TurboQuantKVCache merges into tq_mlx.batch's cache);
+                # recompute for the TurboQuant caches. A pipeline stage ties its send to `cache[-1].keys`, which
+                # the batch cache lacks: pipelined servers answer one request at a time.
+                self.is_batchable = self.draft_model is None and self.pipeline_group is None and all(
                     hasattr(c, "merge") for c in make_prompt_cache(self.model)
                 )
+                batching = "on" if self.is_batchable else "off (a draft model, --pipeline or a cache without merge)"
+                logging.info(f"KV cache: {describe_config(config)}; batching {batching}")
+            self.max_context = self._context_bound(model_path)
 
-    saved = server.ModelProvider, sys.argv
-    server.ModelProvider, sys.argv = ModelProvider, ["tq-server", *rest]
+        def _context_bound(self, model_path) -> int | None:
+            from mlx.utils import tree_flatten
+
+            if tq_args.tq_max_context is not None:
+                limit, source = tq_args.tq_max_context or None, "--tq-max-context"
+            else:
+                try:
+                    model_config = _model_config(model_path)
+                except Exception as e:  # noqa: BLE001 (no config.json to plan with: serve without a bound)
+                    model_config = {}
+                    logging.warning(f"Cannot read the model's config.json for the context bound: {e}")
+                weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+                limit, source = context_bound(model_config, weights, config, self.cli_args.prefill_step_size)
+            logging.info(f"Context bound: {f'{limit:,} tokens' if limit else 'none'} per request ({source})")
+            return limit
+
+    class ResponseGenerator(server.ResponseGenerator):
+        def _tokenize(self, tokenizer, request, args):
+            # Every request is tokenized here, in the generation thread, before it joins a batch or is served
+            # alone: refusing here runs no forward and leaves the other requests as they are.
+            out = super()._tokenize(tokenizer, request, args)
+            limit = getattr(self.model_provider, "max_context", None)
+            if limit and len(out[0]) + args.max_tokens > limit:
+                raise ContextTooLong(limit, len(out[0]), args.max_tokens)
+            return out
+
+        def generate(self, *args, **kwargs):
+            try:
+                return super().generate(*args, **kwargs)
+            except ContextTooLong as e:
+                raise _Refusal(e) from None
+
+    class APIHandler(server.APIHandler):
+        def handle_completion(self, request, stop_words):
+            try:
+                super().handle_completion(request, stop_words)
+            except _Refusal as r:  # raised before any header was sent
+                logging.info(f"Refused a request: {r.error}")
+                self._set_completion_headers(400)
+                self.end_headers()
+                self.wfile.write(json.dumps(r.error.body()).encode())
+
+    def run_http_server(host, port, response_generator, **kwargs):
+        # mlx_lm.server.run passes no handler class (its default is bound at definition): give ours.
+        return saved[2](host, port, response_generator, **{**kwargs, "handler_class": APIHandler})
+
+    saved = server.ModelProvider, server.ResponseGenerator, server._run_http_server, sys.argv
+    server.ModelProvider, server.ResponseGenerator, server._run_http_server = (ModelProvider, ResponseGenerator,
+                                                                               run_http_server)
+    sys.argv = ["tq-server", *rest]
     try:
         server.main()
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2
     finally:
-        server.ModelProvider, sys.argv = saved
+        server.ModelProvider, server.ResponseGenerator, server._run_http_server, sys.argv = saved
     return 0
 
 

@@ -5,7 +5,10 @@
   and everything else stay as they are (`float_layers` lists them). A model with no such entry, or one whose
   attention cannot run on compressed keys, is refused with a ValueError naming the layer and the way out.
 * `patch_model(model, config)` wraps `model.make_cache` on the instance, which every mlx-lm entry point
-  (generate, stream_generate, chat, server, cache_prompt) calls through `make_prompt_cache`.
+  (generate, stream_generate, chat, server, cache_prompt) calls through `make_prompt_cache`. Batched
+  generation (batch_generate, BatchGenerator, the server's batching) builds one cache list per sequence that
+  way and merges them (TurboQuantKVCache.merge -> tq_mlx.batch.BatchTurboQuantKVCache; the float layers of
+  hybrid models use mlx-lm's own batch caches), so it needs no hook of its own.
 * `load_prompt_cache(file, model)` reads a prompt-cache file with clear errors and checks it fits the model.
 * `tune_malloc()` (Linux, CPU back end): keeps the per-step transient buffers of the reference path in the
   heap; the command-line tools and benchmarks call it.
@@ -147,6 +150,16 @@ def _config_layout(model: nn.Module) -> AttentionLayout | None:
         return None
 
 
+def pipeline_stage(model: nn.Module) -> tuple[int, int | None]:
+    """(model index of model.layers[0], layers in the whole model or None) for a stage of mlx-lm's pipeline
+    parallelism (PipelineMixin.pipeline keeps layers start_idx.. of the model); (0, None) otherwise."""
+    for inner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+        if getattr(inner, "pipeline_size", 1) > 1 and isinstance(getattr(inner, "start_idx", None), int):
+            total = getattr(getattr(inner, "args", None) or getattr(model, "args", None), "num_hidden_layers", None)
+            return inner.start_idx, total if isinstance(total, int) else None
+    return 0, None
+
+
 def _check_supported(model: nn.Module, i: int) -> None:
     for t in sorted(_model_types(model)):
         if t in UNSUPPORTED_MODEL_TYPES:
@@ -228,12 +241,18 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     layers = sorted({i for i, _ in slots})
     for i in layers:
         _check_supported(model, i)
+    # A pipeline stage numbers its layers from the stage's first: seeds follow the whole model's numbering, and
+    # so do the boundary layers when every layer is an attention layer (else they are counted within the stage),
+    # so that the stages compress as one process would.
+    start, total = pipeline_stage(model)
+    whole = total is not None and len(slots) == len(base) and all(m is None for _, m in slots)
     caches = {}
     for j, (i, member) in enumerate(slots):
         head_dim, _ = layer_geometry(model, i)
         try:
             caches[i, member] = TurboQuantKVCache(
-                config, layer_index=i, attention_index=j, n_attention_layers=len(slots), head_dim=head_dim
+                config, layer_index=start + i, attention_index=start + j if whole else j,
+                n_attention_layers=total if whole else len(slots), head_dim=head_dim,
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
@@ -285,7 +304,7 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
     if isinstance(c, TurboQuantKVCache):
         if type(b) is not KVCache:
             raise ValueError(f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}")
-        if c.layer_index != i:
+        if c.layer_index != pipeline_stage(model)[0] + i:
             raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
         head_dim, n_kv = layer_geometry(model, i)
         if c.key_dim and head_dim is not None and c.key_dim != head_dim:

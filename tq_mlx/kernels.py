@@ -12,10 +12,14 @@ launcher's twin (`*_reference`) takes the same arguments and runs the core's pur
     decode_attention / decode_attention_reference
                                               attention of 1..8 query tokens on the codes: pass 1 (split-K
                                               partials) + pass 2 (merge with the float16 tokens)
+    prefill_attention / prefill_attention_reference
+                                              attention of any number of query tokens (prefill chunks) on the
+                                              codes: one flash-attention-style pass per query tile
 
-Dispatch: `dispatch_attention`, `dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run the kernel when
-the back end is Metal (`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal when
-`mx.metal.is_available()` and the default device is the GPU) and the case is supported, else the reference.
+Dispatch: `dispatch_attention` (decode_attention for 1..8 query tokens, prefill_attention for more),
+`dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run the kernel when the back end is Metal
+(`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal when `mx.metal.is_available()` and
+the default device is the GPU) and the case is supported, else the reference.
 Before a kernel variant is first used it runs once on a small random input against the reference: a compile
 error, an exception or a disagreement disables that variant, warns once with the reason, and the reference
 takes over. Never a silent wrong answer.
@@ -34,15 +38,25 @@ Launch design (grid counts threads; shapes for B batch, H kv heads, R = n_q_head
                     (n = the split's tokens; see SPARSE_V_EPSILON for the bound)
     decode_merge    grid (32·min(R·L, 8), B·H, 1): one SIMD group per query row: float16 sinks + window, LSE
                     merge of the S partials (+ q·μ), one inverse WHT, + l_c·ν, / l
+    prefill_attention  grid (32·min(NR, 8), B·H, ceil(R·L / NR)), NR = the query tile, up to 64 rows as
+                    threadgroup memory allows (D = 64: 64, D = 128: 32, 16 with QJL, D = 256: 16): one threadgroup
+                    per (kv head, query tile), one online softmax per row over the float sinks and window (lane =
+                    token, key rows read from device memory by each SIMD group), then the compressed tokens in
+                    tiles of 32 as decode_partial (each word read once per query tile), acc_f (model basis) and
+                    acc_c (rotated) rescaled together; per row one inverse WHT, · s_v, + l_c·ν, / l
 Bytes per decode step and kv head (pass 1): n_compressed · (4·(W_k + W_v) + 4 [norms] (+ D/8 + 2 with QJL))
 read once for all R·L rows, e.g. 132 B/token at D = 128, 4/4 bits vs 512 B/token for a float16 cache (3.9x
 fewer); the split size keeps the (m, l, acc) partials (written by pass 1, read by pass 2) under 5% of that.
-Pass 2 reads the float16 sinks/window (shared by the R·L rows through the cache).
+Pass 2 reads the float16 sinks/window (shared by the R·L rows through the cache). Prefill reads the compressed
+bytes ceil(R·L / NR) times per kv head (once per query tile) and writes nothing but the output: its device
+transient per layer is the float32 query rows (scaled; times s_k; rotated; S·q with QJL) and q·μ, at most
+4·B·Hq·L·(4·D + 1) bytes plus the output, flat in the context and independent of the tile size.
 
 Supported by the kernels: power-of-two head dims 32..512, integer bits 1, 2, 3, 4, 8 (QJL keys: 2, 3, 4, i.e.
 MSE stage 1..3 bits + 1 QJL bit), float16 norms, float16/bfloat16/float32 inputs. Everything else (head dim
 80/96/..., fractional 2.5/3.5 bits, which split channels into groups of d/4 and 3d/4 with a channel
-permutation, QJL at 1 bit, array masks, more than 8 query tokens) runs the reference path.
+permutation, QJL at 1 bit, array masks, no compressed tokens) runs the reference path; so do 1..8 query
+tokens whose decode variant failed its self-check (prefill_attention takes chunks of more than 8).
 """
 
 from __future__ import annotations
@@ -84,7 +98,7 @@ _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 
 # ------------------------------------------------------------------------------------------ sources
 _DIRS = (Path(__file__).resolve().parent.parent / "metal_kernels", Path(__file__).resolve().parent / "metal_kernels")
-KERNEL_NAMES = ("common", "wht", "encode", "dequantize", "decode_partial", "decode_merge")
+KERNEL_NAMES = ("common", "wht", "encode", "dequantize", "decode_partial", "decode_merge", "prefill_attention")
 
 
 def _load_sources() -> dict[str, str]:
@@ -255,13 +269,27 @@ def _kv_bits(keys: StreamView, values: StreamView) -> tuple[int, int, bool]:
 
 def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
     """Why `decode_attention` cannot run this case (None: it can)."""
+    if isinstance(queries, mx.array) and queries.ndim == 4 and not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
+        return f"{queries.shape[2]} query tokens (the kernel handles 1..{MAX_QUERY_TOKENS})"
+    reason = _views_unsupported(queries, keys, values, mask)
+    if reason:
+        return reason
+    kb, vb, qjl = _kv_bits(keys, values)
+    if _rows_per_threadgroup((queries.shape[1] // keys.n_heads) * queries.shape[2], queries.shape[3],
+                             values.head_dim, kb, vb, qjl) == 0:
+        return "threadgroup memory"
+    return None
+
+
+def _views_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+    """What both attention kernels refuse, whatever the number of query tokens (None: nothing)."""
     if not isinstance(keys, StreamView) or not isinstance(values, StreamView):
         return "keys/values are not TurboQuant stream views"
     if queries.ndim != 4 or queries.dtype not in FLOAT_DTYPES:
         return f"queries of shape {tuple(queries.shape)} and dtype {queries.dtype}"
     B, Hq, L, D = queries.shape
-    if not 1 <= L <= MAX_QUERY_TOKENS:
-        return f"{L} query tokens (the kernel handles 1..{MAX_QUERY_TOKENS})"
+    if L < 1:
+        return "no query tokens"
     if keys.n_compressed == 0:
         return "no compressed tokens (float tokens only)"
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
@@ -280,12 +308,7 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     reason = _quantizer_unsupported(keys.quantizer) or (
         "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
     )
-    if reason:
-        return reason
-    kb, vb, qjl = _kv_bits(keys, values)
-    if _rows_per_threadgroup((Hq // H) * L, D, values.head_dim, kb, vb, qjl) == 0:
-        return "threadgroup memory"
-    return None
+    return reason or None
 
 
 def _mx_dtype(a) -> mx.Dtype | None:
@@ -293,6 +316,34 @@ def _mx_dtype(a) -> mx.Dtype | None:
     if isinstance(a, mx.array):
         return a.dtype
     return {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}.get(np.dtype(a.dtype).name)
+
+
+def _prefill_layout(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> list[tuple[str, int]]:
+    """prefill_attention.metal's layout: decode_partial's (one query array holds the model-basis rows for the
+    float tokens, then the rotated rows for the codes), so the same budget rule applies."""
+    return _partial_layout(nr, dk, dv, kb, vb, qjl)
+
+
+def _prefill_rows(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
+    """Query rows per prefill threadgroup (the query tile): up to 64, as many as threadgroup memory holds.
+    Each compressed byte is read once per tile, so ceil(R·L / rows) times per kv head."""
+    nr = min(64, _pow2_ceil(rl))
+    while nr > 1 and _partial_tg_bytes(_prefill_layout(nr, dk, dv, kb, vb, qjl)) > THREADGROUP_MEMORY:
+        nr //= 2
+    return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kb, vb, qjl)) <= THREADGROUP_MEMORY else 0
+
+
+def prefill_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+    """Why `prefill_attention` cannot run this case (None: it can). Any number of query tokens."""
+    reason = _views_unsupported(queries, keys, values, mask)
+    if reason:
+        return reason
+    if mask is not None and queries.shape[2] > keys.n_tokens:  # a query that sees no token (never in mlx-lm)
+        return f"{queries.shape[2]} causal queries over {keys.n_tokens} cached tokens"
+    kb, vb, qjl = _kv_bits(keys, values)
+    if _prefill_rows(1, queries.shape[3], values.head_dim, kb, vb, qjl) == 0:
+        return "threadgroup memory"
+    return None
 
 
 def _float_dtype(kv: StreamView) -> mx.Dtype:
@@ -504,6 +555,86 @@ def decode_attention_reference(queries, keys, values, scale, mask=None, **_) -> 
     return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
 
 
+# ------------------------------------------------------------------------- 5. prefill attention
+def prefill_attention(
+    queries: mx.array,
+    keys: StreamView,
+    values: StreamView,
+    scale: float,
+    mask=None,
+    *,
+    rows_per_threadgroup: int | None = None,
+    sparse_epsilon: float = SPARSE_V_EPSILON,
+    metal_kernel=None,
+) -> mx.array:
+    """softmax(scale·q·Kᵀ)·V on the codes for any number of query tokens (prefill chunks), (B, Hq, L, D) ->
+    (B, Hq, L, Dv), mask None or "causal" (queries at the end of the cache), as turboquant_attention.
+
+    One launch (after the query rotation): a threadgroup per (batch·kv head, tile of `rows_per_threadgroup`
+    query rows of the GQA group) runs one online softmax over the float sinks, every compressed token (32 per
+    tile, read from device memory once per query tile) and the float window, and writes the output rows. Device
+    memory beyond the inputs and the output: the float32 query rows in three bases (model, rotated, S·q with
+    QJL; times s_k) and q·μ, 4·B·Hq·L·(4·D + 1) bytes at most, whatever the context length; no partials, no
+    scores.
+    Sparse V departs by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row, as in decode_attention.
+    """
+    _require(prefill_unsupported(queries, keys, values, mask), "prefill_attention")
+    factory = metal_kernel or _default_factory()
+    B, Hq, L, DK = queries.shape
+    H, DV = keys.n_heads, values.head_dim
+    RL = (Hq // H) * L
+    N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
+    T = n_s + N + n_w
+    causal = mask is not None
+    kb, vb, qjl = _kv_bits(keys, values)
+    kq = keys.quantizer
+    kmse = kq.mse if qjl else kq
+    vg = values.quantizer.groups[0]
+    nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, kb, vb, qjl)
+    layout = _prefill_layout(nr, DK, DV, kb, vb, qjl)
+    if nr & (nr - 1) or _partial_tg_bytes(layout) > THREADGROUP_MEMORY:
+        raise ValueError(f"rows_per_threadgroup must be a power of two within threadgroup memory, got {nr}")
+
+    # Query rows of one kv head are consecutive (mlx-lm's GQA layout): row = head_in_group * L + token.
+    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, RL, DK))
+    qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]  # codes hold k / s_k
+    q_rot = rotate(qk, kmse.groups[0].rotation, metal_kernel=factory)
+    qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
+    qmu = None if keys.mean is None else mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(B, H, RL))
+    kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
+    kc, vc = keys.codes, values.codes
+    nsg = min(nr, 8)
+    k = _kernel(factory, "prefill_attention",
+                ["qf", "qr", "qs", "qmu", "ksink", "vsink", "kwin", "vwin", "kc", "kn", "kj", "kg", "vc", "vn",
+                 "tables", "vsigns", "vmean", "vscale", "params"], ["out"], row_contiguous=False)
+    (out,) = k(
+        inputs=[q, q_rot, qs, _dummy(mx.float32) if qmu is None else qmu,
+                keys.sinks if n_s else kdum, values.sinks if n_s else vdum,
+                keys.window if n_w else kdum, values.window if n_w else vdum,
+                kc.codes, kc.norms, kc.qjl if qjl else _dummy(mx.uint32, 4), kc.gamma if qjl else _dummy(mx.float16, 3),
+                vc.codes, vc.norms,
+                _tables(kq, ("decode", values.quantizer, sparse_epsilon), lambda: _floats(
+                    kmse.groups[0].centroids, vg.centroids, [kq.qjl_scale if qjl else 0.0, sparse_epsilon])),
+                vg.rotation.signs,
+                _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
+                _dummy(mx.float32) if values.scale is None else mx.contiguous(values.scale.astype(mx.float32)),
+                _ints(H, N, RL, L, n_s, n_w,
+                      T - L - n_s if causal else _NO_LIMIT,  # compressed token t: t <= this + query token
+                      T - L if causal else _NO_LIMIT,  # sink t
+                      T - L - n_s - N if causal else _NO_LIMIT,  # window token t
+                      qmu is not None, values.mean is not None, values.scale is not None)],
+        output_shapes=[(B, H, RL, DV)], output_dtypes=[queries.dtype],
+        grid=(32 * nsg, B * H, -(-RL // nr)), threadgroup=(32 * nsg, 1, 1),
+        template=[("T", queries.dtype), ("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr),
+                  *layout],
+    )
+    return _mx(out, queries.dtype).reshape(B, Hq, L, DV)
+
+
+def prefill_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 # ==================================================================================== dispatch
 _backend: str | None = None
 _factory: Callable | None = None
@@ -691,9 +822,35 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
 
 
 def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=None) -> mx.array:
-    """Drop-in for tq_mlx.attention.turboquant_attention: the fused kernels for 1..8 query tokens with mask
-    None or "causal" on a Metal back end (after a self-check), the reference path for everything else."""
+    """Drop-in for tq_mlx.attention.turboquant_attention on a Metal back end (after a self-check per variant):
+    decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None or
+    "causal" and a compressed context; the reference path for everything else."""
     factory = metal_kernel or _factory or _default_factory()
+    if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
+            and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask) is None):
+        B, Hq, L, D = queries.shape
+        R = Hq // keys.n_heads
+        kb, vb, qjl = _kv_bits(keys, values)
+        nr = _prefill_rows(R * L, D, values.head_dim, kb, vb, qjl)
+
+        def run():
+            # The same compiled variant (rows per threadgroup) on a small cache: 2 query tiles, the last partial,
+            # 40 compressed tokens before the chunk's (2 tiles of 32 or more), the causal mask reaching into them.
+            rng = _rng(5)
+            lc = max(MAX_QUERY_TOKENS + 1, -(-(nr + 1) // R))
+            k = _random_view(rng, keys.quantizer, 2, 40 + lc, 3, keys)
+            v = _random_view(rng, values.quantizer, 2, 40 + lc, 3, values)
+            qs = _normal(rng, (1, R, lc, D), queries.dtype)
+            sc = 1.0 / math.sqrt(D)
+            got = prefill_attention(qs, k, v, sc, mask, rows_per_threadgroup=nr, metal_kernel=factory)
+            return _mismatch(got, prefill_attention_reference(qs, k, v, sc, mask), queries.dtype)
+
+        floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
+        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", nr, str(queries.dtype), mask, floats,
+                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None)
+        if _self_check("prefill_attention", variant, factory, run):
+            return prefill_attention(queries, keys, values, scale, mask, rows_per_threadgroup=nr, metal_kernel=factory)
+        return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
     if kernels_enabled() and decode_unsupported(queries, keys, values, mask) is None:
         B, Hq, L, D = queries.shape
         R = Hq // keys.n_heads

@@ -310,6 +310,19 @@ def estimate_peak_bytes(
     return weights + kv + int(activations + attention)
 
 
+def max_context(model_config: dict, budget: int, config=None, *, weights: int = 0, prefill_step: int = 2048) -> int:
+    """The largest context whose planned peak (estimate_peak_bytes) fits in `budget` bytes; 0 if none does.
+    tq-chat's plan and tq-server's default context bound both ask this."""
+    lo, hi = 0, 1 << 24
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_peak_bytes(model_config, mid, config, weights=weights, prefill_step=prefill_step) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 # --- what a live prompt cache holds ---------------------------------------------------------------------
 
 

@@ -1,0 +1,344 @@
+// Fused prefill attention on the codes (flash-attention style): one threadgroup per (batch·kv head, tile of NR
+// query rows), one pass over every token of the cache with one online softmax (m, l) per row, so neither a
+// float copy of the cache nor a rows x context score matrix nor any partial result ever reaches device memory.
+// Query rows of a kv head are its GQA group's R heads x L tokens (row = head_in_group·L + token), so each
+// compressed byte is read from device memory once per query tile.
+//   1. float tokens (sinks, then the window; model basis), tiles of 32: lane = token for scores (its key row
+//      read from device memory: float tokens are few), lane = value dims for acc_f += p·v;
+//   2. compressed tokens, tiles of 32 (as decode_partial.metal): key words and norms (QJL words, γ) staged in
+//      threadgroup memory, each word read once; s = |k|·Σ_j q'_j c[idx_j] (+ QJL term) + q·μ; the same online
+//      softmax, rescaling acc_f and the compressed accumulator acc_c (rotated basis) together; sparse V as in
+//      decode_partial (weights < ε/N of the running max are neither read nor added, still counted in l: the
+//      output moves by at most ε·max_i |v_i - ν|); the kept tokens' value words staged, then lane = dims;
+//   3. per row: one inverse WHT of acc_c, out = (acc_f + s_v·Πᵀacc_c + l_c·ν) / l  (l_c: compressed share of l).
+// Inputs: qf (B, H, RL, DK) float32 = scale·q (model basis); qr (B, H, RL, DK) float32 = Π(s_k·scale·q);
+//   qs (B, H, RL, DK) float32 = S·s_k·scale·q (QJL); qmu (B, H, RL) float32 = scale·q·μ; ksink, vsink, kwin, vwin
+//   (B, H, n, D) float strided views; kc, kn, kj, kg, vc, vn: the compressed views (as decode_partial);
+//   tables float32 [key centroids | value centroids | qjl scale | sparse V ε]; vsigns (DV) float32; vmean
+//   (B·H, DV) float32 = ν; vscale (B·H) float32 = s_v;
+//   params int32 [H, N, RL, L, n_sinks, n_window, compressed limit, sink limit, window limit, has qmu, has ν,
+//   has s_v]: token t of a part is visible to query token i iff t <= that part's limit + i.
+// Output: out (B, H, RL, DV) T. Template: T, DK, DV, KB, VB, QJL, NR and tq_mlx.kernels._prefill_layout's
+// WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
+constexpr int EV = DV / 32;
+constexpr int WJ = DK / 32;
+constexpr int NKC = 1 << KB;
+constexpr int CK = KB == 3 ? 16 : 32 / KB;  // key codes per word-major step
+constexpr int NVC = 1 << VB;
+constexpr int NSG = NR < 8 ? NR : 8;
+constexpr int NT = 32 * NSG;
+constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
+
+const uint tid = thread_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint bh = threadgroup_position_in_grid.y;
+const int H = params[0];
+const int N = params[1];
+const int RL = params[2];
+const int L = params[3];
+const int ns = params[4];
+const int nw = params[5];
+const int climit = params[6];
+const int slimit = params[7];
+const int wlimit = params[8];
+const bool has_qmu = params[9] != 0;
+const bool has_mean = params[10] != 0;
+const bool has_vscale = params[11] != 0;
+const uint b = bh / uint(H);
+const uint h = bh % uint(H);
+const int r0 = int(threadgroup_position_in_grid.z) * NR;
+const int nrows = min(NR, RL - r0);
+
+threadgroup float q_tg[TG_Q];       // the tile's query rows: model basis (float tokens), then rotated (codes)
+threadgroup float qs_tg[TG_QS];     // S·q rows (QJL)
+threadgroup uint words[TG_W];       // a compressed tile's key words, then its value words
+threadgroup uint jwords[TG_J];      // its QJL words
+threadgroup float tok_norm[TG_NORM];
+threadgroup float tok_gamma[TG_GAMMA];
+threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
+threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
+threadgroup float cent[TG_C];       // key centroids, then value centroids
+
+for (int i = int(tid); i < NR * DK; i += NT) {
+  int r = i / DK;
+  q_tg[i] = r < nrows ? qf[(size_t(bh) * RL + r0 + r) * DK + i % DK] : 0.0f;
+}
+for (int i = int(tid); i < NKC + NVC; i += NT) {
+  cent[i] = tables[i];
+}
+const float qjl_scale = tables[NKC + NVC];
+// Divided by the compressed tokens' count: the dropped mass stays below ε of l at any context length.
+const float sparse = tables[NKC + NVC + 1] / float(max(1, N));
+
+// `auto`: MLX passes an input of fewer than 8 elements in the constant address space.
+const auto ks_bh = ksink + b * ksink_strides[0] + h * ksink_strides[1];
+const auto vs_bh = vsink + b * vsink_strides[0] + h * vsink_strides[1];
+const auto kw_bh = kwin + b * kwin_strides[0] + h * kwin_strides[1];
+const auto vw_bh = vwin + b * vwin_strides[0] + h * vwin_strides[1];
+const auto kc_bh = kc + b * kc_strides[0] + h * kc_strides[1];
+const auto kn_bh = kn + b * kn_strides[0] + h * kn_strides[1];
+const auto kj_bh = kj + b * kj_strides[0] + h * kj_strides[1];
+const auto kg_bh = kg + b * kg_strides[0] + h * kg_strides[1];
+const auto vc_bh = vc + b * vc_strides[0] + h * vc_strides[1];
+const auto vn_bh = vn + b * vn_strides[0] + h * vn_strides[1];
+
+float m[RPS];
+float l[RPS];
+float lc[RPS];
+float qm[RPS];
+int qi[RPS];  // query token of each row
+float accf[RPS][EV];
+float acc[RPS][EV];
+for (int k = 0; k < RPS; ++k) {
+  const int r = int(sg) + k * NSG;
+  m[k] = -FLT_MAX;
+  l[k] = 0.0f;
+  lc[k] = 0.0f;
+  qm[k] = (has_qmu && r < nrows) ? qmu[size_t(bh) * RL + r0 + r] : 0.0f;
+  qi[k] = (r0 + r) % L;
+  for (int e = 0; e < EV; ++e) {
+    accf[k][e] = 0.0f;
+    acc[k][e] = 0.0f;
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// 1. Float tokens f in [0, ns + nw): sinks first, then the window.
+for (int f0 = 0; f0 < ns + nw; f0 += 32) {
+  const int nt = min(32, ns + nw - f0);
+  const bool valid = int(lane) < nt;
+  const int f = f0 + int(lane);
+  const bool sink = f < ns;
+  const int t = sink ? f : f - ns;
+  float s[RPS];
+  for (int k = 0; k < RPS; ++k) {
+    s[k] = 0.0f;
+  }
+  if (valid) {
+    const auto kp = sink ? ks_bh + t * ksink_strides[2] : kw_bh + t * kwin_strides[2];
+    const int64_t kstep = sink ? ksink_strides[3] : kwin_strides[3];
+    for (int j = 0; j < DK; ++j) {
+      const float x = float(kp[j * kstep]);
+      for (int k = 0; k < RPS; ++k) {
+        s[k] += q_tg[(int(sg) + k * NSG) * DK + j] * x;
+      }
+    }
+  }
+  for (int k = 0; k < RPS; ++k) {
+    const bool visible = t <= (sink ? slimit : wlimit) + qi[k];
+    const float sk = (valid && visible) ? s[k] : -FLT_MAX;
+    const float mn = max(m[k], simd_max(sk));
+    const float alpha = fast::exp(m[k] - mn);
+    const float p = valid ? fast::exp(sk - mn) : 0.0f;
+    l[k] = l[k] * alpha + simd_sum(p);
+    m[k] = mn;
+    for (int e = 0; e < EV; ++e) {
+      accf[k][e] *= alpha;
+    }
+    p_tg[(int(sg) + k * NSG) * 32 + int(lane)] = p;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // lane = value dims [lane*EV, lane*EV + EV)
+  for (int tt = 0; tt < nt; ++tt) {
+    const int ff = f0 + tt;
+    const bool vsink_tok = ff < ns;
+    const int vt = vsink_tok ? ff : ff - ns;
+    const auto vp = vsink_tok ? vs_bh + vt * vsink_strides[2] : vw_bh + vt * vwin_strides[2];
+    const int64_t vstep = vsink_tok ? vsink_strides[3] : vwin_strides[3];
+    float v[EV];
+    for (int e = 0; e < EV; ++e) {
+      v[e] = float(vp[(int(lane) * EV + e) * vstep]);
+    }
+    for (int k = 0; k < RPS; ++k) {
+      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
+      for (int e = 0; e < EV; ++e) {
+        accf[k][e] += w * v[e];
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// 2. Compressed tokens: the rotated query rows replace the model-basis ones.
+for (int i = int(tid); i < NR * DK; i += NT) {
+  int r = i / DK;
+  size_t src = (size_t(bh) * RL + r0 + r) * DK + i % DK;
+  q_tg[i] = r < nrows ? qr[src] : 0.0f;
+  if (QJL) {
+    qs_tg[i] = r < nrows ? qs[src] : 0.0f;
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// Compressed tokens past every row's causal limit are never read (a chunk longer than the window holds some
+// of its own tokens compressed; its earlier query tiles skip them). Rows of one tile may span two heads.
+const int last_qi = (r0 / L != (r0 + nrows - 1) / L) ? L - 1 : (r0 + nrows - 1) % L;
+const int n_seen = min(N, climit + last_qi + 1);
+for (int t0 = 0; t0 < n_seen; t0 += 32) {
+  const int nt = min(32, n_seen - t0);
+  // Stage keys.
+  for (int i = int(tid); i < 32 * WK; i += NT) {
+    int tok = i / WK;
+    int w = i % WK;
+    if (tok < nt) {
+      words[tok * WS + w] = kc_bh[(t0 + tok) * kc_strides[2] + w * kc_strides[3]];
+    }
+  }
+  if (QJL) {
+    for (int i = int(tid); i < 32 * WJ; i += NT) {
+      int tok = i / WJ;
+      int w = i % WJ;
+      if (tok < nt) {
+        jwords[tok * WJS + w] = kj_bh[(t0 + tok) * kj_strides[2] + w * kj_strides[3]];
+      }
+    }
+  }
+  if (int(tid) < nt) {
+    tok_norm[tid] = float(kn_bh[(t0 + int(tid)) * kn_strides[2]]);
+    if (QJL) {
+      tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Scores and online softmax: lane = token of the tile, this SIMD group's rows.
+  const bool valid = int(lane) < nt;
+  const int t = t0 + int(lane);
+  float s[RPS];
+  for (int k = 0; k < RPS; ++k) {
+    s[k] = 0.0f;
+  }
+  const threadgroup uint* tw = words + lane * WS;
+  for (int j0 = 0; j0 < DK; j0 += CK) {
+    const uint lo = tw[j0 / (KB == 3 ? 16 : CK)];
+    const uint hi = KB == 3 ? tw[DK / 16 + j0 / 32] >> (j0 % 32) : 0u;
+    for (int i = 0; i < CK; ++i) {
+      const uint code = KB == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
+                                : ((lo >> (KB * i)) & uint(NKC - 1));
+      const float c = cent[code];
+      for (int k = 0; k < RPS; ++k) {
+        s[k] += q_tg[(int(sg) + k * NSG) * DK + j0 + i] * c;
+      }
+    }
+  }
+  const float knorm = tok_norm[lane];
+  for (int k = 0; k < RPS; ++k) {
+    s[k] *= knorm;
+  }
+  if (QJL) {
+    const float g = qjl_scale * tok_gamma[lane];
+    const threadgroup uint* tj = jwords + lane * WJS;
+    float sj[RPS];
+    for (int k = 0; k < RPS; ++k) {
+      sj[k] = 0.0f;
+    }
+    for (int w = 0; w < WJ; ++w) {
+      const uint bits = tj[w];
+      for (int i = 0; i < 32; ++i) {
+        const bool plus = (bits >> i) & 1u;
+        for (int k = 0; k < RPS; ++k) {
+          const float x = qs_tg[(int(sg) + k * NSG) * DK + w * 32 + i];
+          sj[k] += plus ? x : -x;
+        }
+      }
+    }
+    for (int k = 0; k < RPS; ++k) {
+      s[k] += g * sj[k];
+    }
+  }
+  uint kept = 0;
+  for (int k = 0; k < RPS; ++k) {
+    const int r = int(sg) + k * NSG;
+    const bool visible = t <= climit + qi[k];
+    const float sk = (valid && visible) ? s[k] + qm[k] : -FLT_MAX;
+    const float mn = max(m[k], simd_max(sk));
+    const float alpha = fast::exp(m[k] - mn);
+    const float p = valid ? fast::exp(sk - mn) : 0.0f;
+    const float ps = simd_sum(p);
+    l[k] = l[k] * alpha + ps;
+    lc[k] = lc[k] * alpha + ps;
+    m[k] = mn;
+    for (int e = 0; e < EV; ++e) {
+      accf[k][e] *= alpha;
+      acc[k][e] *= alpha;
+    }
+    const bool keep = r < nrows && p > sparse;
+    p_tg[r * 32 + int(lane)] = keep ? p : 0.0f;
+    kept |= uint(uint64_t(simd_ballot(keep)));
+  }
+  if (lane == 0) {
+    keep_tg[sg] = kept;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Stage the values some row kept.
+  uint keepmask = 0;
+  for (int g = 0; g < NSG; ++g) {
+    keepmask |= keep_tg[g];
+  }
+  for (int i = int(tid); i < 32 * WV; i += NT) {
+    int tok = i / WV;
+    int w = i % WV;
+    if (tok < nt && ((keepmask >> tok) & 1u)) {
+      words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
+    }
+  }
+  if (int(tid) < nt && ((keepmask >> tid) & 1u)) {
+    tok_norm[tid] = float(vn_bh[(t0 + int(tid)) * vn_strides[2]]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Values in the rotated basis, lane = value dims: the tile's sum first, then one add to acc (tiny weights
+  // added one by one to a large acc lose their low bits).
+  float tacc[RPS][EV];
+  for (int k = 0; k < RPS; ++k) {
+    for (int e = 0; e < EV; ++e) {
+      tacc[k][e] = 0.0f;
+    }
+  }
+  for (int tt = 0; tt < nt; ++tt) {
+    if (((keepmask >> tt) & 1u) == 0) {
+      continue;
+    }
+    const threadgroup uint* vw = words + tt * WS;
+    const float vnorm = tok_norm[tt];
+    float c[EV];
+    for (int e = 0; e < EV; ++e) {
+      c[e] = cent[NKC + tq_code<VB, DV>(vw, lane * EV + e)];
+    }
+    for (int k = 0; k < RPS; ++k) {
+      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt] * vnorm;
+      if (w != 0.0f) {
+        for (int e = 0; e < EV; ++e) {
+          tacc[k][e] += w * c[e];
+        }
+      }
+    }
+  }
+  for (int k = 0; k < RPS; ++k) {
+    for (int e = 0; e < EV; ++e) {
+      acc[k][e] += tacc[k][e];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// 3. Back to the model basis: one inverse rotation per row (uniform across the SIMD group), scale, mean.
+const float rs = (has_vscale ? vscale[bh] : 1.0f) / sqrt(float(DV));
+for (int k = 0; k < RPS; ++k) {
+  const int r = int(sg) + k * NSG;
+  float accc[EV];
+  for (int e = 0; e < EV; ++e) {
+    accc[e] = acc[k][e];
+  }
+  tq_wht<EV>(accc, lane);
+  if (r < nrows) {
+    device T* out_row = out + (size_t(bh) * RL + r0 + r) * DV + lane * EV;
+    for (int e = 0; e < EV; ++e) {
+      const uint j = lane * EV + e;
+      const float x = accf[k][e] + accc[e] * rs * vsigns[j] + (has_mean ? lc[k] * vmean[bh * DV + j] : 0.0f);
+      out_row[e] = T(x / l[k]);
+    }
+  }
+}
