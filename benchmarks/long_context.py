@@ -27,15 +27,18 @@ default and float at --needles haystack lengths, depths 0.1/0.5/0.9.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
-The README's table came from four processes (the first three side by side, the fourth once the first had
-finished; about 70 minutes of wall time on the 2-core CPU, shared with other jobs), then --merge (rows of the same
-model from several runs are joined):
+The README's table came from six processes (up to four side by side on the 2-core CPU, shared with other jobs;
+about two hours of wall time), then --merge (rows of the same model from several runs are joined):
 
-    long_context.py --models smollm2 --budget 3000 --out A
-    long_context.py --models qwen05 --budget 3000 --out B
-    long_context.py --models qwen05 --texts britannica --settings float,boundary,mlx8,mlx4 --budget 2000 --out C
-    long_context.py --models smollm2 --texts britannica --settings float,mlx4,k2.5 --budget 600 --out D
-    long_context.py --merge A/long_context.json B/long_context.json C/long_context.json D/long_context.json
+    long_context.py --models smollm2 --texts britannica --settings float,default,rot4,k4v4 --out A1a
+    long_context.py --models smollm2 --texts hamlet --settings float,default,rot4,k4v4 --needles "" --out A2
+    long_context.py --models smollm2 --texts britannica --settings float,k3v3,k2.5v2,previous,k4v2,k2v2 \
+        --needles "" --out A1b
+    long_context.py --models smollm2 --texts britannica --settings float,k4v1,k3v1,k2v2w1024 --needles "" --out A1c
+    long_context.py --models qwen05 --texts britannica,hamlet --settings float,default,noprotect,rot4 --out B
+    long_context.py --models qwen15 --texts britannica,hamlet --settings float,default,noprotect --out C
+    long_context.py --merge A1a/long_context.json A2/long_context.json A1b/long_context.json \
+        A1c/long_context.json B/long_context.json C/long_context.json
 
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
