@@ -25,6 +25,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .attention import BatchView, batched_attention
 from .kernels import dispatch_attention
+from .stream import unique_arrays
 
 BATCH_STATE_VERSION = 1
 NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, for save_prompt_cache)
@@ -228,11 +229,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         return n
 
     def held_arrays(self) -> list[mx.array]:
-        seen: dict[int, mx.array] = {}
-        for r in self.rows:
-            for a in r.held_arrays():
-                seen.setdefault(id(a), a)
-        return list(seen.values())
+        return unique_arrays(self.rows)
 
     @property
     def nbytes(self) -> int:

@@ -27,7 +27,7 @@ from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
 from .kernels import dispatch_attention, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
-from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer
+from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer, unique_arrays
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves. Earlier files still load.
@@ -269,11 +269,7 @@ class TurboQuantKVCache(_BaseCache):
     def held_arrays(self) -> list[mx.array]:
         """Every array this cache holds (both streams: buffers, centering, channel orders, quantizer constants),
         each once."""
-        seen: dict[int, mx.array] = {}
-        for s in self.streams:
-            for a in s.held_arrays():
-                seen.setdefault(id(a), a)
-        return list(seen.values())
+        return unique_arrays(self.streams)
 
     @property
     def nbytes(self) -> int:

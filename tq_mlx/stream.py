@@ -48,6 +48,15 @@ WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `w
 STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale")
 
 
+def unique_arrays(holders) -> list[mx.array]:
+    """The arrays of every holder's held_arrays(), each once (holders may share constants)."""
+    seen: dict[int, mx.array] = {}
+    for h in holders:
+        for a in h.held_arrays():
+            seen.setdefault(id(a), a)
+    return list(seen.values())
+
+
 def window_capacity(recent: int, window: int) -> int:
     """Tokens the float window buffer holds once `recent` tokens have arrived after the sinks: steps of
     WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
