@@ -21,6 +21,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import tq_mlx
 from tests.support.host_sync import forbid_host_sync
+from tests.support.server import wait_until_healthy
 from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.attention import BatchView
@@ -409,7 +410,6 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
     import socket
     import signal
     import threading
-    import time
     import urllib.request
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -437,15 +437,7 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
         return out
 
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"tq-server exited early:\n{log.read_text()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"tq-server did not start:\n{log.read_text()}"
-                time.sleep(0.3)
+        wait_until_healthy(proc, port, log, 120)
         question = "What is the special magic number for the archive? Answer with the number."
         cold, cached = ask(_needle_messages(tok, question))
         assert cached == 0 and "7314926" in cold

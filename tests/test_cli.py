@@ -10,8 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from tests.support.server import wait_until_healthy
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import add_cache_args, cache_flags_given, config_from_args, describe_config, generate_main
@@ -180,15 +179,7 @@ def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"tq-server exited early:\n{log.read_text()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                assert time.monotonic() < deadline, f"tq-server did not start:\n{log.read_text()}"
-                time.sleep(0.3)
+        wait_until_healthy(proc, port, log, 90)
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})

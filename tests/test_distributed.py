@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ if str(REPO) not in sys.path:  # run as a script by mlx.launch
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
+from tests.support.server import wait_until_healthy  # noqa: E402
 from tests.support.tiny_models import EOS, VOCAB, _randomize, tiny_tokenizer  # noqa: E402
 from tq_mlx.config import TurboQuantConfig  # noqa: E402
 
@@ -261,7 +261,6 @@ def test_tq_generate_under_mlx_launch_matches_single_process(mode, qwen2_dir, ge
 def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir, generate_single, tmp_path):
     """mlx_lm.server's --pipeline passes through tq-server: rank 0 serves HTTP, both ranks generate (unbatched:
     the batch cache cannot carry a pipeline stage's send). Its greedy answer is tq-generate's single-process one."""
-    import urllib.error
     import urllib.request
 
     with socket.socket() as sock:
@@ -274,15 +273,7 @@ def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir,
         proc = subprocess.Popen(launch_command(*server), stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=ENV,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"tq-server exited early:\n{log.read_text()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                assert time.monotonic() < deadline, f"tq-server did not start:\n{log.read_text()}"
-                time.sleep(0.3)
+        wait_until_healthy(proc, port, log, TIMEOUT)
         body = json.dumps({"prompt": PROMPT_TEXT, "max_tokens": MAX_TOKENS, "temperature": 0.0})
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
                                      headers={"Content-Type": "application/json"})

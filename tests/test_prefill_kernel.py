@@ -24,29 +24,13 @@ import pytest
 
 import mlx.core as mx
 
-from tests.emulator import require_emulator
-from tests.test_kernels import BARRIER, Counting, Emu, assert_close, handle, ids, normal, numpy_views, quantizer
+from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, emulator, handle, ids, normal, numpy_views,
+    quantizer,
+)
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 
-SCHEDULES = ("forward", "reverse", "random")
-
-
-@pytest.fixture(scope="module")
-def emulator():
-    return require_emulator()
-
-
-@pytest.fixture(autouse=True)
-def _clean_dispatch(monkeypatch):
-    monkeypatch.delenv(K.ENV_VAR, raising=False)
-    K.set_backend(None)
-    K.set_kernel_factory(None)
-    K.reset_self_checks()
-    yield
-    K.set_backend(None)
-    K.set_kernel_factory(None)
-    K.reset_self_checks()
 
 
 def run_prefill(rng, dk, kb, vb, qjl, dtype, R, L, mask, factory, dv=None, B=1, H=2, n_sinks=3, n=70, n_window=5,
