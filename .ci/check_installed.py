@@ -85,6 +85,15 @@ def main() -> int:
         qp = normal(1, 4, 12, 64)  # a 12-token chunk over the compressed context: prefill_attention
         checks.append(("prefill_attention", K.dispatch_attention(qp, keys, values, 0.125, "causal"),
                        K.prefill_attention_reference(qp, keys, values, 0.125, "causal")))
+        # Channel groups and a head dim without a power-of-two WHT: encode_dense, then attention with the value
+        # rotation done by the host.
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, sinks=4), head_dim=96)
+        k96, v96 = cache.update_and_fetch(normal(1, 2, 60, 96), normal(1, 2, 60, 96))
+        if not k96.n_compressed or k96.perm is None:
+            fail("the 3.5/2.5-bit cache compressed no token with a channel order")
+        q96 = normal(1, 4, 1, 96)
+        checks.append(("decode_attention K3.5/V2.5 d96", K.dispatch_attention(q96, k96, v96, 0.1),
+                       K.decode_attention_reference(q96, k96, v96, 0.1)))
         x = normal(3, 64).astype(mx.float32)
         rotation = keys.quantizer.groups[0].rotation
         checks.append(("rotate", K.dispatch_rotate(x, rotation, True), K.rotate_reference(x, rotation, True)))
@@ -101,6 +110,8 @@ def main() -> int:
         fail(f"self-checks ran for {sorted(ran)}, expected {sorted(want)}")
     if any(reason is not None for reason in status.values()):
         fail("a kernel failed its self-check")
+    if "encode_dense" not in built:
+        fail("encode_dense was never built")
     print(f"ok: {len(status)} kernel variants passed their self-checks under the emulator, "
           f"built from the installed sources ({', '.join(sorted(set(built)))})")
     return 0

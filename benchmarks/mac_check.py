@@ -4,9 +4,10 @@ mx.fast.scaled_dot_product_attention on a float16 cache, with peak memory. Write
 issue (machine: chip, macOS, mlx version, Metal device info).
 
   checks       rotate / encode / dequantize / decode attention (1 and 5 query tokens) / prefill attention (40
-               query tokens, causal), every head_dim (64, 128, 256) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4)
-               x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL (a compile error or
-               an exception is a FAIL with its message)
+               query tokens, causal), every head_dim (64, 80, 96, 128, 256) x bits (1, 2, 2.5, 3, 3.5, 4, 8;
+               QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL
+               (a compile error or an exception is a FAIL with its message; a case a launcher does not take,
+               such as the WHT at head_dim 80, is listed with the reason the reference path runs instead)
   self_checks  the same variants through tq_mlx.kernels' dispatchers (plus the default K4/V3): each variant's
                first-use self-check, passed or disabled with its reason (what a user's run would do)
   decode       one decode step of one layer (1 query token) at 4k..128k context, model-like shapes (32 Q / 8 KV
@@ -45,8 +46,8 @@ import numpy as np  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 SCHEMA = "tq-mlx mac_check 2"
-DIMS = (64, 128, 256)
-BITS = (1, 2, 3, 4, 8)
+DIMS = (64, 80, 96, 128, 256)
+BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
 QJL_BITS = (2, 3, 4)
 DTYPES = ("float16", "bfloat16", "float32")
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -54,7 +55,7 @@ QUICK_CONTEXTS = (4096, 16384)
 SHAPES = (("32q/8kv d128", 32, 8, 128), ("16q/2kv d256", 16, 2, 256))
 TIMING_BITS = ((4, 3), (4, 4), (8, 4))  # (key bits, value bits): the library default first
 # --dry-run: the smallest sizes that still take every path (prefill chunk > 8 queries, compressed tokens).
-DRY = dict(dims=(64,), dtypes=("float16",), cases=((4, False), (3, True)), contexts=(256, 512),
+DRY = dict(dims=(64, 96), dtypes=("float16",), cases=((4, False), (3, True), (3.5, False)), contexts=(256, 512),
            shapes=(("4q/2kv d64", 4, 2, 64),), bits=((4, 3),), chunk=16, sinks=4, window=32)
 ROW_KEYS = ("shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "context", "query_tokens",
             "fused_ms", "sdpa_fp16_ms", "reference_ms", "speedup_vs_sdpa", "fused_peak_bytes", "sdpa_peak_bytes",
@@ -140,11 +141,12 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
     rows = []
     kw = {"metal_kernel": factory} if factory else {}
 
-    def record(kernel, dim, bits, dtype, fn):
+    def record(kernel, dim, bits, dtype, fn, unsupported=None):
         t0 = time.perf_counter()
-        if skip:
+        if skip or unsupported:
+            reason = "skipped: " + skip if skip else "reference path: " + unsupported
             rows.append(dict(kernel=kernel, dim=dim, bits=bits, dtype=dtype, max_abs_err=math.nan, ok=None,
-                             reason="skipped: " + skip, seconds=0.0))
+                             reason=reason, seconds=0.0))
             return
         try:
             got, want, tol_dtype = fn()
@@ -166,8 +168,11 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
             x = _normal(rng, (64, dim), dt)
             for inverse in (False, True):
                 record("rotate" + ("-inverse" if inverse else ""), dim, "-", name,
-                       lambda: (K.rotate(x, rot, inverse, **kw), K.rotate_reference(x, rot, inverse), mx.float32))
+                       lambda: (K.rotate(x, rot, inverse, **kw), K.rotate_reference(x, rot, inverse), mx.float32),
+                       K.rotation_unsupported(x, rot))
         for bits, qjl in cases:
+            if bits % 1 and dim % 4:
+                continue  # fractional bits split the channels 1:3
             label = f"{bits}{'+qjl' if qjl else ''}"
             kq = TurboQuantProd(dim, bits, seed=2) if qjl else TurboQuantMSE(dim, bits, seed=2)
             vq = TurboQuantMSE(dim, bits, seed=3)
@@ -183,7 +188,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                         raise AssertionError(why)
                     return kq.dequantize(got), kq.dequantize(want), mx.float32
 
-                record("encode", dim, label, name, enc)
+                record("encode", dim, label, name, enc, K.encode_unsupported(xs, kq, mean))
 
                 def handle(q, n=300):
                     codes = K.encode_reference(_normal(rng, (1, 4, n, dim)), q, mean[:1])
@@ -192,7 +197,8 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
 
                 keys, values = handle(kq), handle(vq)
                 record("dequantize", dim, label, name,
-                       lambda: (K.dequantize(keys, dt, **kw), K.dequantize_reference(keys, dt), dt))
+                       lambda: (K.dequantize(keys, dt, **kw), K.dequantize_reference(keys, dt), dt),
+                       K.dequantize_unsupported(keys))
                 for R, L, mask in ((4, 1, None), (2, 5, "causal")):
                     q = _normal(rng, (1, 4 * R, L, dim), dt)
                     record(f"decode R={R} L={L}", dim, label, name,
@@ -236,8 +242,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                                 mx.eval(K.dispatch_attention(_normal(rng, (1, 8, L, dim), dt), keys, values,
                                                              dim ** -0.5, mask))
                             mx.eval(K.dispatch_dequantize(keys, dt))
-                            mx.eval(K.dispatch_rotate(_normal(rng, (3, dim), dt), values.quantizer.groups[0].rotation,
-                                                      True))
+                            rot = values.quantizer.groups[0].rotation  # d/4 dims for fractional bits
+                            mx.eval(K.dispatch_rotate(_normal(rng, (3, rot.dim), dt), rot, True))
                         except Exception as e:  # noqa: BLE001 - a dispatcher must never raise: report it
                             errors.append(dict(kernel="dispatch", variant=f"d={dim} K{kb}{'+qjl' if qjl else ''}"
                                                f"/V{vbits} {name}", passed=False, reason=f"{type(e).__name__}: {e}"))

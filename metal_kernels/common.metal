@@ -27,18 +27,77 @@ METAL_FUNC void tq_wht(thread float* v, uint lane) {
   }
 }
 
-// Code j of a vector packed as tq_mlx/packing.py does: widths 1, 2, 4, 8 hold 32/B codes per word, code j
-// at bits [B*(j % (32/B)), ...); 3 bits are a 2-bit plane (D/16 words) followed by a 1-bit plane (high bit).
-// `words` may point to device or threadgroup memory.
+// Code j of a vector of D codes packed as tq_mlx/packing.py does: widths 1, 2, 4, 8 hold 32/B codes per word,
+// code j at bits [B*(j % (32/B)), ...); 3 bits are a 2-bit plane (ceil(D/16) words) followed by a 1-bit plane
+// (high bit). `words` may point to device or threadgroup memory.
 template <int B, int D, typename P>
 METAL_FUNC uint tq_code(P words, uint j) {
   if (B == 3) {
     uint lo = (words[j / 16] >> (2 * (j % 16))) & 3u;
-    uint hi = (words[D / 16 + j / 32] >> (j % 32)) & 1u;
+    uint hi = (words[(D + 15) / 16 + j / 32] >> (j % 32)) & 1u;
     return lo | (hi << 2);
   }
   const uint per = 32 / B;
   return (words[j / per] >> (B * (j % per))) & ((1u << B) - 1u);
+}
+
+// Σ_j q_r[j]·cent[code_j] over the DG codes (B bits) of one code group packed at `w`, added into s[k] for
+// this SIMD group's RPS query rows r = sg + k·NSG of `q` (rows of DQ floats, already offset to the group's
+// first dim). Word-major: CK codes share one word (3 bits: a 2-bit word and 16 bits of a 1-bit word).
+template <int B, int DG, int RPS, int NSG, int DQ>
+METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* q,
+                                uint sg, thread float* s) {
+  constexpr int CK = B == 3 ? 16 : 32 / B;
+  constexpr int LO = (DG + 15) / 16;  // 3 bits: words of the 2-bit plane
+  for (int j0 = 0; j0 < DG; j0 += CK) {
+    const uint lo = w[j0 / CK];
+    const uint hi = B == 3 ? w[LO + j0 / 32] >> (j0 % 32) : 0u;
+    for (int i = 0; i < CK; ++i) {
+      if (DG % CK == 0 || j0 + i < DG) {
+        const uint code = B == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
+                                 : ((lo >> (B * i)) & ((1u << B) - 1u));
+        const float c = cent[code];
+        for (int k = 0; k < RPS; ++k) {
+          s[k] += q[(int(sg) + k * NSG) * DQ + j0 + i] * c;
+        }
+      }
+    }
+  }
+}
+
+// Dim j (< D) of a token's codes in the rotated basis, norm applied: the codes are one group (D0 = D) or two
+// (dims [0, D0) at B0 bits in words [0, W0) with norm n0, dims [D0, D) at B1 bits after them with norm n1;
+// fractional bits). cent holds group 0's 2^B0 centroids, then group 1's.
+template <int B0, int D0, int B1, int D, int W0, typename P>
+METAL_FUNC float tq_value(P w, uint j, const threadgroup float* cent, float n0, float n1) {
+  if (D0 == D || j < uint(D0)) {
+    return cent[tq_code<B0, D0>(w, j)] * n0;
+  }
+  return cent[(1 << B0) + tq_code<B1, (D > D0 ? D - D0 : 1)>(w + W0, j - uint(D0))] * n1;
+}
+
+// Word w of DG codes of B bits (one code per element of `c`), packed as tq_code reads them.
+template <int B, int DG, typename P>
+METAL_FUNC uint tq_pack_word(P c, uint w) {
+  uint bits = 0;
+  if (B == 3) {
+    constexpr uint LO = (DG + 15) / 16;
+    if (w < LO) {
+      for (uint i = 0; i < 16 && 16 * w + i < uint(DG); ++i) {
+        bits |= (uint(c[16 * w + i]) & 3u) << (2 * i);
+      }
+    } else {
+      for (uint i = 0; i < 32 && 32 * (w - LO) + i < uint(DG); ++i) {
+        bits |= ((uint(c[32 * (w - LO) + i]) >> 2) & 1u) << i;
+      }
+    }
+    return bits;
+  }
+  constexpr uint P_ = 32 / B;
+  for (uint i = 0; i < P_ && P_ * w + i < uint(DG); ++i) {
+    bits |= (uint(c[P_ * w + i]) & ((1u << B) - 1u)) << (B * i);
+  }
+  return bits;
 }
 
 // Packs one bit plane: bits [shift, shift + B) of the E codes a lane holds (elements [lane*E, lane*E + E))
@@ -70,4 +129,36 @@ METAL_FUNC void tq_pack_plane(thread const uint* code, uint shift, uint lane, de
       out[lane * WPL + w] = bits;
     }
   }
+}
+
+// Encodes one code group of a token (encode_dense.metal): its DG values at xg (centered, quantizer order) get
+// their norm, the dense rotation P (DG x DG, row-major: y = P·x/|x|) and Lloyd-Max indices (binary search over
+// the 2^B - 1 boundaries `bnd`), written to cg as one byte per dim. Returns the norm. Lane l takes rows l,
+// l + 32, ...; every lane of the SIMD group must call it.
+template <int B, int DG>
+METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar* cg, const device float* P,
+                                 const threadgroup float* bnd, uint lane) {
+  float ss = 0.0f;
+  for (uint j = lane; j < uint(DG); j += 32) {
+    ss += xg[j] * xg[j];
+  }
+  const float nrm = sqrt(simd_sum(ss));
+  const float inv = nrm > 0.0f ? 1.0f / nrm : 1.0f;  // a zero vector keeps codes 0 and norm 0
+  for (uint i = lane; i < uint(DG); i += 32) {
+    float y = 0.0f;
+    const device float* row = P + i * DG;
+    for (int j = 0; j < DG; ++j) {
+      y += row[j] * xg[j];
+    }
+    y *= inv;
+    uint idx = 0;  // number of boundaries below y (NaN compares false and gives 0, like the reference)
+    for (int s = B - 1; s >= 0; --s) {
+      const uint c = idx + (1u << s);
+      if (y > bnd[c - 1]) {
+        idx = c;
+      }
+    }
+    cg[i] = uchar(idx);
+  }
+  return nrm;
 }

@@ -4,14 +4,18 @@
 //   2. merge the S partials of pass 1 by log-sum-exp, shifted by q·μ (the key mean, exact for softmax);
 //   3. one inverse rotation of the merged compressed accumulator, then
 //      out = (acc_f + Πᵀ acc_c + l_c·ν) / l,   l_c = the compressed tokens' share of l.
+//      Without ROTV (values in channel groups or a rotation other than a power-of-two WHT) the kernel writes
+//      out = (acc_f + l_c·ν) / l and outc = acc_c / l (rotated basis), and the host adds outc's inverse
+//      rotation (tq_mlx.attention.unrotate): one small op per step instead of a rotation matrix per head here.
 // Inputs: q (B, H, RL, DK) float32 = scale·q, model basis; qmu (B, H, RL) float32 = q·μ; ks, vs (sinks) and
 //   kw, vw (window): (B, H, n, D) float16 strided views; pm, pl (B, H, S, RL), pacc (B, H, S, RL, DV) from
 //   pass 1; vmean (B, H, DV) float32 = ν; vsigns (DV) float32 (value rotation signs);
 //   params int32 [H, RL, L, S, n_sinks, n_window, has qmu, has ν, sink limit, window limit]: float token t of
 //   the sinks (window) is visible to query token i iff t <= sink (window) limit + i.
-// Output: out (B, H, RL, DV) T. Template: T, DK, DV.
-constexpr int EK = DK / 32;
-constexpr int EV = DV / 32;
+// Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
+// Template: T, TO, DK, DV, ROTV. Lane l owns dims [l*E, l*E + E) of D, E = ceil(D/32).
+constexpr int EK = (DK + 31) / 32;
+constexpr int EV = (DV + 31) / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint nsg = simdgroups_per_threadgroup;
@@ -38,7 +42,7 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
   const int qi = r % L;
   float qv[EK];
   for (int e = 0; e < EK; ++e) {
-    qv[e] = q[row * DK + lane * EK + e];
+    qv[e] = (DK % 32 == 0 || lane * EK + e < uint(DK)) ? q[row * DK + lane * EK + e] : 0.0f;
   }
   float m = -FLT_MAX;
   float l = 0.0f;
@@ -58,7 +62,9 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
     const int64_t vstep = sink ? vs_strides[3] : vw_strides[3];
     float d = 0.0f;
     for (int e = 0; e < EK; ++e) {
-      d += qv[e] * float(kp[e * kstep]);
+      if (DK % 32 == 0 || lane * EK + e < uint(DK)) {
+        d += qv[e] * float(kp[e * kstep]);
+      }
     }
     d = simd_sum(d);
     const bool visible = t <= params[sink ? 8 : 9] + qi;
@@ -69,7 +75,8 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
     l = l * alpha + p;
     m = mn;
     for (int e = 0; e < EV; ++e) {
-      acc[e] = acc[e] * alpha + p * float(vp[e * vstep]);
+      const float v = (DV % 32 == 0 || lane * EV + e < uint(DV)) ? float(vp[e * vstep]) : 0.0f;
+      acc[e] = acc[e] * alpha + p * v;
     }
   }
   // 2. Merge pass 1's partials (compressed tokens, rotated basis).
@@ -91,15 +98,24 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
     m = mn;
     for (int e = 0; e < EV; ++e) {
       acc[e] *= a1;
-      accc[e] = accc[e] * a1 + pacc[o * DV + lane * EV + e] * a2;
+      const float pc = (DV % 32 == 0 || lane * EV + e < uint(DV)) ? pacc[o * DV + lane * EV + e] : 0.0f;
+      accc[e] = accc[e] * a1 + pc * a2;
     }
   }
   // 3. Back to the model basis: one inverse rotation per row, then the value mean.
-  tq_wht<EV>(accc, lane);
-  device T* out_row = out + row * DV + lane * EV;
+  if (ROTV) {
+    tq_wht<ROTV ? EV : 1>(accc, lane);
+  }
   for (int e = 0; e < EV; ++e) {
     const uint j = lane * EV + e;
-    float x = acc[e] + accc[e] * rs * vsigns[j] + (has_mean ? lc * vmean[bh * DV + j] : 0.0f);
-    out_row[e] = T(x / l);
+    if (DV % 32 == 0 || j < uint(DV)) {
+      const float mu = has_mean ? lc * vmean[bh * DV + j] : 0.0f;
+      if (ROTV) {
+        out[row * DV + j] = TO((acc[e] + accc[e] * rs * vsigns[j] + mu) / l);
+      } else {
+        out[row * DV + j] = TO((acc[e] + mu) / l);
+        outc[row * DV + j] = accc[e] / l;
+      }
+    }
   }
 }

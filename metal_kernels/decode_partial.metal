@@ -9,22 +9,25 @@
 //      (l counts them still), and |out - exact| <= ε·max_i |v_i - ν| for every row (tq_mlx/kernels.py);
 //   3. stage the value words of tokens some row kept (sparse V also skips their reads);
 //   4. lane = value dims [l*EV, l*EV + EV): acc += p·|v|·c[idx], in the rotated basis.
+// Codes are one group, or two for fractional bits (dims [0, D0) at one bit more, [D0, D) after them, each
+// with its own centroids and norm); the rotated basis is the groups' bases side by side, so scores and the
+// value accumulator never leave it here, whatever the rotations are.
 // Writes (m, l, acc) per row and split; pass 2 merges them with the float16 tokens.
 // Inputs: q (B, H, RL, DK) float32 = Π(scale·q) (keys' rotated basis); qs (B, H, RL, DK) float32 = S·scale·q
-//   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, 1) float16, kj (B, H, N, DK/32) uint32, kg (B, H, N)
-//   float16, vc (B, H, N, WV) uint32, vn (B, H, N, 1) float16: strided views of the cache;
-//   tables float32 [key centroids (2^KB) | value centroids (2^VB) | qjl scale | sparse V ε];
+//   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, KG) float16, kj (B, H, N, ceil(DK/32)) uint32, kg (B, H, N)
+//   float16, vc (B, H, N, WV) uint32, vn (B, H, N, VG) float16: strided views of the cache;
+//   tables float32 [key centroids (2^KB, then 2^KB1 if KG = 2) | value centroids (same) | qjl scale | ε];
 //   params int32 [H, N, RL, L, tokens per split, causal limit]: compressed token t is visible to query
 //   token i iff t <= causal limit + i.
 // Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
-// Template: DK, DV, KB, VB (MSE bits), QJL, NR (rows per threadgroup, a power of two), and the layout from
+// Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, NR (rows per threadgroup, a power of two), KG, KD0, KB1,
+// WK0 and VG, VD0, VB1, WV0 (groups, group 0's dims, group 1's bits, group 0's words), and the layout from
 // tq_mlx.kernels._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
 // staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
-constexpr int EV = DV / 32;
-constexpr int WJ = DK / 32;
-constexpr int NKC = 1 << KB;
-constexpr int CK = KB == 3 ? 16 : 32 / KB;  // key codes per word-major step
-constexpr int NVC = 1 << VB;
+constexpr int EV = (DV + 31) / 32;
+constexpr int WJ = (DK + 31) / 32;
+constexpr int NKC = (1 << KB) + (KG == 2 ? 1 << KB1 : 0);  // key centroids; value centroids follow
+constexpr int NVC = (1 << VB) + (VG == 2 ? 1 << VB1 : 0);
 constexpr int NSG = NR < 8 ? NR : 8;
 constexpr int NT = 32 * NSG;
 constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
@@ -110,11 +113,11 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
       }
     }
   }
-  if (int(tid) < nt) {
-    tok_norm[tid] = float(kn_bh[(t0 + int(tid)) * kn_strides[2]]);
-    if (QJL) {
-      tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
-    }
+  for (int i = int(tid); i < KG * nt; i += NT) {
+    tok_norm[i] = float(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
+  }
+  if (QJL && int(tid) < nt) {
+    tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -126,22 +129,19 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     s[k] = 0.0f;
   }
   const threadgroup uint* tw = words + lane * WS;
-  // Word-major: CK codes share one word (3 bits: a 2-bit word and 16 bits of a 1-bit word).
-  for (int j0 = 0; j0 < DK; j0 += CK) {
-    const uint lo = tw[j0 / (KB == 3 ? 16 : CK)];
-    const uint hi = KB == 3 ? tw[DK / 16 + j0 / 32] >> (j0 % 32) : 0u;
-    for (int i = 0; i < CK; ++i) {
-      const uint code = KB == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
-                                : ((lo >> (KB * i)) & uint(NKC - 1));
-      const float c = cent[code];
-      for (int k = 0; k < RPS; ++k) {
-        s[k] += q_tg[(int(sg) + k * NSG) * DK + j0 + i] * c;
-      }
-    }
-  }
-  const float knorm = tok_norm[lane];
+  tq_group_scores<KB, KD0, RPS, NSG, DK>(tw, cent, q_tg, sg, s);
   for (int k = 0; k < RPS; ++k) {
-    s[k] *= knorm;
+    s[k] *= tok_norm[lane * KG];
+  }
+  if (KG == 2) {
+    float s1[RPS];
+    for (int k = 0; k < RPS; ++k) {
+      s1[k] = 0.0f;
+    }
+    tq_group_scores<KB1, DK - KD0, RPS, NSG, DK>(tw + WK0, cent + (1 << KB), q_tg + KD0, sg, s1);
+    for (int k = 0; k < RPS; ++k) {
+      s[k] += s1[k] * tok_norm[lane * KG + 1];
+    }
   }
   if (QJL) {
     const float g = qjl_scale * tok_gamma[lane];
@@ -152,7 +152,7 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     }
     for (int w = 0; w < WJ; ++w) {
       const uint bits = tj[w];
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < 32 && w * 32 + i < DK; ++i) {
         const bool plus = (bits >> i) & 1u;
         for (int k = 0; k < RPS; ++k) {
           const float x = qs_tg[(int(sg) + k * NSG) * DK + w * 32 + i];
@@ -199,8 +199,10 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
       words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
     }
   }
-  if (int(tid) < nt && ((keepmask >> tid) & 1u)) {
-    tok_norm[tid] = float(vn_bh[(t0 + int(tid)) * vn_strides[2]]);
+  for (int i = int(tid); i < VG * nt; i += NT) {
+    if ((keepmask >> (i / VG)) & 1u) {
+      tok_norm[i] = float(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -217,13 +219,15 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
       continue;
     }
     const threadgroup uint* vw = words + tt * WS;
-    const float vnorm = tok_norm[tt];
+    const float n0 = tok_norm[tt * VG];
+    const float n1 = tok_norm[tt * VG + VG - 1];
     float c[EV];
     for (int e = 0; e < EV; ++e) {
-      c[e] = cent[NKC + tq_code<VB, DV>(vw, lane * EV + e)];
+      const uint j = lane * EV + e;
+      c[e] = (DV % 32 == 0 || j < uint(DV)) ? tq_value<VB, VD0, VB1, DV, WV0>(vw, j, cent + NKC, n0, n1) : 0.0f;
     }
     for (int k = 0; k < RPS; ++k) {
-      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt] * vnorm;
+      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
       if (w != 0.0f) {
         for (int e = 0; e < EV; ++e) {
           tacc[k][e] += w * c[e];
@@ -248,7 +252,9 @@ for (int k = 0; k < RPS; ++k) {
       pl[o] = l[k];
     }
     for (int e = 0; e < EV; ++e) {
-      pacc[o * DV + lane * EV + e] = acc[k][e];
+      if (DV % 32 == 0 || lane * EV + e < uint(DV)) {
+        pacc[o * DV + lane * EV + e] = acc[k][e];
+      }
     }
   }
 }

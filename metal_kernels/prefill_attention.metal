@@ -11,6 +11,9 @@
 //      decode_partial (weights < ε/N of the running max are neither read nor added, still counted in l: the
 //      output moves by at most ε·max_i |v_i - ν|); the kept tokens' value words staged, then lane = dims;
 //   3. per row: one inverse WHT of acc_c, out = (acc_f + s_v·Πᵀacc_c + l_c·ν) / l  (l_c: compressed share of l).
+//      Without ROTV (values in channel groups, or a rotation other than a power-of-two WHT) the kernel writes
+//      out = (acc_f + l_c·ν) / l and outc = acc_c / l, and the host adds s_v·Πᵀ outc (attention.unrotate).
+// Codes are one group or two (fractional bits), as in decode_partial.metal.
 // Inputs: qf (B, H, RL, DK) float32 = scale·q (model basis); qr (B, H, RL, DK) float32 = Π(s_k·scale·q);
 //   qs (B, H, RL, DK) float32 = S·s_k·scale·q (QJL); qmu (B, H, RL) float32 = scale·q·μ; ksink, vsink, kwin, vwin
 //   (B, H, n, D) float strided views; kc, kn, kj, kg, vc, vn: the compressed views (as decode_partial);
@@ -18,13 +21,14 @@
 //   (B·H, DV) float32 = ν; vscale (B·H) float32 = s_v;
 //   params int32 [H, N, RL, L, n_sinks, n_window, compressed limit, sink limit, window limit, has qmu, has ν,
 //   has s_v]: token t of a part is visible to query token i iff t <= that part's limit + i.
-// Output: out (B, H, RL, DV) T. Template: T, DK, DV, KB, VB, QJL, NR and tq_mlx.kernels._prefill_layout's
+// Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
+// Template: T, TO, DK, DV, KB, VB, QJL, NR, KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
+// tq_mlx.kernels._prefill_layout's
 // WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
-constexpr int EV = DV / 32;
-constexpr int WJ = DK / 32;
-constexpr int NKC = 1 << KB;
-constexpr int CK = KB == 3 ? 16 : 32 / KB;  // key codes per word-major step
-constexpr int NVC = 1 << VB;
+constexpr int EV = (DV + 31) / 32;
+constexpr int WJ = (DK + 31) / 32;
+constexpr int NKC = (1 << KB) + (KG == 2 ? 1 << KB1 : 0);  // key centroids; value centroids follow
+constexpr int NVC = (1 << VB) + (VG == 2 ? 1 << VB1 : 0);
 constexpr int NSG = NR < 8 ? NR : 8;
 constexpr int NT = 32 * NSG;
 constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
@@ -148,7 +152,7 @@ for (int f0 = 0; f0 < ns + nw; f0 += 32) {
     const int64_t vstep = vsink_tok ? vsink_strides[3] : vwin_strides[3];
     float v[EV];
     for (int e = 0; e < EV; ++e) {
-      v[e] = float(vp[(int(lane) * EV + e) * vstep]);
+      v[e] = (DV % 32 == 0 || int(lane) * EV + e < DV) ? float(vp[(int(lane) * EV + e) * vstep]) : 0.0f;
     }
     for (int k = 0; k < RPS; ++k) {
       const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
@@ -194,11 +198,11 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
       }
     }
   }
-  if (int(tid) < nt) {
-    tok_norm[tid] = float(kn_bh[(t0 + int(tid)) * kn_strides[2]]);
-    if (QJL) {
-      tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
-    }
+  for (int i = int(tid); i < KG * nt; i += NT) {
+    tok_norm[i] = float(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
+  }
+  if (QJL && int(tid) < nt) {
+    tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -210,21 +214,19 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
     s[k] = 0.0f;
   }
   const threadgroup uint* tw = words + lane * WS;
-  for (int j0 = 0; j0 < DK; j0 += CK) {
-    const uint lo = tw[j0 / (KB == 3 ? 16 : CK)];
-    const uint hi = KB == 3 ? tw[DK / 16 + j0 / 32] >> (j0 % 32) : 0u;
-    for (int i = 0; i < CK; ++i) {
-      const uint code = KB == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
-                                : ((lo >> (KB * i)) & uint(NKC - 1));
-      const float c = cent[code];
-      for (int k = 0; k < RPS; ++k) {
-        s[k] += q_tg[(int(sg) + k * NSG) * DK + j0 + i] * c;
-      }
-    }
-  }
-  const float knorm = tok_norm[lane];
+  tq_group_scores<KB, KD0, RPS, NSG, DK>(tw, cent, q_tg, sg, s);
   for (int k = 0; k < RPS; ++k) {
-    s[k] *= knorm;
+    s[k] *= tok_norm[lane * KG];
+  }
+  if (KG == 2) {
+    float s1[RPS];
+    for (int k = 0; k < RPS; ++k) {
+      s1[k] = 0.0f;
+    }
+    tq_group_scores<KB1, DK - KD0, RPS, NSG, DK>(tw + WK0, cent + (1 << KB), q_tg + KD0, sg, s1);
+    for (int k = 0; k < RPS; ++k) {
+      s[k] += s1[k] * tok_norm[lane * KG + 1];
+    }
   }
   if (QJL) {
     const float g = qjl_scale * tok_gamma[lane];
@@ -235,7 +237,7 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
     }
     for (int w = 0; w < WJ; ++w) {
       const uint bits = tj[w];
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < 32 && w * 32 + i < DK; ++i) {
         const bool plus = (bits >> i) & 1u;
         for (int k = 0; k < RPS; ++k) {
           const float x = qs_tg[(int(sg) + k * NSG) * DK + w * 32 + i];
@@ -284,8 +286,10 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
       words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
     }
   }
-  if (int(tid) < nt && ((keepmask >> tid) & 1u)) {
-    tok_norm[tid] = float(vn_bh[(t0 + int(tid)) * vn_strides[2]]);
+  for (int i = int(tid); i < VG * nt; i += NT) {
+    if ((keepmask >> (i / VG)) & 1u) {
+      tok_norm[i] = float(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -302,13 +306,15 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
       continue;
     }
     const threadgroup uint* vw = words + tt * WS;
-    const float vnorm = tok_norm[tt];
+    const float n0 = tok_norm[tt * VG];
+    const float n1 = tok_norm[tt * VG + VG - 1];
     float c[EV];
     for (int e = 0; e < EV; ++e) {
-      c[e] = cent[NKC + tq_code<VB, DV>(vw, lane * EV + e)];
+      const uint j = lane * EV + e;
+      c[e] = (DV % 32 == 0 || j < uint(DV)) ? tq_value<VB, VD0, VB1, DV, WV0>(vw, j, cent + NKC, n0, n1) : 0.0f;
     }
     for (int k = 0; k < RPS; ++k) {
-      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt] * vnorm;
+      const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
       if (w != 0.0f) {
         for (int e = 0; e < EV; ++e) {
           tacc[k][e] += w * c[e];
@@ -332,13 +338,22 @@ for (int k = 0; k < RPS; ++k) {
   for (int e = 0; e < EV; ++e) {
     accc[e] = acc[k][e];
   }
-  tq_wht<EV>(accc, lane);
+  if (ROTV) {
+    tq_wht<ROTV ? EV : 1>(accc, lane);
+  }
   if (r < nrows) {
-    device T* out_row = out + (size_t(bh) * RL + r0 + r) * DV + lane * EV;
+    const size_t o = (size_t(bh) * RL + r0 + r) * DV;
     for (int e = 0; e < EV; ++e) {
       const uint j = lane * EV + e;
-      const float x = accf[k][e] + accc[e] * rs * vsigns[j] + (has_mean ? lc[k] * vmean[bh * DV + j] : 0.0f);
-      out_row[e] = T(x / l[k]);
+      if (DV % 32 == 0 || j < uint(DV)) {
+        const float mu = has_mean ? lc[k] * vmean[bh * DV + j] : 0.0f;
+        if (ROTV) {
+          out[o + j] = TO((accf[k][e] + accc[e] * rs * vsigns[j] + mu) / l[k]);
+        } else {
+          out[o + j] = TO((accf[k][e] + mu) / l[k]);
+          outc[o + j] = accc[e] / l[k];
+        }
+      }
     }
   }
 }

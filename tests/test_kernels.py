@@ -6,11 +6,13 @@ thread as a fiber (tests/emulator). Matrix:
   also 32 and 512) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
-* decode on real TurboQuantKVCache views (μ, ν, scale, strided capacity buffers), in all three schedules:
-  every key/value bit pair the kernels take (the default K4/V3 first; 25 integer pairs and 15 with QJL keys)
-  at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three dtypes; K4/V3 and K4+qjl/V3
-  at every head_dim 32..512 with batch 2; every other pair the config accepts (fractional bits, QJL at 1 bit)
-  and head_dim 80/96 must be refused by decode_unsupported with its reason and fall back to the reference;
+* decode on real TurboQuantKVCache views (μ, ν, scale, channel order, strided capacity buffers), in all three
+  schedules: every key/value bit pair the kernels take (the default K4/V3 first; 49 pairs of 1, 2, 2.5, 3, 3.5,
+  4, 8 bits and 21 with QJL keys) at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three
+  dtypes; K4/V3, K4+qjl/V3 and K3.5/V2.5 at head dims 32, 64, 80, 96, 128, 192, 256, 512 with batch 2; the
+  pairs with QJL at 1 bit and head dims above 512 must be refused by decode_unsupported with their reason and
+  fall back to the reference; key/value head dims that differ (MLA's 192/128);
+* encode_dense (channel groups, a per-head channel order, head dims 80, 96, 192) against the reference codes;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
   batch 2: K4/V3, K4+qjl/V3, K8/V2 with 8 query tokens, K1/V8 with 64 query rows);
@@ -135,8 +137,9 @@ def assert_close(got, want, dtype, what=""):
 def assert_codes_equal(got, want, q, what=""):
     """Codes match (a value within rounding of a boundary may flip: at most 0.2%); norms and γ close."""
     prod = isinstance(q, TurboQuantProd)
-    bits = (q.mse if prod else q).groups[0].bits
-    gi, wi = (np.asarray(unpack(c.codes, bits, q.dim)) for c in (got, want))
+    groups = (q.mse if prod else q).groups
+    gi, wi = (np.concatenate([np.asarray(unpack(c.codes[..., g.words], g.bits, g.dim)) for g in groups], axis=-1)
+              for c in (got, want))
     assert (gi != wi).mean() <= 0.002, f"{what}: {(gi != wi).mean():.2%} codes differ"
     np.testing.assert_allclose(np.asarray(got.norms.astype(mx.float32)), np.asarray(want.norms.astype(mx.float32)),
                                rtol=1e-3, err_msg=what)
@@ -199,6 +202,43 @@ def test_encode_schedules_without_mean(emulator, schedule):
     q = quantizer(128, 3, qjl=True)
     x = normal(np.random.default_rng(5), (1, 3, 11, 128), mx.float16)  # 33 tokens: partial threadgroup
     assert_codes_equal(K.encode(x, q, None, metal_kernel=Emu(schedule)), K.encode_reference(x, q, None), q)
+
+
+# Channel groups (2.5 / 3.5 bits, a per-head channel order) and head dims without a power-of-two WHT go through
+# encode_dense.metal (a dense rotation per group).
+DENSE_CASES = [(d, b) for d in (64, 128, 80, 96) for b in (2.5, 3.5)] + [(d, b) for d in (80, 96, 192) for b in BITS]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits", DENSE_CASES, ids=ids)
+def test_encode_groups_and_other_head_dims_match_reference(emulator, dim, bits):
+    rng = np.random.default_rng(dim * 10 + int(2 * bits))
+    q = quantizer(dim, bits)
+    dtype = DTYPES[DENSE_CASES.index((dim, bits)) % 3]
+    H = 3
+    x = normal(rng, (2, H, 5, dim), dtype) * 3.0
+    mean = normal(rng, (2, H, dim)) * 0.5
+    x = mx.concatenate([x, mx.zeros((2, H, 1, dim), dtype) + mean[:, :, None].astype(dtype)], axis=2)  # |x-μ| ~ 0
+    perm = mx.array(np.stack([rng.permutation(dim) for _ in range(H)]).astype(np.int32)) if bits % 1 else None
+    f = Emu()
+    got = K.encode(x, q, mean, perm, metal_kernel=f)
+    assert [launch.name for launch in f.launches] == ["tq_encode_dense"]
+    assert got.norms.shape == (2, H, 6, len(q.groups))
+    assert_codes_equal(got, K.encode_reference(x, q, mean, perm), q, f"d={dim} b={bits}")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_encode_dense_schedules_on_cache_streams(emulator, schedule):
+    # A real fractional-bit cache's calibration (channel order, mean, power-of-two scale), 33 tokens: a
+    # partial threadgroup.
+    q, keys, values = cache_step(3.5, 2.5, False, 96, 1, 2, 1, mx.float16)
+    x = normal(np.random.default_rng(5), (1, 2, 33, 96), mx.float16) * 2.0
+    for kv in (keys, values):
+        assert kv.perm is not None and kv.scale is not None
+        args = (x, kv.quantizer, kv.mean, kv.perm, kv.scale)
+        assert K.encode_unsupported(*args) is None
+        assert_codes_equal(K.encode(*args, metal_kernel=Emu(schedule)), K.encode_reference(*args), kv.quantizer)
 
 
 # ================================================================== 3. dequantize
@@ -445,11 +485,11 @@ def test_decode_on_cache_handles_strided(emulator, qjl):
 
 
 # ------------------------------------------ every bit pair, head_dim, batch and schedule, on real caches
-# The config accepts key/value bits in MSE_BITS (QJL keys: PROD_BITS); the kernels take integer bits
-# 1, 2, 3, 4, 8 (QJL keys 2, 3, 4: a 1..3-bit MSE stage + 1 QJL bit) and head dims 32..512. The rest must be
-# refused by decode_unsupported with its reason, so dispatch_attention takes the reference path.
-KERNEL_KEY_BITS = {False: (1, 2, 3, 4, 8), True: (2, 3, 4)}
-KERNEL_VALUE_BITS = (1, 2, 3, 4, 8)
+# The config accepts key/value bits in MSE_BITS (QJL keys: PROD_BITS); the kernels take all of them (2.5 and
+# 3.5 as two code groups) except QJL at 1 bit (no MSE stage), which decode_unsupported must refuse with its
+# reason, so dispatch_attention takes the reference path.
+KERNEL_KEY_BITS = {False: MSE_BITS, True: (2, 3, 4)}
+KERNEL_VALUE_BITS = MSE_BITS
 DEFAULT_PAIR = (4, 3, False)  # TurboQuantConfig's default K4/V3
 ALL_PAIRS = [(kb, vb, qjl) for qjl, kbits in ((False, MSE_BITS), (True, PROD_BITS)) for kb in kbits for vb in MSE_BITS]
 KERNEL_PAIRS = [DEFAULT_PAIR] + [
@@ -506,7 +546,8 @@ def test_decode_every_kernel_bit_pair_on_cache(emulator, pair, schedule):
 
 def test_bit_pair_matrix_covers_the_config():
     assert KERNEL_PAIRS[0] == DEFAULT_PAIR
-    assert len(KERNEL_PAIRS) == 5 * 5 + 3 * 5 and len(ALL_PAIRS) == 7 * 7 + 4 * 7
+    assert len(KERNEL_PAIRS) == 7 * 7 + 3 * 7 and len(ALL_PAIRS) == 7 * 7 + 4 * 7
+    assert {p for p in ALL_PAIRS if p not in KERNEL_PAIRS} == {(1, vb, True) for vb in MSE_BITS}
     for kb, vb, qjl in ALL_PAIRS:
         TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl)  # every pair here is one the config accepts
 
@@ -515,9 +556,7 @@ def test_bit_pair_matrix_covers_the_config():
 def test_bit_pairs_without_a_kernel_say_why_and_fall_back(monkeypatch, pair):
     kb, vb, qjl = pair
     q, keys, values = cache_step(kb, vb, qjl, 64, 1, 2, 1, mx.float16, n_prompt=40)
-    reason = K.decode_unsupported(q, keys, values, None)
-    assert reason and ("fractional bits" in reason if 2.5 in (kb, vb) or 3.5 in (kb, vb) else
-                       reason == "QJL at 1 bit (no MSE stage)"), reason
+    assert K.decode_unsupported(q, keys, values, None) == "QJL at 1 bit (no MSE stage)"
     assert_falls_back(monkeypatch, q, keys, values)
 
 
@@ -531,24 +570,37 @@ def assert_falls_back(monkeypatch, q, keys, values) -> None:
     assert never.made == 0
 
 
-# (B, R, L, dtype) per head_dim: 512 keeps R·L small (threadgroup memory), 32 takes the most rows.
-DIM_SHAPES = {32: (2, 8, 4, mx.float16), 64: (2, 4, 2, mx.bfloat16), 128: (2, 4, 1, mx.float16),
+# (B, R, L, dtype) per head_dim: 512 keeps R·L small (threadgroup memory), 32 takes the most rows. Besides the
+# powers of two (the in-kernel WHT), the non-power-of-two head dims of mlx-lm's common models: 80 (phi-2,
+# stablelm), 96 (phi-3), 192 (MLA keys; see test_mla_key_and_value_dims_differ).
+DIM_SHAPES = {32: (2, 8, 4, mx.float16), 64: (2, 4, 2, mx.bfloat16), 80: (2, 4, 1, mx.float16),
+              96: (2, 3, 2, mx.bfloat16), 128: (2, 4, 1, mx.float16), 192: (2, 2, 1, mx.float32),
               256: (2, 2, 3, mx.float32), 512: (2, 4, 2, mx.float16)}
 
 
 @pytest.mark.slow
 @pytest.mark.emulator
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("qjl", [False, True], ids=["K4/V3", "K4+qjl/V3"])
-@pytest.mark.parametrize("dim", sorted(DIM_SHAPES))
-def test_decode_every_head_dim_on_cache(emulator, dim, qjl, schedule):
-    assert tuple(sorted(DIM_SHAPES)) == K.SUPPORTED_DIMS
-    check_cache_decode(4, 3, qjl, dim, *DIM_SHAPES[dim], schedule, strided=qjl)
+@pytest.mark.parametrize(  # fractional bits need d/4 >= 16 channels in the outlier group
+    "dim,pair", [(d, p) for d in sorted(DIM_SHAPES) for p in [(4, 3, False), (4, 3, True), (3.5, 2.5, False)]
+                 if d >= 64 or p[0] % 1 == 0], ids=ids)
+def test_decode_every_head_dim_on_cache(emulator, dim, pair, schedule):
+    assert set(K.SUPPORTED_DIMS) <= set(DIM_SHAPES)
+    check_cache_decode(*pair, dim, *DIM_SHAPES[dim], schedule, strided=pair[2])
 
 
-@pytest.mark.parametrize("dim", [80, 96])
+@pytest.mark.emulator
+@pytest.mark.parametrize("dk,dv,kb,vb", [(192, 128, 4, 3), (96, 64, 3.5, 4), (64, 80, 4, 2.5)], ids=ids)
+def test_mla_key_and_value_dims_differ(emulator, dk, dv, kb, vb):
+    # DeepSeek-style MLA caches keys of 192 dims (nope + rope) and values of 128.
+    got, want, *_ = run_decode(np.random.default_rng(dk), dk, kb, vb, False, mx.float32, 2, 2, "causal", Emu(),
+                               dv=dv, B=2, split_tokens=32)
+    assert_close(got, want, mx.float32)
+
+
+@pytest.mark.parametrize("dim", [640, 1024])
 def test_head_dims_without_a_kernel_say_why_and_fall_back(monkeypatch, dim):
-    q, keys, values = cache_step(4, 3, False, dim, 2, 2, 1, mx.float16, n_prompt=40)
+    q, keys, values = cache_step(4, 3, False, dim, 1, 2, 1, mx.float16, n_prompt=40)
     assert f"head dim {dim}" in (K.decode_unsupported(q, keys, values, None) or "")
     assert_falls_back(monkeypatch, q, keys, values)
 
@@ -585,12 +637,15 @@ def compressed_bytes(kv: StreamView) -> int:
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("qjl,R,L,split", [(False, 4, 1, 64), (True, 4, 1, None), (False, 4, 8, None)])
-def test_decode_reads_each_compressed_byte_once(emulator, qjl, R, L, split):
+@pytest.mark.parametrize("dim,kb,vb,qjl,R,L,split", [
+    (128, 4, 4, False, 4, 1, 64), (128, 4, 4, True, 4, 1, None), (128, 4, 4, False, 4, 8, None),
+    (96, 3.5, 2.5, False, 4, 1, None), (80, 4, 3, False, 2, 4, None),  # channel groups; a head dim without WHT
+], ids=ids)
+def test_decode_reads_each_compressed_byte_once(emulator, dim, kb, vb, qjl, R, L, split):
     f = Emu()
     mask = "causal" if L > 1 else None
     n = 1000
-    got, want, keys, values = run_decode(np.random.default_rng(7), 128, 4, 4, qjl, mx.float16, R, L, mask, f,
+    got, want, keys, values = run_decode(np.random.default_rng(7), dim, kb, vb, qjl, mx.float16, R, L, mask, f,
                                          B=2, n=n, n_window=16, split_tokens=split)
     assert_close(got, want, mx.float16)
     (p1,) = f.stats("tq_decode_partial")
@@ -605,7 +660,7 @@ def test_decode_reads_each_compressed_byte_once(emulator, qjl, R, L, split):
     assert total <= 1.1 * (compressed_bytes(keys) + compressed_bytes(values))
     # No float copy of the cache: everything written by all launches of the step is small against the
     # float16 size of the compressed tokens (pass 1 writes one (m, l, acc) per row and split).
-    float_cache = 2 * n * 2 * (128 + 128) * 2  # B * n * H * (DK + DV) * sizeof(half)
+    float_cache = 2 * n * 2 * (dim + dim) * 2  # B * n * H * (DK + DV) * sizeof(half)
     written = sum(b.nbytes for launch in f.launches for b in launch.stats.buffers.values() if b.kind == "output")
     assert written < 0.1 * float_cache
 
@@ -744,13 +799,35 @@ def test_forced_metal_runs_self_checked_kernels(emulator, monkeypatch):
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize("kb,vb,dim", [(3.5, 2.5, 64), (4, 3, 96), (2.5, 4, 80)], ids=ids)
+def test_dispatch_runs_kernels_for_channel_groups_and_other_head_dims(emulator, monkeypatch, kb, vb, dim):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    factory = Counting(Emu())
+    K.set_kernel_factory(factory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every self-check passes
+        for L in (2, 12):  # decode_attention, then prefill_attention
+            q, keys, values = cache_step(kb, vb, False, dim, 1, 2, L, mx.float16)
+            mask = "causal"
+            assert_close(K.dispatch_attention(q, keys, values, 0.1, mask),
+                         K.decode_attention_reference(q, keys, values, 0.1, mask), mx.float16)
+        x = normal(np.random.default_rng(1), (1, 2, 3, dim))
+        for kv in (keys, values):
+            args = (x, kv.quantizer, kv.mean, kv.perm, kv.scale)
+            assert_codes_equal(K.dispatch_encode(*args), K.encode_reference(*args), kv.quantizer)
+    assert {k[0] for k, v in K.self_check_status().items() if v is None} == {
+        "decode_attention", "prefill_attention", "encode"}
+    assert factory.made == 4  # decode_partial, decode_merge, prefill_attention, encode_dense: no WHT kernel
+
+
+@pytest.mark.emulator
 @pytest.mark.parametrize(
     "bug",
     [
         ("decode_partial", "const float p = valid ? fast::exp(sk - mn) : 0.0f;",
          "const float p = valid ? fast::exp(sk - m[k]) : 0.0f;"),  # wrong softmax reference point
         ("decode_partial", BARRIER, ""),  # every barrier gone
-        ("decode_merge", "out_row[e] = T(x / l);", "out_row[e] = T(x / l) +;"),  # a compile error
+        ("decode_merge", "/ l);", "/ l) +;"),  # a compile error
     ],
     ids=["wrong-math", "no-barriers", "compile-error"],
 )
@@ -773,7 +850,7 @@ def test_self_check_disables_a_bad_kernel_and_warns_once(emulator, monkeypatch, 
 
 @pytest.mark.parametrize(
     "case",
-    ["head_dim_96", "fractional_bits", "array_mask", "qjl_1bit"],
+    ["head_dim_640", "float32_norms", "array_mask", "qjl_1bit"],
 )
 def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
     monkeypatch.setenv(K.ENV_VAR, "metal")
@@ -781,10 +858,10 @@ def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
     K.set_kernel_factory(never)
     rng = np.random.default_rng(0)
     dim, kq, L, mask = 64, quantizer(64, 4, seed=2), 1, None
-    if case == "head_dim_96":
-        dim, kq = 96, quantizer(96, 4, seed=2)
-    elif case == "fractional_bits":
-        kq = TurboQuantMSE(64, 2.5, seed=2)
+    if case == "head_dim_640":
+        dim, kq = 640, quantizer(640, 4, seed=2)
+    elif case == "float32_norms":
+        kq = TurboQuantMSE(64, 4, seed=2, norm_dtype=mx.float32)
     elif case == "qjl_1bit":
         kq = TurboQuantProd(64, 1, seed=2)
     keys = handle(rng, kq, n=20)
@@ -812,8 +889,11 @@ def test_every_kernel_source_matches_mlx_generator(emulator):
     K.encode(x, quantizer(64, 3, qjl=True), normal(rng, (1, 2, 64)), metal_kernel=f)
     K.dequantize(handle(rng, quantizer(64, 1), n=4), mx.bfloat16, metal_kernel=f)
     K.rotate(x, Rotation(64), True, metal_kernel=f)
+    K.encode(x, quantizer(64, 3.5), None, mx.array(np.stack([rng.permutation(64)] * 2).astype(np.int32)),
+             metal_kernel=f)
+    run_decode(rng, 80, 2.5, 4, False, mx.float16, 1, 1, None, f, split_tokens=32)  # outc, no in-kernel rotation
     names = {launch.name for launch in f.launches}
-    assert names == {"tq_wht", "tq_encode", "tq_dequantize", "tq_decode_partial", "tq_decode_merge"}
+    assert names == {"tq_wht", "tq_encode", "tq_encode_dense", "tq_dequantize", "tq_decode_partial", "tq_decode_merge"}
     for launch in f.launches:
         m, c = launch.make, launch.call
         ours = generate_source(m["name"], m["input_names"], m["output_names"], m["source"], m["header"],

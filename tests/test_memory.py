@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache as mlx_make_prompt_cache
 
 from tests.support.tiny_models import tiny_hybrid, tiny_llama, tiny_qwen3
-from tq_mlx import TurboQuantConfig, make_prompt_cache
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
 from tq_mlx.memory import (
     affine_kv_bytes,
     attention_layout,
@@ -131,6 +131,13 @@ def test_bits_summary_shows_boundary_layers(models):
     model, _ = models["llama"]
     cache = make_prompt_cache(model, TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=1))
     assert bits_summary(cache) == "L0 K8/V8 · L1 K3/V2 · L2 K8/V8"
+
+
+def test_bits_summary_of_a_pipeline_stage_names_model_layers():
+    # The second stage of a pipeline holds the caches of model layers 2 and 3 (its list starts at 0).
+    config = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=1)
+    stage = [TurboQuantKVCache(config, layer_index=i, attention_index=i, n_attention_layers=4) for i in (2, 3)]
+    assert bits_summary(stage) == "L2 K3/V2 · L3 K8/V8"
 
 
 # --- config.json layouts -------------------------------------------------------------------------------------

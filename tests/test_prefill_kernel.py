@@ -2,7 +2,7 @@
 emulator (tests/emulator): nothing here runs on a GPU.
 
 * shapes: the default K4/V3 first, QJL keys, K != V bits, head_dim 64 and 128 (32, 256, 512 and K 128 / V 64
-  too), GQA 1..8, batch 1 and 2, mask None and "causal" (including chunks longer than the window, so the mask
+  too; fractional bits and head dims 80 and 96 on real caches in every lane schedule), GQA 1..8, batch 1 and 2, mask None and "causal" (including chunks longer than the window, so the mask
   reaches into the codes, and fewer compressed tokens than a tile), no key/value mean, every float dtype, real
   TurboQuantKVCache views (mean, scale, strided capacity buffers);
 * a chunk of 512 queries over 3,000 compressed tokens (+ 600 window tokens), and (slow) over 1,500 at head_dim
@@ -25,8 +25,8 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, emulator, handle, ids, normal, numpy_views,
-    quantizer,
+    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, emulator, handle, ids, normal,
+    numpy_views, quantizer,
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
@@ -114,6 +114,26 @@ def test_prefill_on_cache_views(emulator, dtype):
     assert_close(got, K.prefill_attention_reference(q, keys, values, 0.125, "causal"), dtype)
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "kb,vb,qjl,dim,B,R,L,dtype",
+    [
+        (3.5, 2.5, False, 64, 2, 2, 40, mx.float16),  # channel groups and a channel order on both sides
+        (4, 3, False, 80, 1, 4, 20, mx.bfloat16),  # phi-2's head dim: Hadamard 20·4, rotated by the host
+        (2.5, 4, False, 96, 2, 3, 12, mx.float32),  # phi-3's: grouped keys, WHT-free values
+        (4, 3, True, 96, 1, 2, 24, mx.float16),  # QJL keys at 96
+    ],
+    ids=ids,
+)
+def test_prefill_channel_groups_and_other_head_dims_on_cache(emulator, schedule, kb, vb, qjl, dim, B, R, L, dtype):
+    q, keys, values = cache_step(kb, vb, qjl, dim, B, R, L, dtype)
+    assert keys.n_compressed > 32 and K.prefill_unsupported(q, keys, values, "causal") is None
+    got = K.prefill_attention(q, numpy_views(keys), numpy_views(values), 0.1, "causal", metal_kernel=Emu(schedule, 5))
+    assert got.dtype == dtype
+    assert_close(got, K.prefill_attention_reference(q, keys, values, 0.1, "causal"), dtype, schedule)
+
+
 # =================================================================== 2. a long chunk, byte counts
 @pytest.mark.emulator
 @pytest.mark.parametrize(
@@ -148,8 +168,10 @@ def test_512_query_chunk_over_thousands_of_compressed_tokens_reads_each_byte_onc
             hidden = (L - n_window) / n  # the chunk's compressed share, seen by ~half its rows
             assert (1 - hidden) * tiles * b.nbytes < b.total_bytes_read < (1 - hidden / 3) * tiles * b.nbytes, \
                 (name, b.total_bytes_read / b.nbytes)
-    # The only output is the attention output; the query rows are read once.
-    assert [k for k, b in st.buffers.items() if b.kind == "output"] == ["out"]
+    # The only output written is the attention output (outc, the rotated part for value codes the kernel
+    # cannot rotate back itself, is a 4-byte placeholder here); the query rows are read once.
+    assert [k for k, b in st.buffers.items() if b.kind == "output"] == ["out", "outc"]
+    assert st.buffers["outc"].nbytes == 4 and st.buffers["outc"].total_bytes_written == 0
     assert st.buffers["out"].unique_bytes_written == st.buffers["out"].nbytes == B * R * L * dim * 2
     for name in ("qf", "qr"):
         assert st.buffers[name].total_bytes_read == st.buffers[name].nbytes == B * R * L * dim * 4
@@ -170,7 +192,8 @@ def test_device_buffers_besides_the_cache_are_sized_by_the_chunk_not_the_context
         sizes.append(queries)
         assert sum(queries.values()) <= 4 * B * (2 * R) * L * (4 * D + 1)
         written = sum(b.nbytes for launch in f.launches for b in launch.stats.buffers.values() if b.kind == "output")
-        assert written == st.buffers["out"].nbytes + st.buffers["qr"].nbytes  # the output and the rotated queries
+        # the output (and outc's 4-byte placeholder) and the rotated queries
+        assert written == st.buffers["out"].nbytes + st.buffers["outc"].nbytes + st.buffers["qr"].nbytes
     assert sizes[0] == sizes[1]
 
 

@@ -62,7 +62,7 @@ def tile_size(batch: int, n_q_heads: int, n_queries: int, tile_tokens: int = TIL
     return max(1, min(tile_tokens, max(256, SCORE_BUDGET // (batch * n_q_heads * n_queries))))
 
 
-def _split_query(q: mx.array, kv: StreamView):
+def split_query(q: mx.array, kv: StreamView):
     """The query in the compressed keys' bases: per group Π_g (q[perm])_g, plus S·q for QJL."""
     quantizer = kv.quantizer
     mse = quantizer.mse if isinstance(quantizer, TurboQuantProd) else quantizer
@@ -96,7 +96,7 @@ def _units(kv: StreamView, codes) -> list[tuple[mx.array, mx.array]]:
     return [(u, norms[..., i][:, :, None, :]) for i, u in enumerate(units)]
 
 
-def _unrotate(kv: StreamView, parts: list[mx.array]) -> mx.array:
+def unrotate(kv: StreamView, parts: list[mx.array]) -> mx.array:
     """Rotated-basis accumulators per group -> the model basis (inverse rotations, then channel order)."""
     q = kv.quantizer
     y = [g.rotation.inverse(p) for g, p in zip(q.groups, parts)]
@@ -264,7 +264,7 @@ def turboquant_attention(
 
     if n_c:
         # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
-        q_groups, sq = _split_query(q if keys.scale is None else q * keys.scale[:, :, None, None], keys)
+        q_groups, sq = split_query(q if keys.scale is None else q * keys.scale[:, :, None, None], keys)
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
         tile = tile_size(B, Hq, L, tile_tokens)
         n_tiles = -(-n_c // tile)
@@ -302,7 +302,7 @@ def turboquant_attention(
         raise ValueError("attention over an empty cache: no tokens to attend to")
     m, l, l_c, out, acc_r = state
     if acc_r is not None:
-        y = _unrotate(values, acc_r)
+        y = unrotate(values, acc_r)
         if values.scale is not None:
             y = y * values.scale[:, :, None, None]
         out = y if out is None else out + y

@@ -7,8 +7,11 @@ launcher computes shapes, grid (in threads) and threadgroup in Python and calls 
 launcher's twin (`*_reference`) takes the same arguments and runs the core's pure-MLX code.
 
     rotate / rotate_reference                 randomized Walsh-Hadamard rotation Π (forward or inverse)
-    encode / encode_reference                 centering, norm, rotation, Lloyd-Max codes, packing (+ QJL)
-    dequantize / dequantize_reference         codes -> float16 in the model basis (long prefill chunks)
+    encode / encode_reference                 centering, norm, rotation, Lloyd-Max codes, packing (+ QJL);
+                                              encode_dense.metal for channel groups (2.5 / 3.5 bits) and head
+                                              dims without a power-of-two WHT (80, 96, 192, ...)
+    dequantize / dequantize_reference         codes -> float in the model basis (tools and tests; attention
+                                              never dequantizes)
     decode_attention / decode_attention_reference
                                               attention of 1..8 query tokens on the codes: pass 1 (split-K
                                               partials) + pass 2 (merge with the float16 tokens)
@@ -30,6 +33,11 @@ Launch design (grid counts threads; shapes for B batch, H kv heads, R = n_q_head
     encode          grid 32·B·H·n, threadgroup 256: one SIMD group per token; codebook/boundaries in threadgroup
                     memory; packed words OR-ed across lanes with shuffles, each written once; QJL: S·r from a
                     per-SIMD-group residual in threadgroup memory
+    encode_dense    as encode; the token (centered, in the stream's channel order) staged in threadgroup memory,
+                    per group a dense Π_g from device memory (lane i: rows i, i+32, ...), indices as bytes, then
+                    each packed word built by one lane. Dense rather than padding to a power of two: padding 80
+                    or 96 dims to 128 would store and read 1.6x / 1.33x the code bytes of every token for the
+                    cache's life; Π_g (D_g² floats) is read per token from cache at encode and never at decode
     dequantize      grid 32·B·H·n, threadgroup 256: one SIMD group per token, its words staged once
     decode_partial  grid (S·32·min(NR, 8), B·H, ceil(R·L / NR)): one threadgroup per (split of the compressed
                     tokens, kv head, chunk of NR query rows; one chunk unless R·L·D > ~4096); tiles of 32 tokens
@@ -50,12 +58,21 @@ fewer); the split size keeps the (m, l, acc) partials (written by pass 1, read b
 Pass 2 reads the float16 sinks/window (shared by the R·L rows through the cache). Prefill reads the compressed
 bytes ceil(R·L / NR) times per kv head (once per query tile) and writes nothing but the output: its device
 transient per layer is the float32 query rows (scaled; times s_k; rotated; S·q with QJL) and q·μ, at most
-4·B·Hq·L·(4·D + 1) bytes plus the output, flat in the context and independent of the tile size.
+4·B·Hq·L·(4·D + 1) bytes plus the output (twice, in float32, without the in-kernel value rotation), flat in the
+context and independent of the tile size.
 
-Supported by the kernels: power-of-two head dims 32..512, integer bits 1, 2, 3, 4, 8 (QJL keys: 2, 3, 4, i.e.
-MSE stage 1..3 bits + 1 QJL bit), float16 norms, float16/bfloat16/float32 inputs. Everything else (head dim
-80/96/..., fractional 2.5/3.5 bits, which split channels into groups of d/4 and 3d/4 with a channel
-permutation, QJL at 1 bit, array masks, no compressed tokens) runs the reference path; so do 1..8 query
+Codes in the attention kernels: one group, or two for fractional bits (2.5 = d/4 channels at 3 bits + 3d/4 at
+2, 3.5 = 4 + 3; each with its own centroids and float16 norm), read in the keys' and values' rotated bases
+side by side. With one group under a power-of-two WHT (every integer width at head dims 32..512) queries are
+rotated by the wht kernel and values rotated back inside the kernel; otherwise (channel groups, a per-head
+channel order, head dims 80, 96, 192, ... whose rotation is MLX's Hadamard 12·2^k / 20·2^k or a dense Π) the
+host rotates the few query rows (attention.split_query) and the kernel writes the compressed part of each
+output row in the rotated basis (outc, float32) for attention.unrotate: B·Hq·L·Dv floats, no matrix per head.
+
+Supported by the kernels: head dims 16..512 (key and value dims may differ), every bit width the config takes
+(1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms,
+float16/bfloat16/float32 inputs. The reference path runs: QJL at 1 bit (no MSE stage), QJL keys' encode at
+head dims without a WHT, array masks, views without compressed tokens, head dims above 512; and 1..8 query
 tokens whose decode variant failed its self-check (prefill_attention takes chunks of more than 8).
 """
 
@@ -66,13 +83,13 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 import mlx.core as mx
 
-from .attention import turboquant_attention
+from .attention import split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rotation import Rotation
@@ -80,8 +97,9 @@ from .stream import StreamView, decode, encode as stream_encode
 
 ENV_VAR = "TQ_MLX_KERNELS"
 BACKENDS = ("auto", "metal", "reference")
-SUPPORTED_DIMS = (32, 64, 128, 256, 512)
-KERNEL_BITS = (1, 2, 3, 4, 8)
+SUPPORTED_DIMS = (32, 64, 128, 256, 512)  # the WHT kernels (rotate, encode, dequantize, in-kernel value rotation)
+MIN_DIM, MAX_DIM = 16, 512  # attention and encode_dense: any head dim in this range
+KERNEL_BITS = (1, 2, 3, 4, 8)  # per code group: 2.5 and 3.5 bits are two groups (3+2, 4+3 bits)
 MAX_QUERY_TOKENS = 8
 # Sparse V: pass 1 skips a compressed token's value (neither read nor accumulated) when its weight relative
 # to the running max, exp(s - m), is below ε/n, n = the tokens of its split; its weight still counts in l.
@@ -98,7 +116,8 @@ _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 
 # ------------------------------------------------------------------------------------------ sources
 _DIRS = (Path(__file__).resolve().parent.parent / "metal_kernels", Path(__file__).resolve().parent / "metal_kernels")
-KERNEL_NAMES = ("common", "wht", "encode", "dequantize", "decode_partial", "decode_merge", "prefill_attention")
+KERNEL_NAMES = ("common", "wht", "encode", "encode_dense", "dequantize", "decode_partial", "decode_merge",
+                "prefill_attention")
 
 
 def _load_sources() -> dict[str, str]:
@@ -179,14 +198,26 @@ def _rotation_unsupported(rot: Rotation) -> str | None:
     return None
 
 
+def _mse(q) -> TurboQuantMSE | None:
+    return q.mse if isinstance(q, TurboQuantProd) else q
+
+
+def _wht(q) -> bool:
+    """Whether q's codes are one group under a power-of-two WHT the kernels run themselves (encode.metal, the
+    in-kernel value rotation); otherwise encode_dense.metal encodes and the host rotates queries and outputs."""
+    mse = _mse(q)
+    return len(mse.groups) == 1 and _rotation_unsupported(mse.groups[0].rotation) is None
+
+
 def _mse_unsupported(q: TurboQuantMSE) -> str | None:
-    if len(q.groups) != 1:
-        return f"fractional bits {q.bits}: channel groups (d/4 and 3d/4) and a channel permutation"
-    if q.groups[0].bits not in KERNEL_BITS:
-        return f"bits {q.groups[0].bits}"
+    for g in q.groups:
+        if g.bits not in KERNEL_BITS:
+            return f"bits {g.bits}"
     if q.norm_dtype != mx.float16:
         return f"norm dtype {q.norm_dtype}: the kernels read float16 norms"
-    return _rotation_unsupported(q.groups[0].rotation)
+    if not MIN_DIM <= q.dim <= MAX_DIM:
+        return f"head dim {q.dim}: the kernels take head dims {MIN_DIM}..{MAX_DIM}"
+    return None
 
 
 def _quantizer_unsupported(q) -> str | None:
@@ -212,15 +243,18 @@ def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None, scale=None)
     """Why `encode` cannot run this case (None: it can)."""
     if scale is not None and tuple(scale.shape) != tuple(x.shape[:2]):
         return f"scale of shape {tuple(scale.shape)}"
-    if perm is not None:
-        return "channel permutation (fractional bits)"
+    if perm is not None and (x.ndim != 4 or tuple(perm.shape) != (x.shape[1], x.shape[-1])):
+        return f"channel order of shape {tuple(perm.shape)}"
     if x.dtype not in FLOAT_DTYPES:
         return f"dtype {x.dtype}"
     if x.ndim != 4 or x.shape[-1] != quantizer.dim or x.shape[2] == 0:
         return f"x of shape {tuple(x.shape)}: expected (B, H, n >= 1, {quantizer.dim})"
     if mean is not None and tuple(mean.shape) != (x.shape[0], x.shape[1], x.shape[3]):
         return f"mean of shape {tuple(mean.shape)}"
-    return _quantizer_unsupported(quantizer)
+    reason = _quantizer_unsupported(quantizer)
+    if reason is None and isinstance(quantizer, TurboQuantProd) and (perm is not None or not _wht(quantizer)):
+        return f"QJL keys at head dim {quantizer.dim}: the QJL encode runs with the WHT kernel, dims {SUPPORTED_DIMS}"
+    return reason
 
 
 def dequantize_unsupported(kv: StreamView) -> str | None:
@@ -229,22 +263,55 @@ def dequantize_unsupported(kv: StreamView) -> str | None:
         return "no compressed tokens"
     if kv.perm is not None:
         return "channel permutation (fractional bits)"
-    return _quantizer_unsupported(kv.quantizer)
+    reason = _quantizer_unsupported(kv.quantizer)
+    if reason is None and not _wht(kv.quantizer):
+        mse = _mse(kv.quantizer)
+        reason = (f"fractional bits {mse.bits}: channel groups (the dequantize kernel takes one WHT group)"
+                  if len(mse.groups) > 1 else _rotation_unsupported(mse.groups[0].rotation))
+    return reason
 
 
-def _partial_layout(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> list[tuple[str, int]]:
-    """decode_partial.metal's template values past DK, DV, KB, VB, QJL, NR: words per token and the size of
-    each threadgroup array, in 4-byte elements. The kernel declares its arrays with these values, so this is
-    the one place its threadgroup-memory layout (and so its budget) is defined."""
-    wk, wv = packed_words(dk, kb), packed_words(dv, vb)
+class _Codes(NamedTuple):
+    """One side's code layout as the attention kernels see it: one group, or two for fractional bits."""
+
+    dim: int
+    groups: tuple[tuple[int, int, int], ...]  # (dims, bits, packed words) per group, in code order
+    wht: bool  # one group under a power-of-two WHT (rotated in-kernel); else the host rotates
+
+    @property
+    def words(self) -> int:
+        return sum(w for _, _, w in self.groups)
+
+    def template(self, side: str) -> list[tuple[str, int]]:
+        """KB, KG, KD0, KB1, WK0 (side "K") or VB, VG, VD0, VB1, WV0 (side "V")."""
+        (d0, b0, w0), *rest = self.groups
+        b1 = rest[0][1] if rest else b0
+        return [(f"{side}B", b0), (f"{side}G", len(self.groups)), (f"{side}D0", d0), (f"{side}B1", b1),
+                (f"W{side}0", w0)]
+
+    def centroids(self) -> int:
+        return sum(2**b for _, b, _ in self.groups)
+
+
+def _codes(q) -> _Codes:
+    mse = _mse(q)
+    return _Codes(q.dim, tuple((g.dim, g.bits, g.words.stop - g.words.start) for g in mse.groups), _wht(q))
+
+
+def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> list[tuple[str, int]]:
+    """decode_partial.metal's template values past DK, DV, QJL, NR and the code layouts: words per token and
+    the size of each threadgroup array, in 4-byte elements. The kernel declares its arrays with these values,
+    so this is the one place its threadgroup-memory layout (and so its budget) is defined."""
+    wk, wv = kc.words, vc.words
     ws = max(wk, wv) | 1  # odd row stride: lanes reading one word per token hit distinct banks
-    wjs = (dk // 32) | 1
+    wjs = -(-dk // 32) | 1
+    norms = 32 * max(len(kc.groups), len(vc.groups))
     return [
         ("WK", wk), ("WV", wv), ("WS", ws), ("WJS", wjs),
         ("TG_Q", nr * dk), ("TG_QS", nr * dk if qjl else 1),  # rotated query rows; S·q rows (QJL)
         ("TG_W", 32 * ws), ("TG_J", 32 * wjs if qjl else 1),  # a tile's key then value words; its QJL words
-        ("TG_NORM", 32), ("TG_GAMMA", 32), ("TG_P", nr * 32),  # per-token norms, γ; weights (row, token)
-        ("TG_KEEP", min(nr, 8)), ("TG_C", 2**kb + 2**vb),  # kept-token masks per SIMD group; centroids
+        ("TG_NORM", norms), ("TG_GAMMA", 32), ("TG_P", nr * 32),  # per-token norms, γ; weights (row, token)
+        ("TG_KEEP", min(nr, 8)), ("TG_C", kc.centroids() + vc.centroids()),  # kept-token masks; centroids
     ]
 
 
@@ -252,19 +319,16 @@ def _partial_tg_bytes(layout: list[tuple[str, int]]) -> int:
     return 4 * sum(v for k, v in layout if k.startswith("TG_"))
 
 
-def _rows_per_threadgroup(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
+def _rows_per_threadgroup(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> int:
     """Query rows pass 1 handles per threadgroup: all R·L rows if they fit (codes read once), else chunks."""
     nr = min(64, _pow2_ceil(rl))
-    while nr > 1 and _partial_tg_bytes(_partial_layout(nr, dk, dv, kb, vb, qjl)) > THREADGROUP_MEMORY:
+    while nr > 1 and _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl)) > THREADGROUP_MEMORY:
         nr //= 2
-    return nr if _partial_tg_bytes(_partial_layout(nr, dk, dv, kb, vb, qjl)) <= THREADGROUP_MEMORY else 0
+    return nr if _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl)) <= THREADGROUP_MEMORY else 0
 
 
-def _kv_bits(keys: StreamView, values: StreamView) -> tuple[int, int, bool]:
-    kq = keys.quantizer
-    qjl = isinstance(kq, TurboQuantProd)
-    kmse = kq.mse if qjl else kq
-    return kmse.groups[0].bits, values.quantizer.groups[0].bits, qjl
+def _kv_codes(keys: StreamView, values: StreamView) -> tuple[_Codes, _Codes, bool]:
+    return _codes(keys.quantizer), _codes(values.quantizer), isinstance(keys.quantizer, TurboQuantProd)
 
 
 def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
@@ -274,9 +338,9 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     reason = _views_unsupported(queries, keys, values, mask)
     if reason:
         return reason
-    kb, vb, qjl = _kv_bits(keys, values)
+    kc, vc, qjl = _kv_codes(keys, values)
     if _rows_per_threadgroup((queries.shape[1] // keys.n_heads) * queries.shape[2], queries.shape[3],
-                             values.head_dim, kb, vb, qjl) == 0:
+                             values.head_dim, kc, vc, qjl) == 0:
         return "threadgroup memory"
     return None
 
@@ -298,8 +362,8 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     if Hq % H or D != keys.head_dim:
         return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"
     for kv in (keys, values):
-        if kv.perm is not None:
-            return "channel permutation (fractional bits)"
+        if kv.perm is not None and tuple(kv.perm.shape) != (H, kv.head_dim):
+            return f"channel order of shape {tuple(kv.perm.shape)}"
         dtypes = {_mx_dtype(a) for a in (kv.sinks, kv.window) if a is not None}
         if len(dtypes) > 1 or not dtypes <= set(FLOAT_DTYPES):
             return f"float tokens of dtypes {sorted(map(str, dtypes))}"
@@ -318,19 +382,19 @@ def _mx_dtype(a) -> mx.Dtype | None:
     return {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}.get(np.dtype(a.dtype).name)
 
 
-def _prefill_layout(nr: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> list[tuple[str, int]]:
+def _prefill_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> list[tuple[str, int]]:
     """prefill_attention.metal's layout: decode_partial's (one query array holds the model-basis rows for the
     float tokens, then the rotated rows for the codes), so the same budget rule applies."""
-    return _partial_layout(nr, dk, dv, kb, vb, qjl)
+    return _partial_layout(nr, dk, dv, kc, vc, qjl)
 
 
-def _prefill_rows(rl: int, dk: int, dv: int, kb: int, vb: int, qjl: bool) -> int:
+def _prefill_rows(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> int:
     """Query rows per prefill threadgroup (the query tile): up to 64, as many as threadgroup memory holds.
     Each compressed byte is read once per tile, so ceil(R·L / rows) times per kv head."""
     nr = min(64, _pow2_ceil(rl))
-    while nr > 1 and _partial_tg_bytes(_prefill_layout(nr, dk, dv, kb, vb, qjl)) > THREADGROUP_MEMORY:
+    while nr > 1 and _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl)) > THREADGROUP_MEMORY:
         nr //= 2
-    return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kb, vb, qjl)) <= THREADGROUP_MEMORY else 0
+    return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl)) <= THREADGROUP_MEMORY else 0
 
 
 def prefill_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
@@ -340,8 +404,8 @@ def prefill_unsupported(queries: mx.array, keys, values, mask=None) -> str | Non
         return reason
     if mask is not None and queries.shape[2] > keys.n_tokens:  # a query that sees no token (never in mlx-lm)
         return f"{queries.shape[2]} causal queries over {keys.n_tokens} cached tokens"
-    kb, vb, qjl = _kv_bits(keys, values)
-    if _prefill_rows(1, queries.shape[3], values.head_dim, kb, vb, qjl) == 0:
+    kc, vc, qjl = _kv_codes(keys, values)
+    if _prefill_rows(1, queries.shape[3], values.head_dim, kc, vc, qjl) == 0:
         return "threadgroup memory"
     return None
 
@@ -387,6 +451,8 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
         x = x.astype(mx.float32) / s[:, :, None, None]
         mean = None if mean is None else mean.astype(mx.float32) / s[:, :, None]
     factory = metal_kernel or _default_factory()
+    if perm is not None or not _wht(quantizer):
+        return _encode_dense(x, quantizer, mean, perm, factory)
     B, H, n, D = x.shape
     N = B * H * n
     prod = isinstance(quantizer, TurboQuantProd)
@@ -409,6 +475,39 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
         return MSECodes(codes, norms)
     return ProdCodes(codes, norms, _mx(qjl, mx.uint32).reshape(B, H, n, D // 32),
                      _mx(gamma, mx.float16).reshape(B, H, n))
+
+
+def _channel_order(quantizer: TurboQuantMSE, perm: mx.array | None, H: int) -> mx.array:
+    """(H, D) int32: the model channel at each code position (the stream's order, then the groups' channels)."""
+    D = quantizer.dim
+    groups = quantizer.groups
+    order = None if len(groups) == 1 else mx.concatenate([g.channels for g in groups])
+    if perm is not None:
+        return mx.contiguous((perm if order is None else mx.take(perm, order, axis=-1)).astype(mx.int32))
+    base = mx.arange(D, dtype=mx.int32) if order is None else order.astype(mx.int32)
+    return _tables(quantizer, ("order", H), lambda: mx.broadcast_to(base, (H, D)))
+
+
+def _encode_dense(x: mx.array, quantizer: TurboQuantMSE, mean, perm, factory) -> MSECodes:
+    """encode_dense.metal: channel groups (fractional bits) and rotations other than a power-of-two WHT."""
+    B, H, n, D = x.shape
+    N = B * H * n
+    groups = quantizer.groups
+    W = quantizer.words
+    rot = _tables(quantizer, ("dense",), lambda: _floats(*[g.rotation.as_matrix() for g in groups]))
+    bnd = _tables(quantizer, ("boundaries",), lambda: _floats(*[g.boundaries for g in groups]))
+    mean_in = _dummy(mx.float32) if mean is None else mx.contiguous(mean.astype(mx.float32)).reshape(B * H, D)
+    g0, g1 = groups[0], groups[-1]
+    k = _kernel(factory, "encode_dense", ["x", "mean", "order", "rot", "bnd", "params"], ["codes", "norms"])
+    codes, norms = k(
+        inputs=[mx.contiguous(x).reshape(N, D), mean_in, _channel_order(quantizer, perm, H), rot, bnd,
+                _ints(n, mean is not None, H)],
+        output_shapes=[(N, W), (N, len(groups))], output_dtypes=[mx.uint32, mx.float16],
+        grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("D", D), ("G", len(groups)), ("D0", g0.dim), ("B0", g0.bits), ("B1", g1.bits),
+                  ("W0", g0.words.stop - g0.words.start), ("W", W)],
+    )
+    return MSECodes(_mx(codes, mx.uint32).reshape(B, H, n, W), _mx(norms, mx.float16).reshape(B, H, n, len(groups)))
 
 
 def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, **_):
@@ -450,7 +549,74 @@ def dequantize_reference(kv: StreamView, dtype: mx.Dtype = mx.float16, **_) -> m
     return decode(kv, dtype)
 
 
-# -------------------------------------------------------------------------- 4. decode attention
+# ------------------------------------------------------------- 4. attention (decode and prefill)
+class _Prepared(NamedTuple):
+    """What both attention kernels take besides the cache views, computed once per call."""
+
+    q: mx.array  # (B, H, RL, DK) float32 = scale·q, model basis; rows of a kv head: head_in_group·L + token
+    q_rot: mx.array  # the keys' rotated basis (× s_k): one WHT, or each group's Π_g (q[order])_g side by side
+    qs: mx.array  # S·s_k·scale·q (QJL), else a dummy
+    qmu: mx.array | None  # (B, H, RL) scale·q·μ
+    kc: _Codes
+    vc: _Codes
+    qjl: bool
+    tables: mx.array  # float32 [key centroids per group | value centroids per group | qjl scale | ε]
+
+    def template(self) -> list[tuple[str, Any]]:
+        return [("QJL", self.qjl), *self.kc.template("K"), *self.vc.template("V"), ("ROTV", self.vc.wht)]
+
+
+def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: float, sparse_epsilon: float,
+             factory) -> _Prepared:
+    B, Hq, L, DK = queries.shape
+    H = keys.n_heads
+    kc, vc, qjl = _kv_codes(keys, values)
+    kq = keys.quantizer
+    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * L, DK))
+    # Compressed keys hold (k - μ) / s_k: the query is scaled instead, once per call.
+    qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]
+    if kc.wht:
+        q_rot = rotate(qk, _mse(kq).groups[0].rotation, metal_kernel=factory)
+        qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
+    else:  # channel groups or another rotation: the reference's own query transform (a few rows)
+        parts, sq = split_query(qk, keys)
+        q_rot = mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
+        qs = mx.contiguous(sq) if qjl else _dummy(mx.float32)
+    qmu = None
+    if keys.mean is not None:
+        qmu = mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(q.shape[:3]))
+    tables = _tables(kq, ("attention", values.quantizer, sparse_epsilon), lambda: _floats(
+        *[g.centroids for g in _mse(kq).groups], *[g.centroids for g in values.quantizer.groups],
+        [kq.qjl_scale if qjl else 0.0, sparse_epsilon]))
+    return _Prepared(q, q_rot, qs, qmu, kc, vc, qjl, tables)
+
+
+def _outputs(p: _Prepared, queries: mx.array, DV: int) -> tuple[list, list, list]:
+    """Output shapes and dtypes of the kernel writing the rows, and its T/TO template: with the value rotation
+    in-kernel the output in queries' dtype; else float32 `out` (float tokens and l_c·ν) and `outc` (the
+    compressed part in the rotated basis) for `_finish`."""
+    B, H, RL = p.q.shape[:3]
+    if p.vc.wht:
+        return [(B, H, RL, DV), (1,)], [queries.dtype, mx.float32], [("T", queries.dtype), ("TO", queries.dtype)]
+    return [(B, H, RL, DV)] * 2, [mx.float32] * 2, [("T", queries.dtype), ("TO", mx.float32)]
+
+
+def _finish(p: _Prepared, out, outc, values: StreamView, queries: mx.array, times_scale: bool) -> mx.array:
+    """The rows in the model basis and queries' shape and dtype: adds Πᵀ·outc (· s_v) where the kernel did
+    not rotate values back (attention.unrotate: groups, channel order, any rotation)."""
+    B, Hq, L, _ = queries.shape
+    out = _mx(out, queries.dtype if p.vc.wht else mx.float32)
+    if not p.vc.wht:
+        outc = _mx(outc, mx.float32)
+        d0 = p.vc.groups[0][0]
+        y = unrotate(values, [outc] if len(p.vc.groups) == 1 else [outc[..., :d0], outc[..., d0:]])
+        if times_scale and values.scale is not None:
+            y = y * values.scale.astype(mx.float32)[:, :, None, None]
+        out = (out + y).astype(queries.dtype)
+    return out.reshape(B, Hq, L, -1)
+
+
+# -------------------------------------------------------------------------- 4a. decode attention
 def _split_tokens(n: int, groups: int, partial_bytes: int, token_bytes: int) -> int:
     """Tokens per split, a multiple of 32: about 1024 threadgroups in flight, at least 256 tokens, and enough
     tokens that a split's partial result (partial_bytes, written and read back) stays under 5% of the
@@ -486,24 +652,14 @@ def decode_attention(
     N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
     T = n_s + N + n_w
     causal = mask is not None
-    kb, vb, qjl = _kv_bits(keys, values)
-    kq = keys.quantizer
-    kmse = kq.mse if qjl else kq
-    vg = values.quantizer.groups[0]
-
-    # Query rows of one kv head are consecutive (mlx-lm's GQA layout): row = head_in_group * L + token.
-    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, RL, DK))
-    # Compressed keys hold (k - μ) / s_k: the query is scaled instead, once per step.
-    qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]
-    q_rot = rotate(qk, kmse.groups[0].rotation, metal_kernel=factory)  # keys' rotated basis, once per step
-    qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
-    qmu = None if keys.mean is None else mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(B, H, RL))
+    p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
 
     # Pass 1: split-K partials over the compressed tokens.
-    nr = _rows_per_threadgroup(RL, DK, DV, kb, vb, qjl)
-    layout = _partial_layout(nr, DK, DV, kb, vb, qjl)
+    nr = _rows_per_threadgroup(RL, DK, DV, p.kc, p.vc, p.qjl)
+    layout = _partial_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
     chunks = -(-RL // nr)
-    token_bytes = 4 * (packed_words(DK, kb) + packed_words(DV, vb) + (DK // 32 if qjl else 0)) + 2 * (3 if qjl else 2)
+    token_bytes = (4 * (p.kc.words + p.vc.words + (-(-DK // 32) if p.qjl else 0))
+                   + 2 * (len(p.kc.groups) + len(p.vc.groups) + p.qjl))
     per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
     if per % 32 or per <= 0:
         raise ValueError(f"split_tokens must be a positive multiple of 32, got {per}")
@@ -514,15 +670,13 @@ def decode_attention(
                  ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "params"], ["pm", "pl", "pacc"],
                  row_contiguous=False)
     pm, pl, pacc = p1(
-        inputs=[q_rot, qs, kc.codes, kc.norms, kc.qjl if qjl else _dummy(mx.uint32, 4),
-                kc.gamma if qjl else _dummy(mx.float16, 3), values.codes.codes, values.codes.norms,
-                _tables(kq, ("decode", values.quantizer, sparse_epsilon), lambda: _floats(
-                    kmse.groups[0].centroids, vg.centroids, [kq.qjl_scale if qjl else 0.0, sparse_epsilon])),
+        inputs=[p.q_rot, p.qs, kc.codes, kc.norms, kc.qjl if p.qjl else _dummy(mx.uint32, 4),
+                kc.gamma if p.qjl else _dummy(mx.float16, 3), values.codes.codes, values.codes.norms, p.tables,
                 _ints(H, N, RL, L, per, T - L - n_s if causal else _NO_LIMIT)],
         output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
         output_dtypes=[mx.float32] * 3,
         grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
-        template=[("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr), *layout],
+        template=[("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *layout],
     )
 
     if values.scale is not None:  # compressed values hold (v - ν) / s_v
@@ -532,23 +686,24 @@ def decode_attention(
     # side's float dtype (sinks and window share one in the kernel).
     kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
     nsg = min(RL, 8)
+    shapes, dtypes, types = _outputs(p, queries, DV)
     p2 = _kernel(factory, "decode_merge",
-                 ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "params"], ["out"],
-                 row_contiguous=False)
-    (out,) = p2(
-        inputs=[q, _dummy(mx.float32) if qmu is None else qmu,
+                 ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "params"],
+                 ["out", "outc"], row_contiguous=False)
+    out, outc = p2(
+        inputs=[p.q, _dummy(mx.float32) if p.qmu is None else p.qmu,
                 keys.sinks if n_s else kdum, values.sinks if n_s else vdum,
                 keys.window if n_w else kdum, values.window if n_w else vdum,
                 _mx(pm, mx.float32), _mx(pl, mx.float32), _mx(pacc, mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
-                vg.rotation.signs,
-                _ints(H, RL, L, S, n_s, n_w, qmu is not None, values.mean is not None,
+                values.quantizer.groups[0].rotation.signs if p.vc.wht else _dummy(mx.float32),
+                _ints(H, RL, L, S, n_s, n_w, p.qmu is not None, values.mean is not None,
                       T - L if causal else _NO_LIMIT, T - L - n_s - N if causal else _NO_LIMIT)],
-        output_shapes=[(B, H, RL, DV)], output_dtypes=[queries.dtype],
+        output_shapes=shapes, output_dtypes=dtypes,
         grid=(32 * nsg, B * H, 1), threadgroup=(32 * nsg, 1, 1),
-        template=[("T", queries.dtype), ("DK", DK), ("DV", DV)],
+        template=[*types, ("DK", DK), ("DV", DV), ("ROTV", p.vc.wht)],
     )
-    return _mx(out, queries.dtype).reshape(B, Hq, L, DV)
+    return _finish(p, out, outc, values, queries, times_scale=False)  # pacc already carries s_v
 
 
 def decode_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
@@ -586,49 +741,37 @@ def prefill_attention(
     N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
     T = n_s + N + n_w
     causal = mask is not None
-    kb, vb, qjl = _kv_bits(keys, values)
-    kq = keys.quantizer
-    kmse = kq.mse if qjl else kq
-    vg = values.quantizer.groups[0]
-    nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, kb, vb, qjl)
-    layout = _prefill_layout(nr, DK, DV, kb, vb, qjl)
+    p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
+    nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, p.kc, p.vc, p.qjl)
+    layout = _prefill_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
     if nr & (nr - 1) or _partial_tg_bytes(layout) > THREADGROUP_MEMORY:
         raise ValueError(f"rows_per_threadgroup must be a power of two within threadgroup memory, got {nr}")
-
-    # Query rows of one kv head are consecutive (mlx-lm's GQA layout): row = head_in_group * L + token.
-    q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, RL, DK))
-    qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]  # codes hold k / s_k
-    q_rot = rotate(qk, kmse.groups[0].rotation, metal_kernel=factory)
-    qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
-    qmu = None if keys.mean is None else mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(B, H, RL))
     kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
     kc, vc = keys.codes, values.codes
     nsg = min(nr, 8)
+    shapes, dtypes, types = _outputs(p, queries, DV)
     k = _kernel(factory, "prefill_attention",
                 ["qf", "qr", "qs", "qmu", "ksink", "vsink", "kwin", "vwin", "kc", "kn", "kj", "kg", "vc", "vn",
-                 "tables", "vsigns", "vmean", "vscale", "params"], ["out"], row_contiguous=False)
-    (out,) = k(
-        inputs=[q, q_rot, qs, _dummy(mx.float32) if qmu is None else qmu,
+                 "tables", "vsigns", "vmean", "vscale", "params"], ["out", "outc"], row_contiguous=False)
+    out, outc = k(
+        inputs=[p.q, p.q_rot, p.qs, _dummy(mx.float32) if p.qmu is None else p.qmu,
                 keys.sinks if n_s else kdum, values.sinks if n_s else vdum,
                 keys.window if n_w else kdum, values.window if n_w else vdum,
-                kc.codes, kc.norms, kc.qjl if qjl else _dummy(mx.uint32, 4), kc.gamma if qjl else _dummy(mx.float16, 3),
-                vc.codes, vc.norms,
-                _tables(kq, ("decode", values.quantizer, sparse_epsilon), lambda: _floats(
-                    kmse.groups[0].centroids, vg.centroids, [kq.qjl_scale if qjl else 0.0, sparse_epsilon])),
-                vg.rotation.signs,
+                kc.codes, kc.norms, kc.qjl if p.qjl else _dummy(mx.uint32, 4),
+                kc.gamma if p.qjl else _dummy(mx.float16, 3), vc.codes, vc.norms, p.tables,
+                values.quantizer.groups[0].rotation.signs if p.vc.wht else _dummy(mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
                 _dummy(mx.float32) if values.scale is None else mx.contiguous(values.scale.astype(mx.float32)),
                 _ints(H, N, RL, L, n_s, n_w,
                       T - L - n_s if causal else _NO_LIMIT,  # compressed token t: t <= this + query token
                       T - L if causal else _NO_LIMIT,  # sink t
                       T - L - n_s - N if causal else _NO_LIMIT,  # window token t
-                      qmu is not None, values.mean is not None, values.scale is not None)],
-        output_shapes=[(B, H, RL, DV)], output_dtypes=[queries.dtype],
+                      p.qmu is not None, values.mean is not None, values.scale is not None)],
+        output_shapes=shapes, output_dtypes=dtypes,
         grid=(32 * nsg, B * H, -(-RL // nr)), threadgroup=(32 * nsg, 1, 1),
-        template=[("T", queries.dtype), ("DK", DK), ("DV", DV), ("KB", kb), ("VB", vb), ("QJL", qjl), ("NR", nr),
-                  *layout],
+        template=[*types, ("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *layout],
     )
-    return _mx(out, queries.dtype).reshape(B, Hq, L, DV)
+    return _finish(p, out, outc, values, queries, times_scale=True)
 
 
 def prefill_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
@@ -711,8 +854,9 @@ def _mismatch(got, want, dtype=mx.float32) -> str | None:
 def _codes_mismatch(got, want, quantizer) -> str | None:
     """Encode agreement: codes may differ where a rotated value sits within rounding of a boundary."""
     prod = isinstance(quantizer, TurboQuantProd)
-    g = (quantizer.mse if prod else quantizer).groups[0]
-    gi, wi = (np.asarray(unpack(c.codes, g.bits, quantizer.dim)) for c in (got, want))
+    groups = _mse(quantizer).groups
+    gi, wi = (np.concatenate([np.asarray(unpack(c.codes[..., g.words], g.bits, g.dim)) for g in groups], axis=-1)
+              for c in (got, want))
     frac = float((gi != wi).mean())
     if frac > 0.01:
         return f"{frac:.1%} of the codes differ from the reference"
@@ -783,11 +927,13 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
             s = None if scale is None else mx.full((1, 2), 2.0**-3)
             xs = _normal(rng, (1, 2, 9, quantizer.dim), x.dtype)
             mu = None if mean is None else _normal(rng, (1, 2, quantizer.dim)) * 0.1
-            return _codes_mismatch(encode(xs, quantizer, mu, None, s, metal_kernel=factory),
-                                   encode_reference(xs, quantizer, mu, None, s), quantizer)
+            order = None if perm is None else mx.array(np.stack([rng.permutation(quantizer.dim)
+                                                                 for _ in range(2)]).astype(np.int32))
+            return _codes_mismatch(encode(xs, quantizer, mu, order, s, metal_kernel=factory),
+                                   encode_reference(xs, quantizer, mu, order, s), quantizer)
 
         variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None,
-                   scale is not None)
+                   scale is not None, perm is not None)
         if _self_check("encode", variant, factory, run):
             return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
     return encode_reference(x, quantizer, mean, perm, scale)
@@ -799,10 +945,11 @@ def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: Stre
     D = quantizer.dim
     mean = _normal(rng, (1, 1, D)) * 0.2 if like.mean is not None else None
     scale = mx.full((1, 1), 2.0**-2) if like.scale is not None else None
+    perm = mx.array(rng.permutation(D).astype(np.int32))[None] if like.perm is not None else None
     x = _normal(rng, (1, 1, n, D))
-    codes = encode_reference(x, quantizer, mean, None, scale)
+    codes = encode_reference(x, quantizer, mean, perm, scale)
     floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
-    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, None, scale)
+    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale)
 
 
 def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
@@ -830,8 +977,8 @@ def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=
             and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask) is None):
         B, Hq, L, D = queries.shape
         R = Hq // keys.n_heads
-        kb, vb, qjl = _kv_bits(keys, values)
-        nr = _prefill_rows(R * L, D, values.head_dim, kb, vb, qjl)
+        kc, vc, qjl = _kv_codes(keys, values)
+        nr = _prefill_rows(R * L, D, values.head_dim, kc, vc, qjl)
 
         def run():
             # The same compiled variant (rows per threadgroup) on a small cache: 2 query tiles, the last partial,
@@ -846,15 +993,16 @@ def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=
             return _mismatch(got, prefill_attention_reference(qs, k, v, sc, mask), queries.dtype)
 
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
-        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", nr, str(queries.dtype), mask, floats,
-                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None)
+        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), mask, floats,
+                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
+                   keys.perm is not None, values.perm is not None)
         if _self_check("prefill_attention", variant, factory, run):
             return prefill_attention(queries, keys, values, scale, mask, rows_per_threadgroup=nr, metal_kernel=factory)
         return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
     if kernels_enabled() and decode_unsupported(queries, keys, values, mask) is None:
         B, Hq, L, D = queries.shape
         R = Hq // keys.n_heads
-        kb, vb, qjl = _kv_bits(keys, values)
+        kc, vc, qjl = _kv_codes(keys, values)
 
         def run():
             rng = _rng(4)
@@ -866,8 +1014,9 @@ def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=
             return _mismatch(got, decode_attention_reference(qs, k, v, sc, mask), queries.dtype)
 
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
-        variant = (D, values.head_dim, kb, vb, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask, floats,
-                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None)
+        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask, floats,
+                   keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
+                   keys.perm is not None, values.perm is not None)
         if _self_check("decode_attention", variant, factory, run):
             return decode_attention(queries, keys, values, scale, mask, metal_kernel=factory)
     return turboquant_attention(queries, keys, values, scale=scale, mask=mask)

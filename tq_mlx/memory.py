@@ -401,8 +401,12 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
 
 
 def _layer_caches(prompt_cache: Iterable[Any]) -> list[tuple[int, Any]]:
-    """(model layer, cache) of every cache, the members of a mlx-lm CacheList under their layer."""
-    return [(i, m) for i, c in enumerate(prompt_cache) for m in _flatten([c])]
+    """(model layer, cache) of every cache, the members of a mlx-lm CacheList under their layer. A pipeline
+    stage holds the caches of a slice of the layers: the TurboQuant caches know their model layer, and the
+    others are numbered by the same offset."""
+    caches = [(i, m) for i, c in enumerate(prompt_cache) for m in _flatten([c])]
+    offset = next((m.layer_index - i for i, m in caches if isinstance(m, TurboQuantKVCache)), 0)
+    return [(i + offset, m) for i, m in caches]
 
 
 def _layer_label(c) -> str | None:
