@@ -67,6 +67,7 @@ from quality import Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, load_model_config  # noqa: E402
+from tq_mlx.packing import packed_words  # noqa: E402
 from tq_mlx.stream import overflow  # noqa: E402
 
 LONG = 32768
@@ -244,6 +245,25 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     return b * 8 / (ctx * n_att * H * D * 2)
 
 
+def protected_layers(cache: list) -> list[int]:
+    """Attention layers (cache positions) whose keys protected themselves at calibration (stored at protect_bits)."""
+    return [i for i, c in enumerate(cache) if getattr(c, "protected", False)]
+
+
+def protection_bits(r: dict, g: dict, ctx: int) -> float:
+    """What the layers that protected their keys add to a TurboQuant row's bits/value at ctx tokens: their key
+    codes at protect_bits instead of key_bits (every protected layer, the most over the row's texts)."""
+    n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
+    cfg = r.get("config")
+    if not n or not cfg:
+        return 0.0
+    D, H = g["head_dim"], g["kv_heads"]
+    window = cfg["window"]
+    compressed = overflow(max(0, ctx - cfg["sinks"]), window, cfg["compress_block"] or min(window, 128))
+    extra_words = packed_words(D, int(cfg["protect_bits"])) - packed_words(D, int(cfg["key_bits"]))
+    return n * H * compressed * 4 * extra_words * 8 / (ctx * g["attention_layers"] * H * D * 2)
+
+
 # --- one pass -----------------------------------------------------------------------------------------------------
 
 
@@ -348,10 +368,13 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
             ids = text_ids(tok, text, max(contexts) + 1)
             cache = make_cache(model, s)
             res, logps = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text))
+            protected = protected_layers(cache)
             del cache
             if s.kind == "float":
                 refs[text] = logps
             cell = {str(c): r for c, r in res.items()}
+            if s.kind == "tq":
+                cell["protected_layers"] = protected
         except Exception as e:  # a setting that cannot run is a cell with its reason, not a crashed benchmark
             cell = {"error": f"{type(e).__name__}: {e}"[:200]}
         cell["seconds"] = round(time.perf_counter() - t, 1)
@@ -444,7 +467,12 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
             bits_s = "–" if b is None else f"{b:.2f}*"
         else:
             bits_s = common.fmt(bits)
-        line = [r["setting"], bits_s, common.fmt(r.get("bits_32k"))]
+        extra = r["kind"] == "tq" and protection_bits(r, m["geometry"], top)
+        if extra:  # layers whose keys protected themselves: their key codes at protect_bits, marked †
+            bits_s = f"{bits + extra:.2f}†"
+        b32 = r.get("bits_32k")
+        line = [r["setting"], bits_s,
+                f"{b32 + protection_bits(r, m['geometry'], LONG):.2f}†" if extra and b32 else common.fmt(b32)]
         kls, dps = [], []
         for t in texts:
             cell = r["texts"].get(t, {})
@@ -485,7 +513,7 @@ def report(results: dict) -> tuple[str, list[str]]:
         "bits/val: bytes · 8 / (tokens · attention layers · kv heads · head_dim · 2) with every float part (the "
         "float cache, TurboQuant's sinks and window, affine scales and biases) counted in float16, so 16 = a "
         "float16 cache; TurboQuant rows from tq_mlx.memory.estimate_kv_bytes (real caches match it, see Memory). "
-        "* = measured nbytes of the peer's cache in this float32 run.",
+        "* = measured nbytes of the peer's cache in this float32 run." + _protection_note(results),
         "TurboQuant rows: library defaults otherwise, i.e. " + config_text(DEFAULT.config) + "; each row names "
         "what it changes.",
         "rotation + affine: a seeded random Hadamard rotation (H·diag(±1) per layer, head and side) of keys and "
@@ -508,6 +536,18 @@ def report(results: dict) -> tuple[str, list[str]]:
             for m in results["models"].values()}
     notes.append("Compute: " + ", ".join(f"{k} {v / 60:.0f} min" for k, v in secs.items()) + " of passes.")
     return "\n\n".join(parts), notes
+
+
+def _protection_note(results: dict) -> str:
+    rows = [(m["model"], r["setting"].split(" (")[0],
+             sorted({i for c in r["texts"].values() for i in c.get("protected_layers", ())}))
+            for m in results["models"].values() for r in m["rows"]]
+    rows = [(model, name, layers) for model, name, layers in rows if layers]
+    if not rows:
+        return ""
+    return (" † = with the layers whose keys protected themselves in that run (their key codes at protect_bits): "
+            + "; ".join(f"{model} {name}: layer {', '.join(map(str, layers))}" for model, name, layers in rows)
+            + "; no layer in the other rows.")
 
 
 def render(results: dict, level: str = "###") -> str:
