@@ -144,6 +144,23 @@ def test_long_context_quick(long_context: dict) -> None:
     rot = rows["rotation + affine 4-bit g64 (window 768, sinks 4)"]
     assert 4.5 < rot["bits_32k"] < 5
     assert rows["float (mlx-lm KVCache)"]["bits_32k"] == 16
+    # SmolLM2's keys never protect themselves; the run says so per text, and the bits stand as computed
+    assert all(r["texts"][t]["protected_layers"] == [] for r in rows.values() if r["kind"] == "tq" for t in m["texts"])
+
+
+def test_long_context_counts_protected_layers_in_the_bits() -> None:
+    sys.path.insert(0, str(BENCH))
+    import long_context
+
+    g = {"attention_layers": 24, "kv_heads": 2, "head_dim": 64}
+    row = {"kind": "tq", "config": long_context.DEFAULT.config.to_dict(),
+           "texts": {"britannica": {"protected_layers": [0]}, "hamlet": {"protected_layers": []}}}
+    # One layer of 24 with its keys at 8 instead of 4 bits: +4 bits on 1/48 of the values, times the compressed
+    # share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after the 4 sinks)
+    compressed = 250 * 128
+    assert long_context.protection_bits(row, g, 32768) == pytest.approx(4 / 48 * compressed / 32768)
+    row["texts"]["britannica"]["protected_layers"] = []
+    assert long_context.protection_bits(row, g, 32768) == 0
 
 
 def test_speed_quick(speed: dict) -> None:
