@@ -2,6 +2,34 @@
 // which already includes <metal_stdlib> and `using namespace metal`). Metal is C++14: no `if constexpr`,
 // so compile-time branches below are plain `if`s on template constants that the compiler folds.
 
+// A stored norm (or QJL γ) as float: float16, or the uint8 log code of tq_mlx/quantizer.py (NORM_DTYPES):
+// 0 is zero, 255 not a number, c in 1..254 is 2^((c - 128) / 16).
+METAL_FUNC float tq_norm(half x) {
+  return float(x);
+}
+METAL_FUNC float tq_norm(uint8_t c) {
+  return c == 0 ? 0.0f : (c == 255 ? NAN : exp2((float(c) - 128.0f) / 16.0f));
+}
+
+// A norm in the stored type N (half or uint8_t), as tq_mlx.quantizer.saturate stores it (uint8: round to the
+// nearest 1/16 octave, saturating; below half the smallest code, zero).
+template <typename N>
+METAL_FUNC N tq_store_norm(float n);
+template <>
+METAL_FUNC half tq_store_norm<half>(float n) {
+  return half(n);
+}
+template <>
+METAL_FUNC uint8_t tq_store_norm<uint8_t>(float n) {
+  if (isnan(n)) {
+    return uint8_t(255);
+  }
+  if (n < exp2(-127.0f / 16.0f - 1.0f)) {
+    return uint8_t(0);
+  }
+  return uint8_t(clamp(rint(16.0f * log2(n)) + 128.0f, 1.0f, 254.0f));
+}
+
 // Unnormalized Walsh-Hadamard transform (Sylvester order, H[i][j] = (-1)^popcount(i & j), the order of
 // mx.hadamard_transform) of one vector of 32*E floats spread over a SIMD group: lane l holds elements
 // [l*E, l*E + E) in v. log2(E) stages run inside the lane, the last 5 across lanes with simd_shuffle_xor.

@@ -14,7 +14,7 @@
 // value accumulator never leave it here, whatever the rotations are.
 // Writes (m, l, acc) per row and split; pass 2 merges them with the float16 tokens.
 // Inputs: q (B, H, RL, DK) float32 = Π(scale·q) (keys' rotated basis); qs (B, H, RL, DK) float32 = S·scale·q
-//   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, KG) float16, kj (B, H, N, ceil(DK/32)) uint32, kg (B, H, N)
+//   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, KG) float16 or uint8 (tq_norm), kj (B, H, N, ceil(DK/32)) uint32, kg (B, H, N)
 //   float16, vc (B, H, N, WV) uint32, vn (B, H, N, VG) float16: strided views of the cache;
 //   tables float32 [key centroids (2^KB, then 2^KB1 if KG = 2) | value centroids (same) | qjl scale | ε];
 //   params int32 [H, N, RL, L, tokens per split, causal limit]: compressed token t is visible to query
@@ -114,10 +114,10 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     }
   }
   for (int i = int(tid); i < KG * nt; i += NT) {
-    tok_norm[i] = float(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
+    tok_norm[i] = tq_norm(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
   }
   if (QJL && int(tid) < nt) {
-    tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
+    tok_gamma[tid] = tq_norm(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -201,7 +201,7 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   }
   for (int i = int(tid); i < VG * nt; i += NT) {
     if ((keepmask >> (i / VG)) & 1u) {
-      tok_norm[i] = float(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
+      tok_norm[i] = tq_norm(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -3,7 +3,7 @@
 // One SIMD group per token; its packed words are staged once into threadgroup memory, then lane l
 // decodes elements [l*E, l*E + E), runs the inverse rotation with shuffles and writes them.
 // Inputs (strided views, indexed with their strides): codes (B, H, n, W) uint32, norms (B, H, n, 1)
-//   float16, qjlw (B, H, n, D/32) uint32 and gamma (B, H, n) float16 (QJL); tables float32
+//   float16 or uint8 (tq_norm), qjlw (B, H, n, D/32) uint32 and gamma (B, H, n) as the norms (QJL); tables float32
 //   [signs (D) | centroids (2^B) | qjl scale]; proj (D, D) float32 S; mean (B*H, D) float32;
 //   params int32 [n, H, has_mean].
 // Output: out (B, H, n, D) T. Template: T, D, B (MSE bits), QJL, W (packed words per token:
@@ -43,7 +43,7 @@ if (QJL) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-const float nrm = float(norms[b * norms_strides[0] + h * norms_strides[1] + t * norms_strides[2]]);
+const float nrm = tq_norm(norms[b * norms_strides[0] + h * norms_strides[1] + t * norms_strides[2]]);
 float v[E];
 for (int e = 0; e < E; ++e) {
   v[e] = cent[tq_code<B, D>(tw, lane * E + e)];
@@ -59,7 +59,7 @@ for (int e = 0; e < E; ++e) {
 if (QJL) {
   // Sᵀz for this lane's columns j: Σ_i S[i][j]·z_i with z_i = ±1 from bit i of the staged words.
   const float g = tables[D + NC] *
-                  float(gamma[b * gamma_strides[0] + h * gamma_strides[1] + t * gamma_strides[2]]);
+                  tq_norm(gamma[b * gamma_strides[0] + h * gamma_strides[1] + t * gamma_strides[2]]);
   for (int e = 0; e < E; ++e) {
     uint j = lane * E + e;
     float z = 0.0f;

@@ -4,8 +4,9 @@
 // Inputs:  x (N, D) T, rows ordered (batch, kv head, token); mean (B*H, D) float32 (used if params[1]);
 //          tables float32 [signs (D) | boundaries (2^B - 1) | centroids (2^B)]; proj (D, D) float32 S (QJL);
 //          params int32 [tokens per (batch, head), has_mean].
-// Outputs: codes (N, W) uint32; norms (N,) float16; qjl (N, D/32) uint32 and gamma (N,) float16 (QJL).
-// Template: T, D, B (MSE bits), QJL, W (packed words per token: tq_mlx.packing.packed_words). Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
+// Outputs: codes (N, W) uint32; norms (N,) NT; qjl (N, D/32) uint32 and gamma (N,) NT (QJL).
+// Template: T, NT (the stored norms' type: half, or uint8_t for the log code), D, B (MSE bits), QJL, W (packed
+// words per token: tq_mlx.packing.packed_words). Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
 constexpr int E = D / 32;
 constexpr int NC = 1 << B;
 const uint lane = thread_index_in_simdgroup;
@@ -63,13 +64,13 @@ if (B == 3) {
 } else {
   tq_pack_plane<(B == 3 ? 2 : B), E>(code, 0, lane, out);
 }
-const half nrm_h = half(nrm);
+const NT nrm_s = tq_store_norm<NT>(nrm);
 if (lane == 0) {
-  norms[row] = nrm_h;
+  norms[row] = nrm_s;
 }
 
 if (QJL) {
-  // Residual r = x - |x|·Πᵀc[idx] in the model basis, with the stored (float16) norm as the reference does.
+  // Residual r = x - |x|·Πᵀc[idx] in the model basis, with the stored norm as the reference does.
   float xr[E];
   for (int e = 0; e < E; ++e) {
     xr[e] = cent[code[e]];
@@ -79,7 +80,7 @@ if (QJL) {
   float rr = 0.0f;
   for (int e = 0; e < E; ++e) {
     uint j = lane * E + e;
-    float r = v[e] - float(nrm_h) * (xr[e] * rs * tables[j]);
+    float r = v[e] - tq_norm(nrm_s) * (xr[e] * rs * tables[j]);
     rg[j] = r;
     rr += r * r;
   }
@@ -97,6 +98,6 @@ if (QJL) {
   }
   tq_pack_plane<1, E>(zb, 0, lane, qjl + row * (D / 32));
   if (lane == 0) {
-    gamma[row] = half(gam);
+    gamma[row] = tq_store_norm<NT>(gam);
   }
 }

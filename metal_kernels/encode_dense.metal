@@ -10,8 +10,8 @@
 //          order (H, D) int32: quantizer position j of head h is model channel order[h][j];
 //          rot float32 [Π_0 (D0 x D0) | Π_1 (D1 x D1)], row-major; bnd float32 [boundaries_0 | boundaries_1];
 //          params int32 [tokens per (batch, head), has_mean, H].
-// Outputs: codes (N, W) uint32 (group 0's W0 words, then group 1's); norms (N, G) float16.
-// Template: T, D, G (1 or 2), D0 (group 0's dims; D when G = 1), B0, B1, W0, W. Grid: 32 threads per row.
+// Outputs: codes (N, W) uint32 (group 0's W0 words, then group 1's); norms (N, G) NT (half or uint8_t).
+// Template: T, NT, D, G (1 or 2), D0 (group 0's dims; D when G = 1), B0, B1, W0, W. Grid: 32 threads per row.
 constexpr int D1 = D - D0;
 constexpr int NB0 = (1 << B0) - 1;
 constexpr int NB1 = G == 2 ? (1 << B1) - 1 : 0;
@@ -47,8 +47,8 @@ for (uint w = lane; w < uint(W); w += 32) {
   codes[row * W + w] = w < uint(W0) ? tq_pack_word<B0, D0>(cg, w) : tq_pack_word<B1, (G == 2 ? D1 : 1)>(cg + D0, w - W0);
 }
 if (lane == 0) {
-  norms[row * G] = half(n0);
+  norms[row * G] = tq_store_norm<NT>(n0);
   if (G == 2) {
-    norms[row * G + 1] = half(n1);
+    norms[row * G + 1] = tq_store_norm<NT>(n1);
   }
 }

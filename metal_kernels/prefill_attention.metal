@@ -199,10 +199,10 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
     }
   }
   for (int i = int(tid); i < KG * nt; i += NT) {
-    tok_norm[i] = float(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
+    tok_norm[i] = tq_norm(kn_bh[(t0 + i / KG) * kn_strides[2] + (i % KG) * kn_strides[3]]);
   }
   if (QJL && int(tid) < nt) {
-    tok_gamma[tid] = float(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
+    tok_gamma[tid] = tq_norm(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -288,7 +288,7 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   }
   for (int i = int(tid); i < VG * nt; i += NT) {
     if ((keepmask >> (i / VG)) & 1u) {
-      tok_norm[i] = float(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
+      tok_norm[i] = tq_norm(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -244,8 +244,10 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
 # --- state ------------------------------------------------------------------------------------------
 
 
-def test_state_round_trip_is_exact():
-    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, compress_block=4, sinks=2, seed=3)
+@pytest.mark.parametrize("norm_bits", [16, 8])
+def test_state_round_trip_is_exact(norm_bits):
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, compress_block=4, sinks=2, seed=3,
+                           norm_bits=norm_bits)
     c = TurboQuantKVCache(cfg, layer_index=4, attention_index=1, n_attention_layers=3)
     fill(c, (30, 1, 1))
     d = TurboQuantKVCache.from_state(c.state)

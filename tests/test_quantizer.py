@@ -175,3 +175,37 @@ def test_bad_input(x, match):
     for q in (TurboQuantMSE(128, 4), TurboQuantProd(128, 4)):
         with pytest.raises(ValueError, match=match):
             q.quantize(x)
+
+
+# --- 8-bit norms: a uint8 log code ------------------------------------------------------------------------------
+def test_uint8_norms_are_a_log_code_within_2_2_percent():
+    from tq_mlx.quantizer import load_norms, saturate
+
+    n = mx.array(np.geomspace(2.0**-7.9, 2.0**7.8, 4001).astype(np.float32))
+    back = load_norms(saturate(n, mx.uint8))
+    rel = np.abs(np.asarray(back) / np.asarray(n) - 1)
+    assert rel.max() <= 2 ** (1 / 32) - 1 + 1e-6 and 0.01 < math.sqrt((rel**2).mean()) < 0.014
+    special = mx.array([0.0, 1e-9, float("inf"), 1e9, float("nan")])
+    codes = saturate(special, mx.uint8)
+    assert codes.dtype == mx.uint8 and codes.tolist() == [0, 0, 254, 254, 255]
+    out = np.asarray(load_norms(codes))
+    assert out[0] == out[1] == 0 and out[2] == out[3] == 2 ** (126 / 16) and np.isnan(out[4])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 3.5])
+def test_uint8_norms_add_little_to_the_reconstruction_error(bits):
+    x = mx.array(np.random.default_rng(4).standard_normal((4000, 64)).astype(np.float32)) * 1.7
+    err = {}
+    for dtype in (mx.float16, mx.uint8):
+        q = TurboQuantMSE(64, bits, seed=1, norm_dtype=dtype)
+        c = q.quantize(x)
+        assert c.norms.dtype == dtype
+        err[dtype] = float(mx.mean(mx.sum((q.dequantize(c) - x) ** 2, axis=-1) / mx.sum(x * x, axis=-1)))
+        assert q.bits_per_value() == pytest.approx(q.words * 32 / 64 + 8 * dtype.size * len(q.groups) / 64)
+    # The log code's 1.25% RMS adds ~1.6e-4 of |x|² to a squared error of 0.03-0.12 |x|²
+    assert err[mx.float16] < err[mx.uint8] < err[mx.float16] * 1.01 + 2.5e-4, err
+
+
+def test_norm_dtype_is_checked():
+    with pytest.raises(ValueError, match="norm_dtype must be float16, bfloat16, float32 or uint8"):
+        TurboQuantMSE(64, 4, norm_dtype=mx.int8)

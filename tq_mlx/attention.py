@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .quantizer import MSECodes, TurboQuantProd
+from .quantizer import MSECodes, TurboQuantProd, load_norms
 from .stream import StreamView
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
@@ -92,7 +92,7 @@ def _units(kv: StreamView, codes) -> list[tuple[mx.array, mx.array]]:
         if q is None:
             return []
     units = q.rotated_units(MSECodes(codes.codes, codes.norms))
-    norms = codes.norms.astype(mx.float32)
+    norms = load_norms(codes.norms)
     return [(u, norms[..., i][:, :, None, :]) for i, u in enumerate(units)]
 
 
@@ -291,7 +291,7 @@ def turboquant_attention(
                 if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
                     kq = keys.quantizer
                     z = kq.signs(kc)
-                    sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * kc.gamma.astype(mx.float32)[:, :, None, :])
+                    sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * load_norms(kc.gamma)[:, :, None, :])
                     s = sj if s is None else s + sj
                 if q_mu is not None:
                     s = s + q_mu

@@ -126,9 +126,10 @@ class TurboQuantKVCache(_BaseCache):
         seeds = [layer_seed(c.seed, self.layer_index, side) for side in (0, 1)]
         kb = self.config_bits[0]
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
-        self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0]),
+        self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
                                            name="k", center=c.center_keys, protect=protect, **common)
-        self.value_stream = CompressedStream(make_quantizer(int(value_dim), self.value_bits, False, seeds[1]),
+        self.value_stream = CompressedStream(make_quantizer(int(value_dim), self.value_bits, False, seeds[1],
+                                                            c.norm_dtype),
                                              name="v", center=c.center_values, **common)
 
     @property

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Iterator, NoReturn
 
-from .config import TurboQuantConfig, bits_label
+from .config import NORM_BITS, TurboQuantConfig, bits_label
 from .quantizer import MSE_BITS, check_bits, format_bits
 
 _ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
@@ -36,6 +36,7 @@ _FIELDS = {
     "tq_seed": "seed",
     "tq_protect_factor": "protect_factor",
     "tq_protect_bits": "protect_bits",
+    "tq_norm_bits": "norm_bits",
 }
 _DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
           *_FIELDS)
@@ -117,6 +118,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"subtract the per-head value mean before quantizing (default {d.center_values})")
     g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
                    help="do not subtract the per-head value mean before quantizing")
+    g.add_argument("--tq-norm-bits", dest="tq_norm_bits", type=int, choices=NORM_BITS, metavar="N",
+                   help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, within 2.2%%; "
+                        f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
     g.add_argument("--tq-seed", dest="tq_seed", type=_count_arg(0), metavar="N",
                    help=f"seed of the rotations (default {d.seed})")
     return parser

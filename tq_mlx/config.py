@@ -6,12 +6,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from .quantizer import PROD_BITS, check_bits, format_bits
 
 
 # Tokens compressed at a time by default: small blocks keep the window near full (between window - 127 and
 # window tokens), and blocks of 64 measured worse than 128 (benchmarks/DEFAULTS.md).
 COMPRESS_BLOCK = 128
+NORM_BITS = (16, 8)
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -54,6 +57,7 @@ class TurboQuantConfig:
     protect_bits: float = 8
     center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
     center_values: bool = True  # same for values with ν (exact too)
+    norm_bits: int = 16  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
 
@@ -69,6 +73,8 @@ class TurboQuantConfig:
         f = self.protect_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
+        if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
+            raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
             check_int(name, getattr(self, name), low)
         if self.compress_block is not None:
@@ -82,6 +88,11 @@ class TurboQuantConfig:
     def from_bits(cls, bits: float, **kwargs) -> "TurboQuantConfig":
         """The same bit width for keys and values, other fields as given."""
         return cls(key_bits=bits, value_bits=bits, **kwargs)
+
+    @property
+    def norm_dtype(self) -> mx.Dtype:
+        """How stored norms are kept (quantizer.NORM_DTYPES): float16, or a uint8 log code at norm_bits 8."""
+        return mx.float16 if self.norm_bits == 16 else mx.uint8
 
     @property
     def compress_block_size(self) -> int:

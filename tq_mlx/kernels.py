@@ -70,7 +70,7 @@ host rotates the few query rows (attention.split_query) and the kernel writes th
 output row in the rotated basis (outc, float32) for attention.unrotate: B·Hq·L·Dv floats, no matrix per head.
 
 Supported by the kernels: head dims 16..512 (key and value dims may differ), every bit width the config takes
-(1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms,
+(1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their uint8 log code,
 float16/bfloat16/float32 inputs. The reference path runs: QJL at 1 bit (no MSE stage), QJL keys' encode at
 head dims without a WHT, array masks, views without compressed tokens, head dims above 512; and 1..8 query
 tokens whose decode variant failed its self-check (prefill_attention takes chunks of more than 8).
@@ -91,7 +91,7 @@ import mlx.core as mx
 
 from .attention import split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
-from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, load_norms
 from .rotation import Rotation
 from .stream import StreamView, decode, encode as stream_encode
 
@@ -213,8 +213,8 @@ def _mse_unsupported(q: TurboQuantMSE) -> str | None:
     for g in q.groups:
         if g.bits not in KERNEL_BITS:
             return f"bits {g.bits}"
-    if q.norm_dtype != mx.float16:
-        return f"norm dtype {q.norm_dtype}: the kernels read float16 norms"
+    if q.norm_dtype not in (mx.float16, mx.uint8):
+        return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their uint8 log code"
     if not MIN_DIM <= q.dim <= MAX_DIM:
         return f"head dim {q.dim}: the kernels take head dims {MIN_DIM}..{MAX_DIM}"
     return None
@@ -458,6 +458,7 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
     prod = isinstance(quantizer, TurboQuantProd)
     g = (quantizer.mse if prod else quantizer).groups[0]
     W = packed_words(D, g.bits)
+    nd = quantizer.norm_dtype
     tables = _tables(quantizer, ("encode",), lambda: _floats(g.rotation.signs, g.boundaries, g.centroids))
     mean_in = _dummy(mx.float32) if mean is None else mx.contiguous(mean.astype(mx.float32)).reshape(B * H, D)
     k = _kernel(factory, "encode", ["x", "mean", "tables", "proj", "params"], ["codes", "norms", "qjl", "gamma"])
@@ -465,16 +466,15 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
         inputs=[mx.contiguous(x).reshape(N, D), mean_in, tables,
                 quantizer.projection if prod else _dummy(mx.float32), _ints(n, mean is not None)],
         output_shapes=[(N, W), (N,), (N, D // 32) if prod else (1,), (N,) if prod else (1,)],
-        output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
+        output_dtypes=[mx.uint32, nd, mx.uint32, nd],
         grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", x.dtype), ("D", D), ("B", g.bits), ("QJL", prod), ("W", W)],
+        template=[("T", x.dtype), ("NT", nd), ("D", D), ("B", g.bits), ("QJL", prod), ("W", W)],
     )
     codes = _mx(codes, mx.uint32).reshape(B, H, n, W)
-    norms = _mx(norms, mx.float16).reshape(B, H, n, 1)
+    norms = _mx(norms, nd).reshape(B, H, n, 1)
     if not prod:
         return MSECodes(codes, norms)
-    return ProdCodes(codes, norms, _mx(qjl, mx.uint32).reshape(B, H, n, D // 32),
-                     _mx(gamma, mx.float16).reshape(B, H, n))
+    return ProdCodes(codes, norms, _mx(qjl, mx.uint32).reshape(B, H, n, D // 32), _mx(gamma, nd).reshape(B, H, n))
 
 
 def _channel_order(quantizer: TurboQuantMSE, perm: mx.array | None, H: int) -> mx.array:
@@ -502,12 +502,13 @@ def _encode_dense(x: mx.array, quantizer: TurboQuantMSE, mean, perm, factory) ->
     codes, norms = k(
         inputs=[mx.contiguous(x).reshape(N, D), mean_in, _channel_order(quantizer, perm, H), rot, bnd,
                 _ints(n, mean is not None, H)],
-        output_shapes=[(N, W), (N, len(groups))], output_dtypes=[mx.uint32, mx.float16],
+        output_shapes=[(N, W), (N, len(groups))], output_dtypes=[mx.uint32, quantizer.norm_dtype],
         grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", x.dtype), ("D", D), ("G", len(groups)), ("D0", g0.dim), ("B0", g0.bits), ("B1", g1.bits),
+        template=[("T", x.dtype), ("NT", quantizer.norm_dtype), ("D", D), ("G", len(groups)), ("D0", g0.dim), ("B0", g0.bits), ("B1", g1.bits),
                   ("W0", g0.words.stop - g0.words.start), ("W", W)],
     )
-    return MSECodes(_mx(codes, mx.uint32).reshape(B, H, n, W), _mx(norms, mx.float16).reshape(B, H, n, len(groups)))
+    norms = _mx(norms, quantizer.norm_dtype).reshape(B, H, n, len(groups))
+    return MSECodes(_mx(codes, mx.uint32).reshape(B, H, n, W), norms)
 
 
 def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, **_):
@@ -860,7 +861,7 @@ def _codes_mismatch(got, want, quantizer) -> str | None:
     frac = float((gi != wi).mean())
     if frac > 0.01:
         return f"{frac:.1%} of the codes differ from the reference"
-    why = _mismatch(got.norms, want.norms, mx.float16)
+    why = _mismatch(load_norms(got.norms), load_norms(want.norms), mx.float16)
     if why:
         return "norms: " + why
     if prod:
@@ -868,7 +869,7 @@ def _codes_mismatch(got, want, quantizer) -> str | None:
         frac = float((gz != wz).mean())
         if frac > 0.02:
             return f"{frac:.1%} of the QJL sign bits differ from the reference"
-        gg, wg = np.asarray(got.gamma.astype(mx.float32)), np.asarray(want.gamma.astype(mx.float32))
+        gg, wg = np.asarray(load_norms(got.gamma)), np.asarray(load_norms(want.gamma))
         if not np.isfinite(gg).all() or np.median(np.abs(gg - wg) / np.maximum(wg, 1e-6)) > 0.01:
             return "residual norms (gamma) differ from the reference"
     return None

@@ -186,9 +186,9 @@ def _turboquant_split(tokens: int, config) -> tuple[int, int, int]:
 
 
 @lru_cache(maxsize=None)
-def _quantizer_layout(dim: int, bits: float, qjl: bool) -> tuple[int, int, bool]:
+def _quantizer_layout(dim: int, bits: float, qjl: bool, norm_dtype=mx.float16) -> tuple[int, int, bool]:
     """(bytes per compressed token and head, constant bytes of the quantizer, has a channel order)."""
-    q = make_quantizer(dim, bits, qjl, seed=0)
+    q = make_quantizer(dim, bits, qjl, seed=0, norm_dtype=norm_dtype)
     # A lazy probe gives each stored field's trailing shape and dtype (as a stream stores them).
     probe = q.quantize(mx.zeros((1, 1, 1, dim), mx.float32))
     per_token = sum(math.prod(a.shape[3:]) * a.dtype.size for a in probe)
@@ -212,8 +212,8 @@ def turboquant_layer_bytes(
     B, H = batch, n_kv_heads
     n_s, n_c, _ = _turboquant_split(tokens, config)
     qjl = config.layer_qjl(key_bits)
-    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl)
-    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False)
+    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
+    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype)
     total = k_const + v_const
     if config.sinks:
         total += B * H * config.sinks * (key_dim + value_dim) * float_bytes

@@ -28,7 +28,7 @@ Memory of one stream (batch B, H kv heads, head dim D; W words and G norms per t
 capacity C a multiple of `step`; F bytes per float of the model's dtype; the window and sink buffers exist
 once first used):
 
-    4·B·H·C·W + 2·B·H·C·G  [+ 4·B·H·C·⌈D/32⌉ + 2·B·H·C with QJL]     codes and float16 norms
+    4·B·H·C·W + N·B·H·C·G  [+ 4·B·H·C·⌈D/32⌉ + N·B·H·C with QJL]     codes and norms (N = 2: float16, 1: uint8)
     + F·B·H·(window capacity + sinks)·D                               float window and sinks
     + 4·B·H·D if centered + 4·H·D for fractional bits + 4·B·H          μ, channel order, scale
     + the quantizer's constants (rotation signs or matrices, codebooks, QJL projection)
@@ -76,9 +76,13 @@ def overflow(recent: int, window: int, compress_block: int) -> int:
     return recent if window == 0 else -(-(recent - window) // compress_block) * compress_block
 
 
-def make_quantizer(dim: int, bits: float, qjl: bool, seed: int) -> TurboQuantMSE | TurboQuantProd:
-    """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise."""
-    return TurboQuantProd(dim, int(bits), seed=seed) if qjl else TurboQuantMSE(dim, bits, seed=seed)
+def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.Dtype = mx.float16
+                   ) -> TurboQuantMSE | TurboQuantProd:
+    """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise; norms stored as
+    float16 or (norm_bits 8) a uint8 log code (quantizer.NORM_DTYPES)."""
+    if qjl:
+        return TurboQuantProd(dim, int(bits), seed=seed, norm_dtype=norm_dtype)
+    return TurboQuantMSE(dim, bits, seed=seed, norm_dtype=norm_dtype)
 
 
 class StreamView(NamedTuple):
@@ -364,7 +368,7 @@ class CompressedStream:
     def set_protected(self, protected: bool) -> None:
         """Quantize at the protection bits (plain MSE codes, same seed), or at the configured quantizer."""
         q = self.base_quantizer
-        self.quantizer = make_quantizer(q.dim, self.protect[1], False, q.seed) if protected else q
+        self.quantizer = make_quantizer(q.dim, self.protect[1], False, q.seed, q.norm_dtype) if protected else q
 
     def view(self) -> StreamView:
         s, c, w = self.n_sinks, self.n_compressed, self.n_window
