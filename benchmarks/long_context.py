@@ -76,7 +76,8 @@ EVAL = 512  # tokens scored at the end of each context
 # Library defaults spelled out, so a later change of the defaults does not change what a row measures
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
 DEFAULTS = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
-                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=True, qjl=False, seed=0)
+                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=True, qjl=False, norm_bits=16,
+                seed=0)
 
 
 def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
@@ -89,6 +90,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
     if cfg.protect_factor is None:
         extra.append("no key protection")
+    if cfg.norm_bits != DEFAULTS["norm_bits"]:
+        extra.append(f"{cfg.norm_bits}-bit norms")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -100,7 +103,7 @@ def config_text(cfg: TurboQuantConfig) -> str:
             f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, key protection "
             + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
-            + f", seed {cfg.seed}")
+            + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "") + f", seed {cfg.seed}")
 
 
 def rot(bits: int, window: int) -> Setting:

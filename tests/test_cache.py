@@ -60,6 +60,8 @@ def test_config_defaults_and_from_bits():
         ({"sinks": 1.5}, "sinks must be an integer >= 0"),
         ({"step": 0}, "step must be an integer >= 1"),
         ({"window": 16, "compress_block": 32}, "compress_block must be between 1 and window=16"),
+        ({"norm_bits": 4}, "norm_bits must be one of (16, 8)"),
+        ({"norm_bits": True}, "norm_bits must be one of (16, 8)"),
         ({"qjl": 1}, "qjl must be True or False"),
     ],
 )
