@@ -18,7 +18,9 @@ longest context gives every shorter one too: the chunk ending at 1k in a 4k pass
 Settings (library defaults otherwise; each TurboQuant row spells its config out in the JSON and the notes; keys
 for --settings in BY_KEY): float; TurboQuant K4/V3 (the default: window 768 in blocks of 128, keys that protect
 themselves), the previous default (window 128), the default without key protection, K4/V4, and settings near 3.5
-and 2.75 bits/value at 32k (K4/V2 and K3/V3 window 512, K2.5/V2 window 256, K2/V2 window 512), K8/V8, boundary
+and 2.75 bits/value at 32k (K4/V2 and K3/V3 window 512, K2.5/V2 window 256, K2/V2 window 512 and 1024, K4/V1 and
+K3/V1 window 1024), 8-bit norms buying a larger window (K3/V3 window 896 at 3.49 bits, K4/V4 window 1696 at 4.77,
+both in blocks of 64), K8/V8, boundary
 layers; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64 (no window), "rotation + affine"
 (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head of keys and values, then mlx-lm
 affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128 tokens), and mlx-vlm's
@@ -35,10 +37,12 @@ about two hours of wall time), then --merge (rows of the same model from several
     long_context.py --models smollm2 --texts britannica --settings float,k3v3,k2.5v2,previous,k4v2,k2v2 \
         --needles "" --out A1b
     long_context.py --models smollm2 --texts britannica --settings float,k4v1,k3v1,k2v2w1024 --needles "" --out A1c
+    long_context.py --models smollm2 --texts britannica,hamlet --settings float,k3v3n8,k4v4n8 --needles "" --out A3
     long_context.py --models qwen05 --texts britannica,hamlet --settings float,default,noprotect,rot4 --out B
     long_context.py --models qwen15 --texts britannica,hamlet --settings float,default,noprotect --out C
     long_context.py --merge A1a/long_context.json A2/long_context.json A1b/long_context.json \
         A1c/long_context.json B/long_context.json C/long_context.json
+    long_context.py --merge benchmarks/results/long_context.json A3/long_context.json   (2026-11-25, later)
 
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
@@ -126,6 +130,9 @@ K2V2 = tq(2, 2, window=512, compress_block=128)
 K4V1 = tq(4, 1, window=1024, compress_block=128)
 K3V1 = tq(3, 1, window=1024, compress_block=128)
 K2V2_1024 = tq(2, 2, window=1024, compress_block=128)
+# 8-bit (log-coded) norms pay for a bigger window: 0.125 bits/value at head_dim 64 is 256 window tokens at 32k.
+K3V3_N8 = tq(3, 3, window=896, compress_block=64, norm_bits=8)  # 3.49 bits/value at 32k
+K4V4_N8 = tq(4, 4, window=1696, compress_block=64, norm_bits=8)  # 4.77: rotation + affine 4-bit's bits
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -135,12 +142,12 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024, K8V8,
-       BOUND, MLX4, MLX8, PEER4]
+ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+       K3V3_N8, K4V4_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
 FIRST = 6  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
 BY_KEY = {"float": FLOAT, "default": DEFAULT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
-          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1,
+          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
           "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
 
@@ -648,8 +655,8 @@ def merge(paths: list[str], out: str | None) -> None:
             order = {s.name: i for i, s in enumerate(ALL)}
             have["rows"].sort(key=lambda x: order.get(x["setting"], len(order)))
             have["texts"] = list(dict.fromkeys(have["texts"] + m["texts"]))
-    merged["meta"] = dict(runs[0]["meta"], command=" + ".join(r["meta"]["command"] for r in runs),
-                          runs=[r["meta"] for r in runs])
+    metas = [x for r in runs for x in r["meta"].get("runs", [r["meta"]])]  # a merged file brings its own runs
+    merged["meta"] = dict(runs[0]["meta"], command=" + ".join(x["command"] for x in metas), runs=metas)
     merged["seconds"] = max(r["seconds"] for r in runs)
     jp, mp = write(merged, "long_context", out)
     print(render(merged))

@@ -221,7 +221,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
     rng = np.random.default_rng(1)
     dims, dtypes, cases = _cases(dry)
     dims = (128,) if quick and not dry else dims
-    pairs = [(4, 3, False)] + [(b, b, q) for b, q in cases if (b, b, q) != (4, 3, False)]
+    # (key bits, value bits, QJL, norm bits): the default first, then with 8-bit (log-coded) norms
+    pairs = [(4, 3, False, 16), (4, 3, False, 8)] + [(b, b, q, 16) for b, q in cases if (b, b, q) != (4, 3, False)]
     K.set_backend("metal")
     K.set_kernel_factory(factory)
     K.reset_self_checks()
@@ -230,12 +231,13 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a failed self-check is recorded below
             for dim in dims:
-                for kb, vbits, qjl in pairs:
+                for kb, vbits, qjl, nb in pairs:
                     for name in dtypes:
                         dt = getattr(mx, name)
                         try:
                             cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl,
-                                                                       window=16, sinks=4, compress_block=8))
+                                                                       window=16, sinks=4, compress_block=8,
+                                                                       norm_bits=nb))
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
                             keys, values = cache.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             for L, mask in ((1, None), (40, "causal")):
@@ -246,7 +248,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             mx.eval(K.dispatch_rotate(_normal(rng, (3, rot.dim), dt), rot, True))
                         except Exception as e:  # noqa: BLE001 - a dispatcher must never raise: report it
                             errors.append(dict(kernel="dispatch", variant=f"d={dim} K{kb}{'+qjl' if qjl else ''}"
-                                               f"/V{vbits} {name}", passed=False, reason=f"{type(e).__name__}: {e}"))
+                                               f"/V{vbits} n{nb} {name}", passed=False,
+                                               reason=f"{type(e).__name__}: {e}"))
         status = K.self_check_status()
     finally:
         K.set_backend(None)  # back to $TQ_MLX_KERNELS

@@ -968,3 +968,19 @@ def test_uint8_norms_on_cache_in_every_kernel(emulator, schedule, kb, vb, qjl, d
         if K.dequantize_unsupported(kv) is None:
             assert_close(K.dequantize(kv, mx.float32, metal_kernel=Emu(schedule)), K.dequantize_reference(kv, mx.float32),
                          mx.float32)
+
+
+@pytest.mark.emulator
+def test_uint8_norms_are_a_self_checked_variant_of_their_own(emulator, monkeypatch):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    K.set_kernel_factory(Emu())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for norm_bits in (16, 8):
+            q, keys, values = cache_step(4, 3, False, 64, 1, 2, 1, mx.float16, norm_bits=norm_bits)
+            assert_close(K.dispatch_attention(q, keys, values, 0.1), K.decode_attention_reference(q, keys, values, 0.1),
+                         mx.float16)
+    checked = [v for (kernel, v), reason in K.self_check_status().items() if kernel == "decode_attention"]
+    assert len(checked) == 2 and {v[2].norms for v in checked} == {"mlx.core.float16", "mlx.core.uint8"}
+    encodes = [v for (kernel, v) in K.self_check_status() if kernel == "encode"]
+    assert {v[-1] for v in encodes} == {"mlx.core.float16", "mlx.core.uint8"}

@@ -277,6 +277,7 @@ class _Codes(NamedTuple):
     dim: int
     groups: tuple[tuple[int, int, int], ...]  # (dims, bits, packed words) per group, in code order
     wht: bool  # one group under a power-of-two WHT (rotated in-kernel); else the host rotates
+    norms: str  # the stored norms' dtype (float16, or uint8 for the log code): a separate compiled variant
 
     @property
     def words(self) -> int:
@@ -295,7 +296,8 @@ class _Codes(NamedTuple):
 
 def _codes(q) -> _Codes:
     mse = _mse(q)
-    return _Codes(q.dim, tuple((g.dim, g.bits, g.words.stop - g.words.start) for g in mse.groups), _wht(q))
+    return _Codes(q.dim, tuple((g.dim, g.bits, g.words.stop - g.words.start) for g in mse.groups), _wht(q),
+                  str(q.norm_dtype))
 
 
 def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> list[tuple[str, int]]:
@@ -934,7 +936,7 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
                                    encode_reference(xs, quantizer, mu, order, s), quantizer)
 
         variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None,
-                   scale is not None, perm is not None)
+                   scale is not None, perm is not None, str(quantizer.norm_dtype))
         if _self_check("encode", variant, factory, run):
             return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
     return encode_reference(x, quantizer, mean, perm, scale)
@@ -963,7 +965,7 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
 
         q = kv.quantizer
         variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype), kv.mean is not None,
-                   kv.scale is not None)
+                   kv.scale is not None, str(q.norm_dtype))
         if _self_check("dequantize", variant, factory, run):
             return dequantize(kv, dtype, metal_kernel=factory)
     return dequantize_reference(kv, dtype)
