@@ -21,7 +21,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import tq_mlx
 from tests.support.host_sync import forbid_host_sync
-from tests.support.server import wait_until_healthy
+from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.attention import BatchView
@@ -408,7 +408,6 @@ NEEDLE = " The special magic number for the archive is 7314926. "
 @pytest.mark.slow
 def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_path):
     import socket
-    import signal
     import threading
     import urllib.request
 
@@ -455,12 +454,7 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
             t.join(timeout=300)
         assert len(results) == 2 and all(isinstance(a, str) and a for a, _ in results.values())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop(proc, grace=20)
     assert "TurboQuant K4/V4, window 768, sinks 4; batching on" in log.read_text()
 
 

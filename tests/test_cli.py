@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.support.server import wait_until_healthy
+from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import add_cache_args, cache_flags_given, config_from_args, describe_config, generate_main
@@ -190,12 +188,7 @@ def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
         assert choice["finish_reason"] in ("stop", "length")
         assert reply["usage"]["completion_tokens"] >= 1
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop(proc)
     assert "TurboQuant K3/V3" in log.read_text()  # the provider patched the model it loaded
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ if str(REPO) not in sys.path:  # run as a script by mlx.launch
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from tests.support.server import wait_until_healthy  # noqa: E402
+from tests.support.server import stop, wait_until_healthy  # noqa: E402
 from tests.support.tiny_models import EOS, VOCAB, _randomize, tiny_tokenizer  # noqa: E402
 from tq_mlx.config import TurboQuantConfig  # noqa: E402
 
@@ -279,12 +278,7 @@ def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir,
                                      headers={"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(req, timeout=TIMEOUT).read())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop(proc)
     assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     assert reply["choices"][0]["text"] == generate_single[0].rstrip("\n")
     text = log.read_text()

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+
+def stop(proc: subprocess.Popen, grace: float = 15) -> None:
+    """Stop a server started in its own process group: SIGTERM to the group, SIGKILL after `grace` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
 
 
 def wait_until_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float, name: str = "tq-server") -> None:
