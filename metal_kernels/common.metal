@@ -93,6 +93,32 @@ METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup flo
   }
 }
 
+// A token's key scores s[k] = Σ_g |k|_g · Σ_j q_r[j]·c_g[idx_j] for this SIMD group's RPS query rows (rows of D
+// floats in `q`, the keys' rotated basis), over its code groups: one, or two for fractional bits (dims [0, D0)
+// at B0 bits in words [0, W0) with norms[0], dims [D0, D) at B1 bits after them with norms[1]). cent holds group
+// 0's 2^B0 centroids, then group 1's.
+template <int B0, int D0, int B1, int W0, int G, int D, int RPS, int NSG>
+METAL_FUNC void tq_key_scores(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* q,
+                              const threadgroup float* norms, uint sg, thread float* s) {
+  for (int k = 0; k < RPS; ++k) {
+    s[k] = 0.0f;
+  }
+  tq_group_scores<B0, D0, RPS, NSG, D>(w, cent, q, sg, s);
+  for (int k = 0; k < RPS; ++k) {
+    s[k] *= norms[0];
+  }
+  if (G == 2) {
+    float s1[RPS];
+    for (int k = 0; k < RPS; ++k) {
+      s1[k] = 0.0f;
+    }
+    tq_group_scores<B1, D - D0, RPS, NSG, D>(w + W0, cent + (1 << B0), q + D0, sg, s1);
+    for (int k = 0; k < RPS; ++k) {
+      s[k] += s1[k] * norms[1];
+    }
+  }
+}
+
 // Dim j (< D) of a token's codes in the rotated basis, norm applied: the codes are one group (D0 = D) or two
 // (dims [0, D0) at B0 bits in words [0, W0) with norm n0, dims [D0, D) at B1 bits after them with norm n1;
 // fractional bits). cent holds group 0's 2^B0 centroids, then group 1's.
@@ -102,6 +128,17 @@ METAL_FUNC float tq_value(P w, uint j, const threadgroup float* cent, float n0, 
     return cent[tq_code<B0, D0>(w, j)] * n0;
   }
   return cent[(1 << B0) + tq_code<B1, (D > D0 ? D - D0 : 1)>(w + W0, j - uint(D0))] * n1;
+}
+
+// A lane's dims [lane*EV, lane*EV + EV) of a token's values in the rotated basis, norms applied (tq_value;
+// norms[0], and norms[1] for a second group); 0 past D.
+template <int B0, int D0, int B1, int D, int W0, int G, int EV>
+METAL_FUNC void tq_value_dims(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* norms,
+                              uint lane, thread float* c) {
+  for (int e = 0; e < EV; ++e) {
+    const uint j = lane * EV + e;
+    c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0>(w, j, cent, norms[0], norms[G - 1]) : 0.0f;
+  }
 }
 
 // Word w of DG codes of B bits (one code per element of `c`), packed as tq_code reads them.
@@ -159,6 +196,20 @@ METAL_FUNC void tq_pack_plane(thread const uint* code, uint shift, uint lane, de
   }
 }
 
+// The Lloyd-Max index of a rotated unit coordinate t: the number of the 2^B - 1 sorted boundaries below it, by
+// binary search (NaN compares false everywhere and gives 0, like the reference).
+template <int B>
+METAL_FUNC uint tq_index(float t, const threadgroup float* bnd) {
+  uint idx = 0;
+  for (int s = B - 1; s >= 0; --s) {
+    const uint c = idx + (1u << s);
+    if (t > bnd[c - 1]) {
+      idx = c;
+    }
+  }
+  return idx;
+}
+
 // Encodes one code group of a token (encode_dense.metal): its DG values at xg (centered, quantizer order) get
 // their norm, the dense rotation P (DG x DG, row-major: y = P·x/|x|) and Lloyd-Max indices (binary search over
 // the 2^B - 1 boundaries `bnd`), written to cg as one byte per dim. Returns the norm. Lane l takes rows l,
@@ -178,15 +229,7 @@ METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar*
     for (int j = 0; j < DG; ++j) {
       y += row[j] * xg[j];
     }
-    y *= inv;
-    uint idx = 0;  // number of boundaries below y (NaN compares false and gives 0, like the reference)
-    for (int s = B - 1; s >= 0; --s) {
-      const uint c = idx + (1u << s);
-      if (y > bnd[c - 1]) {
-        idx = c;
-      }
-    }
-    cg[i] = uchar(idx);
+    cg[i] = uchar(tq_index<B>(y * inv, bnd));
   }
   return nrm;
 }

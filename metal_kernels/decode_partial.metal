@@ -125,24 +125,7 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   const bool valid = int(lane) < nt;
   const int t = t0 + int(lane);
   float s[RPS];
-  for (int k = 0; k < RPS; ++k) {
-    s[k] = 0.0f;
-  }
-  const threadgroup uint* tw = words + lane * WS;
-  tq_group_scores<KB, KD0, RPS, NSG, DK>(tw, cent, q_tg, sg, s);
-  for (int k = 0; k < RPS; ++k) {
-    s[k] *= tok_norm[lane * KG];
-  }
-  if (KG == 2) {
-    float s1[RPS];
-    for (int k = 0; k < RPS; ++k) {
-      s1[k] = 0.0f;
-    }
-    tq_group_scores<KB1, DK - KD0, RPS, NSG, DK>(tw + WK0, cent + (1 << KB), q_tg + KD0, sg, s1);
-    for (int k = 0; k < RPS; ++k) {
-      s[k] += s1[k] * tok_norm[lane * KG + 1];
-    }
-  }
+  tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
   if (QJL) {
     const float g = qjl_scale * tok_gamma[lane];
     const threadgroup uint* tj = jwords + lane * WJS;
@@ -218,14 +201,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     if (((keepmask >> tt) & 1u) == 0) {
       continue;
     }
-    const threadgroup uint* vw = words + tt * WS;
-    const float n0 = tok_norm[tt * VG];
-    const float n1 = tok_norm[tt * VG + VG - 1];
     float c[EV];
-    for (int e = 0; e < EV; ++e) {
-      const uint j = lane * EV + e;
-      c[e] = (DV % 32 == 0 || j < uint(DV)) ? tq_value<VB, VD0, VB1, DV, WV0>(vw, j, cent + NKC, n0, n1) : 0.0f;
-    }
+    tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV>(words + tt * WS, cent + NKC, tok_norm + tt * VG, lane, c);
     for (int k = 0; k < RPS; ++k) {
       const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
       if (w != 0.0f) {

@@ -46,16 +46,7 @@ tq_wht<E>(y, lane);
 const float rs = 1.0f / sqrt(float(D));
 uint code[E];
 for (int e = 0; e < E; ++e) {
-  // index = number of boundaries below y (binary search; NaN compares false and gives 0, like the reference)
-  float t = y[e] * rs;
-  uint idx = 0;
-  for (int s = B - 1; s >= 0; --s) {
-    uint c = idx + (1u << s);
-    if (t > bnd[c - 1]) {
-      idx = c;
-    }
-  }
-  code[e] = idx;
+  code[e] = tq_index<B>(y[e] * rs, bnd);
 }
 device uint* out = codes + row * W;
 if (B == 3) {

@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .quantizer import MSECodes, TurboQuantProd, load_norms
-from .stream import StreamView
+from .stream import StreamView, code_order
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
 # Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.
@@ -101,10 +101,7 @@ def unrotate(kv: StreamView, parts: list[mx.array]) -> mx.array:
     q = kv.quantizer
     y = [g.rotation.inverse(p) for g, p in zip(q.groups, parts)]
     y = y[0] if len(y) == 1 else mx.concatenate(y, axis=-1)
-    # Position j of y is quantizer channel channels[j], which is model channel perm[channels[j]].
-    order = None if len(q.groups) == 1 else mx.concatenate([g.channels for g in q.groups])
-    if kv.perm is not None:
-        order = kv.perm if order is None else mx.take(kv.perm, order, axis=-1)
+    order = code_order(q, kv.perm)
     if order is not None:
         inv = mx.argsort(order, axis=-1)
         inv = inv[None, :, None, :] if inv.ndim == 2 else inv

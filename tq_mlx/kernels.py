@@ -93,7 +93,7 @@ from .attention import split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, load_norms
 from .rotation import Rotation
-from .stream import StreamView, decode, encode as stream_encode
+from .stream import StreamView, code_order, decode, encode as stream_encode
 
 ENV_VAR = "TQ_MLX_KERNELS"
 BACKENDS = ("auto", "metal", "reference")
@@ -482,12 +482,14 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
 def _channel_order(quantizer: TurboQuantMSE, perm: mx.array | None, H: int) -> mx.array:
     """(H, D) int32: the model channel at each code position (the stream's order, then the groups' channels)."""
     D = quantizer.dim
-    groups = quantizer.groups
-    order = None if len(groups) == 1 else mx.concatenate([g.channels for g in groups])
     if perm is not None:
-        return mx.contiguous((perm if order is None else mx.take(perm, order, axis=-1)).astype(mx.int32))
-    base = mx.arange(D, dtype=mx.int32) if order is None else order.astype(mx.int32)
-    return _tables(quantizer, ("order", H), lambda: mx.broadcast_to(base, (H, D)))
+        return mx.contiguous(code_order(quantizer, perm).astype(mx.int32))
+
+    def per_head():
+        order = code_order(quantizer, None)
+        return mx.broadcast_to(mx.arange(D) if order is None else order, (H, D)).astype(mx.int32)
+
+    return _tables(quantizer, ("order", H), per_head)
 
 
 def _encode_dense(x: mx.array, quantizer: TurboQuantMSE, mean, perm, factory) -> MSECodes:
@@ -567,6 +569,15 @@ class _Prepared(NamedTuple):
 
     def template(self) -> list[tuple[str, Any]]:
         return [("QJL", self.qjl), *self.kc.template("K"), *self.vc.template("V"), ("ROTV", self.vc.wht)]
+
+
+def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int, ...]:
+    """(B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T): queries' shape, kv heads and value dim, the R·L query rows of a
+    kv head, its compressed, sink and window tokens, and all of them."""
+    B, Hq, L, DK = queries.shape
+    H = keys.n_heads
+    N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
+    return B, Hq, L, DK, H, values.head_dim, (Hq // H) * L, N, n_s, n_w, n_s + N + n_w
 
 
 def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: float, sparse_epsilon: float,
@@ -649,11 +660,7 @@ def decode_attention(
     """
     _require(decode_unsupported(queries, keys, values, mask), "decode_attention")
     factory = metal_kernel or _default_factory()
-    B, Hq, L, DK = queries.shape
-    H, DV = keys.n_heads, values.head_dim
-    RL = (Hq // H) * L
-    N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
-    T = n_s + N + n_w
+    B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = mask is not None
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
 
@@ -661,8 +668,7 @@ def decode_attention(
     nr = _rows_per_threadgroup(RL, DK, DV, p.kc, p.vc, p.qjl)
     layout = _partial_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
     chunks = -(-RL // nr)
-    token_bytes = (4 * (p.kc.words + p.vc.words + (-(-DK // 32) if p.qjl else 0))
-                   + 2 * (len(p.kc.groups) + len(p.vc.groups) + p.qjl))
+    token_bytes = sum(a.itemsize * math.prod(a.shape[3:]) for a in (*keys.codes, *values.codes))
     per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
     if per % 32 or per <= 0:
         raise ValueError(f"split_tokens must be a positive multiple of 32, got {per}")
@@ -738,11 +744,7 @@ def prefill_attention(
     """
     _require(prefill_unsupported(queries, keys, values, mask), "prefill_attention")
     factory = metal_kernel or _default_factory()
-    B, Hq, L, DK = queries.shape
-    H, DV = keys.n_heads, values.head_dim
-    RL = (Hq // H) * L
-    N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
-    T = n_s + N + n_w
+    B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = mask is not None
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
     nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, p.kc, p.vc, p.qjl)

@@ -154,6 +154,17 @@ def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
     return x.astype(dtype)
 
 
+def code_order(quantizer: TurboQuantMSE, perm: mx.array | None) -> mx.array | None:
+    """The model channel at each code position, (H, D) or (D,) int: code position j holds quantizer channel
+    channels[j] (the groups' channels side by side), which is model channel perm[channels[j]]. None: model
+    order (one group, no stream order)."""
+    groups = quantizer.groups
+    order = None if len(groups) == 1 else mx.concatenate([g.channels for g in groups])
+    if perm is not None:
+        order = perm if order is None else mx.take(perm, order, axis=-1)
+    return order
+
+
 def has_channel_order(quantizer) -> bool:
     """Whether a stream with this quantizer stores a channel order (fractional bits: two channel groups)."""
     return isinstance(quantizer, TurboQuantMSE) and len(quantizer.groups) == 2
