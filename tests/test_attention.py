@@ -153,6 +153,28 @@ def test_queries_untouched_and_only_float_parts():
     assert float(mx.abs(out - ref).max()) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_before_the_first_compression_a_model_runs_as_with_the_float_cache(dtype):
+    # A context shorter than the window holds float tokens only: the logits are those of mlx-lm's KVCache, bit for
+    # bit, through prefill chunks (causal masks) and single-token decode steps (no mask), in every float dtype.
+    from mlx_lm.models.cache import KVCache
+
+    from tests.support.tiny_models import tiny_llama
+    import tq_mlx
+
+    model = tiny_llama(dtype=dtype)[0]
+    tokens = mx.array(np.random.default_rng(7).integers(0, 256, (1, 40)))
+    cfg = TurboQuantConfig(window=64, sinks=4)
+    caches = {"float": [KVCache() for _ in model.layers], "tq": tq_mlx.make_prompt_cache(model, cfg)}
+    logits = {}
+    for name, cache in caches.items():
+        out = [model(tokens[:, :24], cache=cache)]
+        out += [model(tokens[:, i : i + 1], cache=cache) for i in range(24, 40)]
+        logits[name] = mx.concatenate(out, axis=1)
+    assert all(c.n_compressed == 0 and c.offset == 40 for c in caches["tq"])
+    assert mx.array_equal(logits["tq"], logits["float"])
+
+
 def test_block_size_does_not_change_result():
     rng = np.random.default_rng(11)
     cache = TurboQuantKVCache(TurboQuantConfig(key_bits=2, value_bits=2, window=16, sinks=0), layer_index=0)

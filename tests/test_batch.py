@@ -264,6 +264,29 @@ def prompts_of(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
+def reference_blas_env() -> dict:
+    """This process's environment without OpenBLAS preloaded: MLX's reference BLAS, whose matmuls give a row of a
+    batch exactly what they give it alone. OpenBLAS picks other kernels for other batch sizes (float32 keys
+    differ by ~1e-6 from the sequence alone, with mlx-lm's own BatchKVCache too), and quantization can turn such a
+    difference into another code, so a batch equals its rows alone only on the reference BLAS."""
+    env = dict(os.environ, TQ_MLX_OPENBLAS="0")
+    env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+                                 if p and "blas" not in p)
+    return env
+
+
+def ran_on_reference_blas(request) -> bool:
+    """Under OpenBLAS, runs this test again in a pytest subprocess on the reference BLAS (asserting that it passes
+    there) and returns True; returns False when this process already uses the reference BLAS."""
+    if not openblas_preloaded():
+        return False
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                         cwd=REPO, env=reference_blas_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1].startswith("1 passed"), run.stdout[-2000:]
+    return True
+
+
 def alone(model, prompt, max_tokens, prompt_cache=None, eos=(EOS,), **kw):
     """Greedy tokens and their log-probabilities generating one sequence with mlx-lm's generate_step, up to the
     first end-of-sequence token (which batch_generate leaves out)."""
@@ -278,7 +301,9 @@ def alone(model, prompt, max_tokens, prompt_cache=None, eos=(EOS,), **kw):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "hybrid"])
 @pytest.mark.parametrize("prefill_step_size", [2048, 16])
-def test_batch_generate_equals_generating_alone(patched, name, prefill_step_size):
+def test_batch_generate_equals_generating_alone(request, patched, name, prefill_step_size):
+    if ran_on_reference_blas(request):  # rows equal to their sequences alone, bit for bit: see reference_blas_env
+        return
     model = patched[name]
     prompts = prompts_of(LENGTHS)
     r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=12, prefill_step_size=prefill_step_size,
@@ -489,18 +514,12 @@ def smollm2_agreement(max_tokens: int = 16) -> dict:
 
 @pytest.mark.slow
 def test_smollm2_batch_generate_equals_generating_alone():
-    # Rows equal to "alone" bit for bit need the model's own matmuls to give a row of a batch what they give it
-    # alone. MLX's reference BLAS does; OpenBLAS picks other kernels for other batch sizes (float32 keys differ
-    # by ~1e-5 from the sequence alone, with mlx-lm's own BatchKVCache too), and quantization turns a few of
-    # those differences into other codes. So this runs on the reference BLAS: in a subprocess if OpenBLAS is
-    # preloaded here.
+    # Rows equal to "alone" bit for bit: on the reference BLAS (reference_blas_env), in a subprocess if OpenBLAS
+    # is preloaded here.
     if openblas_preloaded():
-        env = dict(os.environ, TQ_MLX_OPENBLAS="0")
-        env["LD_PRELOAD"] = ":".join(p for p in env["LD_PRELOAD"].replace(" ", ":").split(":")
-                                     if p and "blas" not in p)
         code = "import json; from tests.test_batch import smollm2_agreement; print(json.dumps(smollm2_agreement()))"
-        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=1800)
+        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=reference_blas_env(), capture_output=True,
+                             text=True, timeout=1800)
         assert run.returncode == 0, run.stderr[-3000:]
         r = json.loads(run.stdout.strip().splitlines()[-1])
     else:

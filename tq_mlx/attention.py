@@ -21,7 +21,8 @@ each tile is scored once the previous one is merged, so a few tiles' scores are 
 the context (measured: 125 MB for a 2048-token chunk of SmolLM2's 9 query heads at 3k, 4k and 8k tokens,
 against 320 MB at 4k for mx.fast.scaled_dot_product_attention on a float cache, which grows with the context).
 Keys and values of a tile are worked on two MLX streams, which on a CPU means two cores. Everything is
-float32; the result has queries' dtype.
+float32; the result has queries' dtype. A view with no compressed token (a context shorter than the window) is
+plain float attention: mx.fast.scaled_dot_product_attention in the model's dtype (float_attention).
 """
 
 from __future__ import annotations
@@ -187,6 +188,18 @@ def batched_attention(queries: mx.array, keys: BatchView, values: BatchView, sca
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
+def float_attention(queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None) -> mx.array:
+    """Attention over a view that holds no compressed token (sinks and window only, as every context shorter
+    than the window): mx.fast.scaled_dot_product_attention on the float tokens, as mlx-lm's KVCache does, so
+    until its first compression the cache attends exactly like the float cache, with the fused kernel on a Mac."""
+    def tokens(kv: StreamView) -> mx.array:
+        parts = [p for p in (kv.sinks, kv.window) if p is not None]
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # at most sinks + window tokens
+        return x.astype(queries.dtype)
+
+    return mx.fast.scaled_dot_product_attention(queries, tokens(keys), tokens(values), scale=scale, mask=mask)
+
+
 def turboquant_attention(
     queries: mx.array,
     keys: StreamView,
@@ -204,6 +217,8 @@ def turboquant_attention(
     if isinstance(keys, BatchView):
         return batched_attention(queries, keys, values, scale, mask,
                                  lambda q, k, v, scale, mask: turboquant_attention(q, k, v, scale, mask, tile_tokens))
+    if keys.n_compressed == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):
+        return float_attention(queries, keys, values, scale, mask)
     B, Hq, L, D = queries.shape
     T, H, Dv = keys.n_tokens, keys.n_heads, values.head_dim
     R = Hq // H
