@@ -471,7 +471,8 @@ def ctx_label(c: int) -> str:
 
 def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
     contexts, texts = m["contexts"], [t for t in m["texts"] if any(t in r["texts"] for r in m["rows"])]
-    top = max(contexts)
+    # bits at the longest context every measured row reached (merged runs may reach further for some rows)
+    top = max((c for c in contexts if all(str(c) in r["bits"] for r in m["rows"] if r["texts"])), default=max(contexts))
     headers = ["cache", f"bits/val @{ctx_label(top)}", "bits/val @32k"]
     headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
     headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
@@ -657,13 +658,23 @@ def merge(paths: list[str], out: str | None) -> None:
                     have["rows"].append(x)
                     rows[x["setting"]] = x
                     continue
+                for c, b in x["bits"].items():
+                    rows[x["setting"]]["bits"].setdefault(c, b)
                 for text, cell in x["texts"].items():
                     old = rows[x["setting"]]["texts"].get(text)
                     if old is None or ("error" in old and "error" not in cell):
                         rows[x["setting"]]["texts"][text] = cell
+                    elif "error" not in cell:  # a longer run: its contexts the earlier one did not reach
+                        for c, r in cell.items():
+                            if isinstance(r, dict) and c not in old:
+                                old[c] = r
+                        layers = set(old.get("protected_layers", ())) | set(cell.get("protected_layers", ()))
+                        if layers:
+                            old["protected_layers"] = sorted(layers)
             order = {s.name: i for i, s in enumerate(ALL)}
             have["rows"].sort(key=lambda x: order.get(x["setting"], len(order)))
             have["texts"] = list(dict.fromkeys(have["texts"] + m["texts"]))
+            have["contexts"] = sorted(set(have["contexts"]) | set(m["contexts"]))
     metas = [x for r in runs for x in r["meta"].get("runs", [r["meta"]])]  # a merged file brings its own runs
     merged["meta"] = dict(runs[0]["meta"], command=" + ".join(x["command"] for x in metas), runs=metas)
     merged["seconds"] = max(r["seconds"] for r in runs)

@@ -148,6 +148,38 @@ def test_long_context_quick(long_context: dict) -> None:
     assert all(r["texts"][t]["protected_layers"] == [] for r in rows.values() if r["kind"] == "tq" for t in m["texts"])
 
 
+def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Path) -> None:
+    # A second run of some rows to a longer context: the merged table has the new column for those rows, keeps
+    # every earlier cell as it was, and prices bits at the longest context every measured row reached.
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    longer = json.loads(json.dumps(long_context))
+    m = longer["models"]["smollm2"]
+    m["contexts"] = [1024, 1152, 2048]
+    m["rows"] = [r for r in m["rows"] if r["kind"] in ("float", "tq")][:2]
+    for r in m["rows"]:
+        r["bits"]["2048"] = r["bits"]["1152"] / 2
+        for cell in r["texts"].values():
+            cell["1024"] = dict(cell["1024"], kl=123.0)  # must not replace the earlier run's cell
+            cell["2048"] = dict(cell["1152"], kl=cell["1152"]["kl"] + 0.5)
+    paths = []
+    for i, run in enumerate((long_context, longer)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    lc.merge([str(x) for x in paths], str(tmp_path / "merged"))
+    merged = json.loads((tmp_path / "merged" / "long_context.json").read_text())["models"]["smollm2"]
+    assert merged["contexts"] == [1024, 1152, 2048]
+    before = {r["setting"]: r for r in long_context["models"]["smollm2"]["rows"]}
+    for r in merged["rows"]:
+        for text, cell in r["texts"].items():
+            assert cell["1024"] == before[r["setting"]]["texts"][text]["1024"]
+            assert ("2048" in cell) == (r["setting"] in {x["setting"] for x in m["rows"]})
+    headers, rows = lc.model_table(merged)
+    assert headers[1] == "bits/val @1152" and "KL Brit 2k" in headers
+    assert sum(row[headers.index("KL Brit 2k")] != "–" for row in rows) == 2
+
+
 def test_long_context_counts_protected_layers_in_the_bits() -> None:
     sys.path.insert(0, str(BENCH))
     import long_context
