@@ -73,8 +73,8 @@ Supported by the kernels: head dims 16..512 (key and value dims may differ), eve
 (1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their uint8 log code,
 float16/bfloat16/float32 inputs. Views without compressed tokens need no kernel of ours: they take
 mx.fast.scaled_dot_product_attention (attention.float_attention). The reference path runs: QJL at 1 bit (no MSE
-stage), QJL keys' encode at head dims without a WHT, array masks (MLA models pass their RoPE scores as one),
-head dims above 512; and 1..8 query tokens whose decode variant failed its self-check (prefill_attention takes
+stage), QJL keys' encode at head dims without a WHT, array masks (from callers only: no model the cache
+serves passes one), head dims above 512; and 1..8 query tokens whose decode variant failed its self-check (prefill_attention takes
 chunks of more than 8).
 """
 
