@@ -165,6 +165,8 @@ MODELS = {
     "qwen05": ("Qwen2.5-Coder-0.5B-Instruct", "load_qwen25_coder_05b", "qwen25_coder_05b_path"),
     "qwen15": ("Qwen2.5-Coder-1.5B-Instruct", "load_qwen25_coder_15b", "qwen25_coder_15b_path"),
 }
+# max_position_embeddings of each model's config: contexts past it are measured, but are no quality target
+TRAINED_CONTEXT = {"smollm2": 8192, "qwen05": 32768, "qwen15": 32768}
 
 
 # --- rotation + affine ------------------------------------------------------------------------------------------
@@ -523,7 +525,13 @@ def report(results: dict) -> tuple[str, list[str]]:
         parts.append(f"**{m['model']}** ({g['attention_layers']} layers, {g['kv_heads']} kv heads, head_dim "
                      f"{g['head_dim']})\n\n{common.markdown_table(headers, rows)}")
     n = results.get("eval_tokens", EVAL)
-    notes = [x for m in results["models"].values() if (x := needle_line(m))] + [
+    notes = [x for m in results["models"].values() if (x := needle_line(m))]
+    notes += [f"{m['model']} at {', '.join(map(ctx_label, past))}: past its trained context "
+              f"({TRAINED_CONTEXT[key]:,} tokens), where the float model itself breaks down (float PPL above): "
+              "measured to show it, not a quality target"
+              for key, m in results["models"].items()
+              if (past := [c for c in m["contexts"] if c > TRAINED_CONTEXT.get(key, c)])]
+    notes += [
         f"KL: mean KL(p_float ‖ p_cache) in nats over the last {n} tokens of the context (next-token distributions), "
         f"the context fed {n} tokens at a time through the cache; ΔPPL: perplexity of the same {n} tokens against "
         "the float cache fed the same way (float's own PPL in brackets). One pass per setting gives every context "
