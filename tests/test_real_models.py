@@ -53,6 +53,17 @@ def greedy_answer(model: nn.Module, tokenizer: object, max_tokens: int = 24) -> 
     return generate(model, tokenizer, prompt, max_tokens=max_tokens)
 
 
+def test_kjv_verses_lose_their_references() -> None:
+    from tests.support.texts import clean_kjv
+
+    raw = ("Ge1:1 In the beginning God created the heaven and the earth.\n\n"
+           "1Sa3:4 That the LORD called Samuel: and he answered, Here am I.\n"
+           "Ps23:1 The LORD is my shepherd; I shall not want. Ge1:1 stays inside a verse\n")
+    assert clean_kjv(raw) == ("In the beginning God created the heaven and the earth.\n"
+                              "That the LORD called Samuel: and he answered, Here am I.\n"
+                              "The LORD is my shepherd; I shall not want. Ge1:1 stays inside a verse\n")
+
+
 def test_britannica_text_size() -> None:
     text = britannica_text()
     assert len(text.encode("utf-8")) == BRITANNICA_BYTES

