@@ -522,8 +522,12 @@ def report(results: dict) -> tuple[str, list[str]]:
     for m in results["models"].values():
         headers, rows = model_table(m)
         g = m["geometry"]
+        k = 3 + sum(h.startswith("KL ") for h in headers)  # cache, bits, KL columns | ΔPPL columns
         parts.append(f"**{m['model']}** ({g['attention_layers']} layers, {g['kv_heads']} kv heads, head_dim "
-                     f"{g['head_dim']})\n\n{common.markdown_table(headers, rows)}")
+                     f"{g['head_dim']}): KL(float ‖ cache) in nats\n\n"
+                     f"{common.markdown_table(headers[:k], [r[:k] for r in rows])}\n\n"
+                     f"{m['model']}: ΔPPL against the float cache (float's own PPL in brackets)\n\n"
+                     f"{common.markdown_table(headers[:1] + headers[k:], [r[:1] + r[k:] for r in rows])}")
     n = results.get("eval_tokens", EVAL)
     notes = [x for m in results["models"].values() if (x := needle_line(m))]
     notes += [f"{m['model']} at {', '.join(map(ctx_label, past))}: past its trained context "
