@@ -48,6 +48,25 @@ about two hours of wall time), then --merge (rows of the same model from several
     long_context.py --merge benchmarks/results/long_context.json A3/long_context.json A4/long_context.json \
         A5/long_context.json   (2026-11-25, later)
 
+Then values stopped being centered by default (rows measured before carry "values centered" in their names:
+canonical_name), a third text came in (kjv: apt-get install bible-kjv) and contexts past 8k (--contexts,
+--qwen-contexts): on top of the table above, with values centered (the default then)
+
+    long_context.py --models smollm2 --texts britannica --contexts 1024,2048,4096,8192,16384 \
+        --settings float,default --needles "" --out L1          (and --texts hamlet --out L2)
+    long_context.py --models qwen05 --texts britannica --qwen-contexts 1024,2048,4096,8192,16384 \
+        --settings float,default --needles "" --no-peers --out L3
+
+and with the new default (values not centered)
+
+    long_context.py --models smollm2 --texts britannica --settings float,default,k3v2w1824,k2v1w2240 --needles "" \
+        --out N1                                                  (and --texts hamlet --out N2)
+    long_context.py --models smollm2 --texts kjv --settings float,default,k3v2w1824,k2v1w2240,k4v4n8,rot4 \
+        --needles "" --out N3
+    long_context.py --models qwen05 --texts britannica,hamlet --settings float,default --needles "" --no-peers \
+        --out N4
+    long_context.py --merge benchmarks/results/long_context.json L1/... L2/... L3/... N1/... N2/... N3/... N4/...
+
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
 rewritten after every pass, so a killed run leaves its partial results.
@@ -84,7 +103,7 @@ EVAL = 512  # tokens scored at the end of each context
 # Library defaults spelled out, so a later change of the defaults does not change what a row measures
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
 DEFAULTS = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
-                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=True, qjl=False, norm_bits=16,
+                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
                 seed=0)
 
 
@@ -100,10 +119,36 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("no key protection")
     if cfg.norm_bits != DEFAULTS["norm_bits"]:
         extra.append(f"{cfg.norm_bits}-bit norms")
+    if cfg.center_values != DEFAULTS["center_values"]:
+        extra.append(centering_tag(cfg.center_values))
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
     return Setting(label, "tq", config=cfg)
+
+
+def centering_tag(center_values: bool) -> str:
+    return "values centered" if center_values else "values not centered"
+
+
+def canonical_name(row: dict) -> str:
+    """A stored TurboQuant row's name under the current DEFAULTS: one measured with another center_values (the
+    default was True until 2026-11-25) says so, so rows of either kind never merge into one."""
+    cfg, name = row.get("config"), row["setting"]
+    if row.get("kind") != "tq" or not cfg or cfg.get("center_values", True) == DEFAULTS["center_values"]:
+        return name
+    tag = centering_tag(cfg.get("center_values", True))
+    if tag in name:
+        return name
+    name = name.replace("(the default)", "(the default until 2026-11-25)")
+    return f"{name[:-1]}, {tag})" if name.endswith(")") else f"{name} ({tag})"
+
+
+def base_name(name: str) -> str:
+    """canonical_name undone: the setting's name under the defaults it was measured with (rows sort by it)."""
+    for tag in (centering_tag(True), centering_tag(False)):
+        name = name.replace(f", {tag})", ")").replace(f" ({tag})", "")
+    return name.replace("(the default until 2026-11-25)", "(the default)")
 
 
 def config_text(cfg: TurboQuantConfig) -> str:
@@ -493,7 +538,7 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         if extra:  # layers whose keys protected themselves: their key codes at protect_bits, marked †
             bits_s = f"{bits + extra:.2f}†"
         b32 = r.get("bits_32k")
-        line = [r["setting"], bits_s,
+        line = [canonical_name(r), bits_s,
                 f"{b32 + protection_bits(r, m['geometry'], LONG):.2f}†" if extra and b32 else common.fmt(b32)]
         kls, dps = [], []
         for t in texts:
@@ -661,6 +706,9 @@ def merge(paths: list[str], out: str | None) -> None:
     merged = dict(runs[0])
     merged["models"] = {}
     for r in runs:  # the same model in several runs (e.g. more settings in a second process): rows joined per text
+        for m in r["models"].values():
+            for x in m["rows"]:
+                x["setting"] = canonical_name(x)
         for key, m in r["models"].items():
             have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
             if have is m or have == m:
@@ -686,7 +734,7 @@ def merge(paths: list[str], out: str | None) -> None:
                         if layers:
                             old["protected_layers"] = sorted(layers)
             order = {s.name: i for i, s in enumerate(ALL)}
-            have["rows"].sort(key=lambda x: order.get(x["setting"], len(order)))
+            have["rows"].sort(key=lambda x: (order.get(base_name(x["setting"]), len(order)), x["setting"] != base_name(x["setting"])))
             have["texts"] = list(dict.fromkeys(have["texts"] + m["texts"]))
             have["contexts"] = sorted(set(have["contexts"]) | set(m["contexts"]))
     metas = [x for r in runs for x in r["meta"].get("runs", [r["meta"]])]  # a merged file brings its own runs

@@ -180,6 +180,23 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     assert sum(row[headers.index("KL Brit 2k")] != "–" for row in rows) == 2
 
 
+def test_long_context_rows_measured_with_values_centered_say_so() -> None:
+    # The default stopped centering values: rows stored before keep what they measured under a name that says so
+    # (and never merge with a row of the new default), and sort beside the setting they came from.
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    old = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": dict(lc.DEFAULT.config.to_dict(), center_values=True)}
+    new = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": lc.DEFAULT.config.to_dict()}
+    assert lc.canonical_name(new) == "TQ K4/V3 (the default)"
+    renamed = lc.canonical_name(old)
+    assert renamed == "TQ K4/V3 (the default until 2026-11-25, values centered)"
+    assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == "TQ K4/V3 (the default)"
+    plain = {"setting": "TQ K4/V4", "kind": "tq", "config": dict(lc.K4V4.config.to_dict(), center_values=True)}
+    assert lc.canonical_name(plain) == "TQ K4/V4 (values centered)" and lc.base_name("TQ K4/V4 (values centered)") == "TQ K4/V4"
+    assert lc.tq(4, 4, center_values=True).name == "TQ K4/V4 (values centered)"
+
+
 def test_long_context_counts_protected_layers_in_the_bits() -> None:
     sys.path.insert(0, str(BENCH))
     import long_context

@@ -36,7 +36,7 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, True)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, False)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
@@ -225,7 +225,7 @@ def test_nbytes_equals_layout_formula(cfg, D):
 
 
 def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
-    c = TurboQuantKVCache(TurboQuantConfig(window=0, sinks=0, step=64))
+    c = TurboQuantKVCache(TurboQuantConfig(window=0, sinks=0, step=64, center_values=True))
     sizes = []
     for _ in range(5):
         fill(c, (50,))
@@ -233,7 +233,7 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
     meta, arrays = c.state
     state_bytes = sum(a.nbytes for a in (*arrays["k_codes"], *arrays["v_codes"], arrays["k_mean"], arrays["v_mean"],
                                          arrays["k_scale"], arrays["v_scale"]))
-    assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered by default
+    assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered
     assert arrays["k_scale"].shape == arrays["v_scale"].shape == (1, 2)
     const = c.nbytes - state_bytes
     # Rotation signs, codebooks and lookup tables only (K4, V3 at the default head_dim).
@@ -474,7 +474,7 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     # A reused prompt cache that shares only its float16 sinks with the new prompt: nothing encoded with the old
     # μ, ν is left, so it must end up exactly where a fresh cache fed the new prompt does.
     x = mx.array(np.random.default_rng(5).normal(0.5, 1.0, size=(1, 2, 200, 64)), dtype=mx.float16)
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2)
+    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2, center_values=True)  # μ and ν both recalibrate
     reused = TurboQuantKVCache(cfg)
     _feed16(reused, mx.concatenate([x[:, :, :2], -x[:, :, 2:]], axis=2), [200])  # diverges after the sinks
     assert reused.n_compressed > 0 and reused.calibrated
@@ -499,7 +499,7 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
     x = rng.normal(0.5, 1.0, size=(1, 2, 40, 64)).astype(np.float32)
     poisoned = x.copy()
     poisoned[:, :, 7, 5] = bad  # token 7: inside the calibration block (tokens 2..17 after 2 sinks)
-    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=16, compress_block=16, sinks=2)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=16, compress_block=16, sinks=2, center_values=True)
     clean, dirty = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
     clean.update_and_fetch(mx.array(x), mx.array(x))
     kh, vh = dirty.update_and_fetch(mx.array(poisoned), mx.array(poisoned))

@@ -97,17 +97,20 @@ def test_prefill_schedules(emulator, schedule):
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize("center_values", [False, True], ids=["default", "values centered"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=ids)
-def test_prefill_on_cache_views(emulator, dtype):
-    # A real cache (the default K4/V3, key and value means, power-of-two scales, strided capacity buffers):
+def test_prefill_on_cache_views(emulator, dtype, center_values):
+    # A real cache (K4/V3, a key mean and a value mean if centered, power-of-two scales, strided capacity buffers):
     # a 70-token prompt, then a 40-token chunk, longer than the 16-token window, so part of the chunk itself is
     # compressed and the causal mask reaches into the codes.
     rng = np.random.default_rng(11)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8, step=64))
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8, step=64,
+                                               center_values=center_values))
     kv = lambda n, shift: ((normal(rng, (2, 2, n, 64)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(70, 0.7), kv(70, -0.3))
     keys, values = cache.update_and_fetch(kv(40, 0.7), kv(40, -0.3))
-    assert keys.mean is not None and keys.scale is not None and values.mean is not None and values.scale is not None
+    assert keys.mean is not None and keys.scale is not None and values.scale is not None
+    assert (values.mean is not None) == center_values
     assert keys.n_compressed > 40 + 32 and keys.n_window < 40
     q = normal(rng, (2, 4, 40, 64), dtype)
     got = K.prefill_attention(q, numpy_views(keys), numpy_views(values), 0.125, "causal", metal_kernel=Emu())

@@ -56,7 +56,8 @@ class TurboQuantConfig:
     protect_factor: float | None = 5.0  # keys whose calibration bias_outlier_factor exceeds this: protect_bits
     protect_bits: float = 8
     center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
-    center_values: bool = True  # same for values with ν (exact too)
+    center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
+    # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 16  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
