@@ -20,7 +20,7 @@ for --settings in BY_KEY): float; TurboQuant K4/V3 (the default: window 768 in b
 themselves), the previous default (window 128), the default without key protection, K4/V4, and settings near 3.5
 and 2.75 bits/value at 32k (K4/V2 and K3/V3 window 512, K2.5/V2 window 256, K2/V2 window 512 and 1024, K4/V1 and
 K3/V1 window 1024), 8-bit norms buying a larger window (K3/V3 window 896 at 3.49 bits, K4/V4 window 1696 at 4.77,
-both in blocks of 64), K8/V8, boundary
+both in blocks of 64; K2/V2 window 1408 and K2/V1 window 2496 with 8-bit norms, 2.74), K8/V8, boundary
 layers; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64 (no window), "rotation + affine"
 (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head of keys and values, then mlx-lm
 affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128 tokens), and mlx-vlm's
@@ -65,7 +65,11 @@ and with the new default (values not centered)
         --needles "" --out N3
     long_context.py --models qwen05 --texts britannica,hamlet --settings float,default --needles "" --no-peers \
         --out N4
-    long_context.py --merge benchmarks/results/long_context.json L1/... L2/... L3/... N1/... N2/... N3/... N4/...
+    long_context.py --models qwen15 --texts britannica,hamlet --settings float,default --needles "" --no-peers \
+        --out N5
+    long_context.py --models smollm2 --texts kjv --settings float,k2v2w1408n8,k2v1w2496n8 --needles "" --out C1
+        (and --texts britannica --out C2, --texts hamlet --out C3: 2.74 bits/value at 32k with 8-bit norms)
+    long_context.py --merge benchmarks/results/long_context.json L1/... L2/... L3/... N1/... ... C3/...
 
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
@@ -186,6 +190,9 @@ K4V4_N8 = tq(4, 4, window=1696, compress_block=64, norm_bits=8)  # 4.77: rotatio
 # 55% of a 4k context stays float, 6-7% of 32k.
 K3V2_W1824 = tq(3, 2, window=1824, compress_block=64)  # 3.50 bits/value at 32k
 K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
+# 8-bit norms pay for the window at 2.74 bits: 2-bit values and a 1408-token window, or 1-bit values and 2496
+K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
+K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -196,12 +203,12 @@ PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
 ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
-       K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K8V8, BOUND, MLX4, MLX8, PEER4]
+       K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
 FIRST = 6  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
 BY_KEY = {"float": FLOAT, "default": DEFAULT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
-          "k2v1w2240": K2V1_W2240,
+          "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
           "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
 
@@ -489,7 +496,8 @@ def needle_line(m: dict) -> str | None:
         for name in dict.fromkeys(r["setting"] for r in probes):
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
             if rs:
-                cells.append(f"{name.split(' (')[0]} {sum(r['hit'] for r in rs)}/{len(rs)}"
+                short = name.split(" (")[0] if not name.startswith("TQ") or "values" not in name else name
+                cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
                              + ("" if all(r["hit"] for r in rs) else
                                 " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][:24]!r}" for r in rs if not r["hit"]) + ")"))
         parts.append(f"{ctx_label(length)}: " + ", ".join(cells))
@@ -707,8 +715,11 @@ def merge(paths: list[str], out: str | None) -> None:
     merged["models"] = {}
     for r in runs:  # the same model in several runs (e.g. more settings in a second process): rows joined per text
         for m in r["models"].values():
+            renamed = {x["setting"]: canonical_name(x) for x in m["rows"]}
             for x in m["rows"]:
-                x["setting"] = canonical_name(x)
+                x["setting"] = renamed[x["setting"]]
+            for x in m.get("needles", []):  # probes ran with that run's setting of the same name
+                x["setting"] = renamed.get(x["setting"], x["setting"])
         for key, m in r["models"].items():
             have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
             if have is m or have == m:
