@@ -153,9 +153,11 @@ def single(qwen2_dir) -> dict:
 
 def test_ring_backend_runs_two_processes_here():
     # Checked, not assumed: if this fails, the sharded tests below cannot run on this machine.
+    # One write per rank: print() writes its pieces one by one when unbuffered, and the two ranks' pieces could
+    # interleave in mlx.launch's relayed output ('rank 1rank 0 2 3' seen once in CI).
     script = "import os, mlx.core as mx; g = mx.distributed.init(); " \
-             "print('rank', g.rank(), g.size(), mx.distributed.all_sum(mx.array(g.rank() + 1)).item(), flush=True); " \
-             "os._exit(0)"
+             "os.write(1, f'rank {g.rank()} {g.size()} {mx.distributed.all_sum(mx.array(g.rank() + 1)).item()}\\n'" \
+             ".encode()); os._exit(0)"
     r = mlx_launch(sys.executable, "-c", script)
     assert r.returncode == 0, r.stderr
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == ["rank 0 2 3", "rank 1 2 3"]
