@@ -377,7 +377,7 @@ class ChatApp(App):
             return
         try:
             path = self.session.save(arg)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 (a failed save must never end the conversation)
             await self.transcript.add(f"Could not save: {e}", "error")
             return
         s = self.session.snapshot()
@@ -392,7 +392,7 @@ class ChatApp(App):
             return
         try:
             warnings = self.session.load(arg)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 (a failed load leaves the conversation as it was)
             await self.transcript.add(f"Could not load: {e}", "error")
             return
         await self.transcript.remove_children()

@@ -18,13 +18,28 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx.utils import tree_reduce
+from mlx.utils import tree_flatten, tree_reduce
 
 from tq_mlx import memory
 from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.cli import describe_config
 
 FILE_FORMAT = "tq-chat/1"
+
+
+def materialize(cache: list) -> None:
+    """Evaluate every array a cache holds, in this thread. MLX streams belong to the thread that made them: a
+    lazy array built here (a cache loaded from a file) cannot be evaluated by the generation thread."""
+    arrays = []
+    for c in cache:
+        inner = getattr(c, "caches", None)  # mlx-lm CacheList
+        if isinstance(inner, (list, tuple)):
+            materialize(list(inner))
+        elif hasattr(c, "held_arrays"):  # TurboQuantKVCache: buffers and quantizer constants
+            arrays += c.held_arrays()
+        else:
+            arrays += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    mx.eval(arrays)
 
 
 class ContextFull(Exception):
@@ -289,7 +304,12 @@ class ChatSession:
             "tokens": json.dumps(self.tokens),
             "config": json.dumps(self.config.to_dict() if self.config else None),
         }
-        save_prompt_cache(str(path), self.cache, metadata)
+        if not path.parent.is_dir():
+            raise ValueError(f"cannot save to {path}: the folder {path.parent} does not exist")
+        try:
+            save_prompt_cache(str(path), self.cache, metadata)
+        except RuntimeError as e:  # MLX reports an unwritable file as RuntimeError("[save_safetensors] ...")
+            raise OSError(f"cannot write {path}: {e}") from None
         return path
 
     def load(self, path: str | Path) -> list[str]:
@@ -318,6 +338,7 @@ class ChatSession:
         offset = self.cache_offset(cache)
         if offset != len(tokens):
             raise ValueError(f"{path}: the cache holds {offset} tokens but the conversation {len(tokens)}")
+        materialize(cache)
         self.cache, self.messages, self.tokens = cache, messages, tokens
         self.speeds, self._checkpoint = Speeds(), None
         return warnings

@@ -282,6 +282,71 @@ def test_save_then_load_continues_the_conversation(tiny_model_dir, tmp_path):
     asyncio.run(run())
 
 
+def in_thread(f):
+    """f() in a new thread, as tq-chat runs every load and generation (its result, or the exception it raised)."""
+    import threading
+
+    out = []
+
+    def target():
+        try:
+            out.append(f())
+        except Exception as e:  # noqa: BLE001 (handed back to the test)
+            out.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_conversation_loaded_in_one_thread_continues_in_another(tiny_model_dir, tmp_path):
+    """The app loads in the event loop's thread and answers in a worker thread: MLX streams are per thread, so
+    a lazily loaded cache failed every later answer ("There is no Stream(cpu, 0) in current thread")."""
+    from mlx_lm import load
+
+    from tq_chat.session import ChatSession
+
+    def start():
+        model, tokenizer = load(str(tiny_model_dir))
+        return ChatSession(model, tokenizer, TurboQuantConfig(window=16, sinks=2), ctx=1024, max_tokens=8)
+
+    session = in_thread(start)
+    assert in_thread(lambda: session.generate("remember this, it is a long enough question").generated) > 0
+    saved = list(session.tokens)
+    path = in_thread(lambda: session.save(tmp_path / "conv"))
+    assert in_thread(lambda: session.load(path)) == [] and session.tokens == saved
+    result = in_thread(lambda: session.generate("go on"))
+    assert not isinstance(result, Exception), result
+    assert result.reused_tokens >= len(saved) - 1 and result.generated > 0
+
+
+def test_save_to_a_missing_folder_is_one_line_and_the_conversation_stays(tiny_model_dir, tmp_path):
+    async def run():
+        app = make_app(tiny_model_dir)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "keep me")
+            tokens, history = list(app.session.tokens), list(app.session.messages)
+            await say(pilot, f"/save {tmp_path / 'no-such-dir' / 'x.safetensors'}")
+            error = messages(app, "error")[-1].source
+            assert error == (f"Could not save: cannot save to {tmp_path / 'no-such-dir' / 'x.safetensors'}: "
+                             f"the folder {tmp_path / 'no-such-dir'} does not exist")
+            (tmp_path / "ro").mkdir()
+            (tmp_path / "ro").chmod(0o500)  # a folder that exists but cannot be written: MLX's RuntimeError
+            try:
+                await say(pilot, f"/save {tmp_path / 'ro' / 'x'}")
+            finally:
+                (tmp_path / "ro").chmod(0o700)
+            if os.geteuid() != 0:  # root writes anywhere
+                assert messages(app, "error")[-1].source.startswith(f"Could not save: cannot write {tmp_path}")
+            assert app.session.tokens == tokens and app.session.messages == history
+            await say(pilot, "still here?")  # the conversation goes on
+            assert len(messages(app, "assistant")) == 2 and app.is_running
+
+    asyncio.run(run())
+
+
 def test_ctrl_c_stops_and_keeps_the_partial_answer(tiny_model_dir):
     async def run():
         app = make_app(tiny_model_dir, max_tokens=3000, ctx=4096)
