@@ -50,6 +50,21 @@ GENERIC: dict[str, Any] = dict(
 )
 SW = ["sliding_attention", "full_attention"] * (L // 2)
 ROPE = {"rope_theta": 10000.0, "rope_type": "default", "type": "default"}
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+# Gemma 4, every kind of layer its checkpoints have: sliding (0, 2) and full (1, 3) layers; layers 2 and 3 share
+# the K/V of layers 0 and 1 (num_kv_shared_layers, the E2B/E4B models); full layers with their own head_dim,
+# K = V and one KV head (the 26B/31B models); MoE beside the MLP (26B); per-layer inputs (E2B/E4B).
+GEMMA4 = dict(layer_types=SW, num_kv_shared_layers=2, global_head_dim=2 * HD, attention_k_eq_v=True,
+              num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
+              moe_intermediate_size=64, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB)
+# Kimi K3: KDA linear attention on layers 0 and 2 (1-based kda_layers), NoPE MLA on 1 and 3, SiTU activation,
+# attention residuals over blocks of 2 layers, latent MoE (experts at a narrower width) from layer 1.
+KIMI_K3 = dict(hidden_act="situ", activation_situ_beta=1.0, num_experts_per_token=2, num_shared_experts=1,
+               linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": HD, "num_heads": 4,
+                                   "short_conv_kernel_size": 4},
+               attn_res_block_size=2, routed_expert_hidden_size=64, latent_moe_use_norm=True,
+               mla_use_output_gate=True)
 
 # Per-architecture fields GENERIC lacks or gets wrong.
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -63,7 +78,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "exaone4": dict(sliding_window_pattern="LG"),
     "exaone_moe": dict(layer_types=SW, is_moe_layer=[False] + [True] * (L - 1)),
     "gear": dict(layer_types=SW),
-    "mellum": dict(layer_types=SW),
+    "mellum": dict(layer_types=SW, rope_parameters={"full_attention": dict(YARN, rope_theta=10000.0),
+                                                    "sliding_attention": ROPE}),
     "gemma3n": dict(text_config=dict(
         num_kv_shared_layers=1, vocab_size_per_layer_input=VOCAB, rope_local_base_freq=10000.0,
         final_logit_softcapping=30.0, layer_types=SW, activation_sparsity_pattern=[0.0] * L,
@@ -71,9 +87,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         altup_active_idx=0, laurel_rank=16)),
     "glm_moe_dsa": dict(index_head_dim=32, index_n_heads=2, index_topk=8, topk_method="noaux_tc",
                         scoring_func="sigmoid", rope_parameters=ROPE),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"] * (L // 2)),
-    "hunyuan": dict(use_mixed_mlp_moe=False, use_cla=False, cla_share_factor=1),
-    "kimi_k3": dict(hidden_act=None),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"] * (L // 2), mamba_n_heads=4, mamba_d_head=32,
+                             mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_conv_bias=True),
+    # Hunyuan-Large: cross-layer attention (odd layers reuse the K/V projections of the layer before, each keeps
+    # its own cache), a shared MLP beside the experts, QK norm, NTK-alpha RoPE.
+    "hunyuan": dict(use_mixed_mlp_moe=True, use_cla=True, cla_share_factor=2, use_qk_norm=True, moe_topk=2,
+                    rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}),
+    "kimi_k3": dict(text_config=KIMI_K3),
     "kimi_linear": dict(model_max_length=4096, linear_attn_config={
         "kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 4, "short_conv_kernel_size": 4}),
     "lfm2": dict(block_dim=H, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
@@ -83,8 +103,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": dict(use_expert_bias=False, num_dense_layers=1, full_attn_idxs=[1, 3]),
     "llama4_text": dict(intermediate_size_mlp=2 * H, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=16,
                         interleave_moe_layer_step=1),
-    "llama4": dict(text_config=dict(intermediate_size_mlp=2 * H, no_rope_layers=[1, 1, 1, 0],
-                                    attention_chunk_size=16, interleave_moe_layer_step=1)),
+    # Scout/Maverick: one routed expert per token, MoE every other layer (Maverick), chunked attention on the
+    # RoPE layers (chunk 8 < the 24 tokens) and a NoPE full-attention layer with temperature tuning (layer 3).
+    "llama4": dict(text_config=dict(intermediate_size_mlp=2 * H, attention_chunk_size=8, interleave_moe_layer_step=2,
+                                    num_experts_per_tok=1, use_qk_norm=True, floor_scale=8,
+                                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                      high_freq_factor=4.0, original_max_position_embeddings=1024))),
     "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity", zero_expert_num=1,
                           mla_scale_q_lora=True, mla_scale_kv_lora=True),
     "longcat_flash_ngram": dict(zero_expert_num=1, mla_scale_q_lora=True, mla_scale_kv_lora=True),
@@ -92,44 +116,79 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ministral3": dict(rope_parameters=dict(ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=4096)),
     "mistral3": dict(text_config=dict(model_type="ministral3", rope_parameters=dict(
         ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=4096))),
+    # Mistral Small 4: MLA with YaRN and Llama-4 attention scaling in one rope_parameters dict
+    "mistral4": dict(rope_parameters=dict(YARN, rope_theta=10000.0, llama_4_scaling_beta=0.1)),
     "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "*"]),
     "olmo_hybrid": dict(linear_allow_neg_eigval=False, layer_types=["linear_attention", "full_attention"] * 2),
     "openelm": dict(ffn_dim_divisor=8, ffn_multipliers=[2.0] * L, num_kv_heads=[KV_HEADS] * L),
+    "plamo": dict(n_shared_head=2),  # 4 query heads over 2 K/V heads (the default 8 wants 8+ query heads)
     "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=2 * H, gegelu_limit=20.0),
-    "qwen": dict(intermediate_size=4 * H),
+    "qwen": dict(intermediate_size=4 * H, kv_channels=HD),  # c_proj maps heads * kv_channels back to hidden
     "recurrent_gemma": dict(logits_soft_cap=30.0, attention_window_size=16,
                             block_types=["recurrent", "attention"]),
     "rwkv7": dict(a_low_rank_dim=16, v_low_rank_dim=16, gate_low_rank_dim=16, decay_low_rank_dim=16),
-    "spark2_5": dict(rope_parameters=ROPE),
-    "step3p5": dict(num_attention_groups=KV_HEADS),
+    # three sliding layers and one full layer (its default pattern), partial RoPE on the full layer
+    "spark2_5": dict(hidden_act="gelu", rope_parameters={"sliding_attention": ROPE,
+                                                         "full_attention": dict(ROPE, partial_rotary_factor=0.5)}),
+    # Step-3.5-Flash: sliding layers with their own head counts, per-layer RoPE theta and partial factor, YaRN on
+    # the full layers only, clamped SwiGLU, MoE from layer 1 with a shared expert.
+    "step3p5": dict(num_attention_groups=KV_HEADS, layer_types=["full_attention", "sliding_attention"] * (L // 2),
+                    attention_other_setting={"num_attention_heads": 4, "num_attention_groups": 4},
+                    rope_theta=[10000.0, 5000.0] * (L // 2), partial_rotary_factors=[0.5, 1.0] * (L // 2),
+                    yarn_only_types=["full_attention"], rope_scaling=YARN, moe_top_k=2, share_expert_dim=64,
+                    swiglu_limits=[0.0] + [7.0] * (L - 1), swiglu_limits_shared=[0.0] + [16.0] * (L - 1)),
+    # DeepSeek-V2: MLA with YaRN (mscale on the softmax scale), group-limited routing, first layer dense.
+    "deepseek_v2": dict(rope_scaling=YARN, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+    # MiniCPM3: MLA with LongRoPE (per-frequency short/long factors, 8 = qk_rope_head_dim / 2).
+    "minicpm3": dict(rope_scaling={"type": "longrope", "original_max_position_embeddings": 1024,
+                                   "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                   "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
+    "gemma4_text": GEMMA4,
+    "gemma4": dict(text_config=GEMMA4),
+    # full layers 0 and 3, sliding 1 and 2; attention sinks on both kinds; q/k head 48 with a 32 value head,
+    # partial RoPE, value scale; the sliding layers have more KV heads (as the real 4 full / 8 sliding).
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[0, 1, 1, 0], moe_layer_freq=[0, 1, 1, 1],
+                          add_swa_attention_sink_bias=True, add_full_attention_sink_bias=True,
+                          sliding_window_size=8, topk_method="noaux_tc", scoring_func="sigmoid",
+                          n_shared_experts=None, routed_scaling_factor=None, layernorm_epsilon=1e-5,
+                          swa_rope_theta=10000.0, swa_num_attention_heads=HEADS, swa_num_key_value_heads=4,
+                          head_dim=48, v_head_dim=HD, swa_head_dim=48, swa_v_head_dim=HD,
+                          partial_rotary_factor=0.334, attention_value_scale=0.707),
+    # MiniMax-M3: first layer dense, then MoE with a shared expert; block-sparse attention (an indexer with its own
+    # key cache, CacheList(KVCache, KVCache)) on layers 1-3, full attention on layer 0; half-rotary RoPE.
+    "minimax_m3_vl": dict(text_config=dict(
+        moe_layer_freq=[0, 1, 1, 1], dense_intermediate_size=2 * H, intermediate_size=64, rotary_dim=None,
+        rope_parameters=dict(ROPE, partial_rotary_factor=0.5),
+        sparse_attention_config={"sparse_num_index_heads": 2, "sparse_index_dim": HD, "sparse_block_size": 4,
+                                 "sparse_topk_blocks": 2, "sparse_local_block": 1,
+                                 "sparse_attention_freq": [0, 1, 1, 1]})),
+    # sliding and full layers, one without RoPE (layer_rope_theta 0), MoE at a compressed width on every layer
+    "muse_spark": dict(text_config=dict(
+        post_norm_eps=1e-5, rope_parameters=ROPE, layer_rope_theta=[10000.0, 10000.0, 10000.0, 0.0],
+        layer_types=SW, final_logit_softcapping=30.0, output_multiplier=1.0, moe_hidden_size=64,
+        num_shared_experts=0, mlp_layer_types=["sparse"] * L)),
+    # Llama-3.1-Nemotron-51B style: a normal layer, one whose attention is gone, one whose attention and MLP are
+    # single linear layers, one without an MLP; GQA group 2; llama3 RoPE scaling.
+    "nemotron-nas": dict(block_configs=[
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.3}},
+        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+        {"attention": {"replace_with_linear": True}, "ffn": {"replace_with_linear": True}},
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}}],
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=1024)),
 }
 
 # architecture -> (why no tiny model runs here, where it fails: "build", "forward" (the float model's own
 # forward) or None (it aborts the process, so the test cannot re-check it)). The zoo test checks that each
 # entry still fails where it says, so an architecture that starts working shows up.
-_TODO = "the zoo's builder does not fill its ModelArgs yet: "
 NOT_BUILDABLE: dict[str, tuple[str, str | None]] = {
     "olmo": ("needs the ai2-olmo package (hf_olmo); mlx_lm.models.olmo exits at import without it", "build"),
     "bitnet": ("its BitLinear layers run a Metal kernel; no CPU path", "forward"),
     "prism_hadamard_qwen35": ("needs a Hadamard pack (schema, namespace) that ships with the converted weights",
                               "build"),
     "phi3small": ("its float forward aborts the process on the MLX CPU build (heap corruption)", None),
-    "deepseek_v2": (_TODO + "rope_scaling (MLA, would be refused)", "build"),
-    "minicpm3": (_TODO + "rope_scaling (MLA, would be refused)", "build"),
-    "gemma4": (_TODO + "per-layer types (would be refused: KV sharing)", "build"),
-    "gemma4_text": (_TODO + "per-layer types (would be refused: KV sharing)", "build"),
-    "minimax_m3_vl": (_TODO + "nested text config (would be refused)", "build"),
-    "muse_spark": (_TODO + "nested text config (would be refused)", "build"),
-    "mimo_v2_flash": (_TODO + "hybrid layer pattern (would be refused: attention sinks)", "build"),
-    "kimi_k3": (_TODO + "activation (MLA, would be refused)", "build"),
-    "granitemoehybrid": (_TODO + "mamba fields", "build"),
-    "hunyuan": (_TODO + "MoE layout", "build"),
-    "llama4": (_TODO + "vision-language MoE layout (one expert per token)", "build"),
-    "mellum": (_TODO + "layer types", "build"),
-    "nemotron-nas": (_TODO + "block_configs", "build"),
-    "spark2_5": (_TODO + "per-layer-type RoPE parameters", "build"),
-    "qwen": (_TODO + "its MLP width convention", "forward"),
-    "step3p5": (_TODO + "MoE layout (top-k above the expert count)", "forward"),
+    "muse_spark": ("its attention, norms and expert routing run Metal kernels (mlx_lm.kernels); no CPU path",
+                   "forward"),
 }
 
 
