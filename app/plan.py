@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, replace
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import describe_config
 from tq_mlx import memory
-from tq_mlx.memory import attention_layout, estimate_kv_bytes, estimate_peak_bytes, format_bytes
+from tq_mlx.architectures import FLOAT_FETCH
+from tq_mlx.memory import (attention_layout, estimate_kv_bytes, estimate_peak_bytes, fetch_transient_bytes,
+                           format_bytes, model_types)
 
 # Share of the available memory the weights and KV cache may take; the rest is left for activations
 # (prefill chunks, attention scores) and everything else running.
@@ -42,6 +44,14 @@ class Plan:
     peak_float: int = 0  # the same with mlx-lm's float cache
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
+    value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
+    sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
+    shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
+    fetch: str = "codes"  # what a TurboQuant fetch gives the model (tq_mlx.architectures.fetch_for)
+    latent: bool = False  # multi-head latent attention: the cache holds the latent and the rope key
+    fetch_transient: int = 0  # float bytes one layer's fetch materializes at ctx (memory.fetch_transient_bytes)
+    float_reason: str = ""  # why the model's fetch decodes to float (architectures.FLOAT_FETCH)
+    max_kv_size: int | None = None  # a bounded cache (--max-kv-size): tokens each full layer keeps
 
     @property
     def usable(self) -> int:
@@ -70,29 +80,37 @@ def memory_source() -> str:
 
 def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: TurboQuantConfig | None,
               available: int, available_source: str = "physical memory", dtype: str | None = None,
-              prefill_step: int = 2048) -> Plan:
+              prefill_step: int = 2048, max_kv_size: int | None = None) -> Plan:
     """Estimate weights, KV and the peak of prefill + decode at `ctx` tokens, compare the peak with
     `available`, and suggest settings that fit. dtype: what --dtype casts the model to (its config's
-    torch_dtype otherwise)."""
+    torch_dtype otherwise). max_kv_size: a bounded cache (--max-kv-size), priced as memory.bounded_tokens says."""
     if dtype:  # the KV cache's float parts hold the dtype the model runs in
         model_config = {**model_config, "torch_dtype": dtype}
     lay = attention_layout(model_config)
     plan = Plan(
         model=model, ctx=ctx, config=config, weights=weights,
-        kv_fp16=estimate_kv_bytes(model_config, ctx, None),
-        kv=estimate_kv_bytes(model_config, ctx, config),
+        kv_fp16=estimate_kv_bytes(model_config, ctx, None, max_kv_size=max_kv_size),
+        kv=estimate_kv_bytes(model_config, ctx, config, max_kv_size=max_kv_size),
         available=available, available_source=available_source, trained_ctx=lay.max_context,
         attention_layers=len(lay.full_layers), n_layers=lay.n_layers, kv_heads=lay.n_kv_heads,
         head_dim=lay.head_dim, sliding_layers=lay.sliding_layers, linear_layers=lay.linear_layers,
-        peak=estimate_peak_bytes(model_config, ctx, config, weights=weights, prefill_step=prefill_step),
-        peak_float=estimate_peak_bytes(model_config, ctx, None, weights=weights, prefill_step=prefill_step),
-        prefill_step=prefill_step,
+        peak=estimate_peak_bytes(model_config, ctx, config, weights=weights, prefill_step=prefill_step,
+                                 max_kv_size=max_kv_size),
+        peak_float=estimate_peak_bytes(model_config, ctx, None, weights=weights, prefill_step=prefill_step,
+                                       max_kv_size=max_kv_size),
+        prefill_step=prefill_step, value_dim=lay.v_head_dim, sliding_geometry=lay.sliding_kv,
+        shared_layers=lay.shared_layers, fetch=lay.fetch, latent=lay.latent, max_kv_size=max_kv_size,
+        fetch_transient=fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step,
+                                              max_kv_size=max_kv_size),
+        float_reason=next((FLOAT_FETCH[t] for t in sorted(model_types(model_config)) if t in FLOAT_FETCH), ""),
     )
     if config is not None and config.protect_factor is not None and config.protect_bits > config.key_bits:
         # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
         flat = replace(config, boundary_layers=0)
-        more = estimate_kv_bytes(model_config, ctx, replace(flat, key_bits=config.protect_bits, qjl=False))
-        plan.protect_bytes = (more - estimate_kv_bytes(model_config, ctx, flat)) // max(plan.attention_layers, 1)
+        more = estimate_kv_bytes(model_config, ctx, replace(flat, key_bits=config.protect_bits, qjl=False),
+                                 max_kv_size=max_kv_size)
+        less = estimate_kv_bytes(model_config, ctx, flat, max_kv_size=max_kv_size)
+        plan.protect_bytes = (more - less) // max(plan.attention_layers, 1)
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
             f"--ctx {ctx:,} is beyond the model's trained context of {lay.max_context:,} tokens; "
@@ -112,11 +130,12 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     base = plan.config or TurboQuantConfig()
     for bits in SUGGESTED_BITS:
         cfg = replace(base, key_bits=bits, value_bits=bits, qjl=False)
-        peak = estimate_peak_bytes(model_config, plan.ctx, cfg, weights=plan.weights, prefill_step=plan.prefill_step)
+        peak = estimate_peak_bytes(model_config, plan.ctx, cfg, weights=plan.weights, prefill_step=plan.prefill_step,
+                                   max_kv_size=plan.max_kv_size)
         if bits < max(base.key_bits, base.value_bits) and peak <= plan.usable:
             tips.append(f"--bits {bits} fits {plan.ctx:,} tokens")
             break
-    ctx = max_context(model_config, room, plan.config, plan.prefill_step)
+    ctx = max_context(model_config, room, plan.config, plan.prefill_step, plan.max_kv_size)
     if ctx >= 1024:
         tips.append(f"--ctx {format_ctx(ctx)} fits with the current settings")
     if not tips:
@@ -124,10 +143,12 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     return "; or ".join(tips)
 
 
-def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048) -> int:
+def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048,
+                max_kv_size: int | None = None) -> int:
     """The largest context (rounded down to 1024 tokens) whose KV cache and prefill transient (the predicted
     peak beyond the weights) fit in `budget` bytes."""
-    return memory.max_context(model_config, budget, config, prefill_step=prefill_step) // 1024 * 1024
+    return memory.max_context(model_config, budget, config, prefill_step=prefill_step,
+                              max_kv_size=max_kv_size) // 1024 * 1024
 
 
 def format_ctx(n: int) -> str:
@@ -139,17 +160,51 @@ def format_ctx(n: int) -> str:
     return str(n)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def geometry(plan: Plan) -> str:
+    """The shape of a full layer's cache: "8 KV heads x 128", "4 KV heads x 192/128" (keys/values), or for MLA
+    "MLA latent 512 + rope key 64"; Gemma 4 adds its sliding layers' shape."""
+    dv = plan.value_dim or plan.head_dim
+    if plan.latent:
+        return f"MLA latent {plan.head_dim} + rope key {dv}"
+    dims = f"{plan.head_dim}" if dv == plan.head_dim else f"{plan.head_dim}/{dv}"
+    text = f"{plan.kv_heads} KV heads x {dims}"
+    if plan.sliding_geometry:
+        h, k, v = plan.sliding_geometry
+        text += f" full, {h} x {k if k == v else f'{k}/{v}'} sliding"
+    return text
+
+
 def layer_roles(plan: Plan) -> str:
-    """Which layers TurboQuant compresses and which keep mlx-lm's own cache, and why."""
-    full = f"{plan.attention_layers} full-attention layer{'s' if plan.attention_layers != 1 else ''}"
+    """Which layers TurboQuant compresses and which keep mlx-lm's own cache (or none), and why."""
+    kind = "latent-attention (MLA)" if plan.latent else "full-attention"
+    full = f"{plan.attention_layers} {kind} layer{'s' if plan.attention_layers != 1 else ''}"
     parts = [f"{full} {'compressed' if plan.config else 'in float16'}"]
     if plan.sliding_layers:
         windows = sorted({w for _, w in plan.sliding_layers})
         parts.append(f"{len(plan.sliding_layers)} sliding-window layers stay float (window "
                      f"{', '.join(f'{w:,}' for w in windows)}: bounded)")
+    if plan.shared_layers:
+        parts.append(f"{_plural(len(plan.shared_layers), 'KV-shared layer')} hold no cache (they attend to an "
+                     f"earlier layer's)")
     if plan.linear_layers:
         parts.append(f"{len(plan.linear_layers)} linear-attention layers keep a fixed-size state")
     return "; ".join(parts)
+
+
+def fetch_path(plan: Plan) -> str:
+    """How the compressed layers are read (architectures.fetch_for), with the float transient it costs."""
+    extra = f" (+{format_bytes(plan.fetch_transient)} float at this context, freed after each layer)"
+    if plan.fetch == "float":
+        why = f": the model {plan.float_reason}" if plan.float_reason else ""
+        return f"decode-to-float: every fetch decodes one layer's cache to float tensors{extra}{why}"
+    if plan.fetch == "latent":
+        return ("latent: decode attends to the compressed latent on the codes; prefill chunks and the rope key "
+                f"get float tensors decoded from the codes, one layer at a time{extra}")
+    return "on the codes: attention reads the compressed keys and values directly, no float copy"
 
 
 def format_plan(plan: Plan) -> str:
@@ -158,9 +213,17 @@ def format_plan(plan: Plan) -> str:
     ratio = plan.kv_fp16 / plan.kv if plan.kv else 1.0
     trained = f" (trained: {plan.trained_ctx:,})" if plan.trained_ctx else ""
     rows = [
-        ("model", f"{plan.model} ({plan.n_layers} layers, {plan.kv_heads} KV heads x {plan.head_dim})"),
+        ("model", f"{plan.model} ({plan.n_layers} layers, {geometry(plan)})"),
         ("layers", layer_roles(plan)),
-        ("context", f"{plan.ctx:,} tokens{trained}"),
+    ]
+    if plan.config and plan.attention_layers:
+        rows.append(("fetch", fetch_path(plan)))
+    bound = ""
+    if plan.max_kv_size:
+        bound = (f"; each full layer keeps at most {plan.max_kv_size:,} tokens (--max-kv-size"
+                 + (", + one compress block at the peak)" if plan.config else ")"))
+    rows += [
+        ("context", f"{plan.ctx:,} tokens{trained}{bound}"),
         ("weights", format_bytes(plan.weights)),
         ("KV float16", format_bytes(plan.kv_fp16)),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),

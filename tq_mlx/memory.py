@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
+from .architectures import fetch_for
 from .attention import tile_size
 from .cache import TurboQuantKVCache
 from .config import bits_label
@@ -47,19 +48,35 @@ _ST_FLOATS = {"F16", "BF16", "F32", "F64"}
 
 @dataclass(frozen=True)
 class AttentionLayout:
-    """Where a model keeps KV caches, read from its config.json."""
+    """Where a model keeps KV caches, read from its config.json.
+
+    n_kv_heads, head_dim and v_head_dim are the geometry of the growing caches (`full_layers`, what TurboQuant
+    compresses): per-head keys and values, or for multi-head latent attention one "kv head" whose keys are the
+    latent (kv_lora_rank wide) and whose values are the rope key (qk_rope_head_dim wide), as mlx-lm caches them.
+    Sliding-window layers have their own geometry where it differs (Gemma 4: `sliding_geometry`).
+    """
 
     n_layers: int
     full_layers: tuple[int, ...]  # layers with a growing KV cache (what TurboQuant compresses)
     sliding_layers: tuple[tuple[int, int], ...] = ()  # (layer, window): bounded float caches, left alone
     n_kv_heads: int = 0
-    head_dim: int = 0
-    v_head_dim: int = 0
+    head_dim: int = 0  # key dim of a full layer's cache (the latent's width for MLA)
+    v_head_dim: int = 0  # value dim of a full layer's cache (the rope key's width for MLA)
     max_context: int | None = None  # the trained context (max_position_embeddings)
     linear_layers: tuple[int, ...] = field(default=())  # linear-attention / SSM layers: fixed-size state
     n_heads: int = 0  # query heads
     hidden_size: int = 0
     intermediate_size: int = 0  # the MLP's width (the widest activation of a prefill chunk)
+    sliding_kv: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) of sliding layers; None: as full
+    shared_layers: tuple[int, ...] = ()  # KV-shared layers (Gemma 4): no cache, they read an earlier layer's
+    fetch: str = "codes"  # what a TurboQuant fetch gives the model: tq_mlx.architectures.fetch_for
+    latent: bool = False  # multi-head latent attention caching (kv_latent, k_pe)
+    latent_expansion: int = 0  # MLA prefill: qk_nope_head_dim + v_head_dim floats per query head and token
+
+    @property
+    def sliding_geometry(self) -> tuple[int, int, int]:
+        """(kv heads, key dim, value dim) of a sliding-window layer's float cache."""
+        return self.sliding_kv or (self.n_kv_heads, self.head_dim, self.v_head_dim)
 
 
 def text_config(model_config: dict) -> dict:
@@ -71,21 +88,42 @@ def text_config(model_config: dict) -> dict:
     return cfg
 
 
+def model_types(model_config: dict) -> frozenset[str]:
+    """The model_type names of a config: its own and its nested text model's (a VLM has both)."""
+    inner = model_config.get("text_config")
+    names = [model_config.get("model_type"), inner.get("model_type") if isinstance(inner, dict) else None]
+    return frozenset(n for n in names if isinstance(n, str))
+
+
+# MLA models whose mlx-lm cache holds per-head keys (qk_nope + qk_rope wide) and values (v_head_dim) for every
+# query head, not the latent: they project the latent before caching (deepseek_v2.py:221-231).
+PER_HEAD_MLA = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
+
+
 def attention_layout(model_config: dict) -> AttentionLayout:
     """Which layers hold a KV cache and its shape, from a config.json dict (hybrids included).
 
     Layer kinds come from `layer_types` when present ("full_attention", "sliding_attention", anything else is
     linear), else from `full_attention_interval` (Qwen3-Next / Qwen3.5: layer i is full attention iff
     (i + 1) % interval == 0), else from `sliding_window_pattern` (every pattern-th layer global), else every
-    layer is full attention.
+    layer is full attention. Gemma 4's last `num_kv_shared_layers` layers hold no cache; its full-attention layers
+    use `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads` (gemma4_text.py:185-201).
+    Multi-head latent attention (kv_lora_rank and qk_rope_head_dim set) caches one "head" of the latent and the
+    rope key (deepseek_v3.py:137-150), except the PER_HEAD_MLA models, which cache per-head keys and values.
     """
     cfg = text_config(model_config)
+    types = model_types(model_config)
     n_layers = _first_int(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     if n_layers is None:
         raise ValueError("model config has no num_hidden_layers (or n_layer / num_layers)")
     n_heads = _first_int(cfg, "num_attention_heads", "n_head", "num_heads")
     n_kv = _first_int(cfg, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or n_heads
     head_dim = _first_int(cfg, "head_dim")
+    kv_lora, rope_dim = _first_int(cfg, "kv_lora_rank"), _first_int(cfg, "qk_rope_head_dim")
+    nope_dim, mla_v_dim = _first_int(cfg, "qk_nope_head_dim") or 0, _first_int(cfg, "v_head_dim")
+    latent = bool(kv_lora and rope_dim) and not (types & PER_HEAD_MLA)
+    if head_dim is None and kv_lora and rope_dim:
+        head_dim = nope_dim + rope_dim  # per-head MLA keys (deepseek_v2, minicpm3, youtu_llm)
     if head_dim is None:
         hidden = _first_int(cfg, "hidden_size", "n_embd", "d_model")
         if not (hidden and n_heads):
@@ -93,14 +131,30 @@ def attention_layout(model_config: dict) -> AttentionLayout:
         head_dim = hidden // n_heads
     if not n_kv:
         raise ValueError("model config has no num_key_value_heads or num_attention_heads")
-    v_head_dim = _first_int(cfg, "v_head_dim") or head_dim
+    v_head_dim = mla_v_dim or head_dim
+    if kv_lora and rope_dim and not latent:
+        n_kv = n_heads or n_kv  # per-head MLA caches a key and a value for every query head
 
+    sliding_kv = None
+    if latent:
+        sliding_kv = (n_kv, head_dim, v_head_dim)
+        n_kv, head_dim, v_head_dim = 1, kv_lora, rope_dim
+    else:
+        global_dim = _first_int(cfg, "global_head_dim")
+        global_kv = _first_int(cfg, "num_global_key_value_heads") if cfg.get("attention_k_eq_v") is True else None
+        if global_dim or global_kv:  # Gemma 4: full-attention layers have their own geometry
+            sliding_kv = (n_kv, head_dim, v_head_dim)
+            n_kv, head_dim = global_kv or n_kv, global_dim or head_dim
+            v_head_dim = head_dim
+
+    n_shared = _first_int(cfg, "num_kv_shared_layers") or 0
+    first_shared = n_layers - n_shared if 0 < n_shared < n_layers else n_layers
     full, sliding, linear = [], [], []
     window = _first_int(cfg, "sliding_window") or 0
     layer_types = cfg.get("layer_types")
     interval = _first_int(cfg, "full_attention_interval")
     pattern = _first_int(cfg, "sliding_window_pattern")
-    for i in range(n_layers):
+    for i in range(first_shared):
         if isinstance(layer_types, list) and i < len(layer_types):
             kind = str(layer_types[i])
             if kind in ("full_attention", "attention", "global_attention"):
@@ -120,6 +174,8 @@ def attention_layout(model_config: dict) -> AttentionLayout:
                 sliding.append((i, window))
         else:
             full.append(i)
+    if sliding_kv == (n_kv, head_dim, v_head_dim) or not sliding:
+        sliding_kv = None
     max_ctx = _first_int(cfg, "max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
     return AttentionLayout(
         n_layers=n_layers,
@@ -134,6 +190,11 @@ def attention_layout(model_config: dict) -> AttentionLayout:
         hidden_size=_first_int(cfg, "hidden_size", "n_embd", "d_model") or 0,
         intermediate_size=_first_int(cfg, "intermediate_size", "moe_intermediate_size", "ffn_hidden_size",
                                      "n_inner") or 0,
+        sliding_kv=sliding_kv,
+        shared_layers=tuple(range(first_shared, n_layers)),
+        fetch=fetch_for(types),
+        latent=latent,
+        latent_expansion=(nope_dim + (mla_v_dim or 0)) if latent else 0,
     )
 
 
@@ -185,6 +246,48 @@ def _turboquant_split(tokens: int, config) -> tuple[int, int, int]:
     return s, c, tokens - s - c
 
 
+def bounded_tokens(ctx: int, max_kv_size: int | None, config) -> tuple[int, int, int]:
+    """(sinks, compressed, window) tokens a TurboQuantKVCache bounded to `max_kv_size` holds after `ctx` tokens.
+
+    The rule: the sinks and the window are those of an unbounded cache (dropping never touches them); after every
+    update the oldest compressed tokens are dropped in whole compress blocks (K = config.compress_block_size), as
+    few as bring sinks + compressed + window to at most max_kv_size: D(ctx) = K·⌈(ctx − max_kv_size)/K⌉ tokens
+    dropped in all, never more than were compressed. D grows with ctx alone, so the counts do not depend on how
+    the tokens were fed (one prefill, chunks, token by token). Needs max_kv_size ≥ sinks + window + K − 1 to hold
+    at most max_kv_size tokens; below that the float sinks and window alone exceed it. max_kv_size None: unbounded.
+    Storage is priced at its peak, one block more (bounded_capacity).
+    """
+    s, c, w = _turboquant_split(ctx, config)
+    if max_kv_size is None or ctx <= max_kv_size:
+        return s, c, w
+    K = config.compress_block_size
+    dropped = K * -(-(ctx - max_kv_size) // K)
+    return s, max(0, c - dropped), w
+
+
+def bounded_capacity(ctx: int, max_kv_size: int | None, config) -> int:
+    """Tokens the compressed storage of one stream is allocated for after `ctx` tokens (a multiple of config.step).
+
+    Unbounded: the compressed tokens rounded up to `step`. Bounded (max_kv_size): once tokens were dropped, the
+    storage also holds the block compressed before the oldest one is dropped, so up to max_kv_size + K tokens
+    (K = compress_block_size) are held at the peak: capacity for held + K compressed tokens, rounded up to step.
+    """
+    s, c, _ = bounded_tokens(ctx, max_kv_size, config)
+    total = _turboquant_split(ctx, config)[1]
+    peak = c if c == total else min(total, c + config.compress_block_size)
+    return -(-peak // config.step) * config.step
+
+
+def held_tokens(ctx: int, max_kv_size: int | None, config=None) -> int:
+    """Tokens one full-attention layer's cache holds after ctx tokens: ctx; with max_kv_size, mlx-lm's
+    RotatingKVCache (config None) holds min(ctx, max_kv_size), a bounded TurboQuantKVCache `bounded_tokens`."""
+    if max_kv_size is None:
+        return ctx
+    if config is None:
+        return min(ctx, max_kv_size)
+    return sum(bounded_tokens(ctx, max_kv_size, config))
+
+
 @lru_cache(maxsize=None)
 def _quantizer_layout(dim: int, bits: float, qjl: bool, norm_dtype=mx.float16) -> tuple[int, int, bool]:
     """(bytes per compressed token and head, constant bytes of the quantizer, has a channel order)."""
@@ -198,19 +301,22 @@ def _quantizer_layout(dim: int, bits: float, qjl: bool, norm_dtype=mx.float16) -
 
 def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
-    config, batch: int = 1, float_bytes: int = FLOAT16_BYTES,
+    config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
 
+    Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key).
     Sinks (float_bytes per value: the model's dtype) are allocated whole on first use, the window as
     stream.window_capacity says (steps of 32 tokens, then whole); codes grow in `config.step` tokens;
     means (float32), scales (float32) and channel orders (int32, fractional bits) appear with the first
-    compressed tokens; the quantizers' rotations and codebooks are a constant per layer.
+    compressed tokens; the quantizers' rotations and codebooks are a constant per layer. max_kv_size: a bounded
+    cache (bounded_tokens, bounded_capacity).
     """
     if tokens <= 0:
         return 0
     B, H = batch, n_kv_heads
-    n_s, n_c, _ = _turboquant_split(tokens, config)
+    n_s = min(tokens, config.sinks)
+    n_c = _turboquant_split(tokens, config)[1]  # ever compressed: centering and channel orders exist from then on
     qjl = config.layer_qjl(key_bits)
     k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
     v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype)
@@ -219,8 +325,7 @@ def turboquant_layer_bytes(
         total += B * H * config.sinks * (key_dim + value_dim) * float_bytes
     total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * float_bytes
     if n_c:
-        capacity = -(-n_c // config.step) * config.step
-        total += B * H * capacity * (k_tok + v_tok)
+        total += B * H * bounded_capacity(tokens, max_kv_size, config) * (k_tok + v_tok)
         total += B * H * 4 * (key_dim * config.center_keys + value_dim * config.center_values + 2)  # μ, ν, scales
         total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
     return total
@@ -242,30 +347,43 @@ def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
 
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
-    batch: int = 1, dtype: str | None = None,
+    batch: int = 1, dtype: str | None = None, max_kv_size: int | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
     config: a TurboQuantConfig (boundary layers included), or None for float16, or None with kv_bits for
-    mlx-lm's affine QuantizedKVCache. Only full-attention layers grow with the context; sliding-window layers
-    are counted in float16 at min(ctx, window) tokens; linear-attention state (fixed size) is not counted.
-    TurboQuant's float sinks and window hold the model's dtype (kv_float_bytes: `dtype`, else torch_dtype).
+    mlx-lm's affine QuantizedKVCache. Only full-attention layers grow with the context, each with its layout's
+    geometry (per-head keys and values, or MLA's latent + rope key, as mlx-lm caches them: the same layout for
+    every column); sliding-window layers hold min(ctx, window) float tokens with their own geometry (float16 in
+    the references, the model's dtype next to TurboQuant, as RotatingKVCache holds); KV-shared layers hold
+    nothing; linear-attention state (fixed size) is not counted. TurboQuant's float sinks and window hold the
+    model's dtype (kv_float_bytes: `dtype`, else torch_dtype).
+
+    max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
+    RotatingKVCache); TurboQuant follows bounded_tokens / bounded_capacity (at most max_kv_size + compress_block
+    tokens held at the peak).
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
+    if max_kv_size is not None and max_kv_size < 1:
+        raise ValueError(f"max_kv_size must be a positive number of tokens or None, got {max_kv_size}")
     float_bytes = kv_float_bytes(model_config, dtype)
     lay = attention_layout(model_config)
     H, dk, dv = lay.n_kv_heads, lay.head_dim, lay.v_head_dim
-    total = sum(float16_kv_bytes(min(ctx, w), H, dk, dv, batch) for _, w in lay.sliding_layers)
+    Hs, sk, sv = lay.sliding_geometry
+    sliding_bytes = float_bytes if config is not None else FLOAT16_BYTES
+    total = sum(float16_kv_bytes(min(ctx, w), Hs, sk, sv, batch) for _, w in lay.sliding_layers)
+    total = total * sliding_bytes // FLOAT16_BYTES
     n_att = len(lay.full_layers)
+    ref_tokens = held_tokens(ctx, max_kv_size)
     for a in range(n_att):
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
-            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes)
+            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size)
         elif kv_bits is not None:
-            total += affine_kv_bytes(ctx, H, dk, dv, kv_bits, kv_group_size, batch)
+            total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
-            total += float16_kv_bytes(ctx, H, dk, dv, batch)
+            total += float16_kv_bytes(ref_tokens, H, dk, dv, batch)
     return total
 
 
@@ -284,39 +402,71 @@ FLOAT_SCORE_COPIES = 1.1
 TQ_SCORE_TILES = 10
 
 
+def fetch_transient_bytes(model_config: dict, ctx: int, config=None, *, prefill_step: int = 2048,
+                          dtype: str | None = None, batch: int = 1, max_kv_size: int | None = None) -> int:
+    """Float tensors one layer's attention materializes at ctx beyond the scores (freed after the layer).
+
+    * MLA prefill (mlx-lm's float cache and TurboQuant alike): embed_q(kv_latent) (B, n_heads, T, qk_nope_head_dim)
+      and unembed_out(kv_latent) (B, n_heads, T, v_head_dim) over the whole context T, and the rope scores
+      pe_scores (B, n_heads, chunk, T) passed as the mask, in the model's dtype (deepseek_v3.py:152-165).
+    * TurboQuant "float" fetch (architectures.FLOAT_FETCH) and the latent fetch at prefill: the layer's cache
+      decoded to float, B·H·T·(key_dim + value_dim) in the model's dtype.
+    T is the tokens a full layer holds (held_tokens: ctx, or fewer with max_kv_size).
+    """
+    lay = attention_layout(model_config)
+    if not lay.full_layers:
+        return 0
+    F = kv_float_bytes(model_config, dtype)
+    chunk = max(1, min(prefill_step, ctx))
+    T = held_tokens(ctx, max_kv_size, config)
+    out = 0
+    if lay.latent:
+        out += batch * lay.n_heads * T * lay.latent_expansion * F + batch * lay.n_heads * chunk * T * F
+    if config is not None and (lay.fetch == "float" or lay.latent):
+        out += batch * lay.n_kv_heads * T * (lay.head_dim + lay.v_head_dim) * F
+    return out
+
+
 def estimate_peak_bytes(
     model_config: dict, ctx: int, config=None, *, weights: int, prefill_step: int = 2048,
-    dtype: str | None = None, batch: int = 1,
+    dtype: str | None = None, batch: int = 1, max_kv_size: int | None = None,
 ) -> int:
     """Peak MLX memory of a prefill of `ctx` tokens in `prefill_step` chunks, then decoding: the weights, the KV
-    cache at ctx (estimate_kv_bytes) and the largest transient of one chunk (see FLOAT_SCORE_COPIES). config:
-    a TurboQuantConfig, or None for mlx-lm's float cache."""
+    cache at ctx (estimate_kv_bytes) and the largest transient of one chunk (see FLOAT_SCORE_COPIES), plus what
+    one layer's fetch materializes (fetch_transient_bytes: MLA's per-head expansion at prefill, the decode-to-float
+    copy of one layer). config: a TurboQuantConfig, or None for mlx-lm's float cache. Models whose TurboQuant
+    fetch is float tensors ("float", and "latent" at prefill) score them like the float cache does."""
     lay = attention_layout(model_config)
     chunk = max(1, min(prefill_step, ctx))
     F = kv_float_bytes(model_config, dtype)
+    T = held_tokens(ctx, max_kv_size, config)
     activations = batch * chunk * F * (2 * lay.hidden_size + 3 * lay.intermediate_size)
-    if config is None:
-        attention = FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * ctx * 4
+    if config is None or lay.fetch == "float" or lay.latent:
+        attention = FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * T * 4
     else:
-        tile = min(tile_size(batch, lay.n_heads, chunk), max(1, _turboquant_split(ctx, config)[1]))
+        tile = min(tile_size(batch, lay.n_heads, chunk), max(1, bounded_tokens(ctx, max_kv_size, config)[1]))
         attention = TQ_SCORE_TILES * batch * lay.n_heads * chunk * tile * 4
         if lay.sliding_layers or ctx <= config.window + config.sinks:
             # float tokens (window, sinks, sliding layers) go through float scores too
             attention = max(attention, FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * min(
                 ctx, max([config.window + config.sinks] + [w for _, w in lay.sliding_layers])) * 4)
-    kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype)
+    attention += fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step, dtype=dtype,
+                                       batch=batch, max_kv_size=max_kv_size)
+    kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size)
     if config is None:
         kv = kv * F // FLOAT16_BYTES  # mlx-lm's KVCache holds the model's dtype
     return weights + kv + int(activations + attention)
 
 
-def max_context(model_config: dict, budget: int, config=None, *, weights: int = 0, prefill_step: int = 2048) -> int:
+def max_context(model_config: dict, budget: int, config=None, *, weights: int = 0, prefill_step: int = 2048,
+                max_kv_size: int | None = None) -> int:
     """The largest context whose planned peak (estimate_peak_bytes) fits in `budget` bytes; 0 if none does.
     tq-chat's plan and tq-server's default context bound both ask this."""
     lo, hi = 0, 1 << 24
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate_peak_bytes(model_config, mid, config, weights=weights, prefill_step=prefill_step) <= budget:
+        if estimate_peak_bytes(model_config, mid, config, weights=weights, prefill_step=prefill_step,
+                               max_kv_size=max_kv_size) <= budget:
             lo = mid
         else:
             hi = mid - 1
