@@ -269,3 +269,117 @@ def test_long_prefill_chunk_transient_is_flat_in_context():
     scores = Hq * L * (L + 16384) * 4  # what one float32 score matrix over the whole context would take
     assert transients[L + 16384] < 1.5 * transients[L + 2048], transients
     assert transients[L + 16384] < 0.25 * scores, (transients, scores)
+
+
+def _sdpa_float(queries, k, v, scale, mask, sinks):
+    """mlx-lm's float cache: mx.fast SDPA on the float32 tokens."""
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    return mx.fast.scaled_dot_product_attention(f32(queries), f32(k), f32(v), scale=scale, mask=mask,
+                                                sinks=None if sinks is None else f32(sinks))
+
+
+@pytest.mark.parametrize("sink_dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
+    # gpt-oss's learned sinks: a virtual token of score sinks[h] and value 0 in each query head's softmax.
+    # At 8 bits the codes path tracks mx.fast SDPA(sinks=) on the float tokens; on the codes it matches the
+    # float64 softmax with the sink column exactly.
+    rng = np.random.default_rng(21)
+    B, H, R, D = 1, 2, 3, 64
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4), layer_index=1)
+    sinks = mx.array(rng.normal(size=(H * R,)) * 2 + 1, dtype=sink_dtype)
+    ks, vs = [], []
+    for L in (30, 1, 5, 1):
+        k = mx.array(rng.normal(size=(B, H, L, D)) + 0.5, dtype=mx.float32)
+        v = mx.array(rng.normal(size=(B, H, L, D)), dtype=mx.float32)
+        ks.append(k)
+        vs.append(v)
+        kh, vh = cache.update_and_fetch(k, v)
+        q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
+        for mask in ([None] if L == 1 else ["causal"]) + [None if L == 1 else "causal"]:
+            out = turboquant_attention(q, kh, vh, D**-0.5, mask, tile_tokens=7, sinks=sinks)
+            ref = _sdpa_float(q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), D**-0.5, mask, sinks)
+            assert float(mx.abs(out - ref).max()) < 0.02 * float(mx.abs(ref).max()), L
+            # Exact on the codes: the float64 softmax with the sink column.
+            K, V = dequantized(kh), dequantized(vh)
+            with_sink = reference_attention_with_sinks(q, K, V, D**-0.5, mask, sinks)
+            assert rel_err(out, with_sink) < 2e-5
+        # The sinks change the result (the sink takes some of the mass).
+        plain = turboquant_attention(q, kh, vh, D**-0.5, None if L == 1 else "causal")
+        assert float(mx.abs(plain - out).max()) > 1e-3
+    assert cache.n_compressed > 10
+
+
+def reference_attention_with_sinks(queries, K, V, scale, mask, sinks) -> np.ndarray:
+    """reference_attention with a sink column of score sinks[h] and value 0."""
+    q = np.asarray(queries.astype(mx.float32)).astype(np.float64)
+    B, Hq, L, _ = q.shape
+    R = Hq // K.shape[1]
+    K, V = np.repeat(K, R, axis=1), np.repeat(V, R, axis=1)
+    s = scale * (q @ K.swapaxes(-1, -2))
+    T = K.shape[2]
+    if isinstance(mask, str):
+        s = np.where(np.arange(T - L, T)[:, None] >= np.arange(T)[None], s, -np.inf)
+    elif mask is not None:
+        m = np.asarray(mask)
+        s = np.where(m, s, -np.inf) if m.dtype == bool else s + m
+    sink = np.broadcast_to(np.asarray(sinks.astype(mx.float32)).astype(np.float64)[None, :, None, None], (B, Hq, L, 1))
+    s = np.concatenate([sink, s], axis=-1)
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    return (p / p.sum(-1, keepdims=True))[..., 1:] @ V
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_learned_sinks_without_compressed_tokens_are_fast_sdpa(dtype):
+    # A context shorter than the window: exactly mx.fast SDPA(sinks=) on the float tokens, in the model's dtype
+    # (sinks of another dtype are cast to the queries' where SDPA would refuse them).
+    rng = np.random.default_rng(4)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=64, sinks=4), layer_index=0)
+    (L, (kh, vh)), = feed(cache, rng, (20,), 1, 2, 64)
+    assert kh.codes is None
+    q = mx.array(rng.normal(size=(1, 4, L, 64)), dtype=mx.float32).astype(dtype)
+    sinks = mx.array(rng.normal(size=(4,)), dtype=mx.float32)
+    k = mx.concatenate([kh.sinks, kh.window], axis=2).astype(dtype)
+    v = mx.concatenate([vh.sinks, vh.window], axis=2).astype(dtype)
+    for mask in ("causal", None):
+        out = turboquant_attention(q, kh, vh, 0.125, mask, sinks=sinks)
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, sinks=sinks.astype(dtype))
+        assert out.dtype == dtype
+        assert mx.array_equal(out, ref)
+
+
+def test_learned_sinks_with_array_masks_and_batch_views():
+    # Sinks with every mask kind, and a batch view (row by row, the same sinks per row) through batch_attention.
+    from tq_mlx.attention import BatchView, batched_attention
+
+    rng = np.random.default_rng(9)
+    B, H, R, D = 2, 2, 2, 64
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=4, window=6, compress_block=3, sinks=2), layer_index=0)
+    *_, (L, (kh, vh)) = feed(cache, rng, (17, 3), B, H, D)
+    T = kh.n_tokens
+    q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
+    sinks = mx.array(rng.normal(size=(H * R,)) + 1.0, dtype=mx.float16)
+    causal = np.arange(T - L, T)[:, None] >= np.arange(T)[None]
+    pad = np.ones((B, 1, 1, T), bool)
+    pad[1, ..., :4] = False
+    for mask in (None, "causal", mx.array(causal[None, None] & pad),
+                 mx.array(np.where(causal[None, None] & pad, 0.0, -1e9).astype(np.float32))):
+        out = turboquant_attention(q, kh, vh, 0.125, mask, tile_tokens=4, sinks=sinks)
+        ref = reference_attention_with_sinks(q, dequantized(kh), dequantized(vh), 0.125, mask, sinks)
+        assert rel_err(out, ref) < 2e-5
+    # A batch view of the two rows (B=1 views each): the same as the batched call.
+    rows = tuple(kh._replace(**{f: (None if getattr(kh, f) is None else _row(getattr(kh, f), i))
+                                for f in ("codes", "sinks", "window", "mean", "scale")}) for i in range(B))
+    vrows = tuple(vh._replace(**{f: (None if getattr(vh, f) is None else _row(getattr(vh, f), i))
+                                 for f in ("codes", "sinks", "window", "mean", "scale")}) for i in range(B))
+    spans, ends = ((0, L),) * B, (T,) * B
+    out = batched_attention(q, BatchView(rows, spans, ends), BatchView(vrows, spans, ends), 0.125, "causal",
+                            sinks=sinks)
+    ref = reference_attention_with_sinks(q, dequantized(kh), dequantized(vh), 0.125, "causal", sinks)
+    assert rel_err(out, ref) < 2e-5
+
+
+def _row(x, i):
+    if isinstance(x, tuple):
+        return type(x)(*(a[i : i + 1] for a in x))
+    return x[i : i + 1]

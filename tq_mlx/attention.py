@@ -168,9 +168,10 @@ def _row_mask(mask, i: int, start: int, count: int, end: int, n_tokens: int):
 
 
 def batched_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
-                      attend: Callable | None = None) -> mx.array:
+                      attend: Callable | None = None, sinks: mx.array | None = None) -> mx.array:
     """Attention of a batch view, row by row with `attend` (default turboquant_attention) on each row's own
-    views and queries, stacked; padding query positions get zeros. queries (B, n_q_heads, L, D)."""
+    views and queries, stacked; padding query positions get zeros. queries (B, n_q_heads, L, D); sinks (learned
+    per-head logits) go to every row."""
     attend = attend or turboquant_attention
     B, Hq, L, _ = queries.shape
     if len(keys.rows) != B:
@@ -182,22 +183,36 @@ def batched_attention(queries: mx.array, keys: BatchView, values: BatchView, sca
             out.append(mx.zeros((1, Hq, L, Dv), queries.dtype))
             continue
         q = queries[i : i + 1, :, start : start + count] if count < L else queries[i : i + 1]
-        o = attend(q, k, v, scale=scale, mask=_row_mask(mask, i, start, count, end, k.n_tokens))
+        o = attend(q, k, v, scale=scale, mask=_row_mask(mask, i, start, count, end, k.n_tokens), sinks=sinks)
         pad = [(0, 0), (0, 0), (start, L - start - count), (0, 0)]
         out.append(mx.pad(o, pad) if count < L else o)
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
-def float_attention(queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None) -> mx.array:
+def float_attention(queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None,
+                    sinks: mx.array | None = None) -> mx.array:
     """Attention over a view that holds no compressed token (sinks and window only, as every context shorter
     than the window): mx.fast.scaled_dot_product_attention on the float tokens, as mlx-lm's KVCache does, so
-    until its first compression the cache attends exactly like the float cache, with the fused kernel on a Mac."""
+    until its first compression the cache attends exactly like the float cache, with the fused kernel on a Mac.
+    Learned `sinks` go to SDPA as they are, in queries' dtype if theirs would not promote to it (SDPA refuses)."""
     def tokens(kv: StreamView) -> mx.array:
         parts = [p for p in (kv.sinks, kv.window) if p is not None]
         x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # at most sinks + window tokens
         return x.astype(queries.dtype)
 
-    return mx.fast.scaled_dot_product_attention(queries, tokens(keys), tokens(values), scale=scale, mask=mask)
+    if sinks is not None and queries.dtype != mx.float32 and sinks.dtype != queries.dtype:
+        sinks = sinks.astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, tokens(keys), tokens(values), scale=scale, mask=mask,
+                                                sinks=sinks)
+
+
+def sink_logits(sinks, B: int, H: int, R: int, L: int) -> mx.array:
+    """Learned attention sinks (n_q_heads,) as float32 (B, H, R·L, 1) in the query-row layout: query head
+    h·R + r, token i is row r·L + i of kv head h."""
+    if sinks.shape != (H * R,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}: expected ({H * R},), one logit per query head")
+    s = sinks.astype(mx.float32).reshape(1, H, R, 1)
+    return mx.broadcast_to(s, (B, H, R, L)).reshape(B, H, R * L, 1)
 
 
 def turboquant_attention(
@@ -207,18 +222,24 @@ def turboquant_attention(
     scale: float,
     mask=None,
     tile_tokens: int = TILE_TOKENS,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """softmax(scale·q·Kᵀ + mask)·V over a TurboQuant cache. queries (B, n_q_heads, L, D) -> (B, n_q_heads, L, Dv).
 
     mask: None, "causal" (lower-right aligned), or a bool/additive array (L, T) / (B, 1, L, T) /
     (B, n_q_heads, L, T) over the cache's T tokens in order (sinks, compressed, window). Batch views
     (tq_mlx.batch) run row by row (batched_attention).
+    sinks: learned attention sinks (gpt-oss), one logit per query head (n_q_heads,), any float dtype: a
+    virtual token of score sinks[h] and value 0 in the softmax denominator, as
+    mx.fast.scaled_dot_product_attention(sinks=). Not the cache's sink tokens (the first tokens kept float).
     """
     if isinstance(keys, BatchView):
-        return batched_attention(queries, keys, values, scale, mask,
-                                 lambda q, k, v, scale, mask: turboquant_attention(q, k, v, scale, mask, tile_tokens))
+        return batched_attention(
+            queries, keys, values, scale, mask,
+            lambda q, k, v, scale, mask, sinks: turboquant_attention(q, k, v, scale, mask, tile_tokens, sinks),
+            sinks=sinks)
     if keys.n_compressed == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):
-        return float_attention(queries, keys, values, scale, mask)
+        return float_attention(queries, keys, values, scale, mask, sinks)
     B, Hq, L, D = queries.shape
     T, H, Dv = keys.n_tokens, keys.n_heads, values.head_dim
     R = Hq // H
@@ -264,6 +285,11 @@ def turboquant_attention(
         mb = mx.max(s, axis=-1, keepdims=True)
         p = mx.exp(s - mb)
         return mb, p, mx.sum(p, axis=-1, keepdims=True)
+
+    # Learned sinks: a partial softmax of one virtual token, score sinks[h], weight 1 at its own max, value 0.
+    if sinks is not None:
+        ms = sink_logits(sinks, B, H, R, L)
+        merge((ms, mx.ones_like(ms), None, None, None))
 
     # Float tokens: sinks at [0, n_sinks), window at [n_sinks + n_compressed, T).
     n_s, n_c = keys.n_sinks, keys.n_compressed

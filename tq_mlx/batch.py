@@ -36,11 +36,13 @@ NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, f
 _PLAIN_MASKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def batch_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None) -> mx.array:
-    """The attention hook's path for batch views: row by row through tq_mlx.kernels.dispatch_attention."""
+def batch_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
+                    sinks=None) -> mx.array:
+    """The attention hook's path for batch views: row by row through tq_mlx.kernels.dispatch_attention
+    (sinks: learned per-head sink logits, as mx.fast.scaled_dot_product_attention's)."""
     if isinstance(mask, mx.array) and _PLAIN_MASKS.get(id(mask)) is mask:
         mask = "causal"
-    return batched_attention(queries, keys, values, scale, mask, dispatch_attention)
+    return batched_attention(queries, keys, values, scale, mask, dispatch_attention, sinks=sinks)
 
 
 class BatchTurboQuantKVCache(_BaseCache):

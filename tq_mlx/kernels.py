@@ -647,6 +647,7 @@ def decode_attention(
     values: StreamView,
     scale: float,
     mask=None,
+    sinks=None,
     *,
     split_tokens: int | None = None,
     sparse_epsilon: float = SPARSE_V_EPSILON,
@@ -660,7 +661,8 @@ def decode_attention(
     splits with the float sinks and window, rotates back once and adds the value mean. Sparse V departs from
     the exact result by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row (SPARSE_V_EPSILON); < 0 keeps all.
     """
-    _require(decode_unsupported(queries, keys, values, mask), "decode_attention")
+    _require("learned sinks" if sinks is not None else decode_unsupported(queries, keys, values, mask),
+             "decode_attention")
     factory = metal_kernel or _default_factory()
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = mask is not None
@@ -717,8 +719,8 @@ def decode_attention(
     return _finish(p, out, outc, values, queries, times_scale=False)  # pacc already carries s_v
 
 
-def decode_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
-    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
+def decode_attention_reference(queries, keys, values, scale, mask=None, sinks=None, **_) -> mx.array:
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 # ------------------------------------------------------------------------- 5. prefill attention
@@ -728,6 +730,7 @@ def prefill_attention(
     values: StreamView,
     scale: float,
     mask=None,
+    sinks=None,
     *,
     rows_per_threadgroup: int | None = None,
     sparse_epsilon: float = SPARSE_V_EPSILON,
@@ -744,7 +747,8 @@ def prefill_attention(
     scores.
     Sparse V departs by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row, as in decode_attention.
     """
-    _require(prefill_unsupported(queries, keys, values, mask), "prefill_attention")
+    _require("learned sinks" if sinks is not None else prefill_unsupported(queries, keys, values, mask),
+             "prefill_attention")
     factory = metal_kernel or _default_factory()
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = mask is not None
@@ -781,8 +785,8 @@ def prefill_attention(
     return _finish(p, out, outc, values, queries, times_scale=True)
 
 
-def prefill_attention_reference(queries, keys, values, scale, mask=None, **_) -> mx.array:
-    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
+def prefill_attention_reference(queries, keys, values, scale, mask=None, sinks=None, **_) -> mx.array:
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 # ==================================================================================== dispatch
@@ -975,11 +979,13 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
     return dequantize_reference(kv, dtype)
 
 
-def dispatch_attention(queries, keys, values, scale, mask=None, *, metal_kernel=None) -> mx.array:
+def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, metal_kernel=None) -> mx.array:
     """Drop-in for tq_mlx.attention.turboquant_attention on a Metal back end (after a self-check per variant):
     decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None or
     "causal" and a compressed context; the reference path for everything else."""
     factory = metal_kernel or _factory or _default_factory()
+    if sinks is not None:  # TODO(kernels): learned sinks in decode_merge / prefill_attention
+        return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
             and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask) is None):
         B, Hq, L, D = queries.shape
