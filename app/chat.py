@@ -20,7 +20,7 @@ from textual.widgets import Footer, Header, Input, Markdown
 
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import describe_config
-from tq_mlx.memory import format_bytes
+from tq_mlx.memory import format_bytes, saving_text, window_text
 
 from .models import ModelSource, ModelUnavailable, download
 from .plan import Plan, format_ctx
@@ -360,8 +360,9 @@ class ChatApp(App):
         rows = [
             ("context", f"{s['context_tokens']:,} / {s['ctx']:,} tokens"),
             ("KV cache held", format_bytes(s["kv_bytes"])),
-            ("float16 would hold", format_bytes(s["fp16_bytes"])),
-            ("saved", f"{format_bytes(s['saved_bytes'])} ({s['ratio']:.2f}x)"),
+            (f"mlx-lm's {s['kv_dtype'] or 'float'} cache would hold", format_bytes(s["mlx_lm_bytes"])),
+            ("saved", saving_text(s)),
+            *([("float window", window_text(s))] if window_text(s) else []),
             ("other cache state", format_bytes(s["other_bytes"])),
             ("weights", format_bytes(s["weights"])),
             ("MLX active / peak", f"{format_bytes(s['active'])} / {format_bytes(s['peak'])}"),

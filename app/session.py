@@ -284,7 +284,7 @@ class ChatSession:
             decode_tps=self.speeds.decode_tps,
             prefill=self.speeds.prefill,
             bits=memory.bits_summary(self.cache),
-            config=describe_config(self.config) if self.config else "float16 KV cache (no TurboQuant)",
+            config=describe_config(self.config) if self.config else "mlx-lm's own KV cache (no TurboQuant)",
         )
         return s
 

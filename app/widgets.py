@@ -10,7 +10,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Label, Markdown, ProgressBar, Static
 
-from tq_mlx.memory import format_bytes
+from tq_mlx.memory import format_bytes, saving_text, window_text
 
 
 class ChatMessage(Markdown):
@@ -79,14 +79,15 @@ class MemoryPanel(Static):
     def render_stats(self, s: dict) -> Group:
         width = max(self.content_size.width, 20) if self.content_size.width else 34
         used, ctx = s["context_tokens"], s["ctx"]
-        saved = s["saved_bytes"]
-        good = s["ratio"] >= 1
+        good = s["mlx_lm_bytes"] > s["kv_bytes"]
+        window = window_text(s)
         sections = [
             ("KV cache", [
                 ("held", format_bytes(s["kv_bytes"]), "bold"),
-                ("float16 would hold", format_bytes(s["fp16_bytes"]), ""),
-                ("saved", format_bytes(saved), "green" if good else "yellow"),
-                ("ratio", f"{s['ratio']:.2f}x", "bold green" if good else "yellow"),
+                # what the user would hold without tq-mlx: mlx-lm's KVCache, in the model's dtype
+                (f"mlx-lm {s['kv_dtype'] or 'float'} cache", format_bytes(s["mlx_lm_bytes"]), ""),
+                ("saved", saving_text(s), "bold green" if good else "dim"),
+                *([("compressed", f"{s['compressed_tokens']:,} tokens", "")] if window else []),
                 *([("other cache state", format_bytes(s["other_bytes"]), "")] if s.get("other_bytes") else []),
                 ("context", f"{used:,} / {ctx:,}", "red" if used >= ctx else ""),
             ]),
@@ -114,6 +115,8 @@ class MemoryPanel(Static):
             if title == "KV cache":
                 parts.append(RichBar(total=max(ctx, 1), completed=min(used, ctx), width=width,
                                      complete_style="red" if used >= ctx else "cyan", finished_style="red"))
+                if window:
+                    parts += [Text(""), Text(window, style="dim")]  # the bar leaves its line open
             parts.append(Text(""))
         parts += [Text("bits per layer", style="bold underline"), Text(s["bits"]), Text(s["config"], style="dim")]
         return Group(*parts)

@@ -222,12 +222,32 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             assert stats["context_tokens"] == len(session.tokens) == session.cache[0].offset
             assert stats["weights"] > 0 and stats["peak"] >= stats["active"] > 0 and stats["decode_tps"] > 0
             text = rendered(app)
-            for key in ("kv_bytes", "fp16_bytes", "weights"):
+            for key in ("kv_bytes", "mlx_lm_bytes", "weights"):
                 assert format_bytes(stats[key]) in text
+            # against what mlx-lm's own float32 KVCache allocates: 256-token steps, 3 layers, 2 kv heads x 64
+            n = len(session.tokens)
+            assert stats["mlx_lm_bytes"] == 3 * 2 * 256 * -(-n // 256) * 2 * 64 * 4
+            assert "mlx-lm float32 cache" in text and f"({stats['mlx_lm_bytes'] / stats['kv_bytes']:.2f}x)" in text
             assert f"{len(session.tokens):,} / 1,024" in text and "K4/V3 on all 3 attention layers" in text
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
+
+
+def test_the_panel_never_shows_a_negative_saving_and_says_where_the_float_window_ends():
+    from tq_chat.widgets import MemoryPanel
+
+    base = dict(ctx=4096, context_tokens=85, weights=1, active=1, peak=1, prompt_tps=0, decode_tps=0, bits="K4/V3",
+                config="TurboQuant K4/V3", other_bytes=0, kv_dtype="float16", sinks=4, window=768)
+    early = dict(base, kv_bytes=3_230_000, mlx_lm_bytes=2_080_000, float_tokens=85, compressed_tokens=0)
+    text = " ".join(panel_text(MemoryPanel(), early).split())
+    assert "saved none yet" in text and "-" + format_bytes(1_150_000) not in text and "x)" not in text
+    assert "all 85 tokens in float16 (4 sinks + 768-token window): compression starts at token 773" in text
+    assert "mlx-lm float16 cache 2.08 MB" in text and "compressed 0 tokens" in text
+    later = dict(base, context_tokens=4000, kv_bytes=10_000_000, mlx_lm_bytes=30_000_000, float_tokens=772,
+                 compressed_tokens=3228)
+    text = " ".join(panel_text(MemoryPanel(), later).split())
+    assert "saved 20.0 MB (3.00x)" in text and "3,228 tokens compressed, 772 in float16" in text
 
 
 def test_second_turn_reuses_the_cache(tiny_model_dir):

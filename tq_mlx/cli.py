@@ -196,17 +196,23 @@ def describe_config(config: TurboQuantConfig | None) -> str:
 
 
 def summary_line(prompt_cache) -> str:
-    """tq-generate's closing line: KV memory held against float16 (memory.cache_bytes)."""
-    from .memory import bits_summary, cache_bytes, format_bytes
+    """tq-generate's closing line: KV memory held against mlx-lm's own cache, and what is still in the float
+    window (memory.cache_bytes, worded as tq-chat's panel words it)."""
+    from .memory import bits_summary, cache_bytes, format_bytes, saving_text, window_text
 
     s = cache_bytes(prompt_cache)
-    line = (
-        f"KV cache: {format_bytes(s['kv_bytes'])} for {s['tokens']} tokens vs {format_bytes(s['fp16_bytes'])} "
-        f"in float16 ({s['ratio']:.2f}x, {format_bytes(s['saved_bytes'])} saved); {bits_summary(prompt_cache)}"
-    )
+    parts = [
+        f"KV cache: {format_bytes(s['kv_bytes'])} for {s['tokens']:,} tokens",
+        f"mlx-lm's {s['kv_dtype'] or 'float'} cache would hold {format_bytes(s['mlx_lm_bytes'])}",
+        f"saved {saving_text(s)}",
+    ]
+    window = window_text(s)
+    if window:
+        parts.append(window)
+    parts.append(bits_summary(prompt_cache))
     if s["other_bytes"]:
-        line += f"; other cache state {format_bytes(s['other_bytes'])}"
-    return line
+        parts.append(f"other cache state {format_bytes(s['other_bytes'])}")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager

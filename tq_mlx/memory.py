@@ -1,15 +1,18 @@
 """Memory numbers in one place: what a prompt cache holds, what a context would cost, what the machine has.
 
-* `cache_bytes(prompt_cache)`: bytes the caches actually hold (each cache's own `nbytes`) against what a float16
-  `KVCache` would hold for the same tokens. The tq-chat memory panel and tq-generate's summary both call it.
+* `cache_bytes(prompt_cache)`: bytes the caches actually hold (each cache's own `nbytes`) against what mlx-lm's own
+  `KVCache` would allocate for the same tokens in the model's dtype, and how much of the context is still in
+  TurboQuant's float window. The tq-chat memory panel and tq-generate's summary both call it, and word it with
+  `saving_text` and `window_text`.
 * `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
   for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. The TurboQuant estimate follows the
   cache's storage layout (tq_mlx/stream.py) and equals `TurboQuantKVCache.nbytes` exactly when the cache was
   filled in one prefill or token by token (chunked prefill can add up to one `step` of padding per chunk).
 * `weight_bytes(path)` from safetensors headers, `available_memory()` for MLX on this machine.
 
-Float16 references count exactly 2 · n_kv_heads · head_dim · 2 bytes per token and attention layer, without
-KVCache's 256-token buffer padding, so "saved" is never flattered by padding.
+Float16 references (`fp16_bytes`, the planner's estimates) count exactly 2 · n_kv_heads · head_dim · 2 bytes per
+token and attention layer, without KVCache's 256-token buffer padding; `cache_bytes`'s `mlx_lm_bytes` counts what
+mlx-lm really allocates (whole 256-token steps in the model's dtype), the figure a user compares with.
 """
 
 from __future__ import annotations
@@ -508,11 +511,41 @@ def _kv_geometry(c) -> tuple[int, int, int, int, int] | None:
     return k_shape[0], k_shape[1], tokens, dk, dv
 
 
+KVCACHE_STEP = 256  # mlx_lm.models.cache.KVCache.step: its buffers grow 256 tokens at a time
+
+
+def mlx_lm_kv_bytes(tokens: int, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                    float_bytes: int = FLOAT16_BYTES, batch: int = 1) -> int:
+    """What mlx-lm's own KVCache allocates for `tokens` tokens of one layer: buffers of whole 256-token steps in
+    the model's dtype (filled in one prefill, then token by token)."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    capacity = -(-tokens // KVCACHE_STEP) * KVCACHE_STEP
+    return batch * n_kv_heads * capacity * (head_dim + v) * float_bytes
+
+
+def _float_dtype(c) -> mx.Dtype | None:
+    """The dtype a cache keeps floats in (the model's): TurboQuant's sinks and window, KVCache's keys,
+    QuantizedKVCache's scales."""
+    if isinstance(c, TurboQuantKVCache):
+        held = [a for s in c.streams for a in (getattr(s, "window", None), getattr(s, "sinks", None))]
+    else:
+        keys = getattr(c, "keys", None)
+        held = [keys[1] if isinstance(keys, (tuple, list)) else keys]
+    return next((a.dtype for a in held if isinstance(a, mx.array)), None)
+
+
 def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
-    """Bytes a prompt cache (a list of per-layer caches, as mlx-lm builds them) holds, against float16.
+    """Bytes a prompt cache (a list of per-layer caches, as mlx-lm builds them) holds, against mlx-lm's own cache.
 
     Returns a dict:
       kv_bytes       sum of `nbytes` of the attention caches (TurboQuant, KVCache, QuantizedKVCache, ...)
+      mlx_lm_bytes   what mlx-lm's own caches would hold for the same tokens: a KVCache's real allocation (whole
+                     256-token steps, the model's dtype) for each compressed or quantized layer, the cache's own
+                     nbytes for the layers that stay float
+      kv_dtype       the model's dtype the float tokens are kept in ("float32"; None for an empty cache)
+      float_tokens, compressed_tokens   TurboQuant layers: tokens still in float (sinks + window) and compressed
+      sinks, window  TurboQuant layers: the config's float sinks and window (None without TurboQuant layers);
+                     compression starts at token sinks + window + 1
       fp16_bytes     what float16 KVCaches would hold for the same tokens (2·heads·head_dim·2 bytes per token)
       other_bytes    sum of `nbytes` of the other caches (e.g. hybrid linear-attention ArraysCache state)
       total_bytes    kv_bytes + other_bytes
@@ -522,7 +555,8 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       attention_layers, turboquant_layers  counts
     """
 
-    kv = fp16 = other = tokens = n_att = n_tq = 0
+    kv = fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = 0
+    dtype, sinks, window = None, None, None
     for c in _flatten(prompt_cache):
         geo = _kv_geometry(c)
         is_attention = geo is not None or isinstance(c, TurboQuantKVCache) or hasattr(c, "keys")
@@ -537,8 +571,22 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         kv += c.nbytes
         fp16 += float16_kv_bytes(T, H, dk, dv, B)
         tokens = max(tokens, T)
+        dtype = dtype or _float_dtype(c)
+        compressing = isinstance(c, TurboQuantKVCache) or isinstance(getattr(c, "keys", None), (tuple, list))
+        float_bytes = (_float_dtype(c) or mx.float16).size
+        mlx_lm += mlx_lm_kv_bytes(T, H, dk, dv, float_bytes, B) if compressing else c.nbytes
+        if isinstance(c, TurboQuantKVCache):
+            float_tokens = max(float_tokens, c.n_sinks + c.n_window)
+            compressed = max(compressed, c.n_compressed)
+            sinks, window = c.config.sinks, c.config.window
     return {
         "kv_bytes": kv,
+        "mlx_lm_bytes": mlx_lm,
+        "kv_dtype": str(dtype).removeprefix("mlx.core.") if dtype is not None else None,
+        "float_tokens": float_tokens,
+        "compressed_tokens": compressed,
+        "sinks": sinks,
+        "window": window,
         "fp16_bytes": fp16,
         "other_bytes": other,
         "total_bytes": kv + other,
@@ -664,6 +712,31 @@ def available_memory() -> int:
     except OSError:
         pass
     raise RuntimeError(f"cannot tell how much memory this machine has ({sys.platform})")
+
+
+def saving_text(s: dict) -> str:
+    """What cache_bytes(...) saves against mlx-lm's own cache, never as a negative number: "8.57 MB (3.65x)"
+    (mlx-lm's bytes / the bytes held), or "none yet" while TurboQuant's float window and constants outweigh it."""
+    saved = s["mlx_lm_bytes"] - s["kv_bytes"]
+    if not s["kv_bytes"]:
+        return "-"
+    if saved == 0:
+        return "none"  # mlx-lm's own cache
+    if saved < 0:
+        return "none yet"
+    return f"{format_bytes(saved)} ({s['mlx_lm_bytes'] / s['kv_bytes']:.2f}x)"
+
+
+def window_text(s: dict) -> str | None:
+    """How much of the context cache_bytes(...) found still in TurboQuant's float window (None without
+    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"."""
+    if s.get("window") is None:
+        return None
+    kept = f"{s['kv_dtype'] or 'float'} ({s['sinks']} sinks + {s['window']:,}-token window)"
+    if not s["compressed_tokens"]:
+        start = s["sinks"] + s["window"] + 1
+        return f"all {s['float_tokens']:,} tokens in {kept}: compression starts at token {start:,}"
+    return f"{s['compressed_tokens']:,} tokens compressed, {s['float_tokens']:,} in {kept}"
 
 
 def format_bytes(n: float) -> str:
