@@ -154,16 +154,30 @@ def test_unsupported_models_fail_before_any_work(models):
         tq_mlx.make_prompt_cache(llama.Model(args))
     with pytest.raises(ValueError, match=r"layer 0.*head_dim 32 at 2.5 bits"):
         tq_mlx.make_prompt_cache(tiny_small_head(), TurboQuantConfig.from_bits(2.5))
+    model = tiny_small_head()
+    with pytest.raises(ValueError, match=r"layer 0.*head_dim 32 at 2.5 bits"):
+        tq_mlx.patch_model(model, TurboQuantConfig.from_bits(2.5))
+    assert "make_cache" not in vars(model) and "_tq_make_cache" not in vars(model)  # untouched
+    assert all(type(c) is KVCache for c in mlx_cache.make_prompt_cache(model))
+
+
+def test_models_that_post_process_their_fetch_get_float_tensors_from_compressed_storage(models):
     model = models["qwen3"]
-    model.model_type = "gemma2"
+    model.model_type = "gemma2"  # tq_mlx.architectures.FLOAT_FETCH: gemma2 computes attention by hand
     try:
-        with pytest.raises(ValueError, match=r"layer 0: model type 'gemma2' is not supported"):
-            tq_mlx.patch_model(model)
-        assert "make_cache" not in vars(model) and "_tq_make_cache" not in vars(model)  # untouched
+        cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=8, compress_block=4, sinks=2))
     finally:
         model.model_type = "qwen3"
-        tq_mlx.unpatch_model(model)
-    assert all(type(c) is KVCache for c in mlx_cache.make_prompt_cache(model))
+    assert all(isinstance(c, TurboQuantKVCache) and c.fetch == "float" for c in cache)
+    D = cache[0].key_dim
+    keys, values = mx.random.normal((1, 2, 20, D)), mx.random.normal((1, 2, 20, D))
+    k, v = cache[0].update_and_fetch(keys, values)
+    assert isinstance(k, mx.array) and k.shape == keys.shape and k.dtype == keys.dtype
+    assert cache[0].n_compressed == 12  # stored as codes; the float tensors are the fetch's, not the cache's
+    rel = float(mx.linalg.norm(k - keys) / mx.linalg.norm(keys))
+    assert 0 < rel < 0.2
+    floats = [a for a in cache[0].held_arrays() if a.ndim == 4 and a.dtype == keys.dtype]
+    assert floats and all(a.shape[2] <= 8 for a in floats)  # the sinks and the window, no float copy of the rest
 
 
 def tiny_small_head():
@@ -172,20 +186,6 @@ def tiny_small_head():
     args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=1, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, vocab_size=257)
     return llama.Model(args)
-
-
-def test_gpt_oss_style_sinks_are_rejected(models):
-    model = models["llama"]
-    attn = model.layers[1].self_attn
-    attn.sinks = mx.zeros((4,))
-    try:
-        with pytest.raises(ValueError, match=r"layer 1: attention sinks are not supported"):
-            tq_mlx.make_prompt_cache(model)
-    finally:
-        del attn["sinks"]
-
-
-# --- mlx-lm entry points -----------------------------------------------------------------------------
 
 
 def test_generate_with_prompt_cache_and_patch_model(models):

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tq_mlx"
 RANKS = {
     "codebook": 0, "rotation": 0, "packing": 0,
     "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
+    "architectures": 0,  # which fetch each mlx-lm model_type takes: a table, imports nothing
     "quantizer": 1,
     "config": 2,
     "stream": 3,

@@ -14,6 +14,7 @@ float copy of a compressed token exists anywhere.
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -25,14 +26,16 @@ from .attention import BatchView
 from .batch import BatchTurboQuantKVCache, batch_attention
 from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
-from .kernels import dispatch_attention, dispatch_encode
+from .architectures import FETCHES
+from .kernels import dispatch_attention, dispatch_dequantize, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer, unique_arrays
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
-# buffers in the model's dtype; version 4 whether the keys protected themselves. Earlier files still load.
-STATE_VERSION = 4
-READABLE_STATE_VERSIONS = (1, 2, 3, 4)
+# buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
+# update_and_fetch returns, tq_mlx.architectures). Earlier files still load.
+STATE_VERSION = 5
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -49,6 +52,15 @@ class TurboQuantKVCache(_BaseCache):
     layer_index is the model layer (seeds and error messages); attention_index and n_attention_layers place
     it among the attention layers for config.boundary_layers. Given head_dim, the streams are built now, so
     the first update does no setup work (some rotations read an array back to the host when built).
+
+    fetch (tq_mlx.architectures) says what update_and_fetch returns; storage is the same two compressed
+    streams whatever it is:
+      "codes"   views of both streams, for attention on the codes (the attention hook)
+      "latent"  multi-head latent attention: the keys are the latent, the values the rope key. A one-token
+                update gets the latent's view (the model attends to it as keys and values); longer updates
+                get it as float, and the rope key is always float
+      "float"   both sides as float tensors decoded from the codes (models that post-process what they fetch)
+    Float fetches are transients of one layer, in the dtype of the tokens given, never kept.
     """
 
     def __init__(
@@ -58,8 +70,12 @@ class TurboQuantKVCache(_BaseCache):
         attention_index: int | None = None,
         n_attention_layers: int | None = None,
         head_dim: int | None = None,
+        fetch: str = "codes",
     ):
         install_attention_hook()
+        if fetch not in FETCHES:
+            raise ValueError(f"fetch={fetch!r}: expected one of {', '.join(FETCHES)}")
+        self.fetch = fetch
         self.config = config or TurboQuantConfig()
         self.layer_index = int(layer_index)
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
@@ -196,14 +212,28 @@ class TurboQuantKVCache(_BaseCache):
         """Store keys/values (B, n_kv_heads, L, head_dim) and return views of everything stored."""
         self._check_input(keys, values)
         self.offset += keys.shape[2]
-        return self.key_stream.append(keys), self.value_stream.append(values)
+        k, v = self.key_stream.append(keys), self.value_stream.append(values)
+        return self._fetched(k, v, keys)
+
+    def _fetched(self, k: StreamView, v: StreamView, new: mx.array):
+        if self.fetch == "codes":
+            return k, v
+        # Decoding waits for this layer's new tokens, so a forward pass decodes one layer at a time rather than
+        # every layer's cache up front (they depend on nothing else): the float transient stays one layer's.
+        if self.fetch == "latent" and new.shape[2] == 1:
+            return k, float_tokens(v, new.dtype, new)
+        return float_tokens(k, new.dtype, new), float_tokens(v, new.dtype, new)
 
     def keys_and_values(self) -> tuple[StreamView, StreamView]:
         """Views of everything stored, without appending: for models whose KV-shared layers read another
         layer's cache back and attend through it (gemma3n.py:133)."""
         if self.key_stream is None:
             raise ValueError(f"{self._where()}: keys_and_values() before any update")
-        return self.key_stream.view(), self.value_stream.view()
+        k, v = self.key_stream.view(), self.value_stream.view()
+        if self.fetch == "codes":
+            return k, v
+        dtype = next(a.dtype for a in (k.window, k.sinks, mx.zeros((0,), mx.float16)) if a is not None)
+        return float_tokens(k, dtype), float_tokens(v, dtype)
 
     # mlx-lm's pipelined models tie a stage's send to its last cache, `cache[-1].keys = mx.depends(
     # cache[-1].keys, h)` (qwen2.py:165-167 and every PipelineMixin model), so that generate's mx.eval of the
@@ -296,6 +326,7 @@ class TurboQuantKVCache(_BaseCache):
             "value_dim": self.value_dim,
             "calibrated": self.calibrated,
             "key_protected": self.protected,
+            "fetch": self.fetch,
         }
         arrays = {}
         for s in self.streams:
@@ -330,6 +361,10 @@ class TurboQuantKVCache(_BaseCache):
                                                              "key_dim", "value_dim")}
             calibrated = bool(meta["calibrated"])
             protected = bool(meta.get("key_protected", False))  # absent before version 4
+            fetch = meta.get("fetch", "codes")  # absent before version 5
+            if fetch not in FETCHES:
+                raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
+            self.fetch = fetch
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
 
@@ -365,6 +400,18 @@ class TurboQuantKVCache(_BaseCache):
             raise bad(str(e)) from None
 
 
+def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = None) -> mx.array:
+    """Every token of a view as one float tensor (B, H, n_tokens, D) `dtype` in the model basis: the sinks, the
+    compressed tokens decoded (the dequantize kernel on Metal), the window. `after`: decode only once it exists."""
+    parts = [view.sinks]
+    if view.codes is not None:
+        codes = view.codes if after is None else type(view.codes)(*mx.depends(list(view.codes), [after]))
+        parts.append(dispatch_dequantize(view._replace(codes=codes), dtype))
+    parts.append(view.window)
+    parts = [p.astype(dtype) for p in parts if p is not None]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
 BatchTurboQuantKVCache.row_class = TurboQuantKVCache  # tq_mlx.batch sits below this module
 
 
@@ -372,21 +419,54 @@ BatchTurboQuantKVCache.row_class = TurboQuantKVCache  # tq_mlx.batch sits below 
 
 
 def _attention(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 8):
-    """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention."""
+    """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention, which mlx-lm's attention calls
+    for caches that have `bits`."""
     if isinstance(keys, BatchView):
         return batch_attention(queries, keys, values, scale=scale, mask=mask)
     if isinstance(keys, StreamView):
         return dispatch_attention(queries, keys, values, scale=scale, mask=mask)
+    if isinstance(keys, mx.array):  # a float fetch (mlx-lm's own quantized keys are tuples)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return _attention.original(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
 
+def _sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """Stands in for mlx_lm.models.base.scaled_dot_product_attention in the model files that import it by name.
+    It sees what the quantized entry point cannot: learned sinks (which base's version refuses for caches with
+    `bits`), and views attended without their cache (Gemma 4's KV-shared layers pass cache=None)."""
+    if isinstance(keys, BatchView):
+        return batch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(keys, StreamView):
+        return dispatch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):  # a float fetch
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return _sdpa.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+_sdpa.original = mlx_base.scaled_dot_product_attention
+_SDPA_MODULES: dict[str, Any] = {}  # model modules whose scaled_dot_product_attention is _sdpa
+
+
+def _hook_model_modules() -> None:
+    """Point every loaded mlx_lm.models module's by-name `scaled_dot_product_attention` at _sdpa. Model files
+    import it by name (mlx-lm-integration.md §2), so base's attribute alone reaches none of them; a model's
+    module is loaded before its first cache is built, which calls this."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and name not in _SDPA_MODULES and module is not None:
+            if getattr(module, "scaled_dot_product_attention", None) is _sdpa.original:
+                module.scaled_dot_product_attention = _sdpa
+                _SDPA_MODULES[name] = module
+
+
 def install_attention_hook() -> None:
-    """Route mlx-lm's quantized attention entry point to TurboQuant views (anything else still reaches
-    mlx-lm's own function) and register TurboQuantKVCache for mlx-lm's load_prompt_cache. Idempotent."""
+    """Route mlx-lm's attention entry points to TurboQuant views (anything else still reaches mlx-lm's own
+    functions) and register TurboQuantKVCache for mlx-lm's load_prompt_cache. Idempotent; each call also
+    hooks model modules loaded since the last."""
     current = mlx_base.quantized_scaled_dot_product_attention
     if current is not _attention:
         _attention.original = current
         mlx_base.quantized_scaled_dot_product_attention = _attention
+    _hook_model_modules()
     for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
         setattr(mlx_cache, cls.__name__, cls)
 
@@ -395,10 +475,14 @@ def uninstall_attention_hook() -> None:
     """Leave mlx-lm exactly as it was before install_attention_hook."""
     if mlx_base.quantized_scaled_dot_product_attention is _attention:
         mlx_base.quantized_scaled_dot_product_attention = _attention.original
+    for module in _SDPA_MODULES.values():
+        if getattr(module, "scaled_dot_product_attention", None) is _sdpa:
+            module.scaled_dot_product_attention = _sdpa.original
+    _SDPA_MODULES.clear()
     for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
         if getattr(mlx_cache, cls.__name__, None) is cls:
             delattr(mlx_cache, cls.__name__)
 
 
 def hook_installed() -> bool:
-    return mlx_base.quantized_scaled_dot_product_attention is _attention
+    return mlx_base.quantized_scaled_dot_product_attention is _attention or bool(_SDPA_MODULES)

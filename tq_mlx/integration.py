@@ -30,38 +30,10 @@ import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import CacheList, KVCache
 
+from .architectures import FLOAT_FETCH, fetch_for
 from .cache import TurboQuantKVCache, install_attention_hook
 from .config import TurboQuantConfig
 from .memory import AttentionLayout, attention_layout
-
-# model_type -> why its attention cannot run on compressed keys (it post-processes fetched keys, bypasses
-# base.scaled_dot_product_attention, or needs attention sinks). See mlx-lm-integration.md §2; the zoo test
-# (tests/test_zoo.py) checks every entry against mlx-lm's model files.
-UNSUPPORTED_MODEL_TYPES = {
-    "gemma2": "its attention is computed by hand on the fetched keys (gemma2.py:89-92)",
-    "olmo": "its attention is computed by hand on the fetched keys (olmo.py:91)",
-    "stablelm": "it casts the fetched keys (stablelm.py:119-120)",
-    "plamo": "it tiles the fetched keys (plamo.py:93)",
-    "plamo2": "it calls mx.fast.scaled_dot_product_attention directly",
-    "phi": "it reads the dtype of the fetched values (phi.py:102)",
-    "phixtral": "it reads the dtype of the fetched values (phixtral.py:80)",
-    "afm7": "its KV-reuse layers attend to the last layer's fetched keys without the cache (afm7.py:361)",
-    "iquestloopcoder": "its second loop attends to the first loop's fetched keys through a RotatingKVCache "
-                       "(iquestloopcoder.py:196)",
-    "deepseek_v32": "its sparse attention indexes the fetched keys (deepseek_v32.py:102-107)",
-    "deepseek_v41": "it calls mx.fast.scaled_dot_product_attention directly",
-    "muse_spark": "it calls mx.fast.scaled_dot_product_attention directly",
-    "gemma4_text": "it shares fetched keys between layers (gemma4_text.py:278)",
-    "gemma4": "it shares fetched keys between layers (gemma4_text.py:278)",
-    "minimax_m3_vl": "it post-processes the fetched keys (minimax_m3_vl.py:268-282)",
-    "gpt_oss": "its attention has learned sinks, which mlx-lm's quantized attention path rejects",
-    "mimo_v2_flash": "its attention has learned sinks, which mlx-lm's quantized attention path rejects",
-}
-_MLA = "multi-head latent attention caches a compressed latent, not per-head keys/values"
-for _t in ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_k3", "kimi_vl", "kimi_linear", "minicpm3",
-           "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram", "mistral4", "youtu_llm",
-           "bailing_hybrid", "bailing_moe_v3"):
-    UNSUPPORTED_MODEL_TYPES[_t] = _MLA
 
 WAY_OUT = "use mlx-lm's own cache for this model (drop the TurboQuant options)"
 
@@ -160,17 +132,31 @@ def pipeline_stage(model: nn.Module) -> tuple[int, int | None]:
     return 0, None
 
 
-def _check_supported(model: nn.Module, i: int) -> None:
-    for t in sorted(_model_types(model)):
-        if t in UNSUPPORTED_MODEL_TYPES:
-            reason = UNSUPPORTED_MODEL_TYPES[t]
-            raise ValueError(f"layer {i}: model type {t!r} is not supported by TurboQuant: {reason}; {WAY_OUT}")
+def model_fetch(model: nn.Module) -> str:
+    """What this model's caches fetch (tq_mlx.architectures): "codes", "latent" or "float"."""
+    return fetch_for(_model_types(model))
+
+
+def fetch_reason(model: nn.Module) -> str | None:
+    """Why this model's caches fetch float tensors (None when they do not)."""
+    return next((FLOAT_FETCH[t] for t in sorted(_model_types(model)) if t in FLOAT_FETCH), None)
+
+
+def _cache_head_dim(model: nn.Module, i: int, fetch: str) -> int | None:
+    """head_dim to build layer i's streams with now, or None to build them at the first update: latent layers
+    (a latent and a rope key of different widths) and attention modules whose keys and values differ in width
+    (deepseek_v2's 192 / 128) learn theirs from the first tokens."""
+    if fetch == "latent":
+        return None
     attn = _attention_module(model, i)
-    if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays and submodules
-        raise ValueError(
-            f"layer {i}: attention sinks are not supported (mlx-lm's quantized attention path rejects them); "
-            f"{WAY_OUT}"
-        )
+    v_dim = getattr(attn, "v_head_dim", None)
+    head_dim, _ = layer_geometry(model, i)
+    if isinstance(v_dim, int) and v_dim != head_dim:
+        return None
+    if getattr(attn, "head_dim", None) is None and any(
+            isinstance(getattr(attn, n, None), int) for n in ("q_head_dim", "qk_nope_head_dim", "kv_lora_rank")):
+        return None
+    return head_dim
 
 
 def _kv_slots(base: list[Any]) -> list[tuple[int, int | None]]:
@@ -223,10 +209,14 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     """The model's prompt cache with every full-attention KVCache replaced by a TurboQuantKVCache, those
     nested in a mlx-lm CacheList included.
 
+    What the caches hand back to the model (views for attention on the codes, the latent of multi-head latent
+    attention, or float tensors decoded from the codes for models that post-process them) comes from
+    tq_mlx.architectures; the storage is compressed in every case.
+
     Raises ValueError naming the layer, the reason and the way out, before building anything, if a layer
-    cannot be compressed (unsupported architecture, head_dim too small or incompatible with fractional bits),
-    if no layer holds a full-attention KVCache (nothing would be compressed), or if max_kv_size is given
-    (a bounded TurboQuant cache does not exist yet).
+    cannot be compressed (head_dim too small or incompatible with fractional bits), if no layer holds a
+    full-attention KVCache (nothing would be compressed), or if max_kv_size is given (a bounded TurboQuant
+    cache does not exist yet).
     """
     _refuse_max_kv_size(max_kv_size)
     config = config or TurboQuantConfig()
@@ -238,9 +228,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
             f"{types}: no layer holds a full-attention KVCache for TurboQuant to compress ({_describe(base)}); "
             f"{WAY_OUT}"
         )
-    layers = sorted({i for i, _ in slots})
-    for i in layers:
-        _check_supported(model, i)
+    fetch = model_fetch(model)
     # A pipeline stage numbers its layers from the stage's first: seeds follow the whole model's numbering, and
     # so do the boundary layers when every layer is an attention layer (else they are counted within the stage),
     # so that the stages compress as one process would.
@@ -248,11 +236,11 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     whole = total is not None and len(slots) == len(base) and all(m is None for _, m in slots)
     caches = {}
     for j, (i, member) in enumerate(slots):
-        head_dim, _ = layer_geometry(model, i)
         try:
             caches[i, member] = TurboQuantKVCache(
                 config, layer_index=start + i, attention_index=start + j if whole else j,
-                n_attention_layers=total if whole else len(slots), head_dim=head_dim,
+                n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch),
+                fetch=fetch,
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
@@ -307,6 +295,10 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
         if c.layer_index != pipeline_stage(model)[0] + i:
             raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
         head_dim, n_kv = layer_geometry(model, i)
+        if c.fetch != model_fetch(model):
+            raise ValueError(f"layer {i}: prompt cache fetches {c.fetch!r}, this model needs {model_fetch(model)!r}")
+        head_dim = _cache_head_dim(model, i, c.fetch)
+        n_kv = n_kv if head_dim is not None else None
         if c.key_dim and head_dim is not None and c.key_dim != head_dim:
             raise ValueError(f"layer {i}: prompt cache has head_dim {c.key_dim}, the model has head_dim {head_dim}")
         bh = c.batch_heads()
