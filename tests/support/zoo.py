@@ -1,6 +1,8 @@
 """Tiny random-weight models of every mlx-lm architecture (every module of mlx_lm.models with Model and
 ModelArgs), built from their own ModelArgs: 4 layers, hidden 128, 4 q / 2 kv heads of head_dim 32 where the
 architecture takes those fields. Architectures that cannot be built here are listed in NOT_BUILDABLE with why.
+Where a real config nests (text_config, rope_parameters per layer type, block_configs) or mixes layer kinds
+(sliding/full, KV-shared, MLA, MoE, sinks), the tiny one has every kind its checkpoints have.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_positi
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 # Gemma 4, every kind of layer its checkpoints have: sliding (0, 2) and full (1, 3) layers; layers 2 and 3 share
 # the K/V of layers 0 and 1 (num_kv_shared_layers, the E2B/E4B models); full layers with their own head_dim,
-# K = V and one KV head (the 26B/31B models); MoE beside the MLP (26B); per-layer inputs (E2B/E4B).
+# K = V and their own KV head count (the 26B/31B models); MoE beside the MLP (26B); per-layer inputs (E2B/E4B).
 GEMMA4 = dict(layer_types=SW, num_kv_shared_layers=2, global_head_dim=2 * HD, attention_k_eq_v=True,
               num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
               moe_intermediate_size=64, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB)
