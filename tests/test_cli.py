@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import socket
 import subprocess
@@ -161,6 +162,115 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
                         "--max-tokens", "5", "--num-draft-tokens", "2", "--tq-bits", "4"])
     assert rc == 0
     assert "K4/V4 on all 3 attention layers" in capsys.readouterr().out
+
+
+def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """The tq-generate command as a user runs it, in its own process."""
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli import generate_command; generate_command()", *argv]
+    return subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """stderr without the OpenBLAS note (tq_mlx.blas) and mlx-lm's own warnings."""
+    return [line for line in proc.stderr.splitlines() if line.strip() and ": note:" not in line
+            and "Warning" not in line]
+
+
+def save_turboquant_cache(model_dir: Path, path: Path, metadata: dict | None) -> int:
+    """A TurboQuant prompt cache file as the Python API makes one (tq_mlx.make_prompt_cache, then mlx-lm's
+    save_prompt_cache); returns the tokens it holds."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from tq_mlx import make_prompt_cache
+
+    model, tokenizer = load(str(model_dir))
+    cache = make_prompt_cache(model, TurboQuantConfig(window=16, sinks=2))
+    tokens = tokenizer.encode("A shared preamble about rivers, stones and lamps, long enough to compress.")
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    save_prompt_cache(str(path), cache, metadata or {})
+    return len(tokens)
+
+
+@pytest.mark.parametrize("metadata", ["mlx-lm", "none"])
+def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, tmp_path, metadata):
+    # It failed with KeyError: 'TurboQuantKVCache' (mlx-lm's loader looks the class up by name).
+    path = tmp_path / "tq.safetensors"
+    meta = {"model": str(tiny_model_dir), "tokenizer_config": "{}"} if metadata == "mlx-lm" else None
+    n = save_turboquant_cache(tiny_model_dir, path, meta)
+    proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(path), "--prompt", "go on",
+                       "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "compressed it" not in proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    held = int(re.search(r"KV cache: [\d.]+ [KM]?B for ([\d,]+) tokens", summary).group(1).replace(",", ""))
+    assert held > n  # the file's tokens, then the new prompt and the answer
+    assert "in float32 (2 sinks + 16-token window)" in summary and "K4/V3 on all 3 attention layers" in summary
+
+
+def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_dir, tmp_path):
+    # mlx_lm cache_prompt's file: it silently ran on the float cache.
+    path = tmp_path / "float.safetensors"
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(tiny_model_dir),
+                           "--prompt", "A shared preamble about rivers, stones and lamps, long enough to compress.",
+                           "--prompt-cache-file", str(path)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and path.exists(), made.stderr
+    before = path.read_bytes()
+    proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(path), "--prompt", "go on",
+                       "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
+                  rf"compressed it to TurboQuant K4/V3, window 16, sinks 2 for this run \(the file is unchanged\)",
+                  proc.stderr)
+    assert m and int(m.group(1)) > 16, proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"[\d,]+ tokens compressed, \d+ in float32", summary), summary
+    assert path.read_bytes() == before
+    # the --help says what happens to each kind of file
+    help_text = " ".join(tq_generate("--help").stdout.split())
+    assert "a float file from `mlx_lm cache_prompt` is compressed to TurboQuant as it loads" in help_text
+
+
+def test_generate_refuses_a_damaged_prompt_cache_file_in_one_line(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a cache")
+    proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(bad), "--prompt", "x")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith(f"tq-generate: error: {bad}: not a readable prompt cache ("), lines
+
+
+@pytest.mark.parametrize("case", ["offline hub id", "no --model offline", "a file", "a missing folder",
+                                  "a folder without config.json"])
+def test_generate_model_errors_are_one_line(tmp_path, case):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    (tmp_path / "empty").mkdir()
+    model = {"offline hub id": ["--model", "someone/not-downloaded"], "no --model offline": [],
+             "a file": ["--model", str(text)], "a missing folder": ["--model", str(tmp_path / "nope")],
+             "a folder without config.json": ["--model", str(tmp_path / "empty")]}[case]
+    proc = tq_generate(*model, "--prompt", "hi", env=env)
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    expected = {
+        "offline hub id": "tq-generate: error: cannot load model someone/not-downloaded: Cannot find an appropriate "
+                          "cached snapshot",
+        "no --model offline": "tq-generate: error: cannot load model mlx-community/Llama-3.2-3B-Instruct-4bit "
+                              "(mlx-lm's default when --model is not given): ",
+        "a file": f"tq-generate: error: --model {text} is a file, not a model: give a model folder",
+        "a missing folder": f"tq-generate: error: --model {tmp_path / 'nope'}: no such model folder",
+        "a folder without config.json": f"tq-generate: error: --model {tmp_path / 'empty'} is a folder without "
+                                        f"config.json",
+    }[case]
+    assert lines[0].startswith(expected), lines
+
+
+def test_tq_bits_help_names_the_real_default():
+    help_text = " ".join(add_cache_args(argparse.ArgumentParser(prog="t")).format_help().split())
+    assert "bits per value for keys and values (default: keys 4, values 3, i.e. K4/V3)" in help_text
 
 
 # --- tq-server -------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 from .config import NORM_BITS, TurboQuantConfig, bits_label
@@ -87,7 +88,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
         return [long, short] if short_aliases else [long]
 
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
-                   help=f"bits per value for keys and values (default {d.key_bits})")
+                   help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
+                        f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")
     g.add_argument(*names("--tq-key-bits", "--k-bits"), dest="tq_key_bits", type=bits_arg, metavar="B",
                    help="bits per key value (overrides --tq-bits for keys)")
     g.add_argument(*names("--tq-value-bits", "--v-bits"), dest="tq_value_bits", type=bits_arg, metavar="B",
@@ -254,12 +256,109 @@ def _generate_module():
     return importlib.import_module("mlx_lm.generate")
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0][:300] if text else type(error).__name__)
+
+
+def check_model_arg(model: str | None) -> None:
+    """Raise ValueError, in one line, for a --model that cannot be a model: a file, a folder without config.json,
+    or a path that does not exist (a Hugging Face repo id is left to the loader)."""
+    if model is None:
+        return
+    path = Path(model).expanduser()
+    allowed = "give a model folder (config.json and *.safetensors) or a Hugging Face repo id (owner/name)"
+    if path.is_file():
+        raise ValueError(f"--model {model} is a file, not a model: {allowed}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model} is a folder without config.json, not a model: {allowed}")
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"--model {model}: no such model folder, and not a Hugging Face repo id: {allowed}")
+
+
+def _loading_errors_in_one_line(load, default_model: str):
+    """mlx_lm's load, its failures (offline Hub, missing repo, damaged weights) raised as one-line ValueErrors."""
+
+    def wrapped(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 (any failure to load is the user's model argument or network)
+            default = f" (mlx-lm's default when --model is not given)" if path == default_model else ""
+            raise ValueError(f"cannot load model {path}{default}: {_first_line(e)}") from None
+
+    return wrapped
+
+
+def _prompt_cache_loader(args: argparse.Namespace, loaded: dict):
+    """gen.main's load_prompt_cache: tq_mlx's loader (it registers TurboQuantKVCache, which mlx-lm's loader looks up
+    by name), metadata that tq-chat's /save and hand-made files leave out filled in, the file noted in `loaded`."""
+    from .integration import load_prompt_cache
+
+    def load(file_name, return_metadata=False):
+        cache, metadata = load_prompt_cache(file_name, return_metadata=True)
+        metadata = dict(metadata)
+        metadata.setdefault("tokenizer_config", "{}")
+        if "model" not in metadata:
+            if args.model is None:
+                raise ValueError(f"{file_name} does not say which model made it: pass --model")
+            metadata["model"] = args.model
+        loaded.update(file=file_name, cache=cache)
+        return (cache, metadata) if return_metadata else cache
+
+    return load
+
+
+def compress_float_cache(model, cache: list, config: TurboQuantConfig, file_name: str,
+                         chunk: int = 2048) -> tuple[list, int]:
+    """A prompt cache of mlx-lm's float KVCaches (mlx_lm cache_prompt's file) as TurboQuant caches: each float
+    layer's keys and values are fed, chunk by chunk as a prefill feeds them, into the TurboQuantKVCache the patched
+    model builds for that layer; the other layers are kept. Returns (cache, layers compressed). Raises ValueError
+    for a layer tq-generate cannot compress (mlx-lm's affine QuantizedKVCache, or a layout the model does not have)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from .cache import TurboQuantKVCache
+
+    fresh = make_prompt_cache(model)
+    if len(fresh) != len(cache):
+        raise ValueError(f"{file_name}: holds {len(cache)} layer caches, the model has {len(fresh)}")
+    out, n = [], 0
+    for i, (new, old) in enumerate(zip(fresh, cache)):
+        if isinstance(new, TurboQuantKVCache) and type(old) is KVCache:
+            if old.offset:
+                keys, values = old.keys[..., : old.offset, :], old.values[..., : old.offset, :]
+                for at in range(0, old.offset, chunk):
+                    new.update_and_fetch(keys[..., at : at + chunk, :], values[..., at : at + chunk, :])
+                    mx.eval(new.held_arrays())
+            out.append(new)
+            n += 1
+        elif type(new) is type(old) or isinstance(old, TurboQuantKVCache):
+            out.append(old)
+        else:
+            raise ValueError(
+                f"{file_name}: layer {i} holds {type(old).__name__}, which tq-generate cannot turn into "
+                f"{type(new).__name__} (a --kv-bits cache cannot be recompressed): run it with mlx_lm.generate, or "
+                f"make the file again without --kv-bits"
+            )
+    return out, n
+
+
 def generate_parser() -> argparse.ArgumentParser:
     """mlx_lm.generate's parser plus the TurboQuant flags."""
     gen = _generate_module()
     parser = gen.setup_arg_parser()
     parser.prog = "tq-generate"
     parser.description = "mlx_lm.generate with a TurboQuant-compressed KV cache."
+    for action in parser._actions:
+        if action.dest == "prompt_cache_file":
+            action.help = (
+                "A prompt cache file to continue from: a TurboQuant file (tq_mlx / tq-chat's /save) keeps its "
+                "compressed cache; a float file from `mlx_lm cache_prompt` is compressed to TurboQuant as it loads "
+                "(the file is unchanged; --kv-bits keeps mlx-lm's cache instead); one from `cache_prompt --kv-bits` "
+                "is refused (use mlx_lm.generate)"
+            )
     # mlx_lm.generate 0.32.2 has no distributed mode; tq-generate has that of mlx_lm.chat and mlx_lm.server:
     # under mlx.launch the model is sharded across the processes, tensor parallel unless --pipeline.
     try:
@@ -290,11 +389,24 @@ def generate_main(argv: list[str] | None = None) -> int:
     distributed = group.size() > 1
     if distributed and (args.adapter_path or args.draft_model or getattr(args, "quantize_activations", False)):
         parser.error("--adapter-path, --draft-model and --quantize-activations are not supported in distributed mode")
+    try:
+        check_model_arg(args.model)
+    except ValueError as e:
+        print(f"tq-generate: error: {e}", file=sys.stderr)
+        return 2
     used: list = []
+    loaded: dict = {}  # the --prompt-cache-file, once gen.main has loaded it
 
-    original_generate, original_load = gen.generate, gen.load
+    original_generate, original_load, original_load_cache = gen.generate, gen.load, gen.load_prompt_cache
 
     def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+        if loaded and config is not None and kwargs.get("prompt_cache") is loaded["cache"]:
+            cache, n = compress_float_cache(model, loaded["cache"], config, loaded["file"], args.prefill_step_size)
+            if n:
+                print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({cache[0].offset:,} tokens): "
+                      f"compressed it to {describe_config(config)} for this run (the file is unchanged)",
+                      file=sys.stderr, flush=True)
+            kwargs["prompt_cache"] = cache
         # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
         if kwargs.get("prompt_cache") is None:
             cache = make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
@@ -315,8 +427,8 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     setup = gen.setup_arg_parser
     gen.setup_arg_parser, gen.generate = (lambda: _Parsed(args)), generate
-    if distributed:
-        gen.load = load
+    gen.load_prompt_cache = _prompt_cache_loader(args, loaded)
+    gen.load = _loading_errors_in_one_line(load if distributed else original_load, gen.DEFAULT_MODEL)
     try:
         # Every rank computes the same answer; rank 0 prints it.
         with patched_loading(config), open(os.devnull, "w") as null:
@@ -332,6 +444,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         gen.setup_arg_parser, gen.generate, gen.load = setup, original_generate, original_load
+        gen.load_prompt_cache = original_load_cache
     if used and group.rank() == 0:
         cache, n_layers = used[-1]
         line = summary_line(cache[:n_layers])
