@@ -3,10 +3,13 @@
 For every model in benchmarks/configs/*.json (config.json numbers with their source): KV bytes at 8k, 32k, 128k
 and 256k tokens for float16, mlx-lm's affine QuantizedKVCache at 8 and 4 bits (group 64), and TurboQuant at
 4 / 3.5 / 3 / 2.5 bits. Hybrid models (Qwen3.5, Qwen3-Next) count only their full-attention layers; their
-linear-attention state is fixed-size and not counted.
+linear-attention state is fixed-size and not counted. Sliding-window layers (gpt-oss, Gemma 4) stay float at
+min(ctx, window) tokens in every column. Multi-head latent attention models (DeepSeek-V3, Kimi-K2.5,
+GLM-4.7-Flash) cache what mlx-lm caches: one "head" of the latent (kv_lora_rank wide, TurboQuant's key stream)
+and the rope key (qk_rope_head_dim wide, its value stream) per token and layer.
 
 The TurboQuant figures are read from real TurboQuantKVCache objects: one layer's cache per (kv heads,
-head_dim, bits) is filled with random keys and values to each context, block by block as decoding fills it,
+key dim, value dim, bits) is filled with random keys and values to each context, block by block as decoding fills it,
 and its `nbytes` times the number of attention layers is the model's figure. The script asserts that this
 equals tq_mlx.memory.estimate_kv_bytes exactly, for every cell. The float16 and affine figures come from that
 formula and are checked against real mlx-lm KVCache / QuantizedKVCache objects at the smallest context.
@@ -68,8 +71,8 @@ def _capacity(cache: TurboQuantKVCache) -> int:
     return cache.key_stream.capacity if cache.key_stream else 0
 
 
-def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tuple[int, ...], seed: int = 0,
-               chunk: int = POOL) -> dict[int, int]:
+def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfig, contexts: tuple[int, ...],
+               seed: int = 0, chunk: int = POOL) -> dict[int, int]:
     """nbytes of one real TurboQuantKVCache filled with random K/V to each context.
 
     The buffers end up as a one-shot prefill or token-by-token decoding leaves them (what estimate_kv_bytes
@@ -81,7 +84,7 @@ def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tup
     kk, kv = mx.random.split(key)
     # float16, as a Mac model's keys and values are (the cache's float parts keep the model's dtype)
     pool_k = mx.random.normal((1, n_kv, POOL, head_dim), key=kk).astype(mx.float16)
-    pool_v = mx.random.normal((1, n_kv, POOL, head_dim), key=kv).astype(mx.float16)
+    pool_v = mx.random.normal((1, n_kv, POOL, value_dim), key=kv).astype(mx.float16)
     mx.eval(pool_k, pool_v)
     cache = TurboQuantKVCache(config, layer_index=0)
     K, step = config.compress_block_size, config.step
@@ -100,28 +103,49 @@ def fill_layer(n_kv: int, head_dim: int, config: TurboQuantConfig, contexts: tup
     return out
 
 
-def _timed_fill(n_kv: int, head_dim: int, config: dict, contexts) -> tuple[dict[int, int], float]:
+def _timed_fill(n_kv: int, head_dim: int, value_dim: int, config: dict, contexts) -> tuple[dict[int, int], float]:
     t = time.perf_counter()
-    out = fill_layer(n_kv, head_dim, TurboQuantConfig.from_dict(config), tuple(contexts))
+    out = fill_layer(n_kv, head_dim, value_dim, TurboQuantConfig.from_dict(config), tuple(contexts))
     return out, time.perf_counter() - t
 
 
-def check_mlx_caches(n_kv: int, head_dim: int, ctx: int) -> dict:
+def check_mlx_caches(n_kv: int, head_dim: int, value_dim: int, ctx: int) -> dict:
     """Real mlx-lm float16 KVCache and QuantizedKVCache 8/4-bit bytes for one layer at ctx tokens vs the formula."""
     from tq_mlx.memory import affine_kv_bytes, float16_kv_bytes
 
     k = mx.random.normal((1, n_kv, ctx, head_dim)).astype(mx.float16)
+    v = mx.random.normal((1, n_kv, ctx, value_dim)).astype(mx.float16)
     out = {}
     c = KVCache()
-    c.update_and_fetch(k, k)
-    mx.eval(c.keys)
-    out["float16"] = (c.nbytes, float16_kv_bytes(ctx, n_kv, head_dim))
+    c.update_and_fetch(k, v)
+    mx.eval(c.keys, c.values)
+    out["float16"] = (c.nbytes, float16_kv_bytes(ctx, n_kv, head_dim, value_dim))
     for bits in (8, 4):
         q = QuantizedKVCache(group_size=64, bits=bits)
-        q.update_and_fetch(k, k)
-        mx.eval(q.keys)
-        out[f"affine{bits}"] = (q.nbytes, affine_kv_bytes(ctx, n_kv, head_dim, bits=bits))
+        q.update_and_fetch(k, v)
+        mx.eval(q.keys, q.values)
+        out[f"affine{bits}"] = (q.nbytes, affine_kv_bytes(ctx, n_kv, head_dim, value_dim, bits=bits))
     return out
+
+
+def geometry(lay) -> tuple[int, int, int]:
+    """(kv heads, key dim, value dim) of a model's compressed layers."""
+    return lay.n_kv_heads, lay.head_dim, lay.v_head_dim
+
+
+def sliding_float16_bytes(lay, ctx: int) -> int:
+    """What the float sliding-window layers hold at ctx (the same in every column)."""
+    from tq_mlx.memory import float16_kv_bytes
+
+    H, dk, dv = lay.sliding_geometry
+    return sum(float16_kv_bytes(min(ctx, w), H, dk, dv) for _, w in lay.sliding_layers)
+
+
+def values_per_context(lay, ctx: int) -> int:
+    """Key and value entries every cache of the model holds at ctx (the denominator of bits/val)."""
+    H, dk, dv = lay.sliding_geometry
+    sliding = sum(min(ctx, w) * H * (dk + dv) for _, w in lay.sliding_layers)
+    return ctx * len(lay.full_layers) * lay.n_kv_heads * (lay.head_dim + lay.v_head_dim) + sliding
 
 
 def smallest_mac(total_bytes: float, usable: float) -> int | None:
@@ -145,30 +169,32 @@ def run(args) -> dict:
         for b, cfg in configs.items():
             for a in range(n_att):
                 kb, vb = cfg.layer_bits(a, n_att)
-                needed[(lay.n_kv_heads, lay.head_dim, kb, vb)] = dataclasses.replace(cfg, key_bits=kb, value_bits=vb, boundary_layers=0)
+                needed[(*geometry(lay), kb, vb)] = dataclasses.replace(cfg, key_bits=kb, value_bits=vb,
+                                                                      boundary_layers=0)
 
     fills, fill_rows = {}, []
-    jobs = sorted(needed.items(), key=lambda x: (-x[0][0] * x[0][1], -x[0][2]))  # biggest first
+    jobs = sorted(needed.items(), key=lambda x: (-x[0][0] * (x[0][1] + x[0][2]), -x[0][3]))  # biggest first
     if args.jobs > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(args.jobs) as pool:
-            done = pool.starmap(_timed_fill, [(H, D, cfg.to_dict(), contexts) for (H, D, _, _), cfg in jobs])
+            done = pool.starmap(_timed_fill, [(H, dk, dv, cfg.to_dict(), contexts) for (H, dk, dv, _, _), cfg in jobs])
     else:
-        done = [_timed_fill(H, D, cfg.to_dict(), contexts) for (H, D, _, _), cfg in jobs]
-    for ((H, D, kb, vb), _), (nbytes, secs) in zip(jobs, done):
-        fills[(H, D, kb, vb)] = nbytes
-        fill_rows.append({"kv_heads": H, "head_dim": D, "key_bits": kb, "value_bits": vb,
+        done = [_timed_fill(H, dk, dv, cfg.to_dict(), contexts) for (H, dk, dv, _, _), cfg in jobs]
+    for ((H, dk, dv, kb, vb), _), (nbytes, secs) in zip(jobs, done):
+        fills[(H, dk, dv, kb, vb)] = nbytes
+        fill_rows.append({"kv_heads": H, "head_dim": dk, "value_dim": dv, "key_bits": kb, "value_bits": vb,
                           "nbytes": {str(c): v for c, v in nbytes.items()}, "seconds": round(secs, 1)})
-        print(f"filled one layer ({H} kv heads x {D}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
+        print(f"filled one layer ({H} kv heads x {dk}/{dv}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
               f"{nbytes[max(contexts)] / 1e6:.1f} MB ({secs:.1f} s)", flush=True)
 
-    shapes = sorted({(attention_layout(m["config"]).n_kv_heads, attention_layout(m["config"]).head_dim) for m in models})
+    shapes = sorted({geometry(attention_layout(m["config"])) for m in models})
     mlx_checks = []
-    for H, D in shapes:
-        for name, (real, formula) in check_mlx_caches(H, D, min(contexts)).items():
-            mlx_checks.append({"kv_heads": H, "head_dim": D, "ctx": min(contexts), "cache": name, "nbytes": real, "formula": formula})
-            assert real == formula, f"{name} ({H}x{D}) at {min(contexts)}: real {real} != formula {formula}"
+    for H, dk, dv in shapes:
+        for name, (real, formula) in check_mlx_caches(H, dk, dv, min(contexts)).items():
+            mlx_checks.append({"kv_heads": H, "head_dim": dk, "value_dim": dv, "ctx": min(contexts), "cache": name,
+                               "nbytes": real, "formula": formula})
+            assert real == formula, f"{name} ({H}x{dk}/{dv}) at {min(contexts)}: real {real} != formula {formula}"
 
     rows, checks = [], 0
     for m in models:
@@ -185,17 +211,20 @@ def run(args) -> dict:
                 kv[ctx] = est
                 if "config" in spec:
                     cfg = spec["config"]
-                    total = sum(fills[(lay.n_kv_heads, lay.head_dim, *cfg.layer_bits(a, n_att))][ctx] for a in range(n_att))
+                    total = sum(fills[(*geometry(lay), *cfg.layer_bits(a, n_att))][ctx] for a in range(n_att))
+                    total += sliding_float16_bytes(lay, ctx)
                     real[ctx] = total
                     assert total == est, f"{m['name']} {label} at {ctx}: real caches hold {total} B, formula says {est} B"
                     checks += 1
             fp16 = estimate_kv_bytes(cfg_json, max(contexts))
             rows.append({
                 "model": m["name"], "cache": label, "attention_layers": n_att, "layers": lay.n_layers,
-                "kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim, "max_context": lay.max_context,
+                "kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim, "value_dim": lay.v_head_dim,
+                "latent": lay.latent, "fetch": lay.fetch, "sliding_layers": len(lay.sliding_layers),
+                "shared_layers": len(lay.shared_layers), "max_context": lay.max_context,
                 "kv_bytes": {str(c): v for c, v in kv.items()},
                 "kv_bytes_real": {str(c): v for c, v in real.items()} or None,
-                "bits_per_value": kv[max(contexts)] * 8 / (max(contexts) * n_att * lay.n_kv_heads * lay.head_dim * 2),
+                "bits_per_value": kv[max(contexts)] * 8 / values_per_context(lay, max(contexts)),
                 "ratio_vs_fp16": fp16 / kv[max(contexts)],
                 "weights_4bit_bytes": weights,
                 "smallest_mac_gb": {str(c): smallest_mac(weights + kv[c], args.usable) for c in contexts},
@@ -213,6 +242,14 @@ def run(args) -> dict:
     }
 
 
+def model_label(r: dict) -> str:
+    """"Llama-3.1-8B (32/32)", "DeepSeek-V3 (61/61, MLA)", "gpt-oss-20b (12/24, +12 sliding)"."""
+    extra = ", MLA" if r.get("latent") else ""
+    extra += f", +{r['sliding_layers']} sliding" if r.get("sliding_layers") else ""
+    extra += f", {r['shared_layers']} shared" if r.get("shared_layers") else ""
+    return f"{r['model']} ({r['attention_layers']}/{r['layers']}{extra})"
+
+
 def table(res: dict) -> tuple[list[str], list[list[str]]]:
     ctxs = res["contexts"]
     headers = ["model (attention layers)", "KV cache", "bits/val"] + [f"KV @{ctx_label(c)}" for c in ctxs]
@@ -222,7 +259,7 @@ def table(res: dict) -> tuple[list[str], list[list[str]]]:
         gb = [r["kv_bytes"][str(c)] / 1e9 for c in ctxs]
         macs = [r["smallest_mac_gb"][str(c)] for c in ctxs]
         rows.append([
-            f"{r['model']} ({r['attention_layers']}/{r['layers']})" if r["cache"] == "float16" else "",
+            model_label(r) if r["cache"] == "float16" else "",
             r["cache"], f"{r['bits_per_value']:.2f}",
             *[f"{g:.3f} GB" if g < 1 else f"{g:.2f} GB" for g in gb],
             f"{r['ratio_vs_fp16']:.2f}x",
@@ -325,6 +362,10 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
     notes = [
         "KV bytes for one sequence; hybrid models count only their full-attention layers (attention/total layers in "
         "the first column). bits/val and 'vs fp16' at the longest context.",
+        "MLA: multi-head latent attention; every column holds mlx-lm's latent layout (the latent, kv_lora_rank wide, "
+        "and the rope key, qk_rope_head_dim wide, per token and layer); TurboQuant compresses the latent as its key "
+        "stream and the rope key as its value stream. '+N sliding': sliding-window layers, float at min(ctx, window) "
+        "tokens in every column (float16, by the formula, not a filled cache).",
         f"TurboQuant columns: TurboQuantConfig defaults (window {cfg['window']} float16 tokens, {cfg['sinks']} sinks, "
         f"centering {cfg['center_keys']}/{cfg['center_values']}, boundary layers {cfg['boundary_layers']}); "
         f"figures are the nbytes of real TurboQuantKVCache objects (one layer per geometry and bit width, filled to "

@@ -262,3 +262,255 @@ def test_peak_estimate_is_flat_for_turboquant_and_grows_with_the_float_cache():
     assert transient[None, 16384] > 3 * transient[None, 4096] // 2  # a score matrix over the whole context
     assert peak[tq, 4096] < peak[None, 4096] and peak[tq, 16384] < peak[None, 16384]
     assert estimate_peak_bytes(cfg, 4096, tq, weights=10**8, prefill_step=512) < peak[tq, 4096]  # smaller chunks
+
+
+# --- MLA latents, Gemma 4 / gpt-oss layer kinds, decode-to-float and bounded caches (issue 21) ------------------
+
+from pathlib import Path  # noqa: E402
+
+from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
+
+from tq_mlx.memory import (  # noqa: E402
+    bounded_capacity,
+    bounded_tokens,
+    estimate_peak_bytes,
+    fetch_transient_bytes,
+    turboquant_layer_bytes,
+)
+from tq_mlx.stream import overflow  # noqa: E402
+
+BENCH_CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+
+
+def real_config(name: str) -> dict:
+    """config.json fields of a real model, as the memory benchmark keeps them (sources in the file)."""
+    return json.loads((BENCH_CONFIGS / name).read_text())["config"]
+
+
+# DeepSeek-V3-shaped multi-head latent attention: mlx-lm caches kv_latent (512) and k_pe (64), one "head".
+MLA_TINY = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 48,
+            "hidden_size": 256, "intermediate_size": 512}
+
+
+def latent_caches(cfg: TurboQuantConfig, n: int, one_shot: bool = True, layers: int = 3) -> list[TurboQuantKVCache]:
+    """One TurboQuantKVCache per layer holding n tokens of a latent (1, 1, n, 512) and a rope key (1, 1, n, 64)."""
+    caches = [TurboQuantKVCache(cfg, layer_index=i, attention_index=i, n_attention_layers=layers) for i in range(layers)]
+    latent, rope = mx.random.normal((1, 1, n, 512)), mx.random.normal((1, 1, n, 64))
+    for c in caches:
+        if one_shot:
+            c.update_and_fetch(latent, rope)
+        else:
+            for t in range(n):
+                c.update_and_fetch(latent[:, :, t : t + 1], rope[:, :, t : t + 1])
+        mx.eval(c.held_arrays())
+    return caches
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
+def test_mla_estimate_equals_a_real_latent_cache(cfg):
+    lay = attention_layout(MLA_TINY)
+    assert (lay.n_kv_heads, lay.head_dim, lay.v_head_dim, lay.latent, lay.fetch) == (1, 512, 64, True, "latent")
+    for n in (1, 40, 900) if cfg == CONFIGS["default"] else (40, 150):
+        caches = latent_caches(cfg, n)
+        assert all((c.key_dim, c.value_dim) == (512, 64) for c in caches)
+        real = sum(c.nbytes for c in caches)
+        assert estimate_kv_bytes(MLA_TINY, n, cfg, dtype="float32") == real, n
+        assert cache_bytes(caches)["kv_bytes"] == real
+
+
+def test_mla_estimate_equals_a_latent_cache_filled_token_by_token():
+    cfg = CONFIGS["block"]
+    caches = latent_caches(cfg, 90, one_shot=False)
+    assert estimate_kv_bytes(MLA_TINY, 90, cfg, dtype="float32") == sum(c.nbytes for c in caches)
+
+
+def test_mla_references_hold_mlx_lms_latent_layout():
+    # 576 values per token and layer (not 4 heads x (32 + 64) keys and 4 x 48 values)
+    assert estimate_kv_bytes(MLA_TINY, 100, None) == 3 * 100 * (512 + 64) * 2
+    # affine: 8 groups of 64 for the latent, 1 for the rope key, each 32 bytes of codes + scale + bias
+    assert estimate_kv_bytes(MLA_TINY, 100, None, kv_bits=4) == 3 * 100 * (8 + 1) * (32 + 4)
+
+
+GPT_OSS_TINY = {"model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 64, "hidden_size": 256, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"] * 2}
+# Gemma 4: sliding layers 2 kv heads x 32; full layers global_head_dim 64 with K=V's single global kv head; the
+# last 2 layers (one sliding, one full) are KV-shared and hold nothing.
+GEMMA4_TINY = {"model_type": "gemma4", "text_config": {
+    "model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "global_head_dim": 64, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+    "num_kv_shared_layers": 2, "sliding_window": 16, "hidden_size": 128,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}}
+
+
+def test_gemma4_and_gpt_oss_layouts_from_tiny_configs():
+    lay = attention_layout(GEMMA4_TINY)
+    assert lay.full_layers == (2,) and lay.sliding_layers == ((0, 16), (1, 16), (3, 16)) and lay.shared_layers == (4, 5)
+    assert (lay.n_kv_heads, lay.head_dim, lay.v_head_dim, lay.sliding_geometry) == (1, 64, 64, (2, 32, 32))
+    no_k_eq_v = {"text_config": {**GEMMA4_TINY["text_config"], "attention_k_eq_v": False}}
+    assert attention_layout(no_k_eq_v).n_kv_heads == 2  # the global kv heads belong to K=V layers only
+    lay = attention_layout(GPT_OSS_TINY)
+    assert lay.full_layers == (1, 3) and lay.sliding_layers == ((0, 16), (2, 16)) and lay.sliding_kv is None
+    assert lay.shared_layers == () and lay.fetch == "codes"
+
+
+def sliding_cache(n: int, heads: int, dim: int, window: int = 16) -> RotatingKVCache:
+    """mlx-lm's sliding-window cache, fed token by token as decoding does (float32)."""
+    c = RotatingKVCache(max_size=window, keep=0)
+    k = mx.random.normal((1, heads, n, dim))
+    for t in range(n):
+        c.update_and_fetch(k[:, :, t : t + 1], k[:, :, t : t + 1])
+    mx.eval(c.keys, c.values)
+    return c
+
+
+@pytest.mark.parametrize("n", [40, 900])
+def test_gemma4_estimate_equals_real_caches(n):
+    cfg = TurboQuantConfig()
+    full = TurboQuantKVCache(cfg, layer_index=2, attention_index=0, n_attention_layers=1)
+    kv = mx.random.normal((1, 1, n, 64))
+    full.update_and_fetch(kv, kv)
+    mx.eval(full.held_arrays())
+    sliding = [sliding_cache(n, 2, 32) for _ in range(3)]
+    real = full.nbytes + sum(c.nbytes for c in sliding)
+    assert estimate_kv_bytes(GEMMA4_TINY, n, cfg, dtype="float32") == real
+    # float16 reference: 3 sliding layers at 16 tokens of 2 x (32 + 32), the full layer at n tokens of 1 x (64 + 64)
+    assert estimate_kv_bytes(GEMMA4_TINY, n, None) == 3 * 16 * 2 * 64 * 2 + n * 128 * 2
+
+
+def test_gpt_oss_estimate_equals_real_caches():
+    cfg, n = CONFIGS["fractional+boundary"], 150
+    full = [TurboQuantKVCache(cfg, layer_index=i, attention_index=a, n_attention_layers=2) for a, i in enumerate((1, 3))]
+    for c in full:
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        mx.eval(c.held_arrays())
+    real = sum(c.nbytes for c in full) + sum(sliding_cache(n, 2, 64).nbytes for _ in range(2))
+    assert estimate_kv_bytes(GPT_OSS_TINY, n, cfg, dtype="float32") == real
+
+
+def test_layouts_of_real_configs():
+    ds = real_config("deepseek-v3.json")
+    lay = attention_layout(ds)
+    assert (len(lay.full_layers), lay.n_kv_heads, lay.head_dim, lay.v_head_dim) == (61, 1, 512, 64)
+    assert (lay.fetch, lay.latent_expansion, lay.n_heads, lay.max_context) == ("latent", 128 + 128, 128, 163840)
+    # issue 21: "at 128k context a DeepSeek-V3 latent cache is ~9 GB in float16"
+    assert estimate_kv_bytes(ds, 131072, None) == 61 * 576 * 2 * 131072 == 9_210_691_584
+    kimi = attention_layout(real_config("kimi-k2.5.json"))  # kimi_k25 wrapping a kimi_k2 text_config
+    assert (len(kimi.full_layers), kimi.n_kv_heads, kimi.head_dim, kimi.v_head_dim, kimi.fetch) == (61, 1, 512, 64,
+                                                                                                      "latent")
+    assert (kimi.n_heads, kimi.max_context) == (64, 262144)
+    glm = attention_layout(real_config("glm-4.7-flash.json"))
+    assert (len(glm.full_layers), glm.n_kv_heads, glm.head_dim, glm.v_head_dim) == (47, 1, 512, 64)
+    assert (glm.fetch, glm.latent_expansion, glm.n_heads) == ("latent", 192 + 256, 20)
+    oss = attention_layout(real_config("gpt-oss-20b.json"))
+    assert oss.full_layers == tuple(range(1, 24, 2)) and oss.sliding_layers == tuple((i, 128) for i in range(0, 24, 2))
+    assert (oss.n_kv_heads, oss.head_dim, oss.v_head_dim, oss.fetch) == (8, 64, 64, "codes")
+    gemma = attention_layout(real_config("gemma-4-31b.json"))
+    assert gemma.full_layers == tuple(range(5, 60, 6)) and len(gemma.sliding_layers) == 50
+    assert (gemma.n_kv_heads, gemma.head_dim, gemma.sliding_geometry) == (4, 512, (16, 256, 256))
+    assert gemma.shared_layers == () and {w for _, w in gemma.sliding_layers} == {1024}
+    # per-head MLA (DeepSeek-V2.5's config.json): every query head caches a 192-wide key and a 128-wide value
+    v2 = {"model_type": "deepseek_v2", "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
+          "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "hidden_size": 5120}
+    lay = attention_layout(v2)
+    assert (lay.n_kv_heads, lay.head_dim, lay.v_head_dim, lay.latent, lay.fetch) == (128, 192, 128, False, "codes")
+
+
+def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
+    base = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+            "hidden_size": 512, "intermediate_size": 1024, "torch_dtype": "float16"}
+    llama, olmo, tq = {**base, "model_type": "llama"}, {**base, "model_type": "olmo"}, TurboQuantConfig()
+    assert fetch_transient_bytes(llama, 8192, tq) == 0
+    assert fetch_transient_bytes(olmo, 8192, tq) == 2 * 8192 * (64 + 64) * 2  # one layer's K+V decoded to float16
+    assert fetch_transient_bytes(olmo, 8192, None) == 0  # mlx-lm's float cache has nothing to decode
+
+    def transient(cfg, n):
+        return estimate_peak_bytes(cfg, n, tq, weights=0) - estimate_kv_bytes(cfg, n, tq)
+
+    assert transient(llama, 16384) == transient(llama, 4096)  # attention on the codes: flat in the context
+    assert transient(olmo, 16384) > 3 * transient(olmo, 4096) // 2  # float tensors and scores over the context
+    assert transient(olmo, 4096) - transient(llama, 4096) >= fetch_transient_bytes(olmo, 4096, tq)
+    # MLA prefill: embed_q / unembed_out over the context (4 heads x (32 + 48)) and the rope scores (4 heads x
+    # chunk x context), in the model's dtype; TurboQuant adds the latent + rope key decoded to float
+    expansion = 4 * 4096 * (32 + 48) * 2 + 4 * 512 * 4096 * 2
+    assert fetch_transient_bytes(MLA_TINY, 4096, None, prefill_step=512) == expansion
+    assert fetch_transient_bytes(MLA_TINY, 4096, tq, prefill_step=512) == expansion + 4096 * 576 * 2
+    assert estimate_peak_bytes(MLA_TINY, 4096, None, weights=0, prefill_step=512) > expansion
+
+
+def simulate_bounded(chunks: list[int], max_kv_size: int, cfg: TurboQuantConfig) -> tuple[int, int, int]:
+    """The bounded cache's rule, step by step: sinks fill, then the window; an overflowing window compresses whole
+    blocks; then the oldest compressed blocks are dropped, as few as bring the held tokens to max_kv_size."""
+    K, s, c, w = cfg.compress_block_size, 0, 0, 0
+    for n in chunks:
+        to_sinks = min(n, cfg.sinks - s)
+        s, w = s + to_sinks, w + n - to_sinks
+        compressed = overflow(w, cfg.window, K)
+        c, w = c + compressed, w - compressed
+        excess = s + c + w - max_kv_size
+        if excess > 0:
+            c -= min(c, K * -(-excess // K))
+    return s, c, w
+
+
+def test_bounded_tokens_follow_the_drop_rule_however_the_tokens_arrive():
+    cfg, M = TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32), 200
+    rng = __import__("random").Random(0)
+    for ctx in list(range(0, 700, 13)) + [200, 201, 216, 217]:
+        one_shot, one_by_one = simulate_bounded([ctx], M, cfg), simulate_bounded([1] * ctx, M, cfg)
+        chunks, left = [], ctx
+        while left:
+            chunks.append(min(left, rng.randint(1, 90)))
+            left -= chunks[-1]
+        assert bounded_tokens(ctx, M, cfg) == one_shot == one_by_one == simulate_bounded(chunks, M, cfg), ctx
+        s, c, w = bounded_tokens(ctx, M, cfg)
+        assert s + c + w <= M and (ctx <= M or s + c + w > M - 16)
+        assert (s, w) == bounded_tokens(ctx, None, cfg)[::2]  # drops never touch the sinks or the window
+
+
+def test_a_bounded_cache_stops_growing():
+    cfg, M = TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32), 200
+    llama = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    for n in (50, 200):  # within the bound: the unbounded figure
+        assert estimate_kv_bytes(llama, n, cfg, max_kv_size=M) == estimate_kv_bytes(llama, n, cfg)
+    big = [estimate_kv_bytes(llama, n, cfg, max_kv_size=M) for n in range(1000, 1064)]
+    assert big == [estimate_kv_bytes(llama, n + 16 * 40, cfg, max_kv_size=M) for n in range(1000, 1064)]
+    assert max(big) < estimate_kv_bytes(llama, 1000, cfg)
+    # the peak: storage for one block more than the held compressed tokens, in steps of 32
+    s, c, w = bounded_tokens(1000, M, cfg)
+    assert bounded_capacity(1000, M, cfg) == -(-(c + 16) // 32) * 32 < bounded_capacity(1000, None, cfg)
+    per_token = (turboquant_layer_bytes(1000, 2, 64, 64, 4, 3, cfg)
+                 - turboquant_layer_bytes(1000, 2, 64, 64, 4, 3, cfg, max_kv_size=M))
+    assert per_token % (bounded_capacity(1000, None, cfg) - bounded_capacity(1000, M, cfg)) == 0  # codes only
+    # mlx-lm's RotatingKVCache references keep max_kv_size tokens
+    assert estimate_kv_bytes(llama, 5000, None, max_kv_size=M) == estimate_kv_bytes(llama, M, None)
+    with pytest.raises(ValueError, match="max_kv_size"):
+        estimate_kv_bytes(llama, 10, cfg, max_kv_size=0)
+
+
+def test_plan_names_the_fetch_path_of_each_layer_kind():
+    from tq_chat.plan import format_plan, make_plan
+
+    tq = TurboQuantConfig()
+    text = format_plan(make_plan("ds", real_config("deepseek-v3.json"), 10**9, 32768, tq, 10**12))
+    assert "(61 layers, MLA latent 512 + rope key 64)" in text and "61 latent-attention (MLA) layers compressed" in text
+    assert "fetch       latent: decode attends to the compressed latent on the codes" in text
+    plan = make_plan("g", real_config("gemma-4-31b.json"), 10**9, 32768, tq, 10**12)
+    text = format_plan(plan)
+    assert "10 full-attention layers compressed; 50 sliding-window layers stay float (window 1,024: bounded)" in text
+    assert "4 KV heads x 512 full, 16 x 256 sliding" in text and "fetch       on the codes" in text
+    assert plan.kv == estimate_kv_bytes(real_config("gemma-4-31b.json"), 32768, tq)
+    text = format_plan(make_plan("g", GEMMA4_TINY, 10**6, 4096, tq, 10**10))
+    assert "2 KV-shared layers hold no cache" in text
+    olmo = {"model_type": "olmo", "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64}
+    plan = make_plan("o", olmo, 10**6, 8192, tq, 10**10)
+    assert plan.fetch_transient == fetch_transient_bytes(olmo, 8192, tq) > 0
+    text = format_plan(plan)
+    assert "fetch       decode-to-float" in text and format_bytes(plan.fetch_transient) in text
+    assert "computes attention by hand" in text
+    assert "\nfetch " not in format_plan(make_plan("o", olmo, 10**6, 8192, None, 10**10))  # no TurboQuant, no fetch
+    bounded = make_plan("o", olmo, 10**6, 8192, tq, 10**10, max_kv_size=4096)
+    assert bounded.kv == estimate_kv_bytes(olmo, 8192, tq, max_kv_size=4096) < plan.kv
+    assert bounded.kv_fp16 == estimate_kv_bytes(olmo, 4096, None)
+    assert "each full layer keeps at most 4,096 tokens" in format_plan(bounded)
