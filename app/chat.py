@@ -7,6 +7,7 @@ whose KV numbers come from tq_mlx.memory.cache_bytes.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,10 +113,15 @@ class ChatApp(App):
         self._stream = None
         self.sub_title = self._subtitle()
 
-    def _subtitle(self) -> str:
+    def _subtitle(self, dtype: str | None = None) -> str:
+        """"model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights' once
+        loaded): a folder named "...-float16" run with --dtype float32 is shown without its misleading tag."""
         s = self.settings
-        cache = describe_config(s.config).split(",")[0] if s.config else "float16 cache"
-        return f"{s.source.name} · {cache} · ctx {format_ctx(s.ctx)}"
+        name, dtype = s.source.name, s.dtype or dtype
+        if dtype:
+            name = re.sub(r"[-_](float16|bfloat16|float32|fp16|bf16|fp32|f16|f32)$", "", name, flags=re.I)
+        cache = describe_config(s.config).split(",")[0] if s.config else "mlx-lm cache"
+        return " · ".join(p for p in (name, dtype, cache, f"ctx {format_ctx(s.ctx)}") if p)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -198,6 +204,7 @@ class ChatApp(App):
             await self.transcript.add(message.error or "could not load the model", "error")
             return
         self.session = message.session
+        self.sub_title = self._subtitle(self.session.dtype)
         self.panel.stats = self._with_plan(self.session.snapshot())
         await self.transcript.add("Ready. Type a message, or /help for commands.", "notice")
         prompt.placeholder = "Message (/help for commands)"
@@ -360,7 +367,7 @@ class ChatApp(App):
         rows = [
             ("context", f"{s['context_tokens']:,} / {s['ctx']:,} tokens"),
             ("KV cache held", format_bytes(s["kv_bytes"])),
-            (f"mlx-lm's {s['kv_dtype'] or 'float'} cache would hold", format_bytes(s["mlx_lm_bytes"])),
+            (f"mlx-lm {s['kv_dtype'] or 'float'} cache", format_bytes(s["mlx_lm_bytes"])),
             ("saved", saving_text(s)),
             *([("float window", window_text(s))] if window_text(s) else []),
             ("other cache state", format_bytes(s["other_bytes"])),

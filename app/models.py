@@ -70,6 +70,11 @@ def resolve(spec: str) -> ModelSource:
         if not (path / "config.json").exists():
             raise ModelUnavailable(f"{spec} is a folder but not a model: it has no config.json")
         return ModelSource(spec, path=path.absolute())  # not resolve(): keep the name the user gave a link
+    if path.is_file():
+        kind = "a GGUF file (tq-chat runs MLX model folders; the demo model is converted for you)" \
+            if path.suffix.lower() == ".gguf" else "a file"
+        raise ModelUnavailable(f"{spec} is {kind}, not a model: give a model folder (config.json and "
+                               f"*.safetensors), a Hugging Face repo id (owner/name), or one of the short names")
     if spec.startswith((".", "/", "~")) or spec.endswith(("/", "\\")):
         raise ModelUnavailable(f"no such model folder: {spec}")
     lowered = {k.lower(): v for k, v in ALIASES.items()}

@@ -86,6 +86,8 @@ class ChatSession:
 
     def __post_init__(self):
         self.weights = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, self.model, 0)
+        floats = (v.dtype for _, v in tree_flatten(self.model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        self.dtype = str(next(floats, "")).removeprefix("mlx.core.") or None  # what the model runs in
         self.clear()
 
     # --- conversation ---------------------------------------------------------------------------------------

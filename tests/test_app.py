@@ -56,6 +56,16 @@ def test_resolve_local_folder_alias_and_repo_id(tiny_model_dir, tmp_path, monkey
     assert resolve("someone/some-model").repo_id == "someone/some-model"
 
 
+def test_a_file_given_as_model_is_called_a_file(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    proc = subprocess.run([sys.executable, "-m", "tq_chat.main", str(notes), "--plan"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, TQ_MLX_OPENBLAS="0"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"tq-chat: {notes} is a file, not a model: give a model folder (config.json and "
+                                   f"*.safetensors), a Hugging Face repo id (owner/name), or one of the short names")
+
+
 @pytest.mark.parametrize("spec, message", [("./missing-folder", "no such model folder"),
                                            ("not a model", "unknown model"),
                                            ("/tmp", "has no config.json")])
@@ -248,6 +258,21 @@ def test_the_panel_never_shows_a_negative_saving_and_says_where_the_float_window
                  compressed_tokens=3228)
     text = " ".join(panel_text(MemoryPanel(), later).split())
     assert "saved 20.0 MB (3.00x)" in text and "3,228 tokens compressed, 772 in float16" in text
+
+
+def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
+    named = tmp_path / "tiny-float16"  # a folder named for its weights' dtype, as the demo model's is
+    named.symlink_to(tiny_model_dir, target_is_directory=True)
+
+    async def run(dtype, expected):
+        app = make_app(named, dtype=dtype)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            assert app.sub_title == expected
+
+    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
+    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
+    asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))  # the tiny model's weights are float32
 
 
 def test_second_turn_reuses_the_cache(tiny_model_dir):
