@@ -514,3 +514,13 @@ def test_plan_names_the_fetch_path_of_each_layer_kind():
     assert bounded.kv == estimate_kv_bytes(olmo, 8192, tq, max_kv_size=4096) < plan.kv
     assert bounded.kv_fp16 == estimate_kv_bytes(olmo, 4096, None)
     assert "each full layer keeps at most 4,096 tokens" in format_plan(bounded)
+
+
+def test_mla_hybrids_count_only_their_latent_layers():
+    mla = {k: v for k, v in MLA_TINY.items() if k not in ("model_type", "num_hidden_layers")}
+    kimi = attention_layout({**mla, "model_type": "kimi_linear", "num_hidden_layers": 8,
+                             "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7]}})
+    assert kimi.full_layers == (3, 7) and kimi.linear_layers == (0, 1, 2, 4, 5, 6) and kimi.latent
+    bailing = attention_layout({**mla, "model_type": "bailing_hybrid", "num_hidden_layers": 10, "layer_group_size": 4})
+    assert bailing.full_layers == (3, 7, 8, 9) and len(bailing.linear_layers) == 6
+    assert (bailing.n_kv_heads, bailing.head_dim, bailing.v_head_dim) == (1, 512, 64)

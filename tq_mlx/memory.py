@@ -109,7 +109,8 @@ def attention_layout(model_config: dict) -> AttentionLayout:
     Layer kinds come from `layer_types` when present ("full_attention", "sliding_attention", anything else is
     linear), else from `full_attention_interval` (Qwen3-Next / Qwen3.5: layer i is full attention iff
     (i + 1) % interval == 0), else from `sliding_window_pattern` (every pattern-th layer global), else every
-    layer is full attention. Gemma 4's last `num_kv_shared_layers` layers hold no cache; its full-attention layers
+    layer is full attention (kimi_linear's `linear_attn_config.kda_layers` and the bailing MLA hybrids'
+    `layer_group_size` name their linear layers their own way). Gemma 4's last `num_kv_shared_layers` layers hold no cache; its full-attention layers
     use `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads` (gemma4_text.py:185-201).
     Multi-head latent attention (kv_lora_rank and qk_rope_head_dim set) caches one "head" of the latent and the
     rope key (deepseek_v3.py:137-150), except the PER_HEAD_MLA models, which cache per-head keys and values.
@@ -157,6 +158,9 @@ def attention_layout(model_config: dict) -> AttentionLayout:
     layer_types = cfg.get("layer_types")
     interval = _first_int(cfg, "full_attention_interval")
     pattern = _first_int(cfg, "sliding_window_pattern")
+    linear_cfg = cfg.get("linear_attn_config")
+    kda = linear_cfg.get("kda_layers") if isinstance(linear_cfg, dict) else None  # kimi_linear: 1-based, linear
+    group = _first_int(cfg, "layer_group_size") if kv_lora else None  # bailing MLA hybrids: MLA closes each group
     for i in range(first_shared):
         if isinstance(layer_types, list) and i < len(layer_types):
             kind = str(layer_types[i])
@@ -168,6 +172,10 @@ def attention_layout(model_config: dict) -> AttentionLayout:
                 full.append(i)
             else:
                 linear.append(i)
+        elif isinstance(kda, list):
+            (linear if i + 1 in kda else full).append(i)
+        elif group:
+            (full if (i + 1) % group == 0 or i >= n_layers // group * group else linear).append(i)
         elif interval:
             (full if (i + 1) % interval == 0 else linear).append(i)
         elif pattern and window:
