@@ -166,3 +166,74 @@ def test_context_bound_is_the_trained_context_unless_memory_is_shorter(monkeypat
     # Weights alone beyond the memory: no bound (refusing every request would not help), and the log says why.
     monkeypatch.setattr(memory, "available_memory", lambda: 100_000_000)
     assert context_bound(SMOLLM2_CONFIG, 538_000_000, None)[0] is None
+
+
+# --- bad requests over HTTP: one error shape (OpenAI's), the right status ---------------------------------------
+
+
+def http(port: int, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (body None) or POST to the server."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    return status, json.loads(raw)  # every answer, errors too, is JSON
+
+
+def test_bad_requests_get_openai_errors_with_the_right_status(tmp_path):
+    import json
+
+    model = save_tiny_model(tmp_path / "tiny", max_position_embeddings=256)
+    # No Hugging Face cache folder at all (a fresh machine): /v1/models answered 200 with an empty body.
+    env = dict(reference_blas_env(), HF_HOME=str(tmp_path / "no-hf-home"), HF_HUB_CACHE=str(tmp_path / "no-hub"))
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    cases = [  # (path, body, status, param, words of the message)
+        (chat, {"messages": []}, 400, "messages", "'messages' must be a non-empty list"),
+        (chat, {"messages": "hello"}, 400, "messages", "'messages' must be a non-empty list"),
+        (chat, {"messages": ["hello"]}, 400, "messages[0]", "'messages[0]' must be an object with a 'role'"),
+        (chat, {"prompt": "no messages"}, 400, "messages", "'messages' must be a non-empty list"),
+        (text, {"prompt": 5}, 400, "prompt", "'prompt' must be a non-empty string"),
+        (text, {"prompt": "x" * 300, "max_tokens": 10}, 400, "prompt", "maximum context length is 256 tokens"),
+        (chat, {"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 10}, 400, "messages",
+         "maximum context length is 256 tokens"),
+        (chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, None, "temperature"),
+        (chat, ["not", "an", "object"], 400, None, "Request should be a JSON dictionary"),
+        ("/v1/nothing-here", {}, 404, None, "no such endpoint: POST /v1/nothing-here"),
+    ]
+    with serve.Server("tq", model, TQ, tmp_path / "server.log", env=env, start_timeout=90) as srv:
+        replies = [http(srv.port, path, json.dumps(body).encode()) for path, body, *_ in cases]
+        broken = http(srv.port, chat, b"{not json")
+        get_missing = http(srv.port, "/v1/nothing-here")
+        models = http(srv.port, "/v1/models")
+        fine = http(srv.port, chat, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 4}).encode())
+    for (path, body, status, param, words), (got_status, reply) in zip(cases, replies):
+        assert got_status == status, (path, body, got_status, reply)
+        error = reply["error"]
+        assert set(error) == {"message", "type", "param", "code"}, reply
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, reply)
+        assert words in error["message"], (body, reply)
+    assert replies[5][1]["error"]["code"] == "context_length_exceeded"
+    assert broken[0] == 400 and "Invalid JSON" in broken[1]["error"]["message"]
+    assert get_missing[0] == 404 and get_missing[1]["error"]["code"] == "not_found"
+    assert models[0] == 200 and models[1]["object"] == "list"
+    assert [m["id"] for m in models[1]["data"]] == [str(model.resolve())]
+    assert fine[0] == 200 and fine[1]["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_server_help_is_one_usage_block_with_the_turboquant_flags():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", "from tq_mlx.cli import server_command; server_command()",
+                           "--help"], capture_output=True, text=True, timeout=300, env=reference_blas_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage:") == 1 and proc.stdout.startswith("usage: tq-server")
+    assert "TurboQuant KV cache:" in proc.stdout and "--tq-max-context N" in proc.stdout
+    assert "--prompt-cache-size" in proc.stdout  # mlx_lm.server's own flags are all there

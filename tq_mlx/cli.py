@@ -457,8 +457,8 @@ def generate_main(argv: list[str] | None = None) -> int:
 class ContextTooLong(ValueError):
     """A request whose prompt tokens + max_tokens exceed tq-server's context bound (answered with HTTP 400)."""
 
-    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
-        self.limit, self.prompt_tokens, self.max_tokens = limit, prompt_tokens, max_tokens
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int, param: str = "messages"):
+        self.limit, self.prompt_tokens, self.max_tokens, self.param = limit, prompt_tokens, max_tokens, param
         super().__init__(
             f"This server's maximum context length is {limit:,} tokens (--tq-max-context). However, you requested "
             f"{prompt_tokens + max_tokens:,} tokens ({prompt_tokens:,} in the prompt, {max_tokens:,} in the "
@@ -467,16 +467,87 @@ class ContextTooLong(ValueError):
 
     def body(self) -> dict:
         """OpenAI's error JSON for an over-long context."""
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": "messages",
-                          "code": "context_length_exceeded"}}
+        return openai_error(str(self), param=self.param, code="context_length_exceeded")
+
+
+def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object, the one shape of every tq-server error."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def request_error(path: str, body: dict) -> tuple[str, str] | None:
+    """(message, param) for a completion request tq-server refuses before mlx-lm reads it, None if it passes:
+    `messages` must be a non-empty list of objects with a `role`, `prompt` a non-empty string."""
+    if path in ("/v1/chat/completions", "/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return (f"'messages' must be a non-empty list of messages like {{\"role\": \"user\", \"content\": "
+                    f"\"hello\"}}, got {json.dumps(messages)[:100]}", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return (f"'messages[{i}]' must be an object with a 'role' string, got {json.dumps(m)[:100]}",
+                        f"messages[{i}]")
+    elif path == "/v1/completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            return f"'prompt' must be a non-empty string, got {json.dumps(prompt)[:100]}", "prompt"
+    return None
+
+
+def _openai_error_bytes(data: bytes, handler) -> bytes:
+    """An error body mlx_lm.server writes ({"error": "text"}, or b"Not Found") as OpenAI's error object; anything
+    else (headers, bodies already in that shape) unchanged."""
+    if data.strip() == b"Not Found":
+        message = (f"no such endpoint: {handler.command} {handler.path} (tq-server serves POST /v1/chat/completions "
+                   f"and /v1/completions, GET /v1/models and /health)")
+        return json.dumps(openai_error(message, 404, code="not_found")).encode()
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return data
+    if not (isinstance(body, dict) and isinstance(body.get("error"), str)):
+        return data
+    status = handler.status
+    return json.dumps(openai_error(body["error"], status, getattr(handler, "error_param", None))).encode()
+
+
+class _OpenAIErrors:
+    """A request handler's output stream that turns mlx_lm.server's error bodies into OpenAI's error object."""
+
+    def __init__(self, raw, handler):
+        self.raw, self.handler = raw, handler
+
+    def write(self, data: bytes) -> int:
+        if getattr(self.handler, "status", 200) >= 400:
+            data = _openai_error_bytes(bytes(data), self.handler)
+        return self.raw.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
+def _scan_cache_or_empty(scan):
+    """huggingface_hub.scan_cache_dir for mlx_lm.server's /v1/models, an empty cache when its folder does not
+    exist yet (it raised after the 200 header, leaving an empty body)."""
+    from types import SimpleNamespace
+
+    def scan_cache_dir(*args, **kwargs):
+        try:
+            return scan(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 (CacheNotFound, or an unreadable cache: no models to list)
+            logging.info(f"/v1/models: no Hugging Face cache to list ({_first_line(e)})")
+            return SimpleNamespace(repos=frozenset())
+
+    return scan_cache_dir
 
 
 class _Refusal(BaseException):
     # mlx_lm.server's handler answers every Exception raised by generate() with 404 and its own body; a
-    # BaseException passes that `except Exception`, so tq-server's handler answers 400 with OpenAI's body.
-    def __init__(self, error: ContextTooLong):
-        super().__init__(str(error))
-        self.error = error
+    # BaseException passes that `except Exception`, so tq-server's handler answers with OpenAI's body and status.
+    def __init__(self, body: dict, status: int = 400):
+        super().__init__(body["error"]["message"])
+        self.body, self.status = body, status
 
 
 def context_bound(model_config: dict, weights: int, config: TurboQuantConfig | None,
@@ -525,14 +596,15 @@ def server_main(argv: list[str] | None = None) -> int:
     tune_malloc()
     argv = list(sys.argv[1:] if argv is None else argv)
     tq_parser = add_cache_args(argparse.ArgumentParser(prog="tq-server", add_help=False))
-    tq_parser.add_argument("--tq-max-context", dest="tq_max_context", type=_count_arg(0), metavar="N",
-                           help="refuse (HTTP 400, before any forward) a request whose prompt tokens + max_tokens "
-                                "exceed N (default: the model's trained context, or less if one sequence's planned "
-                                "peak memory there does not fit this machine; 0: no bound)")
+    bound = tq_parser.add_argument_group("tq-server context bound")
+    bound.add_argument("--tq-max-context", dest="tq_max_context", type=_count_arg(0), metavar="N",
+                       help="refuse (HTTP 400, before any forward) a request whose prompt tokens + max_tokens "
+                            "exceed N (default: the model's trained context, or less if one sequence's planned "
+                            "peak memory there does not fit this machine; 0: no bound)")
     tq_args, rest = tq_parser.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        tq_parser.print_help()
-        print()
+    wants_help = "-h" in rest or "--help" in rest
+    if wants_help:
+        pass  # mlx_lm.server prints the usage and its options; the TurboQuant sections follow (below)
     elif any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
         tq_args.kv_bits = True  # only its presence matters here
     config = config_or_error(tq_parser, tq_args)
@@ -575,40 +647,76 @@ def server_main(argv: list[str] | None = None) -> int:
             out = super()._tokenize(tokenizer, request, args)
             limit = getattr(self.model_provider, "max_context", None)
             if limit and len(out[0]) + args.max_tokens > limit:
-                raise ContextTooLong(limit, len(out[0]), args.max_tokens)
+                param = "prompt" if request.request_type == "text" else "messages"
+                raise ContextTooLong(limit, len(out[0]), args.max_tokens, param)
             return out
 
         def generate(self, *args, **kwargs):
             try:
                 return super().generate(*args, **kwargs)
             except ContextTooLong as e:
-                raise _Refusal(e) from None
+                raise _Refusal(e.body()) from None
+            except Exception as e:  # noqa: BLE001 (mlx-lm answers these 404; they come from the request)
+                raise _Refusal(openai_error(f"{type(e).__name__}: {e}")) from None
 
     class APIHandler(server.APIHandler):
+        # Every error goes out as OpenAI's error object (_OpenAIErrors rewrites mlx-lm's string bodies).
+        status, error_param = 200, None
+
+        def setup(self):
+            super().setup()
+            self.wfile = _OpenAIErrors(self.wfile, self)
+
+        def send_response(self, code, message=None):
+            self.status = code
+            super().send_response(code, message)
+
+        def _refuse_bad_body(self):
+            error = request_error(self.path, self.body)
+            if error is not None:
+                self.error_param = error[1]
+                raise ValueError(error[0])  # mlx_lm.server's do_POST answers it with 400
+
+        def handle_chat_completions(self):
+            self._refuse_bad_body()
+            return super().handle_chat_completions()
+
+        def handle_text_completions(self):
+            self._refuse_bad_body()
+            return super().handle_text_completions()
+
         def handle_completion(self, request, stop_words):
             try:
                 super().handle_completion(request, stop_words)
             except _Refusal as r:  # raised before any header was sent
-                logging.info(f"Refused a request: {r.error}")
-                self._set_completion_headers(400)
+                logging.info(f"Refused a request: {r}")
+                self._set_completion_headers(r.status)
                 self.end_headers()
-                self.wfile.write(json.dumps(r.error.body()).encode())
+                self.wfile.write(json.dumps(r.body).encode())
 
     def run_http_server(host, port, response_generator, **kwargs):
         # mlx_lm.server.run passes no handler class (its default is bound at definition): give ours.
         return saved[2](host, port, response_generator, **{**kwargs, "handler_class": APIHandler})
 
-    saved = server.ModelProvider, server.ResponseGenerator, server._run_http_server, sys.argv
+    saved = server.ModelProvider, server.ResponseGenerator, server._run_http_server, server.scan_cache_dir, sys.argv
     server.ModelProvider, server.ResponseGenerator, server._run_http_server = (ModelProvider, ResponseGenerator,
                                                                                run_http_server)
+    server.scan_cache_dir = _scan_cache_or_empty(saved[3])
     sys.argv = ["tq-server", *rest]
     try:
         server.main()
+    except SystemExit:
+        if not wants_help:
+            raise
+        # One usage block (mlx_lm.server's), then the TurboQuant flags without a second one.
+        print("\n" + tq_parser.format_help().split("\n\n", 1)[1].rstrip())
+        return 0
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2
     finally:
-        server.ModelProvider, server.ResponseGenerator, server._run_http_server, sys.argv = saved
+        (server.ModelProvider, server.ResponseGenerator, server._run_http_server, server.scan_cache_dir,
+         sys.argv) = saved
     return 0
 
 
