@@ -113,3 +113,68 @@ def test_entry_points_hint_without_openblas(command, tmp_path):
         assert proc.stderr.count("note: ") == 1 and "reference BLAS" in proc.stderr, proc.stderr
     else:
         assert "note: " not in proc.stderr
+
+
+# --- the library, from plain Python ---------------------------------------------------------------------------
+
+PLAIN = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ENV_VAR, blas._REEXEC_MARK)}
+
+
+def python(script: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "default", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reference BLAS is MLX's Linux CPU wheel")
+def test_the_library_warns_once_from_plain_python_and_never_at_import(tmp_path):
+    script = ("import tq_mlx, mlx_lm; from tq_mlx import blas; print('imported', flush=True); "
+              "blas.warn_reference_blas(); blas.warn_reference_blas()")
+    env = {**PLAIN, blas.ENV_VAR: str(tmp_path / "missing.so")}  # as on a machine without OpenBLAS
+    proc = python(script, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ReferenceBLASWarning") == 1, proc.stderr
+    assert "reference BLAS (~20x slower" in proc.stderr and "tq_mlx.blas.use_openblas()" in proc.stderr
+    assert "apt-get install libopenblas0-pthread" in proc.stderr
+    # importing tq_mlx (and mlx_lm) alone says nothing
+    quiet = python("import tq_mlx, mlx_lm, tq_mlx.cli, tq_mlx.blas", env)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    # silent with OpenBLAS preloaded, or with TQ_MLX_OPENBLAS=0
+    lib = _loaded_libm()
+    assert "Warning" not in python(script, {**PLAIN, blas.ENV_VAR: lib, "LD_PRELOAD": lib}).stderr
+    assert "Warning" not in python(script, {**PLAIN, blas.ENV_VAR: "0"}).stderr
+
+
+def test_python_hint_names_both_ways_to_the_fast_path(linux, tmp_path, monkeypatch):
+    lib = fake_lib(tmp_path)
+    hint = blas.python_hint({blas.ENV_VAR: lib})
+    assert f"start Python with LD_PRELOAD={lib}, or call tq_mlx.blas.use_openblas() first thing" in hint
+    assert blas.python_hint({blas.ENV_VAR: lib, "LD_PRELOAD": lib}) is None
+    assert blas.python_hint({blas.ENV_VAR: "0"}) is None
+
+
+def test_no_warning_after_a_command_printed_its_note_or_off_the_cpu(linux, monkeypatch, recwarn):
+    monkeypatch.setenv(blas.ENV_VAR, "/nonexistent/libblas.so")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(blas, "_warned", False)
+    monkeypatch.setattr(blas, "_hinted", True)  # tq-chat / tq-generate / tq-server said it already
+    blas.warn_reference_blas()
+    monkeypatch.setattr(blas, "_warned", False)
+    monkeypatch.setattr(blas, "_hinted", False)
+    monkeypatch.setattr(blas, "_on_cpu", lambda: False)  # CUDA or Metal: no CPU BLAS in the forward
+    blas.warn_reference_blas()
+    assert not [w for w in recwarn if issubclass(w.category, blas.ReferenceBLASWarning)]
+    monkeypatch.setattr(blas, "_warned", False)
+    monkeypatch.setattr(blas, "_on_cpu", lambda: True)
+    with pytest.warns(blas.ReferenceBLASWarning, match="reference BLAS"):
+        blas.warn_reference_blas()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD re-exec is Linux only")
+def test_a_script_gets_openblas_by_calling_use_openblas(tmp_path):
+    lib = _loaded_libm()
+    script = tmp_path / "my_script.py"
+    script.write_text("import os\nfrom tq_mlx.blas import use_openblas\nuse_openblas()\n"
+                      "print('LD_PRELOAD=' + os.environ.get('LD_PRELOAD', ''))\n")
+    proc = subprocess.run([sys.executable, str(script)], env={**PLAIN, blas.ENV_VAR: lib}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"LD_PRELOAD={lib}", proc.stderr

@@ -7,6 +7,10 @@ when it is installed, and otherwise prints once how to get it.
 
 `TQ_MLX_OPENBLAS`: a BLAS library to preload instead of the Debian path, or `0` to keep the reference BLAS
 without a word.
+
+From Python, `warn_reference_blas()` (called by the library's entry points that build or load TurboQuant caches)
+warns once per process, with a ReferenceBLASWarning saying how to get the fast path: start Python with OpenBLAS in
+LD_PRELOAD, or call `tq_mlx.blas.use_openblas()` first thing in the script. Never at import, never per token.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -21,7 +26,12 @@ ENV_VAR = "TQ_MLX_OPENBLAS"
 _REEXEC_MARK = "TQ_MLX_OPENBLAS_REEXEC"  # set in the re-executed process: never loop
 OPENBLAS_LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"  # libopenblas0-pthread, Debian/Ubuntu
 
-_hinted = False
+_hinted = False  # use_openblas printed its note
+_warned = False  # warn_reference_blas ran
+
+
+class ReferenceBLASWarning(UserWarning):
+    """MLX's Linux CPU back end is running on its slow reference BLAS (~20x slower float32 matmuls)."""
 
 
 def openblas_path(environ: Mapping[str, str] | None = None) -> str:
@@ -75,11 +85,13 @@ def reexec_environ(environ: Mapping[str, str] | None = None) -> dict[str, str] |
     return env
 
 
-def use_openblas(prog: str) -> None:
+def use_openblas(prog: str | None = None) -> None:
     """Entry-point hook: re-execute the running command with OpenBLAS preloaded when it is installed and not
-    in use yet, else print (once) how to get it. Call it before any work, only from a real command line
-    (it replaces the process)."""
+    in use yet, else print (once) how to get it. Call it before any work, from a command or first thing in a
+    script (it replaces the process: the script starts again). prog: the name the note starts with (default:
+    the script's)."""
     global _hinted
+    prog = prog or Path(sys.argv[0] or "python").name
     env = reexec_environ()
     if env is not None:
         sys.stdout.flush()
@@ -92,3 +104,40 @@ def use_openblas(prog: str) -> None:
     if hint and not _hinted:
         _hinted = True
         print(f"{prog}: note: {hint}", file=sys.stderr, flush=True)
+
+
+def python_hint(environ: Mapping[str, str] | None = None) -> str | None:
+    """blas_hint for a Python program (no command restarts itself there): how to get OpenBLAS from a script."""
+    env = os.environ if environ is None else environ
+    hint = blas_hint(env)
+    if hint is None:
+        return None
+    lib = openblas_path(env)
+    if Path(lib).exists():
+        how = f"start Python with LD_PRELOAD={lib}, or call tq_mlx.blas.use_openblas() first thing in your script"
+    else:
+        how = ("`apt-get install libopenblas0-pthread`, then call tq_mlx.blas.use_openblas() first thing in your "
+               f"script (or start Python with LD_PRELOAD={lib})")
+    return (f"MLX's CPU back end is using its reference BLAS (~20x slower float32 forwards): {how}; "
+            f"{ENV_VAR}=0 silences this")
+
+
+def _on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def warn_reference_blas() -> None:
+    """Warn once per process (ReferenceBLASWarning) when MLX computes on the Linux CPU back end with the reference
+    BLAS, saying how to get OpenBLAS. For the library's entry points (building or loading TurboQuant caches):
+    after the first call it is one global check, and it is not meant for the per-token path."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    if _hinted or not sys.platform.startswith("linux") or not _on_cpu():
+        return  # a command already printed its note, or MLX does not run on the CPU BLAS here
+    hint = python_hint()
+    if hint:
+        warnings.warn(hint, ReferenceBLASWarning, stacklevel=3)
