@@ -233,6 +233,20 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
     assert "a float file from `mlx_lm cache_prompt` is compressed to TurboQuant as it loads" in help_text
 
 
+def test_generate_refuses_a_kv_bits_prompt_cache_file_and_names_the_way_out(tiny_model_dir, tmp_path):
+    path = tmp_path / "q8.safetensors"
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(tiny_model_dir),
+                           "--prompt", "A shared preamble about rivers and stones.", "--prompt-cache-file", str(path),
+                           "--kv-bits", "8", "--quantized-kv-start", "0"], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and path.exists(), made.stderr
+    proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(path), "--prompt", "go on")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert error_lines(proc) == [
+        f"tq-generate: error: {path}: layer 0 holds QuantizedKVCache, which tq-generate cannot turn into "
+        f"TurboQuantKVCache (a --kv-bits cache cannot be recompressed): run it with mlx_lm.generate, or make the "
+        f"file again without --kv-bits"]
+
+
 def test_generate_refuses_a_damaged_prompt_cache_file_in_one_line(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a cache")
