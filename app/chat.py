@@ -21,7 +21,7 @@ from textual.widgets import Footer, Header, Input, Markdown
 
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli import describe_config
-from tq_mlx.memory import format_bytes, saving_text, window_text
+from tq_mlx.memory import FLOAT_BYTES, format_bytes, saving_text, window_text
 
 from .models import ModelSource, ModelUnavailable, download
 from .plan import Plan, format_ctx
@@ -57,6 +57,7 @@ class ChatSettings:
     top_p: float = 1.0
     system: str | None = None
     dtype: str | None = None  # cast the weights at load: float16, bfloat16 or float32
+    kv_dtype: str | None = None  # the dtype the model will run in (--dtype, else its config's), for the plan note
     prefill_step_size: int = 512
     seed: int = 0
     plan: Plan | None = None
@@ -113,15 +114,20 @@ class ChatApp(App):
         self._stream = None
         self.sub_title = self._subtitle()
 
-    def _subtitle(self, dtype: str | None = None) -> str:
-        """"model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights' once
-        loaded): a folder named "...-float16" run with --dtype float32 is shown without its misleading tag."""
-        s = self.settings
-        name, dtype = s.source.name, s.dtype or dtype
+    def _model_name(self, dtype: str | None) -> str:
+        """The model's name, without a dtype tag when the dtype it runs in is known (a folder named "...-float16"
+        run with --dtype float32 would say float16)."""
+        name = self.settings.source.name
         if dtype:
             name = re.sub(r"[-_](float16|bfloat16|float32|fp16|bf16|fp32|f16|f32)$", "", name, flags=re.I)
+        return name
+
+    def _subtitle(self, dtype: str | None = None) -> str:
+        """"model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights')."""
+        s = self.settings
+        dtype = s.dtype or dtype
         cache = describe_config(s.config).split(",")[0] if s.config else "mlx-lm cache"
-        return " · ".join(p for p in (name, dtype, cache, f"ctx {format_ctx(s.ctx)}") if p)
+        return " · ".join(p for p in (self._model_name(dtype), dtype, cache, f"ctx {format_ctx(s.ctx)}") if p)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -136,8 +142,15 @@ class ChatApp(App):
     async def on_mount(self) -> None:
         plan = self.settings.plan
         if plan is not None:
-            note = (f"**{self.settings.source.name}**: weights {format_bytes(plan.weights)}, KV cache at "
-                    f"{plan.ctx:,} tokens {format_bytes(plan.kv)} (float16 would be {format_bytes(plan.kv_fp16)}); "
+            dtype = self.settings.dtype or self.settings.kv_dtype
+            if dtype in FLOAT_BYTES:  # mlx-lm's cache holds the model's dtype; the plan prices it in float16
+                label = f"**{self._model_name(dtype)}** ({dtype})"
+                reference = f"mlx-lm's {dtype} cache would be {format_bytes(plan.kv_fp16 * FLOAT_BYTES[dtype] // 2)}"
+            else:
+                label = f"**{self.settings.source.name}**"
+                reference = f"float16 would be {format_bytes(plan.kv_fp16)}"
+            note = (f"{label}: weights {format_bytes(plan.weights)}, KV cache at "
+                    f"{plan.ctx:,} tokens {format_bytes(plan.kv)} ({reference}); "
                     f"predicted peak {format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
             await self.transcript.add(note, "notice")
             for w in plan.warnings:
@@ -390,7 +403,8 @@ class ChatApp(App):
             return
         s = self.session.snapshot()
         await self.transcript.add(
-            f"Saved {len(self.session.tokens):,} tokens ({format_bytes(s['kv_bytes'])} of KV cache) to `{path}`.",
+            f"Saved {len(self.session.tokens):,} tokens ({format_bytes(s['kv_bytes'])} of KV cache, as held) to "
+            f"`{path}`: `/load {path}` continues this conversation.",
             "notice",
         )
 

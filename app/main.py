@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_dtype(model_config: dict) -> str | None:
+    """The float dtype a model's config.json says its weights are in (None if it says none mlx-lm runs)."""
+    from tq_mlx.memory import FLOAT_BYTES, text_config
+
+    name = model_config.get("torch_dtype") or text_config(model_config).get("torch_dtype")
+    return name if name in FLOAT_BYTES else None
+
+
 def default_ctx(trained: int | None) -> int:
     return min(trained, DEFAULT_MAX_CTX) if trained else DEFAULT_MAX_CTX
 
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = ChatApp(ChatSettings(
         source=source, ctx=ctx, config=config, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
-        system=args.system, dtype=args.dtype, prefill_step_size=args.prefill_step_size, seed=args.seed, plan=plan,
+        system=args.system, dtype=args.dtype, kv_dtype=config_dtype(model_config),
+        prefill_step_size=args.prefill_step_size, seed=args.seed, plan=plan,
     ))
     app.run()
     return app.return_code or 0

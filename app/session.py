@@ -276,6 +276,7 @@ class ChatSession:
     def snapshot(self) -> dict:
         """Everything the memory panel shows. KV numbers come from memory.cache_bytes (the caches' own nbytes)."""
         s = memory.cache_bytes(self.cache)
+        s["kv_dtype"] = s["kv_dtype"] or self.dtype  # an empty cache has no dtype yet: the model's
         s.update(
             ctx=self.ctx,
             context_tokens=self.cache_offset(),

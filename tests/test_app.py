@@ -264,11 +264,23 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
     named = tmp_path / "tiny-float16"  # a folder named for its weights' dtype, as the demo model's is
     named.symlink_to(tiny_model_dir, target_is_directory=True)
 
+    cfg = load_model_config(tiny_model_dir)
+
     async def run(dtype, expected):
-        app = make_app(named, dtype=dtype)
+        plan = make_plan("tiny-float16", cfg, weight_bytes(tiny_model_dir), 1024, TurboQuantConfig(), 10**10,
+                         dtype=dtype)
+        app = make_app(named, dtype=dtype, kv_dtype="float16", plan=plan)
         async with app.run_test() as pilot:
             await loaded(pilot)
             assert app.sub_title == expected
+            # the plan note compares with mlx-lm's cache in the dtype the model runs in
+            real = dtype or "float16"
+            bytes_ = {"float32": 4, "bfloat16": 2, "float16": 2}[real]
+            note = messages(app, "notice")[0].source
+            assert note.startswith(f"**tiny** ({real}): weights ") and (
+                f"(mlx-lm's {real} cache would be {format_bytes(plan.kv_fp16 * bytes_ // 2)})" in note), note
+            # before the first question the panel already names the dtype mlx-lm's cache would hold
+            assert f"mlx-lm {app.session.dtype} cache" in rendered(app)
 
     asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
     asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
@@ -310,7 +322,9 @@ def test_save_then_load_continues_the_conversation(tiny_model_dir, tmp_path):
             saved_bytes = app.panel.stats["kv_bytes"]
             await say(pilot, f"/save {tmp_path / 'conv'}")
             assert (tmp_path / "conv.safetensors").exists()
-            assert "Saved" in messages(app, "notice")[-1].source
+            assert messages(app, "notice")[-1].source.endswith(
+                f"to `{tmp_path / 'conv.safetensors'}`: `/load {tmp_path / 'conv.safetensors'}` continues this "
+                f"conversation.")
             await say(pilot, "/clear")
             assert app.session.tokens == [] and len(messages(app)) == 1
             await say(pilot, f"/load {tmp_path / 'conv.safetensors'}")
