@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import sys
+import types
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .attention import BatchView
@@ -46,6 +48,22 @@ def layer_seed(seed: int, layer_index: int, side: int) -> int:
     return (seed * 100_003 + layer_index) * 16 + 8 * side
 
 
+class _codes_only:
+    """A classmethod that instances fetching floats or latents, or bounded, do not have. mlx-lm batches a model
+    only when its caches have `merge` (server.py:459-463 serves the others one sequence at a time;
+    batch_generate says "does not yet support batching", generate.py:833): batch caches hand out views in the
+    padded layout, which those fetches and dropped tokens do not have yet."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __get__(self, obj, cls=None):
+        if obj is not None and (obj.fetch != "codes" or obj.max_size is not None):
+            raise AttributeError(f"{type(obj).__name__} with fetch {obj.fetch!r} and max_size {obj.max_size} "
+                                 f"cannot be batched yet")
+        return types.MethodType(self.f, cls if cls is not None else type(obj))
+
+
 class TurboQuantKVCache(_BaseCache):
     """One attention layer's KV cache, compressed with TurboQuant. Implements mlx-lm's cache protocol.
 
@@ -61,6 +79,11 @@ class TurboQuantKVCache(_BaseCache):
                 get it as float, and the rope key is always float
       "float"   both sides as float tensors decoded from the codes (models that post-process what they fetch)
     Float fetches are transients of one layer, in the dtype of the tokens given, never kept.
+
+    max_size bounds the tokens held, as mlx-lm's RotatingKVCache does for --max-kv-size: before each update the
+    oldest compressed tokens are dropped in whole compress blocks (K), so that decode attends to at most
+    max_size tokens (a prefill chunk of L to max_size - 1 + L, as RotatingKVCache); the sinks and the float
+    window are never dropped (tq_mlx.memory.bounded_tokens prices it).
     """
 
     def __init__(
@@ -71,6 +94,7 @@ class TurboQuantKVCache(_BaseCache):
         n_attention_layers: int | None = None,
         head_dim: int | None = None,
         fetch: str = "codes",
+        max_size: int | None = None,
     ):
         install_attention_hook()
         if fetch not in FETCHES:
@@ -85,6 +109,8 @@ class TurboQuantKVCache(_BaseCache):
         else:
             self.config_bits = self.config.layer_bits(self.attention_index, n_attention_layers)
         self.expected_head_dim = head_dim
+        self.max_size = None if max_size is None else check_max_size(max_size, self.config)
+        self.n_dropped = 0  # tokens dropped by the bound (offset = held tokens + n_dropped)
         self.offset = 0
         self.key_stream: CompressedStream | None = None  # built once the head dims are known
         self.value_stream: CompressedStream | None = None
@@ -125,8 +151,11 @@ class TurboQuantKVCache(_BaseCache):
         return f"TurboQuantKVCache (layer {self.layer_index})"
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
-        """Raise ValueError, naming the layer, unless this cache can store heads of these sizes."""
+        """Raise ValueError, naming the layer, unless this cache can store heads of these sizes (values may be
+        zero-wide: an indexer's cache that stores keys alone, minimax_m3_vl.py:264)."""
         for name, d, bits in (("key", key_dim, self.config_bits[0]), ("value", value_dim, self.value_bits)):
+            if name == "value" and d == 0:
+                continue
             if d < MIN_DIM:
                 raise ValueError(f"{self._where()}: {name} head_dim {d} is below the minimum {MIN_DIM}")
             try:
@@ -144,9 +173,9 @@ class TurboQuantKVCache(_BaseCache):
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
         self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
                                            name="k", center=c.center_keys, protect=protect, **common)
-        self.value_stream = CompressedStream(make_quantizer(int(value_dim), self.value_bits, False, seeds[1],
-                                                            c.norm_dtype),
-                                             name="v", center=c.center_values, **common)
+        self.value_stream = None if value_dim == 0 else CompressedStream(
+            make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
+            name="v", center=c.center_values, **common)
 
     @property
     def key_dim(self) -> int:
@@ -158,7 +187,7 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def streams(self) -> tuple[CompressedStream, ...]:
-        return () if self.key_stream is None else (self.key_stream, self.value_stream)
+        return tuple(s for s in (self.key_stream, self.value_stream) if s is not None)
 
     # Token counts are the same on both sides; the key stream's are read.
     @property
@@ -212,10 +241,34 @@ class TurboQuantKVCache(_BaseCache):
         """Store keys/values (B, n_kv_heads, L, head_dim) and return views of everything stored."""
         self._check_input(keys, values)
         self.offset += keys.shape[2]
-        k, v = self.key_stream.append(keys), self.value_stream.append(values)
+        if self.max_size is not None:
+            self._drop_for(keys.shape[2])
+        k = self.key_stream.append(keys)
+        v = self.value_stream.append(values) if self.value_stream else None
         return self._fetched(k, v, keys)
 
-    def _fetched(self, k: StreamView, v: StreamView, new: mx.array):
+    def _drop_for(self, n_new: int) -> None:
+        """Before an update, drop the oldest compressed tokens (whole blocks of K) so that at most max_size - 1
+        earlier tokens remain, as RotatingKVCache(max_size, keep=sinks) keeps max_size - 1 tokens before each
+        update: decode attends to at most max_size tokens, a prefill chunk of L to max_size - 1 + L. Token by
+        token, K·⌈(offset - max_size)/K⌉ are dropped in all (tq_mlx.memory.bounded_tokens)."""
+        drop = self._pending_drop(self.offset - n_new)
+        if drop > 0:
+            for s in self.streams:
+                s.drop_oldest(drop, self.config.compress_block_size)
+            self.n_dropped += drop
+
+    def _pending_drop(self, before: int) -> int:
+        """Compressed tokens the next update drops, `before` tokens having been fed."""
+        if self.max_size is None or before <= self.max_size - 1:
+            return 0
+        K = self.config.compress_block_size
+        return max(0, min(K * -(-(before - self.max_size + 1) // K) - self.n_dropped, self.n_compressed))
+
+    def _fetched(self, k: StreamView, v: StreamView | None, new: mx.array):
+        if v is None:  # zero-wide values
+            v = mx.zeros((*new.shape[:2], k.n_tokens, 0), new.dtype)
+            return (k if self.fetch == "codes" else float_tokens(k, new.dtype, new)), v
         if self.fetch == "codes":
             return k, v
         # Decoding waits for this layer's new tokens, so a forward pass decodes one layer at a time rather than
@@ -229,10 +282,14 @@ class TurboQuantKVCache(_BaseCache):
         layer's cache back and attend through it (gemma3n.py:133)."""
         if self.key_stream is None:
             raise ValueError(f"{self._where()}: keys_and_values() before any update")
-        k, v = self.key_stream.view(), self.value_stream.view()
+        k = self.key_stream.view()
+        dtype = next(a.dtype for a in (k.window, k.sinks, mx.zeros((0,), mx.float16)) if a is not None)
+        if self.value_stream is None:
+            empty = mx.zeros((*self.batch_heads(), k.n_tokens, 0), dtype)
+            return (k if self.fetch == "codes" else float_tokens(k, dtype)), empty
+        v = self.value_stream.view()
         if self.fetch == "codes":
             return k, v
-        dtype = next(a.dtype for a in (k.window, k.sinks, mx.zeros((0,), mx.float16)) if a is not None)
         return float_tokens(k, dtype), float_tokens(v, dtype)
 
     # mlx-lm's pipelined models tie a stage's send to its last cache, `cache[-1].keys = mx.depends(
@@ -251,9 +308,24 @@ class TurboQuantKVCache(_BaseCache):
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
-        s = self.key_stream
-        if s is None or self.keys is None:
-            raise ValueError(f"{self._where()}: keys assigned before any update")
+        self._set_buffer(self.key_stream, value, "keys")
+
+    # minimax_m3_vl ties its indexer cache into the graph through `cache.keys` and `cache.values` (:348).
+    @property
+    def values(self) -> mx.array | None:
+        s = self.value_stream
+        if s is None:
+            return None if self.key_stream is None else mx.zeros((0,), mx.float16)  # zero-wide values
+        return next((a for a in (s.window, s.sinks) if a is not None), s.codes[0] if s.codes else None)
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        if self.value_stream is not None:
+            self._set_buffer(self.value_stream, value, "values")
+
+    def _set_buffer(self, s: CompressedStream | None, value: mx.array, name: str) -> None:
+        if s is None or (s.window is None and s.sinks is None and not s.codes):
+            raise ValueError(f"{self._where()}: {name} assigned before any update")
         if s.window is not None:
             s.window = value
         elif s.sinks is not None:
@@ -273,7 +345,12 @@ class TurboQuantKVCache(_BaseCache):
     def size(self) -> int:
         return self.offset
 
-    @classmethod
+    @property
+    def n_held(self) -> int:
+        """Tokens held: the offset less what a bound dropped."""
+        return self.offset - self.n_dropped
+
+    @_codes_only
     def merge(cls, caches: list[TurboQuantKVCache]) -> BatchTurboQuantKVCache:
         """mlx-lm's batching (BatchGenerator, batch_generate, the server) merges one cache per sequence: a
         BatchTurboQuantKVCache of copies, one row each (tq_mlx.batch)."""
@@ -283,19 +360,28 @@ class TurboQuantKVCache(_BaseCache):
         return self.batch_heads() is None
 
     def is_trimmable(self) -> bool:
-        return True
+        return self.n_dropped == 0  # once a bound dropped tokens, trimming cannot bring them back (RotatingKVCache)
 
     def trim(self, n: int) -> int:
-        """Drop the last n tokens (as many as exist): window first, then compressed tokens, then sinks.
+        """Drop the last n tokens (as many as are held): window first, then compressed tokens, then sinks.
         A trim that leaves no compressed token also drops the calibration (μ, ν, channel orders)."""
-        n = min(self.offset, n)
+        n = min(self.n_held, n)
         for s in self.streams:
             s.trim(n)
         self.offset -= n
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+        if self.max_size is not None and N > 1:
+            # as RotatingKVCache.make_mask: a prefill chunk attends within a window of max_size held tokens
+            window_size = window_size or self.max_size
+            offset = self.n_held - self._pending_drop(self.offset)  # held once this update has dropped its share
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        # columns are the tokens held (fewer than the offset once a bound dropped some)
+        return create_attention_mask(N, offset=self.n_held - self._pending_drop(self.offset),
+                                     return_array=return_array, window_size=window_size)
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this cache holds (both streams: buffers, centering, channel orders, quantizer constants),
@@ -327,12 +413,14 @@ class TurboQuantKVCache(_BaseCache):
             "calibrated": self.calibrated,
             "key_protected": self.protected,
             "fetch": self.fetch,
+            "max_size": self.max_size,
+            "n_dropped": self.n_dropped,
         }
         arrays = {}
         for s in self.streams:
             arrays.update(s.state)
-        if not self.streams:  # the array names are fixed, whether or not the streams exist yet
-            arrays = {f"{side}_{part}": None for side in "kv" for part in STATE_PARTS}
+        # the array names are fixed, whether or not the streams exist (zero-wide values have none)
+        arrays = {**{f"{side}_{part}": None for side in "kv" for part in STATE_PARTS}, **arrays}
         return meta, arrays
 
     @state.setter
@@ -365,6 +453,9 @@ class TurboQuantKVCache(_BaseCache):
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
             self.fetch = fetch
+            max_size = meta.get("max_size")  # absent before version 5
+            self.max_size = None if max_size is None else check_max_size(max_size, config)
+            n_dropped = check_int("n_dropped", meta.get("n_dropped", 0), 0)
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
 
@@ -376,8 +467,11 @@ class TurboQuantKVCache(_BaseCache):
         if unknown:
             raise ValueError(f"{self._where()}: unknown state arrays {sorted(unknown)}")
         n_s, n_c, n_w = counts["n_sinks"], counts["n_compressed"], counts["n_window"]
-        if counts["offset"] != n_s + n_c + n_w:
-            raise bad(f"offset {counts['offset']} != n_sinks + n_compressed + n_window")
+        if counts["offset"] != n_s + n_c + n_w + n_dropped:
+            raise bad(f"offset {counts['offset']} != n_sinks + n_compressed + n_window + n_dropped")
+        if n_dropped and self.max_size is None:
+            raise bad(f"{n_dropped} dropped tokens without a max_size")
+        self.n_dropped = n_dropped
         if n_s > config.sinks or n_w > config.window:
             raise bad(f"{n_s} sinks / {n_w} window tokens exceed the config's {config.sinks} / {config.window}")
         if calibrated != (n_c > 0):
@@ -398,6 +492,18 @@ class TurboQuantKVCache(_BaseCache):
                 s.load_state(arrays, n_s, n_c, n_w, bh)
         except ValueError as e:
             raise bad(str(e)) from None
+
+
+def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
+    """max_size (max_kv_size) as an int, or ValueError: the float sinks and window are never dropped, so the
+    bound must hold them and one compress block less a token."""
+    least = config.sinks + config.window + config.compress_block_size - 1
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
+        raise ValueError(
+            f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "
+            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window"
+        )
+    return max_size
 
 
 def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = None) -> mx.array:

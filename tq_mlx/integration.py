@@ -31,7 +31,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import CacheList, KVCache
 
 from .architectures import FLOAT_FETCH, fetch_for
-from .cache import TurboQuantKVCache, install_attention_hook
+from .cache import TurboQuantKVCache, check_max_size, install_attention_hook
 from .config import TurboQuantConfig
 from .memory import AttentionLayout, attention_layout
 
@@ -142,19 +142,23 @@ def fetch_reason(model: nn.Module) -> str | None:
     return next((FLOAT_FETCH[t] for t in sorted(_model_types(model)) if t in FLOAT_FETCH), None)
 
 
-def _cache_head_dim(model: nn.Module, i: int, fetch: str) -> int | None:
+def _cache_head_dim(model: nn.Module, i: int, fetch: str, member: int | None = None) -> int | None:
     """head_dim to build layer i's streams with now, or None to build them at the first update: latent layers
-    (a latent and a rope key of different widths) and attention modules whose keys and values differ in width
-    (deepseek_v2's 192 / 128) learn theirs from the first tokens."""
-    if fetch == "latent":
+    (a latent and a rope key of different widths), attention modules whose keys and values differ in width
+    (deepseek_v2's 192 / 128) and CacheList members (an indexer's cache beside the attention's) learn theirs
+    from the first tokens."""
+    if fetch == "latent" or member is not None:
         return None
     attn = _attention_module(model, i)
-    v_dim = getattr(attn, "v_head_dim", None)
     head_dim, _ = layer_geometry(model, i)
-    if isinstance(v_dim, int) and v_dim != head_dim:
+    if not isinstance(head_dim, int):
         return None
-    if getattr(attn, "head_dim", None) is None and any(
-            isinstance(getattr(attn, n, None), int) for n in ("q_head_dim", "qk_nope_head_dim", "kv_lora_rank")):
+    if any(isinstance(getattr(attn, n, None), int) for n in ("q_head_dim", "qk_nope_head_dim", "kv_lora_rank")):
+        return None  # MLA attention (deepseek_v2 style: keys of qk_nope + qk_rope dims)
+    layout = _config_layout(model)
+    v_dims = [getattr(attn, n, None) for n in ("v_head_dim", "value_head_dim", "v_dim")]
+    v_dims += [layout.v_head_dim] if layout is not None and layout.head_dim == head_dim else []
+    if any(isinstance(d, int) and d and d != head_dim for d in v_dims):
         return None
     return head_dim
 
@@ -195,15 +199,6 @@ def float_layers(model: nn.Module) -> dict[int, str]:
     return {i: _kind(c) for i, c in enumerate(base) if i not in compressed}
 
 
-def _refuse_max_kv_size(max_kv_size: int | None) -> None:
-    if max_kv_size is not None:
-        raise ValueError(
-            f"max_kv_size={max_kv_size}: a bounded TurboQuant cache is not supported yet and the bound would be "
-            f"ignored; for a bounded cache drop the TurboQuant options (mlx-lm's own RotatingKVCache), or drop "
-            f"max_kv_size / --max-kv-size for an unbounded TurboQuant cache"
-        )
-
-
 def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
                       max_kv_size: int | None = None) -> list[Any]:
     """The model's prompt cache with every full-attention KVCache replaced by a TurboQuantKVCache, those
@@ -215,11 +210,13 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
 
     Raises ValueError naming the layer, the reason and the way out, before building anything, if a layer
     cannot be compressed (head_dim too small or incompatible with fractional bits), if no layer holds a
-    full-attention KVCache (nothing would be compressed), or if max_kv_size is given (a bounded TurboQuant
-    cache does not exist yet).
+    full-attention KVCache (nothing would be compressed), or if max_kv_size is below what the float sinks and
+    window hold (tq_mlx.cache.check_max_size). max_kv_size bounds every compressed layer as mlx-lm's
+    --max-kv-size bounds its RotatingKVCache (the oldest compressed tokens are dropped; TurboQuantKVCache).
     """
-    _refuse_max_kv_size(max_kv_size)
     config = config or TurboQuantConfig()
+    if max_kv_size is not None:
+        check_max_size(max_kv_size, config)
     base = _base_cache(model)
     slots = _kv_slots(base)
     if not slots:
@@ -239,8 +236,8 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
         try:
             caches[i, member] = TurboQuantKVCache(
                 config, layer_index=start + i, attention_index=start + j if whole else j,
-                n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch),
-                fetch=fetch,
+                n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch, member),
+                fetch=fetch, max_size=max_kv_size,
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
@@ -256,8 +253,7 @@ def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.
     """From now on mlx-lm builds TurboQuant caches for this model (generate, stream_generate, chat, server).
 
     Validates the model at once (raises like make_prompt_cache). Calling it again changes the config. A later
-    mlx-lm make_prompt_cache(model, max_kv_size=N) (--max-kv-size) raises ValueError rather than silently
-    returning an unbounded cache.
+    mlx-lm make_prompt_cache(model, max_kv_size=N) (--max-kv-size) builds bounded TurboQuant caches.
     """
     config = config or TurboQuantConfig()
     make_prompt_cache(model, config)  # validate now (raises before touching the model), not at the first request
@@ -267,11 +263,12 @@ def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.
 
     def make_cache() -> list[Any]:
         # mlx-lm's make_prompt_cache(model, max_kv_size) calls model.make_cache() without the bound
-        # (cache.py:31-32); read it from that caller's frame so a bounded request is refused, not dropped.
+        # (cache.py:31-32); read it from that caller's frame so a bounded request is honoured, not dropped.
         caller = sys._getframe(1)
+        bound = None
         if caller.f_code is mlx_cache.make_prompt_cache.__code__:
-            _refuse_max_kv_size(caller.f_locals.get("max_kv_size"))
-        return make_prompt_cache(model, config)
+            bound = caller.f_locals.get("max_kv_size")
+        return make_prompt_cache(model, config, max_kv_size=bound)
 
     model.make_cache = make_cache
     model._tq_config = config
@@ -288,7 +285,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuantConfig | None) -> None:
+def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuantConfig | None,
+                    member: int | None = None) -> None:
     if isinstance(c, TurboQuantKVCache):
         if type(b) is not KVCache:
             raise ValueError(f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}")
@@ -297,7 +295,7 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
         head_dim, n_kv = layer_geometry(model, i)
         if c.fetch != model_fetch(model):
             raise ValueError(f"layer {i}: prompt cache fetches {c.fetch!r}, this model needs {model_fetch(model)!r}")
-        head_dim = _cache_head_dim(model, i, c.fetch)
+        head_dim = _cache_head_dim(model, i, c.fetch, member)
         n_kv = n_kv if head_dim is not None else None
         if c.key_dim and head_dim is not None and c.key_dim != head_dim:
             raise ValueError(f"layer {i}: prompt cache has head_dim {c.key_dim}, the model has head_dim {head_dim}")
@@ -309,8 +307,8 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
     elif type(c) is CacheList and type(b) is CacheList:
         if len(c.caches) != len(b.caches):
             raise ValueError(f"layer {i}: prompt cache holds {len(c.caches)} caches, the model uses {len(b.caches)}")
-        for m, n in zip(c.caches, b.caches):
-            _validate_entry(model, i, m, n, config)
+        for j, (m, n) in enumerate(zip(c.caches, b.caches)):
+            _validate_entry(model, i, m, n, config, j)
     elif type(c) is not type(b) and not (type(b) is KVCache and type(c).__name__ == "QuantizedKVCache"):
         raise ValueError(f"layer {i}: prompt cache holds a {type(c).__name__}, the model uses {type(b).__name__}")
 

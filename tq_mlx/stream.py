@@ -372,6 +372,21 @@ class CompressedStream:
             b[:, :, start : start + n] = a
         self.n_compressed += n
 
+    def drop_oldest(self, n: int, room: int) -> None:
+        """Drop the n oldest compressed tokens (a bounded cache). The rest move to a new buffer with room for
+        `room` more tokens (capacity a multiple of step), so no slice of the old buffer keeps it alive. The
+        calibration stays: the tokens kept were quantized with it."""
+        n = min(n, self.n_compressed)
+        if n <= 0:
+            return
+        keep = self.n_compressed - n
+        capacity = -(-(keep + room) // self.step) * self.step
+        self.codes = type(self.codes)(*(
+            mx.concatenate([a[:, :, n : self.n_compressed], mx.zeros((*a.shape[:2], capacity - keep, *a.shape[3:]),
+                                                                      a.dtype)], axis=2)
+            for a in self.codes))
+        self.n_compressed = keep
+
     @property
     def protected(self) -> bool:
         return self.quantizer is not self.base_quantizer

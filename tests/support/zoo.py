@@ -256,6 +256,14 @@ LOOSER: dict[str, tuple[float, str]] = {
         "bailing_moe": 3e-2, "bailing_moe_linear": 6e-2, "dbrx": 1.7e-2, "mixtral": 3e-2, "nemotron": 4e-2,
         "olmo2": 2e-2, "openelm": 2e-2, "lille-130m": 1.5e-2}.items()
 }
+# Models that were refused until issue 21, measured the same way. afm7: the 8-bit error of layer 0's keys
+# (0.5%) grows to 7% in layer 1's and 13% in layer 2's keys through this random model, so its KV-reuse layers
+# see 8-9e-2 on every draw (attention scale 1.0 on normalized q/k). gemma4: mlx-lm's own 8-bit cache is worse on
+# the same model (0.19-0.28 without KV sharing; with it, it raises). longcat_flash (+ngram): 1.5-2.7e-2 on
+# every draw, the latent path equal to decode-to-float to 1e-7.
+LOOSER.update({a: (t, "misses the 1e-2 target on this random-weight model") for a, t in {
+    "afm7": 1.2e-1, "gemma4": 6.5e-2, "gemma4_text": 6.5e-2, "longcat_flash": 3e-2, "longcat_flash_ngram": 2.5e-2,
+}.items()})
 
 
 def build(arch: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:

@@ -1,0 +1,194 @@
+"""Each fetch path of issue 21 against mlx-lm's float cache at 8 bits: learned sinks and KV-shared layers on the
+codes, multi-head latent attention (decode on the codes, prefill decoded to float), decode-to-float for models
+that post-process their fetch, and the bounded cache (max_kv_size). The zoo (test_zoo.py) runs every
+architecture; these tests check that each path is the one taken, and what the cache holds."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import CacheList, RotatingKVCache
+
+import tq_mlx
+import tq_mlx.cache as tq_cache
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.stream import StreamView
+from tests.support import zoo
+from tests.test_zoo import CONFIG, teacher_forced
+
+TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
+
+
+def rel_err(got: mx.array, ref: mx.array) -> float:
+    return float((mx.linalg.norm(got - ref, axis=-1) / mx.linalg.norm(ref, axis=-1)).max())
+
+
+def tq_caches(cache) -> list[TurboQuantKVCache]:
+    return [m for c in cache for m in (c.caches if type(c) is CacheList else [c]) if isinstance(m, TurboQuantKVCache)]
+
+
+def no_float_copy(cache, config=CONFIG) -> None:
+    """Float arrays a cache holds are its sinks and window, never the compressed tokens."""
+    for c in tq_caches(cache):
+        assert c.n_compressed > 0
+        for a in c.held_arrays():
+            if a.ndim == 4 and a.dtype in (mx.float32, mx.float16, mx.bfloat16) and a.shape[-1] > 1:  # not norms
+                assert a.shape[2] <= max(config.sinks, config.window), (c.layer_index, a.shape)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every call of the attention on the codes: (keys, values, mask, sinks)."""
+    seen = []
+    original = tq_cache.dispatch_attention
+
+    def spy(queries, keys, values, scale, mask=None, sinks=None, **kw):
+        seen.append((keys, values, mask, sinks))
+        return original(queries, keys, values, scale, mask=mask, sinks=sinks, **kw)
+
+    monkeypatch.setattr(tq_cache, "dispatch_attention", spy)
+    return seen
+
+
+def test_learned_sinks_reach_attention_on_the_codes(calls):
+    model = zoo.build("gpt_oss")
+    ref = teacher_forced(model, mlx_cache.make_prompt_cache(model))
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    got = teacher_forced(model, cache)
+    assert rel_err(got, ref) < zoo.tolerance("gpt_oss")
+    on_codes = [c for c in calls if isinstance(c[0], StreamView) and c[0].n_compressed]
+    assert on_codes and all(c[3] is not None for c in on_codes)  # the sinks came along
+    assert all(c.fetch == "codes" for c in tq_caches(cache))
+    no_float_copy(cache)
+
+
+def test_sinks_change_the_answer():
+    """The sinks are not dropped on the way: attention with and without them differs, and with them it matches
+    mx.fast's attention on the same float tokens."""
+    c = TurboQuantKVCache(TurboQuantConfig(key_bits=8, value_bits=8, window=4, compress_block=4, sinks=2))
+    k, v = mx.random.normal((1, 2, 30, 32), key=mx.random.key(1)), mx.random.normal((1, 2, 30, 32), key=mx.random.key(2))
+    kv, vv = c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
+    sinks = mx.array([2.0, -1.0, 0.5, 3.0])
+    with_sinks = tq_cache._sdpa(q, kv, vv, c, scale=32**-0.5, mask=None, sinks=sinks)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5, sinks=sinks)
+    assert rel_err(with_sinks, ref) < 2e-2
+    assert rel_err(tq_cache._sdpa(q, kv, vv, c, scale=32**-0.5, mask=None), ref) > 5e-2
+
+
+def test_kv_shared_layers_attend_to_the_view_of_the_layer_they_share(calls):
+    model = zoo.build("gemma4_text")
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    n_full = len(tq_caches(cache))
+    teacher_forced(model, cache)
+    shared = [layer for layer in model.layers if not layer.self_attn.has_kv and not layer.self_attn.is_sliding]
+    assert shared, "the zoo's gemma4 has no KV-shared full-attention layer"
+    # every forward: each compressed layer and each layer sharing its view attends on the codes
+    forwards = 1 + len(TOKENS) - 16
+    assert len([c for c in calls if isinstance(c[0], StreamView)]) == forwards * (n_full + len(shared))
+    no_float_copy(cache)
+
+
+def test_latent_attention_decodes_on_the_codes_and_prefills_from_float(calls):
+    model = zoo.build("deepseek_v3")
+    ref = teacher_forced(model, mlx_cache.make_prompt_cache(model))
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    got = teacher_forced(model, cache)
+    assert rel_err(got, ref) < zoo.tolerance("deepseek_v3")
+    layers = tq_caches(cache)
+    assert all(c.fetch == "latent" for c in layers)
+    # the latent is the key stream, the rope key the value stream
+    attn = model.model.layers[0].self_attn
+    assert (layers[0].key_dim, layers[0].value_dim) == (attn.kv_lora_rank, attn.qk_rope_head_dim)
+    decode = [c for c in calls if isinstance(c[0], StreamView)]
+    assert len(decode) == len(layers) * (len(TOKENS) - 16)  # every decode step, no prefill chunk
+    assert all(k is v and isinstance(m, mx.array) for k, v, m, _ in decode)  # latent as keys and values, rope mask
+    no_float_copy(cache)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "stablelm", "plamo"])
+def test_models_that_post_process_their_fetch_decode_to_float(arch, calls):
+    model = zoo.build(arch)
+    ref = teacher_forced(model, mlx_cache.make_prompt_cache(model))
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    got = teacher_forced(model, cache)
+    assert rel_err(got, ref) < zoo.tolerance(arch)
+    assert all(c.fetch == "float" for c in tq_caches(cache)) and not calls
+    no_float_copy(cache)
+    assert tq_mlx.integration.fetch_reason(model)
+
+
+def test_float_fetch_caches_are_not_batched_but_say_so():
+    model = zoo.build("gemma2")
+    cache = tq_mlx.make_prompt_cache(model, CONFIG)
+    assert not hasattr(cache[0], "merge") and hasattr(TurboQuantKVCache, "merge")
+    codes = tq_mlx.make_prompt_cache(zoo.build("llama"), CONFIG)
+    assert hasattr(codes[0], "merge")
+
+
+def test_fetch_and_bound_survive_save_and_load(tmp_path):
+    model = zoo.build("deepseek_v3")
+    cache = tq_mlx.make_prompt_cache(model, CONFIG, max_kv_size=16)
+    teacher_forced(model, cache)
+    path = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(path, cache)
+    loaded = tq_mlx.load_prompt_cache(path, model, config=CONFIG)
+    for a, b in zip(tq_caches(cache), tq_caches(loaded)):
+        assert (b.fetch, b.max_size, b.n_dropped, b.offset) == (a.fetch, a.max_size, a.n_dropped, a.offset)
+        assert b.n_dropped > 0
+    nxt = mx.array([[7]])
+    np.testing.assert_array_equal(np.array(model(nxt, cache=cache)), np.array(model(nxt, cache=loaded)))
+
+
+# --- the bounded cache ---------------------------------------------------------------------------------------
+
+BOUNDED = TurboQuantConfig(key_bits=8, value_bits=8, window=4, compress_block=1, sinks=4)
+
+
+def test_bounded_cache_keeps_what_rotating_kv_cache_keeps():
+    """With single-token blocks the bound keeps the sinks and the newest tokens, as mlx-lm's
+    RotatingKVCache(max_size, keep=4) does: the logits agree at 8 bits, and the held tokens never pass the bound."""
+    model = zoo.build("llama")
+    ref_cache = [RotatingKVCache(max_size=12, keep=4) for _ in model.layers]
+    ref = teacher_forced(model, ref_cache, TOKENS[:10] + TOKENS * 2)
+    cache = tq_mlx.make_prompt_cache(model, BOUNDED, max_kv_size=12)
+    got = teacher_forced(model, cache, TOKENS[:10] + TOKENS * 2)
+    assert rel_err(got, ref) < 1e-2
+    for c in tq_caches(cache):
+        assert c.n_held == 12 and c.offset == 10 + 2 * len(TOKENS) and c.n_dropped == c.offset - 12
+        assert not c.is_trimmable()
+
+
+def test_bounded_cache_drops_whole_blocks_and_prices_as_the_planner_says():
+    from tq_mlx.memory import bounded_tokens
+
+    config = TurboQuantConfig(window=8, compress_block=4, sinks=2)
+    c = TurboQuantKVCache(config, max_size=20)
+    for n in (13, 7, 30, 1, 1, 1, 1, 1, 1):
+        held = c.n_held
+        kv = c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        assert kv[0].n_tokens == c.n_held <= 20 - 1 + n  # what this update attends to: at most 19 earlier tokens
+        assert c.n_held >= min(held, 20 - config.compress_block_size) + n - 0  # never more dropped than a block's worth
+        if n == 1:  # token by token the planner's counts hold exactly
+            assert (c.n_sinks, c.n_compressed, c.n_window) == bounded_tokens(c.offset, 20, config)
+    assert c.n_held <= 20
+
+
+def test_max_kv_size_reaches_the_patched_model_and_bad_bounds_are_refused():
+    from mlx_lm import generate
+
+    from tests.support.tiny_models import tiny_llama, tiny_tokenizer
+
+    model, _ = tiny_llama(layers=1)
+    with pytest.raises(ValueError, match=r"max_kv_size=8: a bounded TurboQuant cache needs at least .* = 10"):
+        tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, compress_block=4, sinks=3), max_kv_size=8)
+    tq_mlx.patch_model(model, CONFIG)
+    try:
+        cache = mlx_cache.make_prompt_cache(model, max_kv_size=64)  # what --max-kv-size reaches
+        assert all(isinstance(c, TurboQuantKVCache) and c.max_size == 64 for c in cache)
+        text = generate(model, tiny_tokenizer(), "hi", max_tokens=20, max_kv_size=16)
+        assert isinstance(text, str)
+    finally:
+        tq_mlx.unpatch_model(model)
