@@ -403,9 +403,11 @@ def generate_main(argv: list[str] | None = None) -> int:
         if loaded and config is not None and kwargs.get("prompt_cache") is loaded["cache"]:
             cache, n = compress_float_cache(model, loaded["cache"], config, loaded["file"], args.prefill_step_size)
             if n:
-                print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({cache[0].offset:,} tokens): "
-                      f"compressed it to {describe_config(config)} for this run (the file is unchanged)",
-                      file=sys.stderr, flush=True)
+                from .memory import cache_bytes
+
+                tokens = cache_bytes(cache)["tokens"]
+                print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({tokens:,} tokens): compressed it "
+                      f"to {describe_config(config)} for this run (the file is unchanged)", file=sys.stderr, flush=True)
             kwargs["prompt_cache"] = cache
         # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
         if kwargs.get("prompt_cache") is None:
