@@ -110,6 +110,9 @@ def outcome(arch: str) -> tuple[str, str]:
     fetch = tq_mlx.integration.model_fetch(model)
     detail += {"codes": "; on the codes", "latent": "; latent (MLA): decode on the codes, prefill decoded to float",
                "float": "; decode-to-float"}[fetch]
+    k_eq_v = [i for i, c in _flat(cache) if isinstance(c, TurboQuantKVCache) and c.k_eq_v]
+    if k_eq_v:
+        detail += f" (K=V {_layers(k_eq_v)}: one stream, keys derived, decode-to-float)"
     floating = tq_mlx.integration.float_layers(model)
     if floating:
         kinds: dict[str, list[int]] = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import sys
 import types
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
@@ -80,6 +80,11 @@ class TurboQuantKVCache(_BaseCache):
       "float"   both sides as float tensors decoded from the codes (models that post-process what they fetch)
     Float fetches are transients of one layer, in the dtype of the tokens given, never kept.
 
+    derive_keys (K=V layers, Gemma 4's attention_k_eq_v): the layer's keys are a function of its values, so one
+    stream (the key stream, at the key bits) holds the values and serves both sides: each fetch decodes it to
+    float and derives the keys with derive_keys(values) (fetch "float"); the layer holds half the streams.
+    Saved and loaded, `k_eq_v` says so; tq_mlx.load_prompt_cache(file, model) attaches derive_keys again.
+
     max_size bounds the tokens held, as mlx-lm's RotatingKVCache does for --max-kv-size: before each update the
     oldest compressed tokens are dropped in whole compress blocks (K), so that decode attends to at most
     max_size tokens (a prefill chunk of L to max_size - 1 + L, as RotatingKVCache); the sinks and the float
@@ -95,11 +100,14 @@ class TurboQuantKVCache(_BaseCache):
         head_dim: int | None = None,
         fetch: str = "codes",
         max_size: int | None = None,
+        derive_keys: Callable[[mx.array], mx.array] | None = None,
     ):
         install_attention_hook()
         if fetch not in FETCHES:
             raise ValueError(f"fetch={fetch!r}: expected one of {', '.join(FETCHES)}")
-        self.fetch = fetch
+        self.k_eq_v = derive_keys is not None
+        self.derive_keys = derive_keys
+        self.fetch = "float" if self.k_eq_v else fetch
         self.config = config or TurboQuantConfig()
         self.layer_index = int(layer_index)
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
@@ -154,7 +162,7 @@ class TurboQuantKVCache(_BaseCache):
         """Raise ValueError, naming the layer, unless this cache can store heads of these sizes (values may be
         zero-wide: an indexer's cache that stores keys alone, minimax_m3_vl.py:264)."""
         for name, d, bits in (("key", key_dim, self.config_bits[0]), ("value", value_dim, self.value_bits)):
-            if name == "value" and d == 0:
+            if name == "value" and (d == 0 or self.k_eq_v):
                 continue
             if d < MIN_DIM:
                 raise ValueError(f"{self._where()}: {name} head_dim {d} is below the minimum {MIN_DIM}")
@@ -173,7 +181,7 @@ class TurboQuantKVCache(_BaseCache):
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
         self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
                                            name="k", center=c.center_keys, protect=protect, **common)
-        self.value_stream = None if value_dim == 0 else CompressedStream(
+        self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
             name="v", center=c.center_values, **common)
 
@@ -183,6 +191,8 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def value_dim(self) -> int:
+        if self.k_eq_v:
+            return self.key_dim
         return 0 if self.value_stream is None else self.value_stream.dim
 
     @property
@@ -243,9 +253,18 @@ class TurboQuantKVCache(_BaseCache):
         self.offset += keys.shape[2]
         if self.max_size is not None:
             self._drop_for(keys.shape[2])
+        if self.k_eq_v:
+            v = float_tokens(self.key_stream.append(values), values.dtype, values)
+            return self._derived_keys(v), v
         k = self.key_stream.append(keys)
         v = self.value_stream.append(values) if self.value_stream else None
         return self._fetched(k, v, keys)
+
+    def _derived_keys(self, values: mx.array) -> mx.array:
+        if self.derive_keys is None:
+            raise ValueError(f"{self._where()}: a K=V layer loaded without its model cannot derive its keys; load "
+                             f"the file with tq_mlx.load_prompt_cache(file, model)")
+        return self.derive_keys(values)
 
     def _drop_for(self, n_new: int) -> None:
         """Before an update, drop the oldest compressed tokens (whole blocks of K) so that at most max_size - 1
@@ -284,6 +303,9 @@ class TurboQuantKVCache(_BaseCache):
             raise ValueError(f"{self._where()}: keys_and_values() before any update")
         k = self.key_stream.view()
         dtype = next(a.dtype for a in (k.window, k.sinks, mx.zeros((0,), mx.float16)) if a is not None)
+        if self.k_eq_v:
+            v = float_tokens(k, dtype)
+            return self._derived_keys(v), v
         if self.value_stream is None:
             empty = mx.zeros((*self.batch_heads(), k.n_tokens, 0), dtype)
             return (k if self.fetch == "codes" else float_tokens(k, dtype)), empty
@@ -313,7 +335,7 @@ class TurboQuantKVCache(_BaseCache):
     # minimax_m3_vl ties its indexer cache into the graph through `cache.keys` and `cache.values` (:348).
     @property
     def values(self) -> mx.array | None:
-        s = self.value_stream
+        s = self.key_stream if self.k_eq_v else self.value_stream
         if s is None:
             return None if self.key_stream is None else mx.zeros((0,), mx.float16)  # zero-wide values
         return next((a for a in (s.window, s.sinks) if a is not None), s.codes[0] if s.codes else None)
@@ -415,6 +437,7 @@ class TurboQuantKVCache(_BaseCache):
             "fetch": self.fetch,
             "max_size": self.max_size,
             "n_dropped": self.n_dropped,
+            "k_eq_v": self.k_eq_v,
         }
         arrays = {}
         for s in self.streams:
@@ -456,6 +479,7 @@ class TurboQuantKVCache(_BaseCache):
             max_size = meta.get("max_size")  # absent before version 5
             self.max_size = None if max_size is None else check_max_size(max_size, config)
             n_dropped = check_int("n_dropped", meta.get("n_dropped", 0), 0)
+            self.k_eq_v = bool(meta.get("k_eq_v", False))  # absent before version 5
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
 

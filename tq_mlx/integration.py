@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -163,6 +163,21 @@ def _cache_head_dim(model: nn.Module, i: int, fetch: str, member: int | None = N
     return head_dim
 
 
+def k_eq_v_keys(model: nn.Module, i: int) -> Callable[[mx.array], mx.array] | None:
+    """For a layer whose values are its keys (Gemma 4's attention_k_eq_v), the keys as a function of the values
+    held: the model computes keys = rope(k_norm(x)) and values = v_norm(x) from one projection x, and k_norm is
+    v_norm times its weight (gemma4_text.py:252-266), so keys = rope(weight · values) at positions 0, 1, ...
+    None for every other layer."""
+    attn = _attention_module(model, i)
+    if not getattr(attn, "use_k_eq_v", False) or getattr(attn, "k_norm", None) is None:
+        return None
+
+    def keys(values: mx.array) -> mx.array:
+        return attn.rope(values * attn.k_norm.weight.astype(values.dtype), offset=0)
+
+    return keys
+
+
 def _kv_slots(base: list[Any]) -> list[tuple[int, int | None]]:
     """(layer, member) of every plain KVCache: member is None at the top level, else the index in a CacheList."""
     slots = []
@@ -238,6 +253,8 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
                 config, layer_index=start + i, attention_index=start + j if whole else j,
                 n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch, member),
                 fetch=fetch, max_size=max_kv_size,
+                # K=V holds one stream; a bounded cache keeps two (the positions of its held tokens have gaps)
+                derive_keys=k_eq_v_keys(model, i) if member is None and max_kv_size is None else None,
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
@@ -293,8 +310,13 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
         if c.layer_index != pipeline_stage(model)[0] + i:
             raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
         head_dim, n_kv = layer_geometry(model, i)
-        if c.fetch != model_fetch(model):
-            raise ValueError(f"layer {i}: prompt cache fetches {c.fetch!r}, this model needs {model_fetch(model)!r}")
+        k_eq_v = member is None and c.max_size is None and k_eq_v_keys(model, i) is not None
+        if c.k_eq_v != k_eq_v:
+            raise ValueError(f"layer {i}: prompt cache {'holds' if c.k_eq_v else 'has no'} a K=V layer, the model "
+                             f"{'has' if k_eq_v else 'has none'} there")
+        fetch = "float" if k_eq_v else model_fetch(model)
+        if c.fetch != fetch:
+            raise ValueError(f"layer {i}: prompt cache fetches {c.fetch!r}, this model needs {fetch!r}")
         head_dim = _cache_head_dim(model, i, c.fetch, member)
         n_kv = n_kv if head_dim is not None else None
         if c.key_dim and head_dim is not None and c.key_dim != head_dim:
@@ -338,5 +360,8 @@ def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: Tu
             validate_prompt_cache(model, cache, config)
         except ValueError as e:
             raise ValueError(f"{file_name}: {e}") from None
+        for i, c in enumerate(cache):
+            if isinstance(c, TurboQuantKVCache) and c.k_eq_v:
+                c.derive_keys = k_eq_v_keys(model, i)
     return (cache, metadata) if return_metadata else cache
 
