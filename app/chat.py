@@ -403,7 +403,7 @@ class ChatApp(App):
             return
         s = self.session.snapshot()
         await self.transcript.add(
-            f"Saved {len(self.session.tokens):,} tokens ({format_bytes(s['kv_bytes'])} of KV cache, as held) to "
+            f"Saved {len(self.session.tokens):,} tokens ({format_bytes(s['kv_bytes'])} of KV cache) to "
             f"`{path}`: `/load {path}` continues this conversation.",
             "notice",
         )
