@@ -167,12 +167,15 @@ def test_models_that_post_process_their_fetch_decode_to_float(arch, calls):
     assert tq_mlx.integration.fetch_reason(model)
 
 
-def test_float_fetch_caches_are_not_batched_but_say_so():
-    model = zoo.build("gemma2")
-    cache = tq_mlx.make_prompt_cache(model, CONFIG)
-    assert not hasattr(cache[0], "merge") and hasattr(TurboQuantKVCache, "merge")
-    codes = tq_mlx.make_prompt_cache(zoo.build("llama"), CONFIG)
-    assert hasattr(codes[0], "merge")
+def test_bounded_caches_are_not_batched_and_mlx_lm_says_so():
+    from mlx_lm.generate import _merge_caches
+
+    model = zoo.build("llama")
+    bounded = [tq_mlx.make_prompt_cache(model, CONFIG, max_kv_size=64) for _ in range(2)]
+    assert not hasattr(bounded[0][0], "merge") and hasattr(TurboQuantKVCache, "merge")
+    with pytest.raises(ValueError, match="does not yet support batching"):
+        _merge_caches(bounded)
+    assert hasattr(tq_mlx.make_prompt_cache(zoo.build("gemma2"), CONFIG)[0], "merge")
 
 
 def test_fetch_and_bound_survive_save_and_load(tmp_path):
@@ -239,3 +242,26 @@ def test_max_kv_size_reaches_the_patched_model_and_bad_bounds_are_refused():
         assert isinstance(text, str)
     finally:
         tq_mlx.unpatch_model(model)
+
+
+# --- batching ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["stablelm", "deepseek_v3", "gpt_oss", "gemma4_text"])
+def test_batch_generate_serves_every_path_as_each_sequence_alone(arch):
+    """Float fetches come back as one padded array in BatchKVCache's layout, latent decode as batch views; each
+    row generates what it generates alone."""
+    from mlx_lm import batch_generate
+
+    from tests.support.tiny_models import tiny_tokenizer
+    from tests.test_batch import alone, prompts_of
+
+    model = tq_mlx.patch_model(zoo.build(arch), TurboQuantConfig(window=16, compress_block=8, sinks=2, key_bits=8,
+                                                                 value_bits=8))
+    prompts = prompts_of((30, 19, 41))
+    r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=6, return_token_ids=True,
+                       return_prompt_caches=True)
+    for p, got in zip(prompts, r.token_ids):
+        assert got == alone(model, p, 6)[0]
+    flat = [m for c in r.caches[0] for m in getattr(c, "caches", [c])]
+    assert any(isinstance(c, TurboQuantKVCache) and c.n_compressed for c in flat)

@@ -115,9 +115,11 @@ class BatchTurboQuantKVCache(_BaseCache):
     def group_size(self):
         return 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[BatchView, BatchView]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append each row's real tokens of keys/values (B, n_kv_heads, L, head_dim) to that row's cache and
-        return the batch views. Padding columns are dropped here, so they are never stored or attended."""
+        return the batch views. Padding columns are dropped here, so they are never stored or attended. Rows
+        that fetch float tensors (TurboQuantKVCache.fetch) give one padded float array per side instead, in
+        BatchKVCache's layout: row i's tokens right-aligned at its last column, zeros where the mask pads."""
         B, L = keys.shape[0], keys.shape[2]
         if B != len(self.rows):
             raise ValueError(f"{self._where()}: keys have batch {B}, the cache holds {len(self.rows)} rows")
@@ -137,13 +139,30 @@ class BatchTurboQuantKVCache(_BaseCache):
             ends.append(a + start + count)
         self._idx = a + L
         self._last = tuple(spans), tuple(ends)
-        return BatchView(tuple(kv), *self._last), BatchView(tuple(vv), *self._last)
+        return self._side(kv, 0, keys.dtype), self._side(vv, 1, values.dtype)
 
-    def keys_and_values(self) -> tuple[BatchView, BatchView]:
+    def _side(self, fetched: list, side: int, dtype: mx.Dtype):
+        """One side of an update: a BatchView of the rows' views, or (float fetches) the padded float array."""
+        if not any(isinstance(f, mx.array) for f in fetched):
+            return BatchView(tuple(fetched), *self._last)
+        rows = []
+        for i, (row, f) in enumerate(zip(self.rows, fetched)):
+            if f is None:  # no token in this update: the row's tokens so far
+                f = row.keys_and_values()[side] if not row.empty() else None
+            end = self._idx if self._ends[i] == NO_END else min(self._ends[i], self._idx)
+            n = 0 if f is None else f.shape[2]
+            if f is None:
+                shape = next(x.shape for x in fetched if isinstance(x, mx.array))
+                f = mx.zeros((1, shape[1], 0, shape[3]), dtype)
+            rows.append(mx.pad(f.astype(dtype), [(0, 0), (0, 0), (end - n, self._idx - end), (0, 0)]))
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+
+    def keys_and_values(self):
         """The batch views of the last update without appending (KV-shared layers, see TurboQuantKVCache)."""
         spans, ends = self._last
         views = [r.keys_and_values() if count else (None, None) for r, (_, count) in zip(self.rows, spans)]
-        return BatchView(tuple(k for k, _ in views), spans, ends), BatchView(tuple(v for _, v in views), spans, ends)
+        dtype = next((x.dtype for kv in views for x in kv if isinstance(x, mx.array)), mx.float16)
+        return self._side([k for k, _ in views], 0, dtype), self._side([v for _, v in views], 1, dtype)
 
     def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
                 right_padding: list[int] | None = None) -> None:

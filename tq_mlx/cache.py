@@ -48,19 +48,18 @@ def layer_seed(seed: int, layer_index: int, side: int) -> int:
     return (seed * 100_003 + layer_index) * 16 + 8 * side
 
 
-class _codes_only:
-    """A classmethod that instances fetching floats or latents, or bounded, do not have. mlx-lm batches a model
-    only when its caches have `merge` (server.py:459-463 serves the others one sequence at a time;
-    batch_generate says "does not yet support batching", generate.py:833): batch caches hand out views in the
-    padded layout, which those fetches and dropped tokens do not have yet."""
+class _unbounded_only:
+    """A classmethod that bounded instances do not have. mlx-lm batches a model only when its caches have
+    `merge` (server.py:459-463 serves the others one sequence at a time; batch_generate says "does not yet
+    support batching", generate.py:833): a batch's padded layout counts every column, and a bound's dropped
+    tokens would leave unmasked holes in it."""
 
     def __init__(self, f):
         self.f = f
 
     def __get__(self, obj, cls=None):
-        if obj is not None and (obj.fetch != "codes" or obj.max_size is not None):
-            raise AttributeError(f"{type(obj).__name__} with fetch {obj.fetch!r} and max_size {obj.max_size} "
-                                 f"cannot be batched yet")
+        if obj is not None and obj.max_size is not None:
+            raise AttributeError(f"{type(obj).__name__} with max_size {obj.max_size} cannot be batched yet")
         return types.MethodType(self.f, cls if cls is not None else type(obj))
 
 
@@ -372,7 +371,7 @@ class TurboQuantKVCache(_BaseCache):
         """Tokens held: the offset less what a bound dropped."""
         return self.offset - self.n_dropped
 
-    @_codes_only
+    @_unbounded_only
     def merge(cls, caches: list[TurboQuantKVCache]) -> BatchTurboQuantKVCache:
         """mlx-lm's batching (BatchGenerator, batch_generate, the server) merges one cache per sequence: a
         BatchTurboQuantKVCache of copies, one row each (tq_mlx.batch)."""
