@@ -150,6 +150,9 @@ def test_latent_attention_decodes_on_the_codes_and_prefills_from_float(calls):
     # the latent is the key stream, the rope key the value stream
     attn = model.model.layers[0].self_attn
     assert (layers[0].key_dim, layers[0].value_dim) == (attn.kv_lora_rank, attn.qk_rope_head_dim)
+    # the rope key scores like a key: both streams take the key bits, and are centered like keys
+    four = tq_mlx.make_prompt_cache(model, TurboQuantConfig(key_bits=4, value_bits=2))[0]
+    assert four.value_bits == four.key_bits == 4
     decode = [c for c in calls if isinstance(c[0], StreamView)]
     assert len(decode) == len(layers) * (len(TOKENS) - 16)  # every decode step, no prefill chunk
     assert all(k is v and isinstance(m, mx.array) for k, v, m, _ in decode)  # latent as keys and values, rope mask

@@ -138,7 +138,8 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def value_bits(self) -> float:
-        return self.config_bits[1]
+        # A latent layer's "values" are its rope key, which scores like a key: it takes the key bits.
+        return self.config_bits[0] if self.fetch == "latent" else self.config_bits[1]
 
     @property
     def qjl(self) -> bool:
@@ -182,7 +183,7 @@ class TurboQuantKVCache(_BaseCache):
                                            name="k", center=c.center_keys, protect=protect, **common)
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
-            name="v", center=c.center_values, **common)
+            name="v", center=c.center_keys if self.fetch == "latent" else c.center_values, **common)
 
     @property
     def key_dim(self) -> int:
