@@ -233,3 +233,17 @@ METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar*
   }
   return nrm;
 }
+
+// A score under an array mask (tq_mlx.kernels: MASK 0 none or causal, 1 bool, 2 additive) at one (query row,
+// token): m is the mask's element there (any value when MASK is 0). A hidden token scores -FLT_MAX, as in the
+// reference (tq_mlx.attention); an additive mask adds to the score.
+template <int MASK, typename M>
+METAL_FUNC float tq_mask_score(float s, bool visible, M m) {
+  if (MASK == 1) {
+    visible = visible && bool(m);
+  }
+  if (MASK == 2) {
+    s += float(m);
+  }
+  return visible ? s : -FLT_MAX;
+}

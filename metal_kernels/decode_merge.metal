@@ -1,6 +1,7 @@
-// Fused decode attention, pass 2 of 2: one threadgroup per (batch, kv head), one SIMD group per query row
-// at a time, lane l owning dims [l*E, l*E + E). For each row:
-//   1. the float16 sinks and window (model basis) by online softmax: s = q·k, acc_f += p·v;
+// Fused decode attention, pass 2 of 2: one threadgroup per (batch, kv head, chunk of 8 query rows), one SIMD
+// group per query row at a time, lane l owning dims [l*E, l*E + E). For each row:
+//   0. learned sinks (gpt-oss): the softmax starts at (m, l) = (the row's sink logit, 1), a token of value 0;
+//   1. the float16 sinks and window (model basis) by online softmax: s = q·k (+ an additive mask), acc_f += p·v;
 //   2. merge the S partials of pass 1 by log-sum-exp, shifted by q·μ (the key mean, exact for softmax);
 //   3. one inverse rotation of the merged compressed accumulator, then
 //      out = (acc_f + Πᵀ acc_c + l_c·ν) / l,   l_c = the compressed tokens' share of l.
@@ -10,16 +11,21 @@
 // Inputs: q (B, H, RL, DK) float32 = scale·q, model basis; qmu (B, H, RL) float32 = q·μ; ks, vs (sinks) and
 //   kw, vw (window): (B, H, n, D) float16 strided views; pm, pl (B, H, S, RL), pacc (B, H, S, RL, DV) from
 //   pass 1; vmean (B, H, DV) float32 = ν; vsigns (DV) float32 (value rotation signs);
-//   params int32 [H, RL, L, S, n_sinks, n_window, has qmu, has ν, sink limit, window limit]: float token t of
-//   the sinks (window) is visible to query token i iff t <= sink (window) limit + i.
+//   lsink (Hq) float32: learned sink logits per query head (has sinks); amask: the array mask, element
+//   (b, query head, query token, column) at b·sb + head·sh + token·si + column (strides 0 where it broadcasts),
+//   columns in the view's token order (sinks, N compressed, window);
+//   params int32 [H, RL, L, S, n_sinks, n_window, has qmu, has ν, sink limit, window limit, has sinks, N, sb,
+//   sh, si]: float token t of the sinks (window) is visible to query token i iff t <= sink (window) limit + i.
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
-// Template: T, TO, DK, DV, ROTV. Lane l owns dims [l*E, l*E + E) of D, E = ceil(D/32).
+// Template: T, TO, DK, DV, ROTV, MASK (0 none or causal, 1 bool, 2 additive array mask), MT (its type). Lane l owns dims [l*E, l*E + E) of D, E = ceil(D/32).
 constexpr int EK = (DK + 31) / 32;
 constexpr int EV = (DV + 31) / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint nsg = simdgroups_per_threadgroup;
 const uint bh = threadgroup_position_in_grid.y;
+const uint chunk = threadgroup_position_in_grid.z;
+const uint nchunks = threadgroups_per_grid.z;
 const int H = params[0];
 const int RL = params[1];
 const int L = params[2];
@@ -28,6 +34,8 @@ const int ns = params[4];
 const int nw = params[5];
 const bool has_qmu = params[6] != 0;
 const bool has_mean = params[7] != 0;
+const bool has_sinks = params[10] != 0;
+const int N = params[11];
 const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const float rs = 1.0f / sqrt(float(DV));
@@ -37,15 +45,17 @@ const auto vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
 const auto kw_bh = kw + b * kw_strides[0] + h * kw_strides[1];
 const auto vw_bh = vw + b * vw_strides[0] + h * vw_strides[1];
 
-for (int r = int(sg); r < RL; r += int(nsg)) {
+for (int r = int(chunk * nsg + sg); r < RL; r += int(nchunks * nsg)) {
   const size_t row = size_t(bh) * RL + r;
   const int qi = r % L;
+  const int head = int(h) * (RL / L) + r / L;  // query head
+  const size_t moff = size_t(b) * params[12] + size_t(head) * params[13] + size_t(qi) * params[14];
   float qv[EK];
   for (int e = 0; e < EK; ++e) {
     qv[e] = (DK % 32 == 0 || lane * EK + e < uint(DK)) ? q[row * DK + lane * EK + e] : 0.0f;
   }
-  float m = -FLT_MAX;
-  float l = 0.0f;
+  float m = has_sinks ? lsink[head] : -FLT_MAX;
+  float l = has_sinks ? 1.0f : 0.0f;
   float acc[EV];
   for (int e = 0; e < EV; ++e) {
     acc[e] = 0.0f;
@@ -68,7 +78,7 @@ for (int r = int(sg); r < RL; r += int(nsg)) {
     }
     d = simd_sum(d);
     const bool visible = t <= params[sink ? 8 : 9] + qi;
-    const float sc = visible ? d : -FLT_MAX;
+    const float sc = tq_mask_score<MASK>(d, visible, MASK != 0 ? amask[moff + (sink ? t : ns + N + t)] : MT(0));
     const float mn = max(m, sc);
     const float alpha = fast::exp(m - mn);
     const float p = fast::exp(sc - mn);

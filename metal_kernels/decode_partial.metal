@@ -17,10 +17,12 @@
 //   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, KG) float16 or uint8 (tq_norm), kj (B, H, N, ceil(DK/32)) uint32, kg (B, H, N)
 //   float16, vc (B, H, N, WV) uint32, vn (B, H, N, VG) float16: strided views of the cache;
 //   tables float32 [key centroids (2^KB, then 2^KB1 if KG = 2) | value centroids (same) | qjl scale | ε];
-//   params int32 [H, N, RL, L, tokens per split, causal limit]: compressed token t is visible to query
-//   token i iff t <= causal limit + i.
+//   amask: the array mask (MASK 1 bool, 2 additive), read at (row, n_sinks + t) as decode_merge.metal does;
+//   params int32 [H, N, RL, L, tokens per split, causal limit, n_sinks, sb, sh, si]: compressed token t is
+//   visible to query token i iff t <= causal limit + i (and the mask shows it).
 // Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
-// Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, NR (rows per threadgroup, a power of two), KG, KD0, KB1,
+// Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, KEQV (keys are values), MASK, MT (the mask's type),
+// NR (rows per threadgroup, a power of two), KG, KD0, KB1,
 // WK0 and VG, VD0, VB1, WV0 (groups, group 0's dims, group 1's bits, group 0's words), and the layout from
 // tq_mlx.kernels._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
 // staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
@@ -43,6 +45,7 @@ const int N = params[1];
 const int RL = params[2];
 const int L = params[3];
 const int climit = params[5];
+const int ns = params[6];
 const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const int r0 = int(threadgroup_position_in_grid.z) * NR;
@@ -86,7 +89,10 @@ const auto vn_bh = vn + b * vn_strides[0] + h * vn_strides[1];
 float m[RPS];
 float l[RPS];
 float acc[RPS][EV];
+size_t moff[RPS];  // each row's mask row, at column n_sinks (the first compressed token)
 for (int k = 0; k < RPS; ++k) {
+  const int row = r0 + int(sg) + k * NSG;
+  moff[k] = size_t(b) * params[7] + size_t(int(h) * (RL / L) + row / L) * params[8] + size_t(row % L) * params[9] + ns;
   m[k] = -FLT_MAX;
   l[k] = 0.0f;
   for (int e = 0; e < EV; ++e) {
@@ -152,7 +158,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     const int r = int(sg) + k * NSG;
     // Masked tokens score -FLT_MAX, as in the reference; tokens past the split's end do not exist.
     const bool visible = t <= climit + (r0 + r) % L;
-    const float sk = (valid && visible) ? s[k] : -FLT_MAX;
+    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, (MASK != 0 && r < nrows) ? amask[moff[k] + t] : MT(0))
+                           : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;
@@ -175,14 +182,15 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   for (int g = 0; g < NSG; ++g) {
     keepmask |= keep_tg[g];
   }
-  for (int i = int(tid); i < 32 * WV; i += NT) {
+  // KEQV: the keys are the values (one view, MLA's latent): the key words and norms staged above serve.
+  for (int i = int(tid); !KEQV && i < 32 * WV; i += NT) {
     int tok = i / WV;
     int w = i % WV;
     if (tok < nt && ((keepmask >> tok) & 1u)) {
       words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
     }
   }
-  for (int i = int(tid); i < VG * nt; i += NT) {
+  for (int i = int(tid); !KEQV && i < VG * nt; i += NT) {
     if ((keepmask >> (i / VG)) & 1u) {
       tok_norm[i] = tq_norm(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
     }

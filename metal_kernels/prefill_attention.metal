@@ -1,5 +1,6 @@
 // Fused prefill attention on the codes (flash-attention style): one threadgroup per (batch·kv head, tile of NR
-// query rows), one pass over every token of the cache with one online softmax (m, l) per row, so neither a
+// query rows), one pass over every token of the cache with one online softmax (m, l) per row (starting at
+// (the row's learned sink logit, 1) with learned sinks: a token of value 0), so neither a
 // float copy of the cache nor a rows x context score matrix nor any partial result ever reaches device memory.
 // Query rows of a kv head are its GQA group's R heads x L tokens (row = head_in_group·L + token), so each
 // compressed byte is read from device memory once per query tile.
@@ -19,10 +20,13 @@
 //   (B, H, n, D) float strided views; kc, kn, kj, kg, vc, vn: the compressed views (as decode_partial);
 //   tables float32 [key centroids | value centroids | qjl scale | sparse V ε]; vsigns (DV) float32; vmean
 //   (B·H, DV) float32 = ν; vscale (B·H) float32 = s_v;
+//   lsink (Hq) float32 learned sink logits; amask the array mask, read at (row, column) as decode_merge.metal;
 //   params int32 [H, N, RL, L, n_sinks, n_window, compressed limit, sink limit, window limit, has qmu, has ν,
-//   has s_v]: token t of a part is visible to query token i iff t <= that part's limit + i.
+//   has s_v, has sinks, sb, sh, si]: token t of a part is visible to query token i iff t <= that part's limit
+//   + i (and the mask shows it).
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
-// Template: T, TO, DK, DV, KB, VB, QJL, NR, KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
+// Template: T, TO, DK, DV, KB, VB, QJL, KEQV (keys are values), MASK (0 none or causal, 1 bool, 2 additive),
+// MT (its type), NR, KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
 // tq_mlx.kernels._prefill_layout's
 // WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
 constexpr int EV = (DV + 31) / 32;
@@ -49,6 +53,7 @@ const int wlimit = params[8];
 const bool has_qmu = params[9] != 0;
 const bool has_mean = params[10] != 0;
 const bool has_vscale = params[11] != 0;
+const bool has_sinks = params[12] != 0;
 const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const int r0 = int(threadgroup_position_in_grid.z) * NR;
@@ -92,15 +97,18 @@ float l[RPS];
 float lc[RPS];
 float qm[RPS];
 int qi[RPS];  // query token of each row
+size_t moff[RPS];  // each row's mask row
 float accf[RPS][EV];
 float acc[RPS][EV];
 for (int k = 0; k < RPS; ++k) {
   const int r = int(sg) + k * NSG;
-  m[k] = -FLT_MAX;
-  l[k] = 0.0f;
+  const int head = int(h) * (RL / L) + (r0 + r) / L;  // query head
+  m[k] = (has_sinks && r < nrows) ? lsink[head] : -FLT_MAX;
+  l[k] = (has_sinks && r < nrows) ? 1.0f : 0.0f;
   lc[k] = 0.0f;
   qm[k] = (has_qmu && r < nrows) ? qmu[size_t(bh) * RL + r0 + r] : 0.0f;
   qi[k] = (r0 + r) % L;
+  moff[k] = size_t(b) * params[13] + size_t(head) * params[14] + size_t(qi[k]) * params[15];
   for (int e = 0; e < EV; ++e) {
     accf[k][e] = 0.0f;
     acc[k][e] = 0.0f;
@@ -131,7 +139,9 @@ for (int f0 = 0; f0 < ns + nw; f0 += 32) {
   }
   for (int k = 0; k < RPS; ++k) {
     const bool visible = t <= (sink ? slimit : wlimit) + qi[k];
-    const float sk = (valid && visible) ? s[k] : -FLT_MAX;
+    const bool read = MASK != 0 && valid && int(sg) + k * NSG < nrows;
+    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, read ? amask[moff[k] + (sink ? t : ns + N + t)] : MT(0))
+                           : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;
@@ -236,7 +246,9 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   for (int k = 0; k < RPS; ++k) {
     const int r = int(sg) + k * NSG;
     const bool visible = t <= climit + qi[k];
-    const float sk = (valid && visible) ? s[k] + qm[k] : -FLT_MAX;
+    const bool read = MASK != 0 && valid && r < nrows;
+    const float sk = valid ? tq_mask_score<MASK>(s[k] + qm[k], visible, read ? amask[moff[k] + ns + t] : MT(0))
+                           : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;
@@ -262,14 +274,15 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   for (int g = 0; g < NSG; ++g) {
     keepmask |= keep_tg[g];
   }
-  for (int i = int(tid); i < 32 * WV; i += NT) {
+  // KEQV: the keys are the values (one view, MLA's latent): the key words and norms staged above serve.
+  for (int i = int(tid); !KEQV && i < 32 * WV; i += NT) {
     int tok = i / WV;
     int w = i % WV;
     if (tok < nt && ((keepmask >> tok) & 1u)) {
       words[tok * WS + w] = vc_bh[(t0 + tok) * vc_strides[2] + w * vc_strides[3]];
     }
   }
-  for (int i = int(tid); i < VG * nt; i += NT) {
+  for (int i = int(tid); !KEQV && i < VG * nt; i += NT) {
     if ((keepmask >> (i / VG)) & 1u) {
       tok_norm[i] = tq_norm(vn_bh[(t0 + i / VG) * vn_strides[2] + (i % VG) * vn_strides[3]]);
     }

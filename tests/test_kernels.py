@@ -852,7 +852,7 @@ def test_self_check_disables_a_bad_kernel_and_warns_once(emulator, monkeypatch, 
 
 @pytest.mark.parametrize(
     "case",
-    ["head_dim_640", "float32_norms", "array_mask", "qjl_1bit"],
+    ["head_dim_640", "float32_norms", "int_mask", "qjl_1bit"],
 )
 def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
     monkeypatch.setenv(K.ENV_VAR, "metal")
@@ -868,8 +868,8 @@ def test_unsupported_cases_fall_back_to_reference(monkeypatch, case):
         kq = TurboQuantProd(64, 1, seed=2)
     keys = handle(rng, kq, n=20)
     values = handle(rng, quantizer(dim, 4, seed=3), n=20)
-    if case == "array_mask":
-        mask = mx.ones((1, keys.n_tokens), dtype=mx.bool_)
+    if case == "int_mask":  # bool and float array masks run in the kernels (section 11)
+        mask = mx.ones((1, keys.n_tokens), dtype=mx.int32)
     q = normal(rng, (1, 2, L, dim))
     assert K.decode_unsupported(q, keys, values, mask)
     out = K.dispatch_attention(q, keys, values, 0.1, mask)
@@ -986,3 +986,214 @@ def test_uint8_norms_are_a_self_checked_variant_of_their_own(emulator, monkeypat
     assert len(checked) == 2 and {v[2].norms for v in checked} == {"mlx.core.float16", "mlx.core.uint8"}
     encodes = [v for (kernel, v) in K.self_check_status() if kernel == "encode"]
     assert {v[-1] for v in encodes} == {"mlx.core.float16", "mlx.core.uint8"}
+
+
+# ====================================== 11. learned sinks, array masks, MLA (keys are values, additive mask)
+def make_mask(rng, kind: str, B: int, Hq: int, L: int, T: int):
+    """A mask of `kind`: "bool-2d" (L, T), "bool-batch" (B, 1, L, T) with left padding on row 1, as mlx-lm's
+    batched generation; "add-heads-<dtype>" (B, Hq, L, T) additive scores with a bool mask folded in at the
+    dtype's most negative value, as multi-head latent attention's rope scores (each row shows its last token)."""
+    hidden = rng.random((B, Hq, L, T)) < 0.3
+    hidden[..., -1] = False
+    if kind == "bool-2d":
+        return mx.array(~hidden[0, 0])
+    if kind == "bool-batch":
+        shown = ~hidden[:, :1]
+        shown[-1, ..., :3] = False  # the last row's left padding
+        return mx.array(shown)
+    dtype = getattr(mx, kind.rsplit("-", 1)[1])
+    scores = np.where(hidden, float(mx.finfo(dtype).min), 2 * rng.standard_normal((B, Hq, L, T)))
+    return mx.array(scores.astype(np.float32)).astype(dtype)
+
+
+SINK_MASK_CASES = [
+    # dk, kb, vb, qjl, dtype, R, L, mask, learned sinks
+    (128, 4, 4, False, mx.float16, 4, 1, None, True),  # gpt-oss-like decode with sinks
+    (64, 3, 2, True, mx.bfloat16, 2, 3, "causal", True),  # sinks, QJL keys, speculative verify
+    (64, 4, 3, False, mx.float16, 2, 2, "bool-batch", False),  # batched generation's (B, 1, L, T) mask
+    (64, 4, 3, False, mx.float32, 4, 4, "add-heads-float32", True),  # per-head additive mask and sinks
+    (128, 8, 3, False, mx.float16, 2, 2, "bool-2d", True),  # (L, T) bool
+    (80, 3.5, 2.5, False, mx.bfloat16, 8, 1, "add-heads-bfloat16", False),  # groups; host-rotated outc
+]
+
+
+def run_masked(rng, dk, kb, vb, qjl, dtype, R, L, mask_kind, sinks, kernel, factory, B=2, dv=None, **kw):
+    """decode_attention or prefill_attention (`kernel`) and its reference twin on random views, with a mask of
+    `mask_kind` (make_mask, or None / "causal") and random learned sinks if `sinks`."""
+    keys = handle(rng, quantizer(dk, kb, qjl, seed=2), B, 2)
+    values = handle(rng, quantizer(dv or dk, vb, seed=3), B, 2)
+    q = normal(rng, (B, 2 * R, L, dk), dtype)
+    T = keys.n_tokens
+    mask = mask_kind if mask_kind in (None, "causal") else make_mask(rng, mask_kind, B, 2 * R, L, T)
+    ls = normal(rng, (2 * R,), dtype) * 2 + 4 if sinks else None  # against ~log(80) of the tokens
+    run, ref = ((K.decode_attention, K.decode_attention_reference) if kernel == "decode" else
+                (K.prefill_attention, K.prefill_attention_reference))
+    assert (K.decode_unsupported if kernel == "decode" else K.prefill_unsupported)(q, keys, values, mask, ls) is None
+    got = run(q, keys, values, 1 / math.sqrt(dk), mask, ls, metal_kernel=factory, **kw)
+    want = ref(q, keys, values, 1 / math.sqrt(dk), mask, ls)
+    if sinks:  # the sinks matter
+        assert float(mx.abs(want - ref(q, keys, values, 1 / math.sqrt(dk), mask)).max()) > 1e-2
+    return got, want
+
+
+def case_id(c) -> str:
+    dk, kb, vb, qjl, dtype, R, L, mask, sinks = c
+    return f"d{dk}-K{kb}{'+qjl' if qjl else ''}V{vb}-{ids(dtype)}-R{R}L{L}-{mask}{'-sinks' if sinks else ''}"
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", SINK_MASK_CASES, ids=case_id)
+def test_decode_learned_sinks_and_array_masks(emulator, schedule, case):
+    dk, kb, vb, qjl, dtype, R, L, mask, sinks = case
+    got, want = run_masked(np.random.default_rng(R * L), dk, kb, vb, qjl, dtype, R, L, mask, sinks, "decode",
+                           Emu(schedule, seed=9), split_tokens=32)  # 70 tokens: 3 splits
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, schedule)
+
+
+def mla_step(R: int, D: int, bits=4, B=2, n_prompt=80, seed=0):
+    """A multi-head latent attention decode step (DeepSeek-V3's L == 1 path) on a real cache: one kv head whose
+    latent is both keys and values, R query heads, and the additive rope scores (B, R, 1, T) in bfloat16 with
+    the batch's left padding folded in at finfo.min. Returns (queries, latent view, mask, float latent)."""
+    rng = np.random.default_rng(seed)
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=8, step=64))
+    latent = (normal(rng, (B, 1, n_prompt + 1, D)) + 0.3).astype(mx.bfloat16)
+    cache.update_and_fetch(latent[:, :, :n_prompt], latent[:, :, :n_prompt])
+    kv, _ = cache.update_and_fetch(latent[:, :, n_prompt:], latent[:, :, n_prompt:])
+    T = kv.n_tokens
+    pe = 2 * rng.standard_normal((B, R, 1, T))
+    pe[-1, ..., :5] = float(mx.finfo(mx.bfloat16).min)  # the last row's left padding
+    return normal(rng, (B, R, 1, D), mx.bfloat16), kv, mx.array(pe.astype(np.float32)).astype(mx.bfloat16), latent
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("R,D", [(16, 512), (128, 512), (128, 32), (20, 512)])
+def test_mla_decode_keys_are_values_with_additive_mask(emulator, schedule, R, D):
+    # k = v = the compressed latent (head dim 512 in DeepSeek-V3 / Kimi K2 / GLM-4.7-Flash, the zoo's 32), 16..128
+    # query heads on one kv head: the kernel takes it (query rows in chunks where threadgroup memory needs) and
+    # reads the codes once for keys and values.
+    q, kv, pe, _ = mla_step(R, D)
+    assert K.decode_unsupported(q, kv, kv, pe) is None and K.keys_are_values(kv, kv)
+    f = Emu(schedule, seed=4)
+    got = K.decode_attention(q, kv, kv, 0.1, pe, metal_kernel=f)
+    assert_close(got, K.decode_attention_reference(q, kv, kv, 0.1, pe), mx.bfloat16, schedule)
+    (p1,) = f.stats("tq_decode_partial")
+    chunks = p1.grid[2]
+    assert p1.buffers["kc"].unique_bytes_read == p1.buffers["kc"].nbytes
+    assert p1.buffers["kc"].total_bytes_read == chunks * p1.buffers["kc"].nbytes  # once per chunk of query rows
+    assert p1.buffers["vc"].total_bytes_read == p1.buffers["vn"].total_bytes_read == 0  # the key words serve
+
+
+@pytest.mark.emulator
+def test_mla_decode_at_8_bits_tracks_mlx_lm_float_attention(emulator, monkeypatch):
+    # Through dispatch_attention (the hook's call), self-checked, against mlx-lm's attention on the float latent.
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    for R, D in ((16, 512), (20, 32)):
+        q, kv, pe, latent = mla_step(R, D, bits=8)
+        f.launches.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the self-check passes
+            got = K.dispatch_attention(q, kv, kv, scale=0.1, mask=pe)
+        assert {"tq_decode_partial", "tq_decode_merge"} <= {x.name for x in f.launches}
+        want = scaled_dot_product_attention(q, latent, latent, cache=None, scale=0.1, mask=pe)
+        err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+        assert err < 0.03 * float(mx.abs(want.astype(mx.float32)).max()), (R, D, err)
+    variants = [v for (k, v) in K.self_check_status() if k == "decode_attention"]
+    assert all(v[7] == ("mlx.core.bfloat16", True, True) and v[-1] is True for v in variants)  # mask kind; k = v
+
+
+@pytest.mark.emulator
+def test_dispatch_self_checks_each_sinks_and_mask_variant(emulator, monkeypatch):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    rng = np.random.default_rng(2)
+    keys, values = handle(rng, quantizer(64, 4, seed=2), 2, 2), handle(rng, quantizer(64, 3, seed=3), 2, 2)
+    sinks = normal(rng, (4,)) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for L, mask in ((1, None), (2, "bool-batch"), (12, "bool-batch"), (12, "add-heads-float16")):
+            q = normal(rng, (2, 4, L, 64), mx.float16)
+            m = mask if mask is None else make_mask(rng, mask, 2, 4, L, keys.n_tokens)
+            f.launches.clear()
+            out = K.dispatch_attention(q, keys, values, 0.125, m, sinks=sinks)
+            assert_close(out, K.decode_attention_reference(q, keys, values, 0.125, m, sinks), mx.float16)
+            assert ("tq_decode_merge" if L == 1 or L == 2 else "tq_prefill_attention") in {x.name for x in f.launches}
+    status = K.self_check_status()
+    assert len(status) == 4 and all(v is None for v in status.values())
+    assert {v[7] for (_, v) in status} == {None, ("mlx.core.bool", True, False), ("mlx.core.float16", True, True)}
+    assert all(v[-2] is True for (_, v) in status)  # sinks
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("kernel,old,new", [
+    ("decode_merge", "tq_mask_score<MASK>(d,", "tq_mask_score<0>(d,"),  # the mask ignored on the float tokens
+    ("decode_partial", "amask[moff[k] + t]", "amask[moff[k] + t + 1]"),  # the mask read one column off
+    ("decode_merge", "float l = has_sinks ? 1.0f : 0.0f;", "float l = 0.0f;"),  # the sink's weight lost
+], ids=["mask-ignored", "mask-column-off", "sink-weight-lost"])
+def test_planted_sink_and_mask_bugs_are_caught_by_the_self_check(emulator, monkeypatch, kernel, old, new):
+    planted(monkeypatch, kernel, old, new)
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    K.set_kernel_factory(Emu())
+    rng = np.random.default_rng(3)
+    keys, values = handle(rng, quantizer(64, 4, seed=2)), handle(rng, quantizer(64, 3, seed=3))
+    q = normal(rng, (1, 4, 1, 64))
+    mask, sinks = make_mask(rng, "bool-batch", 1, 4, 1, keys.n_tokens), normal(rng, (4,))
+    want = K.decode_attention_reference(q, keys, values, 0.125, mask, sinks)
+    with pytest.warns(RuntimeWarning, match=r"'decode_attention' .* disabled"):
+        out = K.dispatch_attention(q, keys, values, 0.125, mask, sinks=sinks)
+    assert mx.array_equal(out, want)
+
+
+def test_masks_the_kernels_cannot_read_take_the_reference_path(monkeypatch):
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    never = Counting()
+    K.set_kernel_factory(never)
+    q, keys, values = small_problem()
+    T = keys.n_tokens
+    for mask, why in ((mx.ones((1, T), dtype=mx.int32), "dtype mlx.core.int32"),
+                      (mx.ones((1, 2, 1, T), dtype=mx.bool_), "mask of shape (1, 2, 1"),  # 2 heads for 4
+                      ("sliding", "mask 'sliding'")):
+        assert why in K.decode_unsupported(q, keys, values, mask)
+    assert "learned sinks of shape (2,)" in K.decode_unsupported(q, keys, values, None, mx.zeros(2))
+    mask = mx.ones((1, T), dtype=mx.int32)
+    assert mx.array_equal(K.dispatch_attention(q, keys, values, 0.1, mask),
+                          K.decode_attention_reference(q, keys, values, 0.1, mask))
+    assert never.made == 0
+
+
+@pytest.mark.emulator
+def test_learned_sinks_at_8_bits_track_fast_sdpa_on_the_float_cache(emulator, monkeypatch):
+    # gpt-oss's full-attention layers: GQA, learned sinks; decode and a prefill chunk through dispatch_attention
+    # (the hook's call, self-checked) against mx.fast.scaled_dot_product_attention(sinks=) on the float tokens.
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    rng = np.random.default_rng(6)
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=8, step=64))
+    sinks = (normal(rng, (8,)) + 2).astype(mx.bfloat16)
+    ks, vs = [], []
+    for L in (70, 1, 12):
+        k, v = normal(rng, (1, 2, L, 64), mx.bfloat16), normal(rng, (1, 2, L, 64), mx.bfloat16)
+        ks.append(k)
+        vs.append(v)
+        keys, values = cache.update_and_fetch(k, v)
+        if L == 70:
+            continue
+        q = normal(rng, (1, 8, L, 64), mx.bfloat16)
+        mask = "causal" if L > 1 else None
+        f.launches.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = K.dispatch_attention(q, keys, values, scale=0.125, mask=mask, sinks=sinks)
+        assert ("tq_decode_merge" if L == 1 else "tq_prefill_attention") in {x.name for x in f.launches}
+        want = mx.fast.scaled_dot_product_attention(q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), scale=0.125,
+                                                    mask=mask, sinks=sinks)
+        err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+        assert err < 0.03 * float(mx.abs(want.astype(mx.float32)).max()), (L, err)

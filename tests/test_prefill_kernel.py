@@ -25,8 +25,8 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, emulator, handle, ids, normal,
-    numpy_views, quantizer,
+    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
+    make_mask, mla_step, normal, numpy_views, quantizer, run_masked,
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
@@ -250,13 +250,13 @@ def test_dispatch_runs_the_self_checked_prefill_kernel_for_long_chunks(emulator,
     assert len([k for k in status if k[0] == "prefill_attention"]) == 1
 
 
-def test_array_masks_and_no_codes_take_the_reference_path(monkeypatch):
+def test_integer_masks_and_no_codes_take_the_reference_path(monkeypatch):
     monkeypatch.setenv(K.ENV_VAR, "metal")
     never = Counting()
     K.set_kernel_factory(never)
     q, keys, values = chunk_problem(20)
-    mask = mx.ones((20, keys.n_tokens), dtype=mx.bool_)
-    assert K.prefill_unsupported(q, keys, values, mask) == "array masks"
+    mask = mx.ones((20, keys.n_tokens), dtype=mx.int32)  # bool and float masks run in the kernel (section 6)
+    assert "dtype mlx.core.int32" in K.prefill_unsupported(q, keys, values, mask)
     assert mx.array_equal(K.dispatch_attention(q, keys, values, 0.1, mask),
                           K.prefill_attention_reference(q, keys, values, 0.1, mask))
     floats_only = keys._replace(codes=None), values._replace(codes=None)
@@ -299,3 +299,58 @@ def test_prefill_source_matches_mlx_generator(emulator):
     theirs = mlx_generated_source(m["name"], m["input_names"], m["output_names"], m["source"], c["inputs"],
                                   c["output_shapes"], c["output_dtypes"], header=m["header"], template=c["template"])
     assert ours == theirs == launch.stats.source
+
+
+# ================================================== 6. learned sinks, array masks, keys that are the values
+PREFILL_SINK_MASK_CASES = [
+    # dk, kb, vb, qjl, dtype, R, L, mask, learned sinks
+    (64, 4, 3, False, mx.float16, 2, 40, "causal", True),  # gpt-oss-like prefill: sinks, chunk > window
+    (64, 4, 3, False, mx.bfloat16, 2, 12, "bool-batch", True),  # batched prefill's (B, 1, L, T) mask
+    (128, 3, 2, True, mx.float32, 1, 20, "add-heads-float32", False),  # per-head additive, QJL: 16-row tiles
+    (64, 4, 3, False, mx.float16, 4, 16, "bool-2d", False),  # (L, T), 64 rows in one tile
+    (80, 3.5, 2.5, False, mx.bfloat16, 2, 10, "add-heads-bfloat16", True),  # groups; host-rotated outc
+]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", PREFILL_SINK_MASK_CASES, ids=case_id)
+def test_prefill_learned_sinks_and_array_masks(emulator, schedule, case):
+    dk, kb, vb, qjl, dtype, R, L, mask, sinks = case
+    got, want = run_masked(np.random.default_rng(L), dk, kb, vb, qjl, dtype, R, L, mask, sinks, "prefill",
+                           Emu(schedule, seed=6))
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, schedule)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_prefill_keys_are_values_reads_the_codes_once(emulator, schedule):
+    # One view as keys and values (a latent cache), an additive mask over 12 queries of 8 heads.
+    _, kv, _, _ = mla_step(8, 64)
+    rng = np.random.default_rng(1)
+    q = normal(rng, (2, 8, 12, 64), mx.bfloat16)
+    pe = make_mask(rng, "add-heads-bfloat16", 2, 8, 12, kv.n_tokens)
+    f = Emu(schedule, seed=2)
+    got = K.prefill_attention(q, kv, kv, 0.1, pe, metal_kernel=f)
+    assert_close(got, K.prefill_attention_reference(q, kv, kv, 0.1, pe), mx.bfloat16, schedule)
+    (st,) = f.stats("tq_prefill_attention")
+    assert st.buffers["vc"].total_bytes_read == st.buffers["vn"].total_bytes_read == 0
+    assert st.buffers["kc"].unique_bytes_read == st.buffers["kc"].nbytes
+
+
+@pytest.mark.emulator
+def test_prefill_with_sinks_and_a_mask_matches_mlx_generator(emulator):
+    from tests.emulator import generate_source
+    from tests.emulator.mlx_reference import mlx_generated_source
+
+    f = Emu()
+    run_masked(np.random.default_rng(0), 64, 4, 3, False, mx.float16, 2, 12, "bool-batch", True, "prefill", f)
+    run_masked(np.random.default_rng(0), 64, 4, 3, False, mx.float16, 2, 2, "add-heads-bfloat16", True, "decode", f)
+    for launch in f.launches:
+        m, c = launch.make, launch.call
+        ours = generate_source(m["name"], m["input_names"], m["output_names"], m["source"], m["header"],
+                               c["inputs"], c["output_dtypes"], c["template"])[1]
+        theirs = mlx_generated_source(m["name"], m["input_names"], m["output_names"], m["source"], c["inputs"],
+                                      c["output_shapes"], c["output_dtypes"], header=m["header"], template=c["template"])
+        assert ours == theirs == launch.stats.source, launch.name

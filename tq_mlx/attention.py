@@ -14,7 +14,8 @@ stream's power-of-two scale):
 Queries are rotated once per call, values are accumulated in the rotated basis and rotated back once per
 query and head. Codes are read into codebook values a byte at a time (packing.unpack_lookup) and the norms
 scale the scores and probabilities, not every coordinate. Sinks, the window (model dtype and basis) and each
-tile of compressed tokens give partial softmaxes that merge exactly by log-sum-exp; compressed tokens are
+tile of compressed tokens give partial softmaxes that merge exactly by log-sum-exp (learned sinks, gpt-oss's
+`sinks=` logit per query head, are one more: a single token of score sinks[h] and value 0); compressed tokens are
 read in tiles of at most `tile_tokens` tokens (fewer for long query chunks, so one tile's scores stay under
 SCORE_BUDGET elements, 16 MB, or 256 tokens): never a float copy of the whole cache, and for long query chunks
 each tile is scored once the previous one is merged, so a few tiles' scores are the whole transient, flat in

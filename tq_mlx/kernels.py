@@ -43,9 +43,11 @@ Launch design (grid counts threads; shapes for B batch, H kv heads, R = n_q_head
                     tokens, kv head, chunk of NR query rows; one chunk unless R·L·D > ~4096); tiles of 32 tokens
                     staged in threadgroup memory (each word read once), lane = token for scores, lane = dims for
                     values, sparse V skips the reads and the accumulation of weights < ε/n · running max
-                    (n = the split's tokens; see SPARSE_V_EPSILON for the bound)
-    decode_merge    grid (32·min(R·L, 8), B·H, 1): one SIMD group per query row: float16 sinks + window, LSE
-                    merge of the S partials (+ q·μ), one inverse WHT, + l_c·ν, / l
+                    (n = the split's tokens; see SPARSE_V_EPSILON for the bound); where the keys are the values
+                    (one view, MLA's latent) the staged key words and norms serve as the values' (read once)
+    decode_merge    grid (32·min(R·L, 8), B·H, ceil(R·L / 8)): one SIMD group per query row, starting at the
+                    learned sink (m, l) = (sink logit, 1) if any: float sinks + window, LSE merge of the S
+                    partials (+ q·μ), one inverse WHT, + l_c·ν, / l
     prefill_attention  grid (32·min(NR, 8), B·H, ceil(R·L / NR)), NR = the query tile, up to 64 rows as
                     threadgroup memory allows (D = 64: 64, D = 128: 32, 16 with QJL, D = 256: 16): one threadgroup
                     per (kv head, query tile), one online softmax per row over the float sinks and window (lane =
@@ -61,6 +63,17 @@ transient per layer is the float32 query rows (scaled; times s_k; rotated; S·q 
 4·B·Hq·L·(4·D + 1) bytes plus the output (twice, in float32, without the in-kernel value rotation), flat in the
 context and independent of the tile size.
 
+Masks and learned sinks (both kernels): mask None, "causal" (limits computed on the host), or a bool or additive
+array (L, T), (B or 1, 1, L, T) or (B or 1, Hq, L, T) over the view's tokens in order (sinks, compressed,
+window), read per (query row, token) where a score is made (`_mask_inputs`: contiguous, with batch/head/token
+strides, 0 where it broadcasts): mlx-lm's batched generation passes (B, 1, L, T) bool or additive masks, and
+multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-4.7-Flash) its rope scores (B, Hq, 1, T) as an additive
+mask with keys = values = the latent (1 kv head, R = 16..128, D = 512): pass 1 then holds 8 query rows of 512
+floats per threadgroup (4 at 8 bits), so it reads the latent's codes ceil(R / 8) times per step (once per
+chunk; the chunks run concurrently). Learned sinks (gpt-oss) are one logit per query head, a token of value 0
+that starts each row's softmax. A mask's dtype and broadcast, learned sinks, and keys being the values are
+part of the self-checked variant.
+
 Codes in the attention kernels: one group, or two for fractional bits (2.5 = d/4 channels at 3 bits + 3d/4 at
 2, 3.5 = 4 + 3; each with its own centroids and float16 norm), read in the keys' and values' rotated bases
 side by side. With one group under a power-of-two WHT (every integer width at head dims 32..512) queries are
@@ -71,11 +84,13 @@ output row in the rotated basis (outc, float32) for attention.unrotate: B·Hq·L
 
 Supported by the kernels: head dims 16..512 (key and value dims may differ), every bit width the config takes
 (1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their uint8 log code,
-float16/bfloat16/float32 inputs. Views without compressed tokens need no kernel of ours: they take
-mx.fast.scaled_dot_product_attention (attention.float_attention). The reference path runs: QJL at 1 bit (no MSE
-stage), QJL keys' encode at head dims without a WHT, array masks (from callers only: no model the cache
-serves passes one), head dims above 512; and 1..8 query tokens whose decode variant failed its self-check (prefill_attention takes
-chunks of more than 8).
+float16/bfloat16/float32 inputs, masks and learned sinks as above. Views without compressed tokens need no
+kernel of ours: they take mx.fast.scaled_dot_product_attention (attention.float_attention, sinks included).
+On a Mac the reference path runs only: QJL at 1 bit (no MSE stage: nothing for the kernels' score loop to
+read), QJL keys' encode at head dims without a WHT (the QJL encode is written for the WHT kernel), head dims
+above 512 (threadgroup memory), masks other than bool/float arrays of the shapes above (integer dtypes,
+other broadcasts) or of 2^31 elements or more (int32 offsets); and any variant whose self-check failed
+(with a warning). Batch views (tq_mlx.batch) run row by row, each row through dispatch_attention.
 """
 
 from __future__ import annotations
@@ -335,11 +350,11 @@ def _kv_codes(keys: StreamView, values: StreamView) -> tuple[_Codes, _Codes, boo
     return _codes(keys.quantizer), _codes(values.quantizer), isinstance(keys.quantizer, TurboQuantProd)
 
 
-def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+def decode_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
     """Why `decode_attention` cannot run this case (None: it can)."""
     if isinstance(queries, mx.array) and queries.ndim == 4 and not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
         return f"{queries.shape[2]} query tokens (the kernel handles 1..{MAX_QUERY_TOKENS})"
-    reason = _views_unsupported(queries, keys, values, mask)
+    reason = _views_unsupported(queries, keys, values, mask, sinks)
     if reason:
         return reason
     kc, vc, qjl = _kv_codes(keys, values)
@@ -349,7 +364,7 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
     return None
 
 
-def _views_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
     """What both attention kernels refuse, whatever the number of query tokens (None: nothing)."""
     if not isinstance(keys, StreamView) or not isinstance(values, StreamView):
         return "keys/values are not TurboQuant stream views"
@@ -360,11 +375,15 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
         return "no query tokens"
     if keys.n_compressed == 0:
         return "no compressed tokens (float tokens only)"
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
-        return "array masks"
     H = keys.n_heads
     if Hq % H or D != keys.head_dim:
         return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"
+    reason = _mask_unsupported(mask, B, Hq, L, keys.n_tokens)
+    if reason:
+        return reason
+    if sinks is not None and (not isinstance(sinks, mx.array) or tuple(sinks.shape) != (Hq,)
+                              or sinks.dtype not in FLOAT_DTYPES):
+        return f"learned sinks of shape {tuple(getattr(sinks, 'shape', ()))}: expected ({Hq},) float"
     for kv in (keys, values):
         if kv.perm is not None and tuple(kv.perm.shape) != (H, kv.head_dim):
             return f"channel order of shape {tuple(kv.perm.shape)}"
@@ -377,6 +396,47 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None) -> str | None
         "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
     )
     return reason or None
+
+
+def _mask_unsupported(mask, B: int, Hq: int, L: int, T: int) -> str | None:
+    """Why the kernels cannot read this mask (None: they can): None, "causal", or a bool/additive array (L, T),
+    (B or 1, 1 or Hq, L, T) over the view's T tokens, as turboquant_attention takes."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        return None if mask == "causal" else f"mask {mask!r}"
+    if not isinstance(mask, mx.array) or mask.dtype not in (mx.bool_, *FLOAT_DTYPES):
+        return f"mask of type {type(mask).__name__} and dtype {getattr(mask, 'dtype', None)}"
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if len(shape) != 4 or shape[2:] != (L, T) or shape[0] not in (1, B) or shape[1] not in (1, Hq):
+        return f"mask of shape {tuple(mask.shape)} for {B} x {Hq} heads x {L} queries x {T} tokens"
+    if mask.size >= 1 << 31:
+        return f"mask of {mask.size} elements (int32 offsets)"
+    return None
+
+
+def _mask_kind(mask):
+    """A mask's compiled variant and self-check shape: None, "causal", or (dtype, per batch, per head)."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    return str(mask.dtype), shape[0] > 1, shape[1] > 1
+
+
+def _mask_inputs(mask, L: int, T: int) -> tuple[mx.array, list[tuple[str, Any]], tuple[int, int, int]]:
+    """An array mask as the kernels read it: the contiguous (mb, mh, L, T) array, the MASK/MT template (1 bool,
+    2 additive; 0 for None or "causal", with a dummy) and the element strides of batch, query head and query
+    token (0 where the mask broadcasts). Columns are the view's tokens in order (sinks, compressed, window)."""
+    if mask is None or isinstance(mask, str):
+        return _dummy(mx.float32), [("MASK", 0), ("MT", mx.float32)], (0, 0, 0)
+    m = mx.contiguous(mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)))
+    mb, mh = m.shape[:2]
+    template = [("MASK", 1 if m.dtype == mx.bool_ else 2), ("MT", m.dtype)]
+    return m, template, (mh * L * T if mb > 1 else 0, L * T if mh > 1 else 0, T)
+
+
+def _sink_input(sinks) -> mx.array:
+    return _dummy(mx.float32) if sinks is None else mx.contiguous(sinks.astype(mx.float32))
 
 
 def _mx_dtype(a) -> mx.Dtype | None:
@@ -401,12 +461,12 @@ def _prefill_rows(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) 
     return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl)) <= THREADGROUP_MEMORY else 0
 
 
-def prefill_unsupported(queries: mx.array, keys, values, mask=None) -> str | None:
+def prefill_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
     """Why `prefill_attention` cannot run this case (None: it can). Any number of query tokens."""
-    reason = _views_unsupported(queries, keys, values, mask)
+    reason = _views_unsupported(queries, keys, values, mask, sinks)
     if reason:
         return reason
-    if mask is not None and queries.shape[2] > keys.n_tokens:  # a query that sees no token (never in mlx-lm)
+    if isinstance(mask, str) and queries.shape[2] > keys.n_tokens:  # a query that sees no token (never in mlx-lm)
         return f"{queries.shape[2]} causal queries over {keys.n_tokens} cached tokens"
     kc, vc, qjl = _kv_codes(keys, values)
     if _prefill_rows(1, queries.shape[3], values.head_dim, kc, vc, qjl) == 0:
@@ -568,9 +628,18 @@ class _Prepared(NamedTuple):
     vc: _Codes
     qjl: bool
     tables: mx.array  # float32 [key centroids per group | value centroids per group | qjl scale | ε]
+    keqv: bool  # the keys are the values (one view: MLA's latent): value codes are not read again
 
     def template(self) -> list[tuple[str, Any]]:
-        return [("QJL", self.qjl), *self.kc.template("K"), *self.vc.template("V"), ("ROTV", self.vc.wht)]
+        return [("QJL", self.qjl), ("KEQV", self.keqv), *self.kc.template("K"), *self.vc.template("V"),
+                ("ROTV", self.vc.wht)]
+
+
+def keys_are_values(keys: StreamView, values: StreamView) -> bool:
+    """Whether one compressed view serves as both keys and values (MLA's latent, k = v): the kernels then read
+    its codes once, for the scores and the values."""
+    return values is keys or (values.quantizer is keys.quantizer and values.codes is keys.codes
+                              and values.mean is keys.mean and values.scale is keys.scale)
 
 
 def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int, ...]:
@@ -604,7 +673,7 @@ def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: flo
     tables = _tables(kq, ("attention", values.quantizer, sparse_epsilon), lambda: _floats(
         *[g.centroids for g in _mse(kq).groups], *[g.centroids for g in values.quantizer.groups],
         [kq.qjl_scale if qjl else 0.0, sparse_epsilon]))
-    return _Prepared(q, q_rot, qs, qmu, kc, vc, qjl, tables)
+    return _Prepared(q, q_rot, qs, qmu, kc, vc, qjl, tables, keys_are_values(keys, values))
 
 
 def _outputs(p: _Prepared, queries: mx.array, DV: int) -> tuple[list, list, list]:
@@ -655,17 +724,19 @@ def decode_attention(
 ) -> mx.array:
     """softmax(scale·q·Kᵀ)·V on the codes for 1..8 query tokens, (B, Hq, L, D) -> (B, Hq, L, Dv).
 
-    Same semantics as tq_mlx.attention.turboquant_attention for mask None or "causal". Queries are rotated
-    once (WHT kernel); pass 1 reads each compressed byte of a kv head once for all R·L query rows of its GQA
-    group, per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass 2 merges the
-    splits with the float sinks and window, rotates back once and adds the value mean. Sparse V departs from
+    Same semantics as tq_mlx.attention.turboquant_attention: mask None, "causal" or a bool/additive array,
+    learned `sinks` (n_q_heads,) or None. Queries are rotated once (WHT kernel); pass 1 reads each compressed
+    byte of a kv head once for all R·L query rows of its GQA group (once per chunk of rows where threadgroup
+    memory needs chunks), per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass
+    2 starts each row at its learned sink, merges the splits with the float sinks and window, rotates back once
+    and adds the value mean. Sparse V departs from
     the exact result by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row (SPARSE_V_EPSILON); < 0 keeps all.
     """
-    _require("learned sinks" if sinks is not None else decode_unsupported(queries, keys, values, mask),
-             "decode_attention")
+    _require(decode_unsupported(queries, keys, values, mask, sinks), "decode_attention")
     factory = metal_kernel or _default_factory()
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
-    causal = mask is not None
+    causal = isinstance(mask, str)
+    amask, mask_template, mask_strides = _mask_inputs(mask, L, T)
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
 
     # Pass 1: split-K partials over the compressed tokens.
@@ -680,16 +751,16 @@ def decode_attention(
     nt = 32 * min(nr, 8)
     kc = keys.codes
     p1 = _kernel(factory, "decode_partial",
-                 ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "params"], ["pm", "pl", "pacc"],
+                 ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "amask", "params"], ["pm", "pl", "pacc"],
                  row_contiguous=False)
     pm, pl, pacc = p1(
         inputs=[p.q_rot, p.qs, kc.codes, kc.norms, kc.qjl if p.qjl else _dummy(mx.uint32, 4),
                 kc.gamma if p.qjl else _dummy(mx.float16, 3), values.codes.codes, values.codes.norms, p.tables,
-                _ints(H, N, RL, L, per, T - L - n_s if causal else _NO_LIMIT)],
+                amask, _ints(H, N, RL, L, per, T - L - n_s if causal else _NO_LIMIT, n_s, *mask_strides)],
         output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
         output_dtypes=[mx.float32] * 3,
         grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
-        template=[("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *layout],
+        template=[("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *mask_template, *layout],
     )
 
     if values.scale is not None:  # compressed values hold (v - ν) / s_v
@@ -698,10 +769,11 @@ def decode_attention(
     # Pass 2: merge with the float tokens, rotate back, add the value mean. An absent part is a dummy of its
     # side's float dtype (sinks and window share one in the kernel).
     kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
-    nsg = min(RL, 8)
+    nsg = min(RL, 8)  # one SIMD group per query row, 8 rows per threadgroup (MLA: 16..128 rows of one kv head)
     shapes, dtypes, types = _outputs(p, queries, DV)
     p2 = _kernel(factory, "decode_merge",
-                 ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "params"],
+                 ["q", "qmu", "ks", "vs", "kw", "vw", "pm", "pl", "pacc", "vmean", "vsigns", "lsink", "amask",
+                  "params"],
                  ["out", "outc"], row_contiguous=False)
     out, outc = p2(
         inputs=[p.q, _dummy(mx.float32) if p.qmu is None else p.qmu,
@@ -710,11 +782,13 @@ def decode_attention(
                 _mx(pm, mx.float32), _mx(pl, mx.float32), _mx(pacc, mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
                 values.quantizer.groups[0].rotation.signs if p.vc.wht else _dummy(mx.float32),
+                _sink_input(sinks), amask,
                 _ints(H, RL, L, S, n_s, n_w, p.qmu is not None, values.mean is not None,
-                      T - L if causal else _NO_LIMIT, T - L - n_s - N if causal else _NO_LIMIT)],
+                      T - L if causal else _NO_LIMIT, T - L - n_s - N if causal else _NO_LIMIT, sinks is not None,
+                      N, *mask_strides)],
         output_shapes=shapes, output_dtypes=dtypes,
-        grid=(32 * nsg, B * H, 1), threadgroup=(32 * nsg, 1, 1),
-        template=[*types, ("DK", DK), ("DV", DV), ("ROTV", p.vc.wht)],
+        grid=(32 * nsg, B * H, -(-RL // nsg)), threadgroup=(32 * nsg, 1, 1),
+        template=[*types, ("DK", DK), ("DV", DV), ("ROTV", p.vc.wht), *mask_template],
     )
     return _finish(p, out, outc, values, queries, times_scale=False)  # pacc already carries s_v
 
@@ -737,7 +811,8 @@ def prefill_attention(
     metal_kernel=None,
 ) -> mx.array:
     """softmax(scale·q·Kᵀ)·V on the codes for any number of query tokens (prefill chunks), (B, Hq, L, D) ->
-    (B, Hq, L, Dv), mask None or "causal" (queries at the end of the cache), as turboquant_attention.
+    (B, Hq, L, Dv), mask None, "causal" (queries at the end of the cache) or a bool/additive array, learned
+    `sinks` or None, as turboquant_attention.
 
     One launch (after the query rotation): a threadgroup per (batch·kv head, tile of `rows_per_threadgroup`
     query rows of the GQA group) runs one online softmax over the float sinks, every compressed token (32 per
@@ -747,11 +822,11 @@ def prefill_attention(
     scores.
     Sparse V departs by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row, as in decode_attention.
     """
-    _require("learned sinks" if sinks is not None else prefill_unsupported(queries, keys, values, mask),
-             "prefill_attention")
+    _require(prefill_unsupported(queries, keys, values, mask, sinks), "prefill_attention")
     factory = metal_kernel or _default_factory()
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
-    causal = mask is not None
+    causal = isinstance(mask, str)
+    amask, mask_template, mask_strides = _mask_inputs(mask, L, T)
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
     nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, p.kc, p.vc, p.qjl)
     layout = _prefill_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
@@ -763,7 +838,8 @@ def prefill_attention(
     shapes, dtypes, types = _outputs(p, queries, DV)
     k = _kernel(factory, "prefill_attention",
                 ["qf", "qr", "qs", "qmu", "ksink", "vsink", "kwin", "vwin", "kc", "kn", "kj", "kg", "vc", "vn",
-                 "tables", "vsigns", "vmean", "vscale", "params"], ["out", "outc"], row_contiguous=False)
+                 "tables", "vsigns", "vmean", "vscale", "lsink", "amask", "params"], ["out", "outc"],
+                row_contiguous=False)
     out, outc = k(
         inputs=[p.q, p.q_rot, p.qs, _dummy(mx.float32) if p.qmu is None else p.qmu,
                 keys.sinks if n_s else kdum, values.sinks if n_s else vdum,
@@ -773,14 +849,16 @@ def prefill_attention(
                 values.quantizer.groups[0].rotation.signs if p.vc.wht else _dummy(mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
                 _dummy(mx.float32) if values.scale is None else mx.contiguous(values.scale.astype(mx.float32)),
+                _sink_input(sinks), amask,
                 _ints(H, N, RL, L, n_s, n_w,
                       T - L - n_s if causal else _NO_LIMIT,  # compressed token t: t <= this + query token
                       T - L if causal else _NO_LIMIT,  # sink t
                       T - L - n_s - N if causal else _NO_LIMIT,  # window token t
-                      p.qmu is not None, values.mean is not None, values.scale is not None)],
+                      p.qmu is not None, values.mean is not None, values.scale is not None, sinks is not None,
+                      *mask_strides)],
         output_shapes=shapes, output_dtypes=dtypes,
         grid=(32 * nsg, B * H, -(-RL // nr)), threadgroup=(32 * nsg, 1, 1),
-        template=[*types, ("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *layout],
+        template=[*types, ("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *mask_template, *layout],
     )
     return _finish(p, out, outc, values, queries, times_scale=True)
 
@@ -979,15 +1057,33 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
     return dequantize_reference(kv, dtype)
 
 
+def _random_mask(rng, kind, R: int, L: int, T: int):
+    """A small random mask of `kind` (_mask_kind) for a self-check on one batch row of R query heads: bool
+    (70% shown, the first and next-to-last tokens hidden, the last shown) or additive (scores ±2, 30% at the dtype's most negative value, as
+    models fold a bool mask into an additive one)."""
+    if kind is None or isinstance(kind, str):
+        return kind
+    dtype, _, per_head = kind
+    shape = (1, R if per_head else 1, L, T)
+    hidden = rng.random(shape) < 0.3
+    hidden[..., 0] = hidden[..., -2] = True  # a sink token and a window token (the view has 2 and 3)
+    hidden[..., -1] = False
+    if dtype == str(mx.bool_):
+        return mx.array(~hidden)
+    dt = {str(d): d for d in FLOAT_DTYPES}[dtype]
+    add = np.where(hidden, float(mx.finfo(dt).min), 2 * rng.standard_normal(shape)).astype(np.float32)
+    return mx.array(add).astype(dt)
+
+
 def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, metal_kernel=None) -> mx.array:
     """Drop-in for tq_mlx.attention.turboquant_attention on a Metal back end (after a self-check per variant):
-    decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None or
-    "causal" and a compressed context; the reference path for everything else."""
+    decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None, "causal"
+    or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
+    everything else."""
     factory = metal_kernel or _factory or _default_factory()
-    if sinks is not None:  # TODO(kernels): learned sinks in decode_merge / prefill_attention
-        return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
-            and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask) is None):
+            and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask, sinks) is None):
         B, Hq, L, D = queries.shape
         R = Hq // keys.n_heads
         kc, vc, qjl = _kv_codes(keys, values)
@@ -999,20 +1095,23 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
             rng = _rng(5)
             lc = max(MAX_QUERY_TOKENS + 1, -(-(nr + 1) // R))
             k = _random_view(rng, keys.quantizer, 2, 40 + lc, 3, keys)
-            v = _random_view(rng, values.quantizer, 2, 40 + lc, 3, values)
+            v = k if keys_are_values(keys, values) else _random_view(rng, values.quantizer, 2, 40 + lc, 3, values)
             qs = _normal(rng, (1, R, lc, D), queries.dtype)
+            ms = _random_mask(np.random.default_rng(5), kind, R, lc, k.n_tokens)
+            ls = None if sinks is None else _normal(rng, (R,), sinks.dtype)
             sc = 1.0 / math.sqrt(D)
-            got = prefill_attention(qs, k, v, sc, mask, rows_per_threadgroup=nr, metal_kernel=factory)
-            return _mismatch(got, prefill_attention_reference(qs, k, v, sc, mask), queries.dtype)
+            got = prefill_attention(qs, k, v, sc, ms, ls, rows_per_threadgroup=nr, metal_kernel=factory)
+            return _mismatch(got, prefill_attention_reference(qs, k, v, sc, ms, ls), queries.dtype)
 
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
-        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), mask, floats,
+        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None)
+                   keys.perm is not None, values.perm is not None, sinks is not None, keys_are_values(keys, values))
         if _self_check("prefill_attention", variant, factory, run):
-            return prefill_attention(queries, keys, values, scale, mask, rows_per_threadgroup=nr, metal_kernel=factory)
-        return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
-    if kernels_enabled() and decode_unsupported(queries, keys, values, mask) is None:
+            return prefill_attention(queries, keys, values, scale, mask, sinks, rows_per_threadgroup=nr,
+                                     metal_kernel=factory)
+        return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if kernels_enabled() and decode_unsupported(queries, keys, values, mask, sinks) is None:
         B, Hq, L, D = queries.shape
         R = Hq // keys.n_heads
         kc, vc, qjl = _kv_codes(keys, values)
@@ -1020,16 +1119,18 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         def run():
             rng = _rng(4)
             k = _random_view(rng, keys.quantizer, 2, 45, 3, keys)
-            v = _random_view(rng, values.quantizer, 2, 45, 3, values)
+            v = k if keys_are_values(keys, values) else _random_view(rng, values.quantizer, 2, 45, 3, values)
             qs = _normal(rng, (1, R, L, D), queries.dtype)
+            ms = _random_mask(np.random.default_rng(4), kind, R, L, k.n_tokens)
+            ls = None if sinks is None else _normal(rng, (R,), sinks.dtype)
             sc = 1.0 / math.sqrt(D)
-            got = decode_attention(qs, k, v, sc, mask, split_tokens=32, metal_kernel=factory)
-            return _mismatch(got, decode_attention_reference(qs, k, v, sc, mask), queries.dtype)
+            got = decode_attention(qs, k, v, sc, ms, ls, split_tokens=32, metal_kernel=factory)
+            return _mismatch(got, decode_attention_reference(qs, k, v, sc, ms, ls), queries.dtype)
 
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
-        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), mask, floats,
+        variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None)
+                   keys.perm is not None, values.perm is not None, sinks is not None, keys_are_values(keys, values))
         if _self_check("decode_attention", variant, factory, run):
-            return decode_attention(queries, keys, values, scale, mask, metal_kernel=factory)
-    return turboquant_attention(queries, keys, values, scale=scale, mask=mask)
+            return decode_attention(queries, keys, values, scale, mask, sinks, metal_kernel=factory)
+    return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
