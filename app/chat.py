@@ -369,7 +369,7 @@ class ChatApp(App):
         self.session.clear()
         await self.transcript.remove_children()
         await self.transcript.add("New conversation.", "notice")
-        self.panel.stats = self.session.snapshot()
+        self.panel.stats = self._with_plan(self.session.snapshot())
 
     async def cmd_bits(self, arg: str) -> None:
         s = self.session.snapshot()
@@ -427,4 +427,4 @@ class ChatApp(App):
         )
         for w in warnings:
             await self.transcript.add(f"Warning: {w}", "error")
-        self.panel.stats = self.session.snapshot()
+        self.panel.stats = self._with_plan(self.session.snapshot())

@@ -281,6 +281,8 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
                 f"(mlx-lm's {real} cache would be {format_bytes(plan.kv_fp16 * bytes_ // 2)})" in note), note
             # before the first question the panel already names the dtype mlx-lm's cache would hold
             assert f"mlx-lm {app.session.dtype} cache" in rendered(app)
+            await say(pilot, "/clear")  # the predicted peak stays next to the measured one
+            assert "planned peak" in rendered(app)
 
     asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
     asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))

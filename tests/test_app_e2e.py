@@ -222,7 +222,8 @@ def test_every_command_and_save_load_continue_in_a_terminal(tmp_path):
         assert re.search(r"context\s+0 / 4,096", term.screen())
         term.type(f"/load {saved}")
         wait_for(term, rf"Loaded {tokens} tokens from", timeout=60)
-        assert re.search(rf"context\s+{tokens} / 4,096", term.screen())
+        screen = term.screen()
+        assert re.search(rf"context\s+{tokens} / 4,096", screen) and "planned peak" in panel(screen), screen
         term.type("And what is the capital of Germany?")
         screen = wait_for(term, r"Berlin|generation failed", timeout=180).string
         assert "generation failed" not in screen, screen
