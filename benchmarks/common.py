@@ -2,7 +2,7 @@
 
 Each script prints its table, then writes benchmarks/results/<name>.json (rows + metadata) and
 benchmarks/results/<name>.md (the same table with the date and machine), which readme_tables.py copies into
-the README.
+docs/benchmarks.md (and a headline of them into the README).
 """
 
 from __future__ import annotations

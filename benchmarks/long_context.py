@@ -29,7 +29,7 @@ default and float at --needles haystack lengths, depths 0.1/0.5/0.9.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
-The README's table came from six processes (up to four side by side on the 2-core CPU, shared with other jobs;
+The table in docs/benchmarks.md came from six processes (up to four side by side on the 2-core CPU, shared with other jobs;
 about two hours of wall time), then --merge (rows of the same model from several runs are joined):
 
     long_context.py --models smollm2 --texts britannica --settings float,default,rot4,k4v4 --out A1a

@@ -87,7 +87,7 @@ def main() -> None:
         "decoded tokens, in a fresh process per cell.",
         "predicted = tq_mlx.memory.estimate_peak_bytes from config.json and the weights' bytes: what `tq-chat "
         "--plan` shows. Its two constants (FLOAT_SCORE_COPIES, TQ_SCORE_TILES) were measured on this model; "
-        "Qwen2.5-Coder-0.5B at 2k checked them (see the README).",
+        "Qwen2.5-Coder-0.5B at 2k checked them (see docs/benchmarks.md).",
         "transient = peak - weights - KV: flat in the context for TurboQuant (tiles of scores), growing with it "
         "for the float cache (mx.fast.scaled_dot_product_attention materializes the scores on the CPU back end).",
     ]

@@ -297,8 +297,8 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "Answers: the concurrent answer's text against the same server's one-at-a-time answer. With OpenBLAS, "
         "a row of a batch rounds differently from the sequence alone (~1e-5, mlx-lm's float cache too); "
         "TurboQuant turns some of those differences into other codes, so its greedy answers part at near-ties "
-        "more often than the float cache's. On MLX's own BLAS its rows equal their sequences alone (README, "
-        "Batching; tests/test_serve.py checks 4 concurrent clients against their sequential answers).",
+        "more often than the float cache's. On MLX's own BLAS its rows equal their sequences alone "
+        "(docs/commands.md, Batching; tests/test_serve.py checks 4 concurrent clients against their sequential answers).",
         f"The machine was shared with other jobs (load average {load} at the start): compare the two servers "
         "within a row group, not absolute speeds.",
     ]

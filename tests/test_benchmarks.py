@@ -226,18 +226,35 @@ def test_speed_quick(speed: dict) -> None:
                 assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (ctx, name, k)
 
 
+def _tables_cmd(results_dir: Path, tmp_path: Path) -> tuple[list[str], Path, Path]:
+    """readme_tables.py on the --quick results, into a docs/benchmarks.md and a README.md of tmp_path's own."""
+    (tmp_path / "docs").mkdir(exist_ok=True)
+    docs, readme = tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
+    docs.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
+    readme.write_text("# r\n\n<!-- headline-results:start -->\nOLD-HEADLINE\n<!-- headline-results:end -->\n\nend\n")
+    cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--docs", str(docs), "--readme", str(readme), "--results",
+           str(results_dir), "--suffix=-quick", "--write"]
+    return cmd, docs, readme
+
+
 def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, speed: dict, results_dir: Path, tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
-    cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--readme", str(readme), "--results", str(results_dir),
-           "--suffix=-quick", "--write"]
+    cmd, docs, readme = _tables_cmd(results_dir, tmp_path)
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    text = readme.read_text()
+    text = docs.read_text()
     assert "### Memory" in text and "### Quality" in text and "### Speed" in text and "OLD-SECTION-PLACEHOLDER" not in text
     assert "#### Quality at long context" in text and "rotation + affine" in text
     assert text.endswith("<!-- benchmark-results:end -->\n\ntail\n")
+    # The README's headline: one small table per area, linking into the full tables
+    head = readme.read_text()
+    assert "OLD-HEADLINE" not in head and head.endswith("<!-- headline-results:end -->\n\nend\n")
+    for part in ("### Memory", "### Quality at long context", "### Speed", "| TQ K4/V3 (the default) |", "| TQ K4/V4 |",
+                 "(docs/benchmarks.md#memory)", "(docs/benchmarks.md#quality-at-long-context)", "(docs/benchmarks.md#speed)"):
+        assert part in head, part
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+    docs.write_text(docs.read_text().replace("rotation + affine", "rotation and affine"))
+    check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 1 and "benchmarks.md: generated results are out of date" in check.stderr
 
 
 def test_peak_quick_planner_tracks_the_measured_peak(results_dir: Path) -> None:
@@ -328,7 +345,7 @@ def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
 
 def test_serve_quick_load_test_against_mlx_lm_server(results_dir: Path, tmp_path: Path) -> None:
     # tq-server and mlx_lm.server on SmolLM2, one after the other on free localhost ports: every request answered,
-    # the batches' KV bytes measured inside each server, and the README renders the table from the JSON.
+    # the batches' KV bytes measured inside each server, and docs/benchmarks.md renders the table from the JSON.
     res = run_script("serve", results_dir, timeout=300)
     _meta_ok(res["meta"])
     assert res["settings"]["clients"] == [1, 2] and min(res["settings"]["prompt_tokens"]) > 16 + 4
@@ -344,9 +361,7 @@ def test_serve_quick_load_test_against_mlx_lm_server(results_dir: Path, tmp_path
             assert 0 <= r["equal"] <= n
         if server == "tq":  # the compressed cache holds less than mlx-lm's float32 one
             assert r["kv_peak"] < rows[("float", n)]["kv_peak"], (n, r["kv_peak"], rows[("float", n)]["kv_peak"])
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- benchmark-results:start -->\nOLD\n<!-- benchmark-results:end -->\n")
-    subprocess.run([sys.executable, str(BENCH / "readme_tables.py"), "--readme", str(readme), "--results",
-                    str(results_dir), "--suffix=-quick", "--write"], cwd=REPO, check=True, capture_output=True)
-    text = readme.read_text()
+    cmd, docs, _ = _tables_cmd(results_dir, tmp_path)
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    text = docs.read_text()
     assert "### Serving: concurrent clients" in text and "| 2 | tq-server |" in text and "benchmarks/serve.py" in text
