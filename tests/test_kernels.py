@@ -16,6 +16,11 @@ thread as a fiber (tests/emulator). Matrix:
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
   batch 2: K4/V3, K4+qjl/V3, K8/V2 with 8 query tokens, K1/V8 with 64 query rows);
+* learned sinks and bool/additive array masks ((L, T), (B, 1, L, T), (B, Hq, L, T)) in all three schedules;
+  multi-head latent attention's decode (keys = values = one latent view, R = 16..128 query heads, head dim 512
+  and 32, additive rope scores): the kernel path, codes read once for keys and values; at 8 bits against
+  mlx-lm's float attention and mx.fast SDPA(sinks=) through dispatch_attention; planted sink/mask bugs the
+  self-check must catch; masks the kernels cannot read fall back;
 * sparse V's bound (SPARSE_V_EPSILON) on an adversarial 20k-token pattern against a float64 exact result;
 * planted bugs (a missing barrier, a shuffle to a wrong lane, a dropped packing shuffle) that must fail;
 * byte counts: decode attention reads each compressed byte once per kv head and step, writes no float copy;

@@ -10,7 +10,9 @@ emulator (tests/emulator): nothing here runs on a GPU.
   but the output is written, and the device buffers the call adds besides the cache are sized by the chunk,
   never by the context;
 * reverse and random lane schedules, a planted missing barrier, the self-check and dispatch_attention wiring,
-  and MLX's own source generator.
+  and MLX's own source generator;
+* learned sinks and bool/additive array masks in all three schedules, one view as keys and values (its codes
+  read once), and MLX's generator on the masked and sinks variants of both attention kernels.
 Cost: about 40 s warm, 50 s cold on a 2-core machine at load 10 (the two 512-query chunks take 8 s and 23 s).
 """
 

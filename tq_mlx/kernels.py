@@ -743,7 +743,8 @@ def decode_attention(
     nr = _rows_per_threadgroup(RL, DK, DV, p.kc, p.vc, p.qjl)
     layout = _partial_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
     chunks = -(-RL // nr)
-    token_bytes = sum(a.itemsize * math.prod(a.shape[3:]) for a in (*keys.codes, *values.codes))
+    read = keys.codes if p.keqv else (*keys.codes, *values.codes)  # what pass 1 reads per token
+    token_bytes = sum(a.itemsize * math.prod(a.shape[3:]) for a in read)
     per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
     if per % 32 or per <= 0:
         raise ValueError(f"split_tokens must be a positive multiple of 32, got {per}")
