@@ -204,7 +204,7 @@ def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, 
     proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(path), "--prompt", "go on",
                        "--max-tokens", "4")
     assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr and "compressed it" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "converted it" not in proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
     held = int(re.search(r"KV cache: [\d.]+ [KM]?B for ([\d,]+) tokens", summary).group(1).replace(",", ""))
     assert held > n  # the file's tokens, then the new prompt and the answer
@@ -223,7 +223,7 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"compressed it to TurboQuant K4/V3, window 16, sinks 2 for this run \(the file is unchanged\)",
+                  rf"converted it to TurboQuant K4/V3, window 16, sinks 2 for this run \(the file is unchanged\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
@@ -231,7 +231,7 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
     assert path.read_bytes() == before
     # the --help says what happens to each kind of file
     help_text = " ".join(tq_generate("--help").stdout.split())
-    assert "a float file from `mlx_lm cache_prompt` is compressed to TurboQuant as it loads" in help_text
+    assert "a float file from `mlx_lm cache_prompt` is converted to TurboQuant as it loads" in help_text
 
 
 def test_generate_refuses_a_kv_bits_prompt_cache_file_and_names_the_way_out(tiny_model_dir, tmp_path):

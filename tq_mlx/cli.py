@@ -355,7 +355,7 @@ def generate_parser() -> argparse.ArgumentParser:
         if action.dest == "prompt_cache_file":
             action.help = (
                 "A prompt cache file to continue from: a TurboQuant file (tq_mlx / tq-chat's /save) keeps its "
-                "compressed cache; a float file from `mlx_lm cache_prompt` is compressed to TurboQuant as it loads "
+                "compressed cache; a float file from `mlx_lm cache_prompt` is converted to TurboQuant as it loads "
                 "(the file is unchanged; --kv-bits keeps mlx-lm's cache instead); one from `cache_prompt --kv-bits` "
                 "is refused (use mlx_lm.generate)"
             )
@@ -406,7 +406,7 @@ def generate_main(argv: list[str] | None = None) -> int:
                 from .memory import cache_bytes
 
                 tokens = cache_bytes(cache)["tokens"]
-                print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({tokens:,} tokens): compressed it "
+                print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({tokens:,} tokens): converted it "
                       f"to {describe_config(config)} for this run (the file is unchanged)", file=sys.stderr, flush=True)
             kwargs["prompt_cache"] = cache
         # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
