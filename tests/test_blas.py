@@ -144,6 +144,16 @@ def test_the_library_warns_once_from_plain_python_and_never_at_import(tmp_path):
     assert "Warning" not in python(script, {**PLAIN, blas.ENV_VAR: "0"}).stderr
 
 
+def test_building_or_loading_caches_from_plain_python_warns_once(tmp_path):
+    script = ("import mlx.core as mx, tq_mlx; from mlx_lm.models import llama; "
+              "a = llama.ModelArgs(model_type='llama', hidden_size=64, num_hidden_layers=1, intermediate_size=64, "
+              "num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=32); "
+              "m = llama.Model(a); tq_mlx.make_prompt_cache(m); tq_mlx.patch_model(m); tq_mlx.make_prompt_cache(m)")
+    proc = python(script, {**PLAIN, blas.ENV_VAR: str(tmp_path / "missing.so")})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ReferenceBLASWarning") == 1, proc.stderr
+
+
 def test_python_hint_names_both_ways_to_the_fast_path(linux, tmp_path, monkeypatch):
     lib = fake_lib(tmp_path)
     hint = blas.python_hint({blas.ENV_VAR: lib})

@@ -31,6 +31,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import CacheList, KVCache
 
 from .architectures import FLOAT_FETCH, fetch_for
+from .blas import warn_reference_blas
 from .cache import TurboQuantKVCache, check_max_size, install_attention_hook
 from .config import TurboQuantConfig
 from .memory import AttentionLayout, attention_layout
@@ -229,6 +230,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     window hold (tq_mlx.cache.check_max_size). max_kv_size bounds every compressed layer as mlx-lm's
     --max-kv-size bounds its RotatingKVCache (the oldest compressed tokens are dropped; TurboQuantKVCache).
     """
+    warn_reference_blas()  # once per process: on Linux's reference BLAS everything runs ~20x slower
     config = config or TurboQuantConfig()
     if max_kv_size is not None:
         check_max_size(max_kv_size, config)
@@ -348,6 +350,7 @@ def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: Tu
                       return_metadata: bool = False):
     """mlx_lm's load_prompt_cache, with clear errors: a corrupted file or one that does not fit `model`
     raises ValueError naming the file (and the layer), and nothing is modified."""
+    warn_reference_blas()
     install_attention_hook()  # registers TurboQuantKVCache, which mlx-lm's loader looks up by name
     try:
         cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
