@@ -82,6 +82,7 @@ def test_the_name_check_catches_the_names_that_never_existed() -> None:
         "tq_mlx.TurboQuantMSE", "tq_mlx.Nope", "tq_mlx.packing.unpack_lookup"}
 
 
+@pytest.mark.filterwarnings("ignore::tq_mlx.blas.ReferenceBLASWarning")  # the README says how to get OpenBLAS
 def test_readme_python_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The README's blocks in order, in one namespace, with mlx_lm.load handing back a tiny model instead of
     # downloading one; its prompt-cache file lands in a temporary folder.
