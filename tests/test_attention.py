@@ -383,3 +383,31 @@ def _row(x, i):
     if isinstance(x, tuple):
         return type(x)(*(a[i : i + 1] for a in x))
     return x[i : i + 1]
+
+
+def test_keys_that_are_the_values_with_an_additive_mask():
+    # Multi-head latent attention's decode: one view (the latent) as keys and values, many query heads on one kv
+    # head, the rope scores as an additive mask (a bool padding mask folded in at finfo.min): the same result as
+    # the float64 softmax over the dequantized latent, and at 8 bits mlx-lm's float attention on the latent.
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from tq_mlx.attention import keys_are_values
+
+    rng = np.random.default_rng(12)
+    B, R, D = 2, 16, 64
+    for bits, tol in ((4, None), (8, 0.02)):
+        cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=4), layer_index=0)
+        latent = mx.array(rng.normal(size=(B, 1, 60, D)) + 0.3, dtype=mx.float32)
+        cache.update_and_fetch(latent[:, :, :59], latent[:, :, :59])
+        kv, _ = cache.update_and_fetch(latent[:, :, 59:], latent[:, :, 59:])
+        assert keys_are_values(kv, kv) and kv.n_compressed > 32
+        pe = rng.normal(size=(B, R, 1, kv.n_tokens))
+        pe[1, ..., :4] = float(mx.finfo(mx.float32).min)
+        pe = mx.array(pe, dtype=mx.float32)
+        q = mx.array(rng.normal(size=(B, R, 1, D)), dtype=mx.float32)
+        out = turboquant_attention(q, kv, kv, 0.125, pe, tile_tokens=16)
+        K = dequantized(kv)
+        assert rel_err(out, reference_attention(q, K, K, 0.125, pe)) < 2e-5
+        if tol:
+            want = scaled_dot_product_attention(q, latent, latent, cache=None, scale=0.125, mask=pe)
+            assert float(mx.abs(out - want).max()) < tol * float(mx.abs(want).max())

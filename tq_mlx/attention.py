@@ -80,6 +80,13 @@ def split_query(q: mx.array, kv: StreamView):
     return groups, sq
 
 
+def keys_are_values(keys: StreamView, values: StreamView) -> bool:
+    """Whether one compressed view serves as both keys and values (MLA's latent, k = v; Gemma 4's
+    attention_k_eq_v): its codes are then read once, for the scores and the values."""
+    return values is keys or (values.quantizer is keys.quantizer and values.codes is keys.codes
+                              and values.mean is keys.mean and values.scale is keys.scale)
+
+
 def _codes_tile(codes, a: int, b: int):
     return type(codes)(*(x[:, :, a:b] for x in codes))
 
@@ -315,16 +322,21 @@ def turboquant_attention(
         # score blocks (long prefill chunks) each tile's scoring waits for the previous merge, so at most two
         # tiles' scores exist. Small blocks (decode) keep scoring tiles on both streams at once.
         serial = B * Hq * L * tile > SERIAL_SCORES
+        same = keys_are_values(keys, values)
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             kc, vc = _codes_tile(keys.codes, a, b), _codes_tile(values.codes, a, b)
             if serial and state is not None:
                 done = [x for x in (*state[:4], *(state[4] or ())) if x is not None]
                 kc = type(kc)(*mx.depends(list(kc), done))
-            with mx.stream(streams[(i + 1) % 2]):
-                v_units = _units(values, vc)
+            if not same:
+                with mx.stream(streams[(i + 1) % 2]):
+                    v_units = _units(values, vc)
             with mx.stream(streams[i % 2]):
+                k_units = _units(keys, kc)
+                if same:  # one view as keys and values (MLA's latent): its codes are unpacked once
+                    v_units = k_units
                 s = None
-                for qg, (u, n) in zip(q_groups, _units(keys, kc)):
+                for qg, (u, n) in zip(q_groups, k_units):
                     sg = (qg @ u.swapaxes(-1, -2)) * n
                     s = sg if s is None else s + sg
                 if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1

@@ -106,7 +106,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .attention import split_query, turboquant_attention, unrotate
+from .attention import keys_are_values, split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, load_norms
 from .rotation import Rotation
@@ -633,13 +633,6 @@ class _Prepared(NamedTuple):
     def template(self) -> list[tuple[str, Any]]:
         return [("QJL", self.qjl), ("KEQV", self.keqv), *self.kc.template("K"), *self.vc.template("V"),
                 ("ROTV", self.vc.wht)]
-
-
-def keys_are_values(keys: StreamView, values: StreamView) -> bool:
-    """Whether one compressed view serves as both keys and values (MLA's latent, k = v): the kernels then read
-    its codes once, for the scores and the values."""
-    return values is keys or (values.quantizer is keys.quantizer and values.codes is keys.codes
-                              and values.mean is keys.mean and values.scale is keys.scale)
 
 
 def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int, ...]:
