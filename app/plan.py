@@ -102,7 +102,8 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         shared_layers=lay.shared_layers, fetch=lay.fetch, latent=lay.latent, max_kv_size=max_kv_size,
         fetch_transient=fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step,
                                               max_kv_size=max_kv_size),
-        float_reason=next((FLOAT_FETCH[t] for t in sorted(model_types(model_config)) if t in FLOAT_FETCH), ""),
+        float_reason=next((FLOAT_FETCH[t] for t in sorted(model_types(model_config)) if t in FLOAT_FETCH),
+                          "derives its K=V layers' keys from the stored values" if lay.k_eq_v else ""),
     )
     if config is not None and config.protect_factor is not None and config.protect_bits > config.key_bits:
         # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
@@ -220,8 +221,8 @@ def format_plan(plan: Plan) -> str:
         rows.append(("fetch", fetch_path(plan)))
     bound = ""
     if plan.max_kv_size:
-        bound = (f"; each full layer keeps at most {plan.max_kv_size:,} tokens (--max-kv-size"
-                 + (", + one compress block at the peak)" if plan.config else ")"))
+        bound = (f"; each full layer keeps at most {plan.max_kv_size:,} tokens while decoding (--max-kv-size; a "
+                 f"prefill chunk attends to at most {plan.max_kv_size - 1 + plan.prefill_step:,})")
     rows += [
         ("context", f"{plan.ctx:,} tokens{trained}{bound}"),
         ("weights", format_bytes(plan.weights)),

@@ -277,7 +277,6 @@ from tq_mlx.memory import (  # noqa: E402
     fetch_transient_bytes,
     turboquant_layer_bytes,
 )
-from tq_mlx.stream import overflow  # noqa: E402
 
 BENCH_CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 
@@ -294,8 +293,10 @@ MLA_TINY = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_
 
 
 def latent_caches(cfg: TurboQuantConfig, n: int, one_shot: bool = True, layers: int = 3) -> list[TurboQuantKVCache]:
-    """One TurboQuantKVCache per layer holding n tokens of a latent (1, 1, n, 512) and a rope key (1, 1, n, 64)."""
-    caches = [TurboQuantKVCache(cfg, layer_index=i, attention_index=i, n_attention_layers=layers) for i in range(layers)]
+    """One latent TurboQuantKVCache per layer holding n tokens of a latent (1, 1, n, 512) and a rope key
+    (1, 1, n, 64); the rope key is stored at the key bits, centered like keys."""
+    caches = [TurboQuantKVCache(cfg, layer_index=i, attention_index=i, n_attention_layers=layers, fetch="latent")
+              for i in range(layers)]
     latent, rope = mx.random.normal((1, 1, n, 512)), mx.random.normal((1, 1, n, 64))
     for c in caches:
         if one_shot:
@@ -313,7 +314,7 @@ def test_mla_estimate_equals_a_real_latent_cache(cfg):
     assert (lay.n_kv_heads, lay.head_dim, lay.v_head_dim, lay.latent, lay.fetch) == (1, 512, 64, True, "latent")
     for n in (1, 40, 900) if cfg == CONFIGS["default"] else (40, 150):
         caches = latent_caches(cfg, n)
-        assert all((c.key_dim, c.value_dim) == (512, 64) for c in caches)
+        assert all((c.key_dim, c.value_dim, c.value_bits) == (512, 64, c.key_bits) for c in caches)
         real = sum(c.nbytes for c in caches)
         assert estimate_kv_bytes(MLA_TINY, n, cfg, dtype="float32") == real, n
         assert cache_bytes(caches)["kv_bytes"] == real
@@ -348,8 +349,10 @@ def test_gemma4_and_gpt_oss_layouts_from_tiny_configs():
     lay = attention_layout(GEMMA4_TINY)
     assert lay.full_layers == (2,) and lay.sliding_layers == ((0, 16), (1, 16), (3, 16)) and lay.shared_layers == (4, 5)
     assert (lay.n_kv_heads, lay.head_dim, lay.v_head_dim, lay.sliding_geometry) == (1, 64, 64, (2, 32, 32))
+    assert lay.k_eq_v and lay.fetch == "float"  # one stream; the keys are derived on every fetch
     no_k_eq_v = {"text_config": {**GEMMA4_TINY["text_config"], "attention_k_eq_v": False}}
     assert attention_layout(no_k_eq_v).n_kv_heads == 2  # the global kv heads belong to K=V layers only
+    assert not attention_layout(no_k_eq_v).k_eq_v and attention_layout(no_k_eq_v).fetch == "codes"
     lay = attention_layout(GPT_OSS_TINY)
     assert lay.full_layers == (1, 3) and lay.sliding_layers == ((0, 16), (2, 16)) and lay.sliding_kv is None
     assert lay.shared_layers == () and lay.fetch == "codes"
@@ -368,10 +371,11 @@ def sliding_cache(n: int, heads: int, dim: int, window: int = 16) -> RotatingKVC
 @pytest.mark.parametrize("n", [40, 900])
 def test_gemma4_estimate_equals_real_caches(n):
     cfg = TurboQuantConfig()
-    full = TurboQuantKVCache(cfg, layer_index=2, attention_index=0, n_attention_layers=1)
+    full = TurboQuantKVCache(cfg, layer_index=2, attention_index=0, n_attention_layers=1, derive_keys=lambda v: v)
     kv = mx.random.normal((1, 1, n, 64))
     full.update_and_fetch(kv, kv)
     mx.eval(full.held_arrays())
+    assert full.value_stream is None  # K=V: one stream
     sliding = [sliding_cache(n, 2, 32) for _ in range(3)]
     real = full.nbytes + sum(c.nbytes for c in sliding)
     assert estimate_kv_bytes(GEMMA4_TINY, n, cfg, dtype="float32") == real
@@ -410,6 +414,7 @@ def test_layouts_of_real_configs():
     assert gemma.full_layers == tuple(range(5, 60, 6)) and len(gemma.sliding_layers) == 50
     assert (gemma.n_kv_heads, gemma.head_dim, gemma.sliding_geometry) == (4, 512, (16, 256, 256))
     assert gemma.shared_layers == () and {w for _, w in gemma.sliding_layers} == {1024}
+    assert gemma.k_eq_v and gemma.fetch == "float"
     # per-head MLA (DeepSeek-V2.5's config.json): every query head caches a 192-wide key and a 128-wide value
     v2 = {"model_type": "deepseek_v2", "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "hidden_size": 5120}
@@ -439,34 +444,21 @@ def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     assert estimate_peak_bytes(MLA_TINY, 4096, None, weights=0, prefill_step=512) > expansion
 
 
-def simulate_bounded(chunks: list[int], max_kv_size: int, cfg: TurboQuantConfig) -> tuple[int, int, int]:
-    """The bounded cache's rule, step by step: sinks fill, then the window; an overflowing window compresses whole
-    blocks; then the oldest compressed blocks are dropped, as few as bring the held tokens to max_kv_size."""
-    K, s, c, w = cfg.compress_block_size, 0, 0, 0
-    for n in chunks:
-        to_sinks = min(n, cfg.sinks - s)
-        s, w = s + to_sinks, w + n - to_sinks
-        compressed = overflow(w, cfg.window, K)
-        c, w = c + compressed, w - compressed
-        excess = s + c + w - max_kv_size
-        if excess > 0:
-            c -= min(c, K * -(-excess // K))
-    return s, c, w
-
-
-def test_bounded_tokens_follow_the_drop_rule_however_the_tokens_arrive():
-    cfg, M = TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32), 200
-    rng = __import__("random").Random(0)
-    for ctx in list(range(0, 700, 13)) + [200, 201, 216, 217]:
-        one_shot, one_by_one = simulate_bounded([ctx], M, cfg), simulate_bounded([1] * ctx, M, cfg)
-        chunks, left = [], ctx
-        while left:
-            chunks.append(min(left, rng.randint(1, 90)))
-            left -= chunks[-1]
-        assert bounded_tokens(ctx, M, cfg) == one_shot == one_by_one == simulate_bounded(chunks, M, cfg), ctx
-        s, c, w = bounded_tokens(ctx, M, cfg)
-        assert s + c + w <= M and (ctx <= M or s + c + w > M - 16)
-        assert (s, w) == bounded_tokens(ctx, None, cfg)[::2]  # drops never touch the sinks or the window
+@pytest.mark.parametrize("cfg", [TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32),
+                                 TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=40, compress_block=8, sinks=2,
+                                                  step=64)], ids=["K16-step32", "fractional-K8-step64"])
+def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
+    M, n_max = 120, 420
+    llama = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    cache = TurboQuantKVCache(cfg, max_size=M)
+    k, v = mx.random.normal((1, 2, n_max, 64)), mx.random.normal((1, 2, n_max, 64))
+    for t in range(n_max):
+        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        mx.eval(cache.held_arrays())
+        n = t + 1
+        assert (cache.n_sinks, cache.n_compressed, cache.n_window) == bounded_tokens(n, M, cfg), n
+        assert cache.nbytes == estimate_kv_bytes(llama, n, cfg, dtype="float32", max_kv_size=M), n
+        assert M - cfg.compress_block_size < sum(bounded_tokens(n, M, cfg)) <= M or n <= M
 
 
 def test_a_bounded_cache_stops_growing():
@@ -477,16 +469,16 @@ def test_a_bounded_cache_stops_growing():
     big = [estimate_kv_bytes(llama, n, cfg, max_kv_size=M) for n in range(1000, 1064)]
     assert big == [estimate_kv_bytes(llama, n + 16 * 40, cfg, max_kv_size=M) for n in range(1000, 1064)]
     assert max(big) < estimate_kv_bytes(llama, 1000, cfg)
-    # the peak: storage for one block more than the held compressed tokens, in steps of 32
-    s, c, w = bounded_tokens(1000, M, cfg)
-    assert bounded_capacity(1000, M, cfg) == -(-(c + 16) // 32) * 32 < bounded_capacity(1000, None, cfg)
-    per_token = (turboquant_layer_bytes(1000, 2, 64, 64, 4, 3, cfg)
-                 - turboquant_layer_bytes(1000, 2, 64, 64, 4, 3, cfg, max_kv_size=M))
-    assert per_token % (bounded_capacity(1000, None, cfg) - bounded_capacity(1000, M, cfg)) == 0  # codes only
+    assert bounded_capacity(1000, M, cfg) < bounded_capacity(1000, None, cfg)
     # mlx-lm's RotatingKVCache references keep max_kv_size tokens
     assert estimate_kv_bytes(llama, 5000, None, max_kv_size=M) == estimate_kv_bytes(llama, M, None)
+    # the peak: right after a prefill chunk of 512, up to M - 1 + 512 tokens are held
+    peak = estimate_peak_bytes(llama, 5000, cfg, weights=0, prefill_step=512, max_kv_size=M)
+    assert peak >= estimate_kv_bytes(llama, M - 1 + 512, cfg) > estimate_kv_bytes(llama, 5000, cfg, max_kv_size=M)
     with pytest.raises(ValueError, match="max_kv_size"):
         estimate_kv_bytes(llama, 10, cfg, max_kv_size=0)
+    with pytest.raises(ValueError, match="sinks \\+ window \\+ compress_block"):
+        estimate_kv_bytes(llama, 10, cfg, max_kv_size=64)  # the float sinks and window alone exceed it
 
 
 def test_plan_names_the_fetch_path_of_each_layer_kind():
@@ -499,7 +491,11 @@ def test_plan_names_the_fetch_path_of_each_layer_kind():
     plan = make_plan("g", real_config("gemma-4-31b.json"), 10**9, 32768, tq, 10**12)
     text = format_plan(plan)
     assert "10 full-attention layers compressed; 50 sliding-window layers stay float (window 1,024: bounded)" in text
-    assert "4 KV heads x 512 full, 16 x 256 sliding" in text and "fetch       on the codes" in text
+    assert "4 KV heads x 512 full, 16 x 256 sliding" in text and "fetch       decode-to-float" in text
+    assert "derives its K=V layers' keys from the stored values" in text
+    text = format_plan(make_plan("o", real_config("gpt-oss-20b.json"), 10**9, 32768, tq, 10**12))
+    assert "12 full-attention layers compressed; 12 sliding-window layers stay float (window 128" in text
+    assert "fetch       on the codes" in text
     assert plan.kv == estimate_kv_bytes(real_config("gemma-4-31b.json"), 32768, tq)
     text = format_plan(make_plan("g", GEMMA4_TINY, 10**6, 4096, tq, 10**10))
     assert "2 KV-shared layers hold no cache" in text
@@ -513,7 +509,7 @@ def test_plan_names_the_fetch_path_of_each_layer_kind():
     bounded = make_plan("o", olmo, 10**6, 8192, tq, 10**10, max_kv_size=4096)
     assert bounded.kv == estimate_kv_bytes(olmo, 8192, tq, max_kv_size=4096) < plan.kv
     assert bounded.kv_fp16 == estimate_kv_bytes(olmo, 4096, None)
-    assert "each full layer keeps at most 4,096 tokens" in format_plan(bounded)
+    assert "each full layer keeps at most 4,096 tokens while decoding" in format_plan(bounded)
 
 
 def test_mla_hybrids_count_only_their_latent_layers():

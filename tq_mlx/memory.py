@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from .architectures import fetch_for
 from .attention import tile_size
-from .cache import TurboQuantKVCache
+from .cache import TurboQuantKVCache, check_max_size
 from .config import bits_label
 from .quantizer import constant_arrays
 from .stream import has_channel_order, make_quantizer, overflow, window_capacity
@@ -75,6 +75,7 @@ class AttentionLayout:
     fetch: str = "codes"  # what a TurboQuant fetch gives the model: tq_mlx.architectures.fetch_for
     latent: bool = False  # multi-head latent attention caching (kv_latent, k_pe)
     latent_expansion: int = 0  # MLA prefill: qk_nope_head_dim + v_head_dim floats per query head and token
+    k_eq_v: bool = False  # full layers' values are their keys (Gemma 4): TurboQuant holds one stream, fetch "float"
 
     @property
     def sliding_geometry(self) -> tuple[int, int, int]:
@@ -139,13 +140,14 @@ def attention_layout(model_config: dict) -> AttentionLayout:
     if kv_lora and rope_dim and not latent:
         n_kv = n_heads or n_kv  # per-head MLA caches a key and a value for every query head
 
-    sliding_kv = None
+    sliding_kv, k_eq_v = None, False
     if latent:
         sliding_kv = (n_kv, head_dim, v_head_dim)
         n_kv, head_dim, v_head_dim = 1, kv_lora, rope_dim
     else:
         global_dim = _first_int(cfg, "global_head_dim")
-        global_kv = _first_int(cfg, "num_global_key_value_heads") if cfg.get("attention_k_eq_v") is True else None
+        k_eq_v = cfg.get("attention_k_eq_v") is True
+        global_kv = _first_int(cfg, "num_global_key_value_heads") if k_eq_v else None
         if global_dim or global_kv:  # Gemma 4: full-attention layers have their own geometry
             sliding_kv = (n_kv, head_dim, v_head_dim)
             n_kv, head_dim = global_kv or n_kv, global_dim or head_dim
@@ -203,8 +205,9 @@ def attention_layout(model_config: dict) -> AttentionLayout:
                                      "n_inner") or 0,
         sliding_kv=sliding_kv,
         shared_layers=tuple(range(first_shared, n_layers)),
-        fetch=fetch_for(types),
+        fetch="float" if k_eq_v and fetch_for(types) == "codes" else fetch_for(types),  # K=V keys are derived
         latent=latent,
+        k_eq_v=k_eq_v,
         latent_expansion=(nope_dim + (mla_v_dim or 0)) if latent else 0,
     )
 
@@ -258,15 +261,16 @@ def _turboquant_split(tokens: int, config) -> tuple[int, int, int]:
 
 
 def bounded_tokens(ctx: int, max_kv_size: int | None, config) -> tuple[int, int, int]:
-    """(sinks, compressed, window) tokens a TurboQuantKVCache bounded to `max_kv_size` holds after `ctx` tokens.
+    """(sinks, compressed, window) tokens a TurboQuantKVCache bounded to `max_kv_size` holds after `ctx` tokens
+    fed token by token (decoding).
 
-    The rule: the sinks and the window are those of an unbounded cache (dropping never touches them); after every
-    update the oldest compressed tokens are dropped in whole compress blocks (K = config.compress_block_size), as
-    few as bring sinks + compressed + window to at most max_kv_size: D(ctx) = K·⌈(ctx − max_kv_size)/K⌉ tokens
-    dropped in all, never more than were compressed. D grows with ctx alone, so the counts do not depend on how
-    the tokens were fed (one prefill, chunks, token by token). Needs max_kv_size ≥ sinks + window + K − 1 to hold
-    at most max_kv_size tokens; below that the float sinks and window alone exceed it. max_kv_size None: unbounded.
-    Storage is priced at its peak, one block more (bounded_capacity).
+    The cache's rule (TurboQuantKVCache._drop_for, as RotatingKVCache keeps max_size - 1 tokens before each
+    update): before each update the oldest compressed tokens are dropped in whole compress blocks (K =
+    config.compress_block_size) so that at most max_kv_size - 1 earlier tokens remain; the sinks and the float
+    window are never dropped. Token by token that is D(ctx) = K·⌈(ctx − max_kv_size)/K⌉ tokens dropped in all, so
+    between max_kv_size − K + 1 and max_kv_size tokens are held. A prefill chunk of L tokens drops only for the
+    tokens before it: right after it up to max_kv_size − 1 + L are held (estimate_peak_bytes prices that).
+    max_kv_size None: unbounded. The cache refuses max_kv_size < sinks + window + K − 1 (cache.check_max_size).
     """
     s, c, w = _turboquant_split(ctx, config)
     if max_kv_size is None or ctx <= max_kv_size:
@@ -277,16 +281,22 @@ def bounded_tokens(ctx: int, max_kv_size: int | None, config) -> tuple[int, int,
 
 
 def bounded_capacity(ctx: int, max_kv_size: int | None, config) -> int:
-    """Tokens the compressed storage of one stream is allocated for after `ctx` tokens (a multiple of config.step).
+    """Tokens the compressed storage of one stream is allocated for after `ctx` tokens fed token by token (a
+    multiple of config.step).
 
-    Unbounded: the compressed tokens rounded up to `step`. Bounded (max_kv_size): once tokens were dropped, the
-    storage also holds the block compressed before the oldest one is dropped, so up to max_kv_size + K tokens
-    (K = compress_block_size) are held at the peak: capacity for held + K compressed tokens, rounded up to step.
+    Unbounded: the compressed tokens rounded up to `step`. Bounded: each drop moves the kept codes to a new buffer
+    with room for one more block (stream.drop_oldest(n, room=K)), and drops come every K tokens (before the
+    updates at t = max_kv_size + jK tokens), so the capacity is that of the last drop: ⌈(kept + K)/step⌉·step,
+    kept = the compressed tokens held right after it (max_kv_size − K tokens held, less sinks and window).
     """
-    s, c, _ = bounded_tokens(ctx, max_kv_size, config)
-    total = _turboquant_split(ctx, config)[1]
-    peak = c if c == total else min(total, c + config.compress_block_size)
-    return -(-peak // config.step) * config.step
+    s, c, w = _turboquant_split(ctx, config)
+    if max_kv_size is None or ctx <= max_kv_size:
+        return -(-c // config.step) * config.step
+    K = config.compress_block_size
+    before = max_kv_size + (ctx - 1 - max_kv_size) // K * K  # tokens fed before the last drop
+    s, _, w = _turboquant_split(before, config)
+    kept = max(0, max_kv_size - K - s - w)
+    return -(-(kept + K) // config.step) * config.step
 
 
 def held_tokens(ctx: int, max_kv_size: int | None, config=None) -> int:
@@ -313,10 +323,15 @@ def _quantizer_layout(dim: int, bits: float, qjl: bool, norm_dtype=mx.float16) -
 def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
+    latent: bool = False, k_eq_v: bool = False,
 ) -> int:
-    """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token).
+    """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
+    bounded caches token by token).
 
-    Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key).
+    Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key). A
+    latent layer stores its rope key (the value stream) at the key bits, centered like keys (it enters the
+    scores); a K=V layer (Gemma 4's attention_k_eq_v) holds one stream, its values at the key bits, and derives
+    the keys on each fetch; zero-wide values (an indexer's keys-only cache) hold no value stream.
     Sinks (float_bytes per value: the model's dtype) are allocated whole on first use, the window as
     stream.window_capacity says (steps of 32 tokens, then whole); codes grow in `config.step` tokens;
     means (float32), scales (float32) and channel orders (int32, fractional bits) appear with the first
@@ -330,14 +345,17 @@ def turboquant_layer_bytes(
     n_c = _turboquant_split(tokens, config)[1]  # ever compressed: centering and channel orders exist from then on
     qjl = config.layer_qjl(key_bits)
     k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
-    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype)
+    value_dim = 0 if k_eq_v else value_dim
+    value_bits, v_center = (key_bits, config.center_keys) if latent else (value_bits, config.center_values)
+    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype) if value_dim else \
+        (0, 0, False)
     total = k_const + v_const
     if config.sinks:
         total += B * H * config.sinks * (key_dim + value_dim) * float_bytes
     total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * float_bytes
     if n_c:
         total += B * H * bounded_capacity(tokens, max_kv_size, config) * (k_tok + v_tok)
-        total += B * H * 4 * (key_dim * config.center_keys + value_dim * config.center_values + 2)  # μ, ν, scales
+        total += B * H * 4 * (key_dim * config.center_keys + value_dim * v_center + 1 + bool(value_dim))  # μ, ν, scales
         total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
     return total
 
@@ -371,13 +389,14 @@ def estimate_kv_bytes(
     model's dtype (kv_float_bytes: `dtype`, else torch_dtype).
 
     max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
-    RotatingKVCache); TurboQuant follows bounded_tokens / bounded_capacity (at most max_kv_size + compress_block
-    tokens held at the peak).
+    RotatingKVCache, decoding); TurboQuant follows bounded_tokens / bounded_capacity (decoding token by token).
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
     if max_kv_size is not None and max_kv_size < 1:
         raise ValueError(f"max_kv_size must be a positive number of tokens or None, got {max_kv_size}")
+    if max_kv_size is not None and config is not None:
+        check_max_size(max_kv_size, config)
     float_bytes = kv_float_bytes(model_config, dtype)
     lay = attention_layout(model_config)
     H, dk, dv = lay.n_kv_heads, lay.head_dim, lay.v_head_dim
@@ -390,7 +409,8 @@ def estimate_kv_bytes(
     for a in range(n_att):
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
-            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size)
+            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
+                                            latent=lay.latent, k_eq_v=lay.k_eq_v)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
@@ -422,14 +442,14 @@ def fetch_transient_bytes(model_config: dict, ctx: int, config=None, *, prefill_
       pe_scores (B, n_heads, chunk, T) passed as the mask, in the model's dtype (deepseek_v3.py:152-165).
     * TurboQuant "float" fetch (architectures.FLOAT_FETCH) and the latent fetch at prefill: the layer's cache
       decoded to float, B·H·T·(key_dim + value_dim) in the model's dtype.
-    T is the tokens a full layer holds (held_tokens: ctx, or fewer with max_kv_size).
+    T is the tokens a prefill chunk attends to: ctx, or with max_kv_size at most max_kv_size - 1 + chunk.
     """
     lay = attention_layout(model_config)
     if not lay.full_layers:
         return 0
     F = kv_float_bytes(model_config, dtype)
     chunk = max(1, min(prefill_step, ctx))
-    T = held_tokens(ctx, max_kv_size, config)
+    T = ctx if max_kv_size is None else min(ctx, max_kv_size - 1 + chunk)  # a prefill chunk's keys
     out = 0
     if lay.latent:
         out += batch * lay.n_heads * T * lay.latent_expansion * F + batch * lay.n_heads * chunk * T * F
@@ -450,7 +470,7 @@ def estimate_peak_bytes(
     lay = attention_layout(model_config)
     chunk = max(1, min(prefill_step, ctx))
     F = kv_float_bytes(model_config, dtype)
-    T = held_tokens(ctx, max_kv_size, config)
+    T = ctx if max_kv_size is None else min(ctx, max_kv_size - 1 + chunk)  # a prefill chunk's keys
     activations = batch * chunk * F * (2 * lay.hidden_size + 3 * lay.intermediate_size)
     if config is None or lay.fetch == "float" or lay.latent:
         attention = FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * T * 4
@@ -464,6 +484,10 @@ def estimate_peak_bytes(
     attention += fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step, dtype=dtype,
                                        batch=batch, max_kv_size=max_kv_size)
     kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size)
+    if max_kv_size is not None and ctx > max_kv_size:
+        # right after a prefill chunk a bounded cache (and RotatingKVCache) holds up to max_kv_size - 1 + chunk
+        kv = max(kv, estimate_kv_bytes(model_config, min(ctx, max_kv_size - 1 + chunk), config, batch=batch,
+                                       dtype=dtype))
     if config is None:
         kv = kv * F // FLOAT16_BYTES  # mlx-lm's KVCache holds the model's dtype
     return weights + kv + int(activations + attention)
