@@ -72,7 +72,7 @@ def _capacity(cache: TurboQuantKVCache) -> int:
 
 
 def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfig, contexts: tuple[int, ...],
-               seed: int = 0, chunk: int = POOL) -> dict[int, int]:
+               seed: int = 0, chunk: int = POOL, kind: str = "codes") -> dict[int, int]:
     """nbytes of one real TurboQuantKVCache filled with random K/V to each context.
 
     The buffers end up as a one-shot prefill or token-by-token decoding leaves them (what estimate_kv_bytes
@@ -86,7 +86,10 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
     pool_k = mx.random.normal((1, n_kv, POOL, head_dim), key=kk).astype(mx.float16)
     pool_v = mx.random.normal((1, n_kv, POOL, value_dim), key=kv).astype(mx.float16)
     mx.eval(pool_k, pool_v)
-    cache = TurboQuantKVCache(config, layer_index=0)
+    # kind: the layer's cache as the integration builds it: "latent" (MLA: the rope key at the key bits),
+    # "k_eq_v" (one stream, keys derived from the values), else per-head keys and values
+    cache = TurboQuantKVCache(config, layer_index=0, fetch="latent" if kind == "latent" else "codes",
+                              derive_keys=(lambda v: v) if kind == "k_eq_v" else None)
     K, step = config.compress_block_size, config.step
     big = chunk if step % K == 0 else K
     out, n = {}, 0
@@ -103,9 +106,10 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
     return out
 
 
-def _timed_fill(n_kv: int, head_dim: int, value_dim: int, config: dict, contexts) -> tuple[dict[int, int], float]:
+def _timed_fill(n_kv: int, head_dim: int, value_dim: int, config: dict, contexts, kind: str = "codes"
+                ) -> tuple[dict[int, int], float]:
     t = time.perf_counter()
-    out = fill_layer(n_kv, head_dim, value_dim, TurboQuantConfig.from_dict(config), tuple(contexts))
+    out = fill_layer(n_kv, head_dim, value_dim, TurboQuantConfig.from_dict(config), tuple(contexts), kind=kind)
     return out, time.perf_counter() - t
 
 
@@ -131,6 +135,11 @@ def check_mlx_caches(n_kv: int, head_dim: int, value_dim: int, ctx: int) -> dict
 def geometry(lay) -> tuple[int, int, int]:
     """(kv heads, key dim, value dim) of a model's compressed layers."""
     return lay.n_kv_heads, lay.head_dim, lay.v_head_dim
+
+
+def layer_kind(lay) -> str:
+    """How the model's compressed layers store their tokens: "latent", "k_eq_v" or "codes"."""
+    return "latent" if lay.latent else "k_eq_v" if lay.k_eq_v else "codes"
 
 
 def sliding_float16_bytes(lay, ctx: int) -> int:
@@ -169,23 +178,25 @@ def run(args) -> dict:
         for b, cfg in configs.items():
             for a in range(n_att):
                 kb, vb = cfg.layer_bits(a, n_att)
-                needed[(*geometry(lay), kb, vb)] = dataclasses.replace(cfg, key_bits=kb, value_bits=vb,
-                                                                      boundary_layers=0)
+                needed[(*geometry(lay), kb, vb, layer_kind(lay))] = dataclasses.replace(
+                    cfg, key_bits=kb, value_bits=vb, boundary_layers=0)
 
     fills, fill_rows = {}, []
     jobs = sorted(needed.items(), key=lambda x: (-x[0][0] * (x[0][1] + x[0][2]), -x[0][3]))  # biggest first
+    shown = {"codes": "", "latent": ", latent", "k_eq_v": ", K=V"}
     if args.jobs > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(args.jobs) as pool:
-            done = pool.starmap(_timed_fill, [(H, dk, dv, cfg.to_dict(), contexts) for (H, dk, dv, _, _), cfg in jobs])
+            done = pool.starmap(_timed_fill, [(H, dk, dv, cfg.to_dict(), contexts, kind)
+                                              for (H, dk, dv, _, _, kind), cfg in jobs])
     else:
-        done = [_timed_fill(H, dk, dv, cfg.to_dict(), contexts) for (H, dk, dv, _, _), cfg in jobs]
-    for ((H, dk, dv, kb, vb), _), (nbytes, secs) in zip(jobs, done):
-        fills[(H, dk, dv, kb, vb)] = nbytes
+        done = [_timed_fill(H, dk, dv, cfg.to_dict(), contexts, kind) for (H, dk, dv, _, _, kind), cfg in jobs]
+    for ((H, dk, dv, kb, vb, kind), _), (nbytes, secs) in zip(jobs, done):
+        fills[(H, dk, dv, kb, vb, kind)] = nbytes
         fill_rows.append({"kv_heads": H, "head_dim": dk, "value_dim": dv, "key_bits": kb, "value_bits": vb,
-                          "nbytes": {str(c): v for c, v in nbytes.items()}, "seconds": round(secs, 1)})
-        print(f"filled one layer ({H} kv heads x {dk}/{dv}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
+                          "kind": kind, "nbytes": {str(c): v for c, v in nbytes.items()}, "seconds": round(secs, 1)})
+        print(f"filled one layer ({H} kv heads x {dk}/{dv}{shown[kind]}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
               f"{nbytes[max(contexts)] / 1e6:.1f} MB ({secs:.1f} s)", flush=True)
 
     shapes = sorted({geometry(attention_layout(m["config"])) for m in models})
@@ -211,7 +222,8 @@ def run(args) -> dict:
                 kv[ctx] = est
                 if "config" in spec:
                     cfg = spec["config"]
-                    total = sum(fills[(*geometry(lay), *cfg.layer_bits(a, n_att))][ctx] for a in range(n_att))
+                    total = sum(fills[(*geometry(lay), *cfg.layer_bits(a, n_att), layer_kind(lay))][ctx]
+                                for a in range(n_att))
                     total += sliding_float16_bytes(lay, ctx)
                     real[ctx] = total
                     assert total == est, f"{m['name']} {label} at {ctx}: real caches hold {total} B, formula says {est} B"
@@ -220,7 +232,8 @@ def run(args) -> dict:
             rows.append({
                 "model": m["name"], "cache": label, "attention_layers": n_att, "layers": lay.n_layers,
                 "kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim, "value_dim": lay.v_head_dim,
-                "latent": lay.latent, "fetch": lay.fetch, "sliding_layers": len(lay.sliding_layers),
+                "latent": lay.latent, "k_eq_v": lay.k_eq_v, "fetch": lay.fetch,
+                "sliding_layers": len(lay.sliding_layers),
                 "shared_layers": len(lay.shared_layers), "max_context": lay.max_context,
                 "kv_bytes": {str(c): v for c, v in kv.items()},
                 "kv_bytes_real": {str(c): v for c, v in real.items()} or None,
@@ -243,8 +256,8 @@ def run(args) -> dict:
 
 
 def model_label(r: dict) -> str:
-    """"Llama-3.1-8B (32/32)", "DeepSeek-V3 (61/61, MLA)", "gpt-oss-20b (12/24, +12 sliding)"."""
-    extra = ", MLA" if r.get("latent") else ""
+    """"Llama-3.1-8B (32/32)", "DeepSeek-V3 (61/61, MLA)", "Gemma-4-31B (10/60, K=V, +50 sliding)"."""
+    extra = ", MLA" if r.get("latent") else ", K=V" if r.get("k_eq_v") else ""
     extra += f", +{r['sliding_layers']} sliding" if r.get("sliding_layers") else ""
     extra += f", {r['shared_layers']} shared" if r.get("shared_layers") else ""
     return f"{r['model']} ({r['attention_layers']}/{r['layers']}{extra})"
@@ -364,7 +377,9 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "the first column). bits/val and 'vs fp16' at the longest context.",
         "MLA: multi-head latent attention; every column holds mlx-lm's latent layout (the latent, kv_lora_rank wide, "
         "and the rope key, qk_rope_head_dim wide, per token and layer); TurboQuant compresses the latent as its key "
-        "stream and the rope key as its value stream. '+N sliding': sliding-window layers, float at min(ctx, window) "
+        "stream and the rope key as its value stream, at the key bits (it enters the scores). K=V (Gemma 4's "
+        "attention_k_eq_v): mlx-lm caches keys and values; TurboQuant stores the values alone and derives the keys "
+        "on each fetch. '+N sliding': sliding-window layers, float at min(ctx, window) "
         "tokens in every column (float16, by the formula, not a filled cache).",
         f"TurboQuant columns: TurboQuantConfig defaults (window {cfg['window']} float16 tokens, {cfg['sinks']} sinks, "
         f"centering {cfg['center_keys']}/{cfg['center_values']}, boundary layers {cfg['boundary_layers']}); "
