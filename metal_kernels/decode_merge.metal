@@ -17,7 +17,8 @@
 //   params int32 [H, RL, L, S, n_sinks, n_window, has qmu, has ν, sink limit, window limit, has sinks, N, sb,
 //   sh, si]: float token t of the sinks (window) is visible to query token i iff t <= sink (window) limit + i.
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
-// Template: T, TO, DK, DV, ROTV, MASK (0 none or causal, 1 bool, 2 additive array mask), MT (its type). Lane l owns dims [l*E, l*E + E) of D, E = ceil(D/32).
+// Template: T, TO, DK, DV, ROTV, MASK (0 none or causal, 1 bool, 2 additive array mask), MT (its type).
+// Lane l owns dims [l*E, l*E + E) of D, E = ceil(D/32).
 constexpr int EK = (DK + 31) / 32;
 constexpr int EV = (DV + 31) / 32;
 const uint lane = thread_index_in_simdgroup;
@@ -78,7 +79,8 @@ for (int r = int(chunk * nsg + sg); r < RL; r += int(nchunks * nsg)) {
     }
     d = simd_sum(d);
     const bool visible = t <= params[sink ? 8 : 9] + qi;
-    const float sc = tq_mask_score<MASK>(d, visible, MASK != 0 ? amask[moff + (sink ? t : ns + N + t)] : MT(0));
+    const MT mv = MASK != 0 ? amask[moff + (sink ? t : ns + N + t)] : MT(0);  // columns: sinks, codes, window
+    const float sc = tq_mask_score<MASK>(d, visible, mv);
     const float mn = max(m, sc);
     const float alpha = fast::exp(m - mn);
     const float p = fast::exp(sc - mn);

@@ -92,7 +92,8 @@ float acc[RPS][EV];
 size_t moff[RPS];  // each row's mask row, at column n_sinks (the first compressed token)
 for (int k = 0; k < RPS; ++k) {
   const int row = r0 + int(sg) + k * NSG;
-  moff[k] = size_t(b) * params[7] + size_t(int(h) * (RL / L) + row / L) * params[8] + size_t(row % L) * params[9] + ns;
+  const int head = int(h) * (RL / L) + row / L;  // query head
+  moff[k] = size_t(b) * params[7] + size_t(head) * params[8] + size_t(row % L) * params[9] + ns;
   m[k] = -FLT_MAX;
   l[k] = 0.0f;
   for (int e = 0; e < EV; ++e) {
@@ -158,8 +159,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
     const int r = int(sg) + k * NSG;
     // Masked tokens score -FLT_MAX, as in the reference; tokens past the split's end do not exist.
     const bool visible = t <= climit + (r0 + r) % L;
-    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, (MASK != 0 && r < nrows) ? amask[moff[k] + t] : MT(0))
-                           : -FLT_MAX;
+    const MT mv = (MASK != 0 && valid && r < nrows) ? amask[moff[k] + t] : MT(0);
+    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, mv) : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;

@@ -140,8 +140,8 @@ for (int f0 = 0; f0 < ns + nw; f0 += 32) {
   for (int k = 0; k < RPS; ++k) {
     const bool visible = t <= (sink ? slimit : wlimit) + qi[k];
     const bool read = MASK != 0 && valid && int(sg) + k * NSG < nrows;
-    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, read ? amask[moff[k] + (sink ? t : ns + N + t)] : MT(0))
-                           : -FLT_MAX;
+    const MT mv = read ? amask[moff[k] + (sink ? t : ns + N + t)] : MT(0);  // columns: sinks, codes, window
+    const float sk = valid ? tq_mask_score<MASK>(s[k], visible, mv) : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;
@@ -246,9 +246,8 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   for (int k = 0; k < RPS; ++k) {
     const int r = int(sg) + k * NSG;
     const bool visible = t <= climit + qi[k];
-    const bool read = MASK != 0 && valid && r < nrows;
-    const float sk = valid ? tq_mask_score<MASK>(s[k] + qm[k], visible, read ? amask[moff[k] + ns + t] : MT(0))
-                           : -FLT_MAX;
+    const MT mv = (MASK != 0 && valid && r < nrows) ? amask[moff[k] + ns + t] : MT(0);
+    const float sk = valid ? tq_mask_score<MASK>(s[k] + qm[k], visible, mv) : -FLT_MAX;
     const float mn = max(m[k], simd_max(sk));
     const float alpha = fast::exp(m[k] - mn);
     const float p = valid ? fast::exp(sk - mn) : 0.0f;
