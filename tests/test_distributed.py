@@ -228,9 +228,10 @@ def generate_args(model_dir: Path) -> list[str]:
 
 
 def float16_kb(summary: str) -> float:
-    """The float16 size in tq-generate's summary line ("KV cache: 113 KB for 85 tokens vs 87.0 KB in float16 ...")."""
-    size, unit = summary.split(" vs ")[1].split(" in float16")[0].split()
-    return float(size) * {"KB": 1, "MB": 1024}[unit]
+    """What mlx-lm's own cache would hold, from tq-generate's summary line ("KV cache: 292 KB for 85 tokens;
+    mlx-lm's float32 cache would hold 1.05 MB; ...")."""
+    size, unit = summary.split(" cache would hold ")[1].split(";")[0].split()
+    return float(size) * {"KB": 1, "MB": 1000}[unit]  # format_bytes: decimal units
 
 
 @pytest.fixture(scope="module")
