@@ -92,6 +92,27 @@ def test_key_and_value_bits_override_both():
     assert (cfg.key_bits, cfg.value_bits) == (8, 2)
 
 
+def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
+    from tq_mlx.config import PRESETS
+
+    assert set(PRESETS) == {"quality", "default", "compact"}
+    assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
+    compact = config_from_args(parse("--tq-preset", "compact"))
+    assert (compact.key_bits, compact.value_bits, compact.window) == (3, 2, 1824)
+    quality = config_from_args(parse("--tq-preset", "quality", "--tq-window", "256"))
+    assert (quality.key_bits, quality.value_bits, quality.norm_bits, quality.window) == (4, 4, 8, 256)
+    assert cache_flags_given(parse("--tq-preset", "compact")) == ["--tq-preset"]  # so --kv-bits conflicts with it
+    with pytest.raises(SystemExit):
+        parse("--tq-preset", "tiny")
+    assert "allowed are quality, default, compact" in str(pytest.raises(ValueError, TurboQuantConfig.preset, "x").value)
+    # tq-chat's short name, and what tq-generate reports
+    p = add_cache_args(argparse.ArgumentParser(), short_aliases=True)
+    assert config_from_args(p.parse_args(["--preset", "compact"])) == compact
+    rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "4",
+                        "--tq-preset", "compact", "--tq-window", "8", "--tq-block", "4", "--tq-sinks", "2"])
+    assert rc == 0 and "K3/V2 on all 3 attention layers" in capsys.readouterr().out
+
+
 def test_short_aliases():
     p = add_cache_args(argparse.ArgumentParser(), short_aliases=True)
     cfg = config_from_args(p.parse_args(["--bits", "3.5", "--k-bits", "4"]))

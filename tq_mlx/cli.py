@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from .config import NORM_BITS, TurboQuantConfig, bits_label
+from .config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label
 from .quantizer import MSE_BITS, check_bits, format_bits
 
 _ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
@@ -39,7 +39,7 @@ _FIELDS = {
     "tq_protect_bits": "protect_bits",
     "tq_norm_bits": "norm_bits",
 }
-_DESTS = ("tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
           *_FIELDS)
 
 
@@ -87,6 +87,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     def names(long: str, short: str) -> list[str]:
         return [long, short] if short_aliases else [long]
 
+    g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
+                   help="a named setting the other --tq-* flags then adjust: quality (K4/V4, window 1696, 8-bit "
+                        "norms: 4.77 bits/value at 32k), default (K4/V3, window 768: 4.04), compact (K3/V2, window "
+                        "1824: 3.50); their measurements are in benchmarks/DEFAULTS.md")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
                    help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
                         f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")
@@ -164,7 +168,7 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):
         kw["center_values"] = False
-    return TurboQuantConfig(**kw)
+    return TurboQuantConfig.preset(getattr(args, "tq_preset", None) or "default", **kw)
 
 
 def config_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TurboQuantConfig | None:

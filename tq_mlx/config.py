@@ -86,6 +86,13 @@ class TurboQuantConfig:
                 )
 
     @classmethod
+    def preset(cls, name: str, **kwargs) -> "TurboQuantConfig":
+        """A named setting (PRESETS: quality, default, compact), other fields as given."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **kwargs})
+
+    @classmethod
     def from_bits(cls, bits: float, **kwargs) -> "TurboQuantConfig":
         """The same bit width for keys and values, other fields as given."""
         return cls(key_bits=bits, value_bits=bits, **kwargs)
@@ -125,3 +132,13 @@ class TurboQuantConfig:
         if unknown:
             raise ValueError(f"unknown TurboQuantConfig fields {sorted(unknown)}; allowed: {sorted(names)}")
         return cls(**d)
+
+
+# Named settings, by what they trade (the commands' --tq-preset). Bits per value at 32k tokens with float parts in
+# float16, head_dim 64; KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at long
+# context"). Issue 23 re-chooses them once temporal decay is in the package.
+PRESETS: dict[str, dict] = {
+    "quality": dict(key_bits=4, value_bits=4, window=1696, compress_block=64, norm_bits=8),  # 4.77 bits, KL <= 0.0026
+    "default": {},  # K4/V3, window 768: 4.04 bits, KL <= 0.0067
+    "compact": dict(key_bits=3, value_bits=2, window=1824, compress_block=64),  # 3.50 bits, KL <= 0.012
+}
