@@ -520,3 +520,21 @@ def test_mla_hybrids_count_only_their_latent_layers():
     bailing = attention_layout({**mla, "model_type": "bailing_hybrid", "num_hidden_layers": 10, "layer_group_size": 4})
     assert bailing.full_layers == (3, 7, 8, 9) and len(bailing.linear_layers) == 6
     assert (bailing.n_kv_heads, bailing.head_dim, bailing.v_head_dim) == (1, 512, 64)
+
+
+def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
+    from tq_mlx.memory import protect_layer_bytes
+
+    cfg = TurboQuantConfig(protect_factor=1.0, window=32, step=64)
+    cache = TurboQuantKVCache(cfg, fetch="latent")
+    k1, k2 = mx.random.split(mx.random.key(0))
+    # a latent that never varies along its mean (channel 0 constant): its keys protect themselves
+    latent = mx.concatenate([mx.full((1, 1, 200, 1), 20.0), mx.random.normal((1, 1, 200, 511), key=k1)], axis=-1)
+    cache.update_and_fetch(latent, mx.random.normal((1, 1, 200, 64), key=k2))
+    mx.eval(cache.held_arrays())
+    assert cache.protected and (cache.key_bits, cache.value_bits) == (8, 4)
+    protected = turboquant_layer_bytes(200, 1, 512, 64, 4, 3, cfg, float_bytes=4, latent=True, protected=True)
+    assert cache.nbytes == protected
+    plain = turboquant_layer_bytes(200, 1, 512, 64, 4, 3, cfg, float_bytes=4, latent=True)
+    assert protect_layer_bytes(MLA_TINY, 200, cfg, dtype="float32") == protected - plain > 0
+    assert protect_layer_bytes(MLA_TINY, 200, TurboQuantConfig(protect_factor=None)) == 0

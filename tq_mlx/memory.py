@@ -323,7 +323,7 @@ def _quantizer_layout(dim: int, bits: float, qjl: bool, norm_dtype=mx.float16) -
 def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
-    latent: bool = False, k_eq_v: bool = False,
+    latent: bool = False, k_eq_v: bool = False, protected: bool = False,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token).
@@ -331,7 +331,8 @@ def turboquant_layer_bytes(
     Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key). A
     latent layer stores its rope key (the value stream) at the key bits, centered like keys (it enters the
     scores); a K=V layer (Gemma 4's attention_k_eq_v) holds one stream, its values at the key bits, and derives
-    the keys on each fetch; zero-wide values (an indexer's keys-only cache) hold no value stream.
+    the keys on each fetch; zero-wide values (an indexer's keys-only cache) hold no value stream. protected: the
+    key stream protected itself at calibration (plain MSE codes at config.protect_bits; the values keep theirs).
     Sinks (float_bytes per value: the model's dtype) are allocated whole on first use, the window as
     stream.window_capacity says (steps of 32 tokens, then whole); codes grow in `config.step` tokens;
     means (float32), scales (float32) and channel orders (int32, fractional bits) appear with the first
@@ -343,13 +344,19 @@ def turboquant_layer_bytes(
     B, H = batch, n_kv_heads
     n_s = min(tokens, config.sinks)
     n_c = _turboquant_split(tokens, config)[1]  # ever compressed: centering and channel orders exist from then on
-    qjl = config.layer_qjl(key_bits)
-    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
     value_dim = 0 if k_eq_v else value_dim
     value_bits, v_center = (key_bits, config.center_keys) if latent else (value_bits, config.center_values)
+    base_bits = key_bits
+    if protected:
+        key_bits, qjl = config.protect_bits, False
+    else:
+        qjl = config.layer_qjl(key_bits)
+    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
     v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype) if value_dim else \
         (0, 0, False)
     total = k_const + v_const
+    if protected:  # the stream keeps its configured quantizer next to the protecting one
+        total += _quantizer_layout(key_dim, base_bits, config.layer_qjl(base_bits), config.norm_dtype)[1]
     if config.sinks:
         total += B * H * config.sinks * (key_dim + value_dim) * float_bytes
     total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * float_bytes
@@ -416,6 +423,25 @@ def estimate_kv_bytes(
         else:
             total += float16_kv_bytes(ref_tokens, H, dk, dv, batch)
     return total
+
+
+def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
+                        max_kv_size: int | None = None) -> int:
+    """What one attention layer adds at ctx if its keys protect themselves (config.protect_bits, chosen by the
+    layer's own calibration tokens, so a plan can only price one): its key stream at protect_bits, its values
+    unchanged (a latent layer's rope key keeps the key bits), and the stream keeps its configured quantizer's
+    constants next to the protecting one. 0 if protection is off or not above the key bits."""
+    if config.protect_factor is None or config.protect_bits <= config.key_bits:
+        return 0
+    lay = attention_layout(model_config)
+    n_att = len(lay.full_layers)
+    if not n_att:
+        return 0
+    kb, vb = config.layer_bits(n_att // 2, n_att)  # a middle layer: boundary layers have their own bits
+    args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim, kb, vb, config, batch,
+            kv_float_bytes(model_config, dtype), max_kv_size)
+    flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v)
+    return turboquant_layer_bytes(*args, protected=True, **flags) - turboquant_layer_bytes(*args, **flags)
 
 
 # --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------
