@@ -575,12 +575,17 @@ def _sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
 
 _sdpa.original = mlx_base.scaled_dot_product_attention
 _SDPA_MODULES: dict[str, Any] = {}  # model modules whose scaled_dot_product_attention is _sdpa
+_MODULES_SEEN = 0  # len(sys.modules) at the last scan
 
 
 def _hook_model_modules() -> None:
     """Point every loaded mlx_lm.models module's by-name `scaled_dot_product_attention` at _sdpa. Model files
     import it by name (mlx-lm-integration.md §2), so base's attribute alone reaches none of them; a model's
     module is loaded before its first cache is built, which calls this."""
+    global _MODULES_SEEN
+    if len(sys.modules) == _MODULES_SEEN:  # every cache of a model calls this: scan only when modules were loaded
+        return
+    _MODULES_SEEN = len(sys.modules)
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and name not in _SDPA_MODULES and module is not None:
             if getattr(module, "scaled_dot_product_attention", None) is _sdpa.original:
@@ -603,12 +608,14 @@ def install_attention_hook() -> None:
 
 def uninstall_attention_hook() -> None:
     """Leave mlx-lm exactly as it was before install_attention_hook."""
+    global _MODULES_SEEN
     if mlx_base.quantized_scaled_dot_product_attention is _attention:
         mlx_base.quantized_scaled_dot_product_attention = _attention.original
     for module in _SDPA_MODULES.values():
         if getattr(module, "scaled_dot_product_attention", None) is _sdpa:
             module.scaled_dot_product_attention = _sdpa.original
     _SDPA_MODULES.clear()
+    _MODULES_SEEN = 0
     for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
         if getattr(mlx_cache, cls.__name__, None) is cls:
             delattr(mlx_cache, cls.__name__)
