@@ -35,7 +35,8 @@ def dequantized(h: StreamView) -> np.ndarray:
     return np.concatenate(parts, axis=2)
 
 
-def reference_attention(queries, K, V, scale, mask) -> np.ndarray:
+def reference_attention(queries, K, V, scale, mask, sinks=None) -> np.ndarray:
+    """float64 softmax attention; sinks (n_q_heads,): a sink column of score sinks[h] and value 0."""
     q = np.asarray(queries.astype(mx.float32)).astype(np.float64)
     B, Hq, L, _ = q.shape
     R = Hq // K.shape[1]
@@ -47,9 +48,13 @@ def reference_attention(queries, K, V, scale, mask) -> np.ndarray:
     elif mask is not None:
         m = np.asarray(mask)
         s = np.where(m, s, -np.inf) if m.dtype == bool else s + m
+    if sinks is not None:
+        sink = np.asarray(sinks.astype(mx.float32)).astype(np.float64)[None, :, None, None]
+        s = np.concatenate([np.broadcast_to(sink, (B, Hq, L, 1)), s], axis=-1)
     s = s - s.max(-1, keepdims=True)
     p = np.exp(s)
-    return (p / p.sum(-1, keepdims=True)) @ V
+    p = p / p.sum(-1, keepdims=True)
+    return (p if sinks is None else p[..., 1:]) @ V
 
 
 def rel_err(out: mx.array, ref: np.ndarray) -> float:
@@ -301,32 +306,12 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
             assert float(mx.abs(out - ref).max()) < 0.02 * float(mx.abs(ref).max()), L
             # Exact on the codes: the float64 softmax with the sink column.
             K, V = dequantized(kh), dequantized(vh)
-            with_sink = reference_attention_with_sinks(q, K, V, D**-0.5, mask, sinks)
+            with_sink = reference_attention(q, K, V, D**-0.5, mask, sinks)
             assert rel_err(out, with_sink) < 2e-5
         # The sinks change the result (the sink takes some of the mass).
         plain = turboquant_attention(q, kh, vh, D**-0.5, None if L == 1 else "causal")
         assert float(mx.abs(plain - out).max()) > 1e-3
     assert cache.n_compressed > 10
-
-
-def reference_attention_with_sinks(queries, K, V, scale, mask, sinks) -> np.ndarray:
-    """reference_attention with a sink column of score sinks[h] and value 0."""
-    q = np.asarray(queries.astype(mx.float32)).astype(np.float64)
-    B, Hq, L, _ = q.shape
-    R = Hq // K.shape[1]
-    K, V = np.repeat(K, R, axis=1), np.repeat(V, R, axis=1)
-    s = scale * (q @ K.swapaxes(-1, -2))
-    T = K.shape[2]
-    if isinstance(mask, str):
-        s = np.where(np.arange(T - L, T)[:, None] >= np.arange(T)[None], s, -np.inf)
-    elif mask is not None:
-        m = np.asarray(mask)
-        s = np.where(m, s, -np.inf) if m.dtype == bool else s + m
-    sink = np.broadcast_to(np.asarray(sinks.astype(mx.float32)).astype(np.float64)[None, :, None, None], (B, Hq, L, 1))
-    s = np.concatenate([sink, s], axis=-1)
-    s = s - s.max(-1, keepdims=True)
-    p = np.exp(s)
-    return (p / p.sum(-1, keepdims=True))[..., 1:] @ V
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
@@ -365,7 +350,7 @@ def test_learned_sinks_with_array_masks_and_batch_views():
     for mask in (None, "causal", mx.array(causal[None, None] & pad),
                  mx.array(np.where(causal[None, None] & pad, 0.0, -1e9).astype(np.float32))):
         out = turboquant_attention(q, kh, vh, 0.125, mask, tile_tokens=4, sinks=sinks)
-        ref = reference_attention_with_sinks(q, dequantized(kh), dequantized(vh), 0.125, mask, sinks)
+        ref = reference_attention(q, dequantized(kh), dequantized(vh), 0.125, mask, sinks)
         assert rel_err(out, ref) < 2e-5
     # A batch view of the two rows (B=1 views each): the same as the batched call.
     rows = tuple(kh._replace(**{f: (None if getattr(kh, f) is None else _row(getattr(kh, f), i))
@@ -375,7 +360,7 @@ def test_learned_sinks_with_array_masks_and_batch_views():
     spans, ends = ((0, L),) * B, (T,) * B
     out = batched_attention(q, BatchView(rows, spans, ends), BatchView(vrows, spans, ends), 0.125, "causal",
                             sinks=sinks)
-    ref = reference_attention_with_sinks(q, dequantized(kh), dequantized(vh), 0.125, "causal", sinks)
+    ref = reference_attention(q, dequantized(kh), dequantized(vh), 0.125, "causal", sinks)
     assert rel_err(out, ref) < 2e-5
 
 
