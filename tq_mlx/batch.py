@@ -145,16 +145,15 @@ class BatchTurboQuantKVCache(_BaseCache):
         """One side of an update: a BatchView of the rows' views, or (float fetches) the padded float array."""
         if not any(isinstance(f, mx.array) for f in fetched):
             return BatchView(tuple(fetched), *self._last)
+        like = next(x for x in fetched if isinstance(x, mx.array))
         rows = []
         for i, (row, f) in enumerate(zip(self.rows, fetched)):
-            if f is None:  # no token in this update: the row's tokens so far
-                f = row.keys_and_values()[side] if not row.empty() else None
-            end = self._idx if self._ends[i] == NO_END else min(self._ends[i], self._idx)
-            n = 0 if f is None else f.shape[2]
+            if f is None and not row.empty():  # no token in this update: the row's tokens so far
+                f = row.keys_and_values()[side]
             if f is None:
-                shape = next(x.shape for x in fetched if isinstance(x, mx.array))
-                f = mx.zeros((1, shape[1], 0, shape[3]), dtype)
-            rows.append(mx.pad(f.astype(dtype), [(0, 0), (0, 0), (end - n, self._idx - end), (0, 0)]))
+                f = mx.zeros((1, like.shape[1], 0, like.shape[3]), dtype)
+            end = self._idx if self._ends[i] == NO_END else min(self._ends[i], self._idx)
+            rows.append(mx.pad(f.astype(dtype), [(0, 0), (0, 0), (end - f.shape[2], self._idx - end), (0, 0)]))
         return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
     def keys_and_values(self):

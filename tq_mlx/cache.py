@@ -253,12 +253,11 @@ class TurboQuantKVCache(_BaseCache):
         self.offset += keys.shape[2]
         if self.max_size is not None:
             self._drop_for(keys.shape[2])
-        if self.k_eq_v:
-            v = float_tokens(self.key_stream.append(values), values.dtype, values)
-            return self._derived_keys(v), v
+        if self.k_eq_v:  # one stream, of the values
+            return self._fetched(self.key_stream.append(values), None, values, keys.shape[2])
         k = self.key_stream.append(keys)
         v = self.value_stream.append(values) if self.value_stream else None
-        return self._fetched(k, v, keys)
+        return self._fetched(k, v, keys, keys.shape[2])
 
     def _derived_keys(self, values: mx.array) -> mx.array:
         if self.derive_keys is None:
@@ -284,49 +283,49 @@ class TurboQuantKVCache(_BaseCache):
         K = self.config.compress_block_size
         return max(0, min(K * -(-(before - self.max_size + 1) // K) - self.n_dropped, self.n_compressed))
 
-    def _fetched(self, k: StreamView, v: StreamView | None, new: mx.array):
+    def _fetched(self, k: StreamView, v: StreamView | None, new: mx.array | None, n_new: int = 0):
+        """What the model gets for the views of its streams (see `fetch`): float tensors in the dtype of `new`
+        (the tokens just stored; None: the stored float tokens'). Decoding waits for `new`, so a forward pass
+        decodes one layer at a time rather than every layer's cache up front (they depend on nothing else): the
+        float transient stays one layer's."""
+        dtype = new.dtype if new is not None else next(
+            (a.dtype for a in (k.window, k.sinks) if a is not None), mx.float16)
+
+        def floats(view):
+            return float_tokens(view, dtype, new)
+
+        if self.k_eq_v:  # k holds the values; the keys derive from them
+            values = floats(k)
+            return self._derived_keys(values), values
         if v is None:  # zero-wide values
-            v = mx.zeros((*new.shape[:2], k.n_tokens, 0), new.dtype)
-            return (k if self.fetch == "codes" else float_tokens(k, new.dtype, new)), v
+            return (k if self.fetch == "codes" else floats(k)), mx.zeros((*self.batch_heads(), k.n_tokens, 0), dtype)
         if self.fetch == "codes":
             return k, v
-        # Decoding waits for this layer's new tokens, so a forward pass decodes one layer at a time rather than
-        # every layer's cache up front (they depend on nothing else): the float transient stays one layer's.
-        if self.fetch == "latent" and new.shape[2] == 1:
-            return k, float_tokens(v, new.dtype, new)
-        return float_tokens(k, new.dtype, new), float_tokens(v, new.dtype, new)
+        if self.fetch == "latent" and n_new == 1:
+            return k, floats(v)
+        return floats(k), floats(v)
 
     def keys_and_values(self) -> tuple[StreamView, StreamView]:
         """Views of everything stored, without appending: for models whose KV-shared layers read another
         layer's cache back and attend through it (gemma3n.py:133)."""
         if self.key_stream is None:
             raise ValueError(f"{self._where()}: keys_and_values() before any update")
-        k = self.key_stream.view()
-        dtype = next(a.dtype for a in (k.window, k.sinks, mx.zeros((0,), mx.float16)) if a is not None)
-        if self.k_eq_v:
-            v = float_tokens(k, dtype)
-            return self._derived_keys(v), v
-        if self.value_stream is None:
-            empty = mx.zeros((*self.batch_heads(), k.n_tokens, 0), dtype)
-            return (k if self.fetch == "codes" else float_tokens(k, dtype)), empty
-        v = self.value_stream.view()
-        if self.fetch == "codes":
-            return k, v
-        return float_tokens(k, dtype), float_tokens(v, dtype)
+        return self._fetched(self.key_stream.view(), self.value_stream.view() if self.value_stream else None, None)
 
     # mlx-lm's pipelined models tie a stage's send to its last cache, `cache[-1].keys = mx.depends(
     # cache[-1].keys, h)` (qwen2.py:165-167 and every PipelineMixin model), so that generate's mx.eval of the
     # cache state after each prefill chunk runs the send. `keys` is one buffer of the key stream that the state
     # holds (the float window, else the sinks, else the codes); assigning replaces that buffer.
-    @property
-    def keys(self) -> mx.array | None:
-        s = self.key_stream
+    @staticmethod
+    def _buffer(s: CompressedStream | None) -> mx.array | None:
+        """The buffer of a stream that `keys` / `values` stand for: the float window, else the sinks, else the codes."""
         if s is None:
             return None
-        for a in (s.window, s.sinks):
-            if a is not None:
-                return a
-        return s.codes[0] if s.codes else None
+        return next((a for a in (s.window, s.sinks) if a is not None), s.codes[0] if s.codes else None)
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self._buffer(self.key_stream)
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
@@ -335,10 +334,9 @@ class TurboQuantKVCache(_BaseCache):
     # minimax_m3_vl ties its indexer cache into the graph through `cache.keys` and `cache.values` (:348).
     @property
     def values(self) -> mx.array | None:
-        s = self.key_stream if self.k_eq_v else self.value_stream
-        if s is None:
-            return None if self.key_stream is None else mx.zeros((0,), mx.float16)  # zero-wide values
-        return next((a for a in (s.window, s.sinks) if a is not None), s.codes[0] if s.codes else None)
+        if self.value_stream is None and not self.k_eq_v and self.key_stream is not None:
+            return mx.zeros((0,), mx.float16)  # zero-wide values
+        return self._buffer(self.key_stream if self.k_eq_v else self.value_stream)
 
     @values.setter
     def values(self, value: mx.array) -> None:
@@ -346,7 +344,7 @@ class TurboQuantKVCache(_BaseCache):
             self._set_buffer(self.value_stream, value, "values")
 
     def _set_buffer(self, s: CompressedStream | None, value: mx.array, name: str) -> None:
-        if s is None or (s.window is None and s.sinks is None and not s.codes):
+        if self._buffer(s) is None:
             raise ValueError(f"{self._where()}: {name} assigned before any update")
         if s.window is not None:
             s.window = value
@@ -394,16 +392,16 @@ class TurboQuantKVCache(_BaseCache):
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # columns are the tokens held once this update has dropped its share (fewer than the offset once a
+        # bound dropped some)
+        held = self.n_held - self._pending_drop(self.offset)
         if self.max_size is not None and N > 1:
             # as RotatingKVCache.make_mask: a prefill chunk attends within a window of max_size held tokens
             window_size = window_size or self.max_size
-            offset = self.n_held - self._pending_drop(self.offset)  # held once this update has dropped its share
-            if offset + N > window_size or return_array:
-                return create_causal_mask(N, offset, window_size=window_size)
+            if held + N > window_size or return_array:
+                return create_causal_mask(N, held, window_size=window_size)
             return "causal"
-        # columns are the tokens held (fewer than the offset once a bound dropped some)
-        return create_attention_mask(N, offset=self.n_held - self._pending_drop(self.offset),
-                                     return_array=return_array, window_size=window_size)
+        return create_attention_mask(N, offset=held, return_array=return_array, window_size=window_size)
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this cache holds (both streams: buffers, centering, channel orders, quantizer constants),
@@ -548,15 +546,21 @@ BatchTurboQuantKVCache.row_class = TurboQuantKVCache  # tq_mlx.batch sits below 
 # --- the attention hook: installed by the first cache, not at import -----------------------------------------
 
 
+def _fetched_attention(queries, keys, values, scale: float, mask, sinks=None):
+    """Attention over what a TurboQuant cache fetched: views on the codes (batch views row by row), float
+    fetches with mx.fast.scaled_dot_product_attention."""
+    if isinstance(keys, BatchView):
+        return batch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(keys, StreamView):
+        return dispatch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
 def _attention(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 8):
     """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention, which mlx-lm's attention calls
-    for caches that have `bits`."""
-    if isinstance(keys, BatchView):
-        return batch_attention(queries, keys, values, scale=scale, mask=mask)
-    if isinstance(keys, StreamView):
-        return dispatch_attention(queries, keys, values, scale=scale, mask=mask)
-    if isinstance(keys, mx.array):  # a float fetch (mlx-lm's own quantized keys are tuples)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    for caches that have `bits`. mlx-lm's own quantized keys are tuples; views and float fetches are ours."""
+    if isinstance(keys, (BatchView, StreamView, mx.array)):
+        return _fetched_attention(queries, keys, values, scale, mask)
     return _attention.original(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
 
@@ -564,12 +568,8 @@ def _sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     """Stands in for mlx_lm.models.base.scaled_dot_product_attention in the model files that import it by name.
     It sees what the quantized entry point cannot: learned sinks (which base's version refuses for caches with
     `bits`), and views attended without their cache (Gemma 4's KV-shared layers pass cache=None)."""
-    if isinstance(keys, BatchView):
-        return batch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if isinstance(keys, StreamView):
-        return dispatch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):  # a float fetch
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(keys, (BatchView, StreamView)) or isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
+        return _fetched_attention(queries, keys, values, scale, mask, sinks)
     return _sdpa.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

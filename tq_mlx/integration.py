@@ -179,6 +179,12 @@ def k_eq_v_keys(model: nn.Module, i: int) -> Callable[[mx.array], mx.array] | No
     return keys
 
 
+def _layer_derive_keys(model: nn.Module, i: int, member: int | None, max_kv_size: int | None):
+    """derive_keys for the cache of layer i (CacheList member `member`): K=V layers hold one stream unless bounded
+    (the positions of a bounded cache's held tokens have gaps, which the derivation's rope cannot see)."""
+    return k_eq_v_keys(model, i) if member is None and max_kv_size is None else None
+
+
 def _kv_slots(base: list[Any]) -> list[tuple[int, int | None]]:
     """(layer, member) of every plain KVCache: member is None at the top level, else the index in a CacheList."""
     slots = []
@@ -254,9 +260,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
             caches[i, member] = TurboQuantKVCache(
                 config, layer_index=start + i, attention_index=start + j if whole else j,
                 n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch, member),
-                fetch=fetch, max_size=max_kv_size,
-                # K=V holds one stream; a bounded cache keeps two (the positions of its held tokens have gaps)
-                derive_keys=k_eq_v_keys(model, i) if member is None and max_kv_size is None else None,
+                fetch=fetch, max_size=max_kv_size, derive_keys=_layer_derive_keys(model, i, member, max_kv_size),
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None
@@ -311,8 +315,8 @@ def _validate_entry(model: nn.Module, i: int, c: Any, b: Any, config: TurboQuant
             raise ValueError(f"layer {i}: prompt cache holds a TurboQuantKVCache, the model uses {type(b).__name__}")
         if c.layer_index != pipeline_stage(model)[0] + i:
             raise ValueError(f"layer {i}: prompt cache entry was built for layer {c.layer_index}")
-        head_dim, n_kv = layer_geometry(model, i)
-        k_eq_v = member is None and c.max_size is None and k_eq_v_keys(model, i) is not None
+        _, n_kv = layer_geometry(model, i)
+        k_eq_v = _layer_derive_keys(model, i, member, c.max_size) is not None
         if c.k_eq_v != k_eq_v:
             raise ValueError(f"layer {i}: prompt cache {'holds' if c.k_eq_v else 'has no'} a K=V layer, the model "
                              f"{'has' if k_eq_v else 'has none'} there")
