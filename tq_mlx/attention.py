@@ -81,8 +81,8 @@ def split_query(q: mx.array, kv: StreamView):
 
 
 def keys_are_values(keys: StreamView, values: StreamView) -> bool:
-    """Whether one compressed view serves as both keys and values (MLA's latent, k = v; Gemma 4's
-    attention_k_eq_v): its codes are then read once, for the scores and the values."""
+    """Whether one compressed view serves as both keys and values (MLA's latent at decode, k = v): its codes
+    are then read once, for the scores and the values."""
     return values is keys or (values.quantizer is keys.quantizer and values.codes is keys.codes
                               and values.mean is keys.mean and values.scale is keys.scale)
 
