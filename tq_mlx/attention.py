@@ -84,11 +84,30 @@ def keys_are_values(keys: StreamView, values: StreamView) -> bool:
     """Whether one compressed view serves as both keys and values (MLA's latent at decode, k = v): its codes
     are then read once, for the scores and the values."""
     return values is keys or (values.quantizer is keys.quantizer and values.codes is keys.codes
-                              and values.mean is keys.mean and values.scale is keys.scale)
+                              and values.mean is keys.mean and values.scale is keys.scale
+                              and values.decayed is keys.decayed)
 
 
 def _codes_tile(codes, a: int, b: int):
     return type(codes)(*(x[:, :, a:b] for x in codes))
+
+
+def aligned_segments(keys: StreamView, values: StreamView) -> list[tuple[int, int, StreamView, StreamView]]:
+    """The compressed tokens in spans [a, b) (positions among them) where each side has one quantizer, with
+    each side's codes-only view cut to the span. With temporal decay a side has decayed and fresh codes, and
+    the sides may split at different tokens (only one side decays, or the keys protected themselves)."""
+    def cut(kv: StreamView, a: int, b: int) -> StreamView:
+        off, seg = next((o, v) for o, v in reversed(kv.segments()) if o <= a)
+        return seg._replace(codes=_codes_tile(seg.codes, a - off, b - off))
+
+    same = keys_are_values(keys, values)
+    n = keys.n_compressed
+    cuts = sorted({0, n, *(o for o, _ in keys.segments()), *(() if same else (o for o, _ in values.segments()))})
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        k = cut(keys, a, b)
+        out.append((a, b, k, k if same else cut(values, a, b)))
+    return out
 
 
 def _units(kv: StreamView, codes) -> list[tuple[mx.array, mx.array]]:
@@ -310,11 +329,15 @@ def turboquant_attention(
 
     if n_c:
         # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
-        q_groups, sq = split_query(q if keys.scale is None else q * keys.scale[:, :, None, None], keys)
+        qk = q if keys.scale is None else q * keys.scale[:, :, None, None]
+        queries_in = {}  # per key quantizer (decayed codes have their own): the query in its bases
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
         tile = tile_size(B, Hq, L, tile_tokens)
-        n_tiles = -(-n_c // tile)
-        bounds = [n_c * i // n_tiles for i in range(n_tiles + 1)]
+        spans = []
+        for a0, b0, ks, vs in aligned_segments(keys, values):
+            n_tiles = -(-(b0 - a0) // tile)
+            cuts = [a0 + (b0 - a0) * i // n_tiles for i in range(n_tiles + 1)]
+            spans += [(a, b, ks, vs, a0) for a, b in zip(cuts[:-1], cuts[1:])]
         # Two MLX streams (two cores on a CPU): a tile's values dequantize on one while its keys are scored on
         # the other, and the next tile swaps them. Tiles are independent; only the small merges are serial.
         streams = [mx.default_stream(mx.default_device()), _side_stream()]
@@ -323,16 +346,19 @@ def turboquant_attention(
         # tiles' scores exist. Small blocks (decode) keep scoring tiles on both streams at once.
         serial = B * Hq * L * tile > SERIAL_SCORES
         same = keys_are_values(keys, values)
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            kc, vc = _codes_tile(keys.codes, a, b), _codes_tile(values.codes, a, b)
+        for i, (a, b, ks, vs, a0) in enumerate(spans):
+            if id(ks.quantizer) not in queries_in:
+                queries_in[id(ks.quantizer)] = split_query(qk, ks)
+            q_groups, sq = queries_in[id(ks.quantizer)]
+            kc, vc = _codes_tile(ks.codes, a - a0, b - a0), _codes_tile(vs.codes, a - a0, b - a0)
             if serial and state is not None:
                 done = [x for x in (*state[:4], *(state[4] or ())) if x is not None]
                 kc = type(kc)(*mx.depends(list(kc), done))
             if not same:
                 with mx.stream(streams[(i + 1) % 2]):
-                    v_units = _units(values, vc)
+                    v_units = _units(vs, vc)
             with mx.stream(streams[i % 2]):
-                k_units = _units(keys, kc)
+                k_units = _units(ks, kc)
                 if same:  # one view as keys and values (MLA's latent): its codes are unpacked once
                     v_units = k_units
                 s = None
@@ -340,13 +366,14 @@ def turboquant_attention(
                     sg = (qg @ u.swapaxes(-1, -2)) * n
                     s = sg if s is None else s + sg
                 if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
-                    kq = keys.quantizer
+                    kq = ks.quantizer
                     z = kq.signs(kc)
                     sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * load_norms(kc.gamma)[:, :, None, :])
                     s = sj if s is None else s + sj
                 if q_mu is not None:
                     s = s + q_mu
                 mb, p, lb = softmax(masked(s, n_s + a, n_s + b))
+                # decayed and fresh values share one rotated basis: their accumulators add
                 part = (mb, lb, lb, None, [(p * n) @ u for u, n in v_units])
             merge(part)
     if state is None:

@@ -35,9 +35,10 @@ from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
-# update_and_fetch returns, tq_mlx.architectures). Earlier files still load.
-STATE_VERSION = 5
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5)
+# update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
+# codes). Earlier files still load.
+STATE_VERSION = 6
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -171,19 +172,37 @@ class TurboQuantKVCache(_BaseCache):
             except ValueError as e:
                 raise ValueError(f"{self._where()}: {name} head_dim {d} at {bits} bits: {e}") from None
 
+    @property
+    def decay_bits(self) -> tuple[int | None, int | None]:
+        """(keys, values): the bits compressed tokens decay to (config.decay_after), None where they do not. A
+        latent layer's rope key (its value stream) decays like keys; a protected key stream does not decay."""
+        kb, vb = self.config.layer_decay_bits(self.attention_index, self.n_attention_layers)
+        if self.protected:
+            kb = None
+        return kb, (kb if self.fetch == "latent" else vb)
+
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
         self.check_dims(key_dim, value_dim)
         c = self.config
         common = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
-                      encoder=dispatch_encode)
+                      encoder=dispatch_encode, decoder=dispatch_dequantize)
         seeds = [layer_seed(c.seed, self.layer_index, side) for side in (0, 1)]
         kb = self.config_bits[0]
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
+        decay = self.decay_bits
+
+        def decay_of(dim, side):
+            bits = decay[side]
+            return None if bits is None else (c.decay_after, make_quantizer(int(dim), bits, False, seeds[side],
+                                                                             c.norm_dtype))
+
         self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
-                                           name="k", center=c.center_keys, protect=protect, **common)
+                                           name="k", center=c.center_keys, protect=protect,
+                                           decay=decay_of(key_dim, 0), **common)
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
-            name="v", center=c.center_keys if self.fetch == "latent" else c.center_values, **common)
+            name="v", center=c.center_keys if self.fetch == "latent" else c.center_values,
+            decay=decay_of(value_dim, 1), **common)
 
     @property
     def key_dim(self) -> int:
@@ -206,7 +225,14 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def n_compressed(self) -> int:
-        return self.key_stream.n_compressed if self.key_stream else 0
+        """Compressed tokens, decayed ones included."""
+        s = self.key_stream
+        return s.n_compressed + s.n_decayed if s else 0
+
+    @property
+    def n_decayed(self) -> tuple[int, int]:
+        """(keys, values): compressed tokens re-coded at the decay bits (config.decay_after) on each side."""
+        return tuple(s.n_decayed if s else 0 for s in (self.key_stream, self.value_stream))
 
     @property
     def n_window(self) -> int:
@@ -321,7 +347,8 @@ class TurboQuantKVCache(_BaseCache):
         """The buffer of a stream that `keys` / `values` stand for: the float window, else the sinks, else the codes."""
         if s is None:
             return None
-        return next((a for a in (s.window, s.sinks) if a is not None), s.codes[0] if s.codes else None)
+        codes = s.codes or s.decayed
+        return next((a for a in (s.window, s.sinks) if a is not None), codes[0] if codes else None)
 
     @property
     def keys(self) -> mx.array | None:
@@ -350,8 +377,10 @@ class TurboQuantKVCache(_BaseCache):
             s.window = value
         elif s.sinks is not None:
             s.sinks = value
-        else:
+        elif s.codes:
             s.codes = type(s.codes)(value, *s.codes[1:])
+        else:
+            s.decayed = type(s.decayed)(value, *s.decayed[1:])
 
     # --- the rest of mlx-lm's cache protocol ---------------------------------------------------------
 
@@ -427,6 +456,7 @@ class TurboQuantKVCache(_BaseCache):
             "offset": self.offset,
             "n_sinks": self.n_sinks,
             "n_compressed": self.n_compressed,
+            "n_decayed": list(self.n_decayed),
             "n_window": self.n_window,
             "key_dim": self.key_dim,
             "value_dim": self.value_dim,
@@ -477,6 +507,10 @@ class TurboQuantKVCache(_BaseCache):
             max_size = meta.get("max_size")  # absent before version 5
             self.max_size = None if max_size is None else check_max_size(max_size, config)
             n_dropped = check_int("n_dropped", meta.get("n_dropped", 0), 0)
+            n_decayed = meta.get("n_decayed", [0, 0])  # absent before version 6
+            if not isinstance(n_decayed, (list, tuple)) or len(n_decayed) != 2:
+                raise ValueError(f"TurboQuantKVCache state has n_decayed {n_decayed!r}; expected [keys, values]")
+            n_decayed = [check_int("n_decayed", d, 0) for d in n_decayed]
             self.k_eq_v = bool(meta.get("k_eq_v", False))  # absent before version 5
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
@@ -510,8 +544,10 @@ class TurboQuantKVCache(_BaseCache):
             self.key_stream.set_protected(True)
         bh = batch_heads(arrays, "k")
         try:
-            for s in self.streams:
-                s.load_state(arrays, n_s, n_c, n_w, bh)
+            for s, d in zip(self.streams, n_decayed):
+                if d > n_c:
+                    raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d)
         except ValueError as e:
             raise bad(str(e)) from None
 
@@ -532,9 +568,9 @@ def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = Non
     """Every token of a view as one float tensor (B, H, n_tokens, D) `dtype` in the model basis: the sinks, the
     compressed tokens decoded (the dequantize kernel on Metal), the window. `after`: decode only once it exists."""
     parts = [view.sinks]
-    if view.codes is not None:
-        codes = view.codes if after is None else type(view.codes)(*mx.depends(list(view.codes), [after]))
-        parts.append(dispatch_dequantize(view._replace(codes=codes), dtype))
+    for _, seg in view.segments():  # decayed codes, then fresh ones
+        codes = seg.codes if after is None else type(seg.codes)(*mx.depends(list(seg.codes), [after]))
+        parts.append(dispatch_dequantize(seg._replace(codes=codes), dtype))
     parts.append(view.window)
     parts = [p.astype(dtype) for p in parts if p is not None]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

@@ -15,6 +15,7 @@ from .quantizer import PROD_BITS, check_bits, format_bits
 # window tokens), and blocks of 64 measured worse than 128 (benchmarks/DEFAULTS.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
+DECAY_BITS = (1, 2, 3, 4)  # one channel group each, so decayed codes share the fresh codes' rotation
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -59,6 +60,13 @@ class TurboQuantConfig:
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 16  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
+    # Temporal decay: compressed tokens at least decay_after tokens old (counted back from the newest) are
+    # re-coded from their codes at decay_key_bits / decay_value_bits (None: that side keeps its bits), in whole
+    # compress blocks. None: no decay. Integer bits below the side's own, which must be integer too (the codes
+    # of both ages share one rotation); not with QJL keys; boundary and protected layers do not decay.
+    decay_after: int | None = None
+    decay_key_bits: float | None = None
+    decay_value_bits: float | None = None
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
 
@@ -84,6 +92,32 @@ class TurboQuantConfig:
                 raise ValueError(
                     f"compress_block must be between 1 and window={self.window}, got {self.compress_block}"
                 )
+        self._check_decay()
+
+    def _check_decay(self) -> None:
+        sides = (("decay_key_bits", self.key_bits), ("decay_value_bits", self.value_bits))
+        if self.decay_after is None:
+            for name, _ in sides:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs decay_after (the token age at which tokens are re-coded)")
+            return
+        least = self.window + self.compress_block_size
+        check_int("decay_after", self.decay_after, least)  # so that fresh codes remain next to decayed ones
+        if all(getattr(self, name) is None for name, _ in sides):
+            raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to)")
+        for name, bits in sides:
+            b = getattr(self, name)
+            if b is None:
+                continue
+            if isinstance(b, bool) or b not in DECAY_BITS:
+                raise ValueError(f"{name} must be one of {DECAY_BITS} or None, got {b!r}")
+            object.__setattr__(self, name, int(b))
+            side = name.removeprefix("decay_")
+            if bits != int(bits) or b >= bits:
+                raise ValueError(f"{name}={b} must be an integer below {side}={format_bits(bits)}, itself an "
+                                 f"integer (decayed and fresh codes share one rotation)")
+        if self.qjl and self.decay_key_bits is not None:
+            raise ValueError("decay_key_bits does not apply to QJL keys (qjl=True): set it to None")
 
     @classmethod
     def preset(cls, name: str, **kwargs) -> "TurboQuantConfig":
@@ -113,6 +147,15 @@ class TurboQuantConfig:
         if n and (attention_index < n or attention_index >= n_attention_layers - n):
             return max(self.key_bits, self.boundary_bits), max(self.value_bits, self.boundary_bits)
         return self.key_bits, self.value_bits
+
+    def layer_decay_bits(self, attention_index: int, n_attention_layers: int | None) -> tuple[int | None, int | None]:
+        """(decay_key_bits, decay_value_bits) of an attention layer: (None, None) without decay and in boundary
+        layers, which keep their boundary_bits at every age."""
+        n = self.boundary_layers
+        if self.decay_after is None or (n and n_attention_layers is not None and (
+                attention_index < n or attention_index >= n_attention_layers - n)):
+            return None, None
+        return self.decay_key_bits, self.decay_value_bits
 
     def layer_qjl(self, key_bits: float) -> bool:
         """Whether keys at key_bits use QJL: TurboQuant_prod needs integer bits 1-4, so an 8-bit boundary

@@ -278,6 +278,8 @@ def dequantize_unsupported(kv: StreamView) -> str | None:
     """Why `dequantize` cannot run this view (None: it can)."""
     if kv.codes is None:
         return "no compressed tokens"
+    if kv.decayed is not None:
+        return "decayed codes (dequantize each segment)"
     if kv.perm is not None:
         return "channel permutation (fractional bits)"
     reason = _quantizer_unsupported(kv.quantizer)
@@ -375,6 +377,8 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
         return "no query tokens"
     if keys.n_compressed == 0:
         return "no compressed tokens (float tokens only)"
+    if keys.decayed is not None or values.decayed is not None:
+        return "decayed codes (temporal decay)"
     H = keys.n_heads
     if Hq % H or D != keys.head_dim:
         return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"

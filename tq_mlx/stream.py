@@ -3,13 +3,25 @@
 Token order in a stream, and the order of the attention mask's columns:
 
     [0, n_sinks)                          attention sinks: the first `sinks` tokens, in the model's dtype
-    [n_sinks, n_sinks + n_compressed)     TurboQuant codes (packed uint32) and float16 norms
+    [n_sinks, n_sinks + n_decayed)        decayed codes: older compressed tokens re-coded at fewer bits
+    [.., n_sinks + n_compressed)          TurboQuant codes (packed uint32) and float16 norms
     [n_sinks + n_compressed, n_tokens)    the recent-token window, in the model's dtype
+
+(n_compressed counts decayed and fresh codes alike.)
 
 New tokens go to the sinks until those are full, then to the window. When the window would overflow, its
 oldest tokens are compressed in whole blocks of `compress_block` tokens (so the window keeps between
 window - compress_block + 1 and window tokens). Compressed tokens exist only as codes: no float copy of them
 is kept anywhere, and `nbytes` is the sum of every array the stream holds.
+
+Temporal decay (`decay` = (age, quantizer)): once the fresh codes and the window hold more than `age` tokens,
+the oldest fresh codes are decoded and re-coded with the decay quantizer, in whole compress blocks, so that at
+most `age` tokens remain at the stream's own bits or in float. Both quantizers have one channel group and one
+seed, so their codes share a rotated basis: attention rotates the query once for both, and the values of both
+accumulate in one basis. Re-coding works in the quantizer's basis (mean, scale and channel order untouched), and
+a token is re-coded exactly once, so the result does not depend on how the tokens were fed. Once tokens decay,
+the fresh code buffer is allocated for the most fresh tokens there can be (`fresh_bound`) and the oldest are
+shifted out in place; decayed codes grow in steps like fresh ones.
 
 Centering (turboquant.md §4): with `center`, the mean μ per (batch, kv head) of the first compressed tokens
 is subtracted before quantizing and fixed afterwards. Fractional bit widths (2.5, 3.5) quantize the d/4
@@ -29,6 +41,7 @@ capacity C a multiple of `step`; F bytes per float of the model's dtype; the win
 once first used):
 
     4·B·H·C·W + N·B·H·C·G  [+ 4·B·H·C·⌈D/32⌉ + N·B·H·C with QJL]     codes and norms (N = 2: float16, 1: uint8)
+    [+ 4·B·H·C'·W' + N·B·H·C'·G' with decay: its own capacity C' and words W']
     + F·B·H·(window capacity + sinks)·D                               float window and sinks
     + 4·B·H·D if centered + 4·H·D for fractional bits + 4·B·H          μ, channel order, scale
     + the quantizer's constants (rotation signs or matrices, codebooks, QJL projection)
@@ -45,7 +58,7 @@ from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQu
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
 # A stream's arrays, under "<name>_<part>" in a cache's state. `scale` came with state version 3 (None: 1).
-STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale")
+STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale", "decayed")  # decayed: state version 6
 
 
 def unique_arrays(holders) -> list[mx.array]:
@@ -76,6 +89,20 @@ def overflow(recent: int, window: int, compress_block: int) -> int:
     return recent if window == 0 else -(-(recent - window) // compress_block) * compress_block
 
 
+def decayed_split(n_fresh: int, n_window: int, age: int | None, compress_block: int) -> int:
+    """Fresh codes to re-code at the decay bits when the stream holds n_fresh fresh codes and n_window window
+    tokens: whole blocks, until at most `age` fresh and window tokens remain (none without decay)."""
+    if age is None or n_fresh + n_window <= age:
+        return 0
+    return min(n_fresh, -(-(n_fresh + n_window - age) // compress_block) * compress_block)
+
+
+def fresh_bound(age: int, window: int, compress_block: int) -> int:
+    """The most fresh codes a decaying stream can hold: the window keeps at least window - compress_block + 1
+    tokens once anything is compressed, and fresh plus window tokens stay within `age`."""
+    return age - max(0, window - compress_block + 1)
+
+
 def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.Dtype = mx.float16
                    ) -> TurboQuantMSE | TurboQuantProd:
     """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise; norms stored as
@@ -98,14 +125,38 @@ class StreamView(NamedTuple):
     mean: mx.array | None  # (B, H, D) float32: subtracted from every compressed token before quantizing
     perm: mx.array | None  # (H, D) int32: compressed token t was quantized as (x_t - mean)[..., perm]
     scale: mx.array | None = None  # (B, H) float32, a power of two: ... and divided by scale (None: 1)
+    # The older compressed tokens, re-coded at fewer bits (temporal decay): a codes-only view (no sinks or
+    # window; the same mean and scale; its quantizer shares the fresh codes' rotation). They come before `codes`.
+    decayed: "StreamView | None" = None
 
     @property
     def n_sinks(self) -> int:
         return 0 if self.sinks is None else self.sinks.shape[2]
 
     @property
-    def n_compressed(self) -> int:
+    def n_decayed(self) -> int:
+        return 0 if self.decayed is None else self.decayed.n_compressed
+
+    @property
+    def n_fresh(self) -> int:
+        """Compressed tokens at the stream's own bits (`codes`)."""
         return 0 if self.codes is None else self.codes.codes.shape[2]
+
+    @property
+    def n_compressed(self) -> int:
+        """Every compressed token: decayed and fresh."""
+        return self.n_decayed + self.n_fresh
+
+    def segments(self) -> list[tuple[int, "StreamView"]]:
+        """The compressed tokens as codes-only views with one quantizer each, oldest first, with the position
+        of each one's first token among the compressed tokens: [(0, decayed), (n_decayed, fresh)], without
+        empty ones."""
+        parts = []
+        if self.decayed is not None:
+            parts.append((0, self.decayed))
+        if self.codes is not None:
+            parts.append((self.n_decayed, self._replace(sinks=None, window=None, decayed=None)))
+        return parts
 
     @property
     def n_window(self) -> int:
@@ -142,7 +193,10 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array 
 
 
 def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
-    """The compressed tokens of a view back in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
+    """The compressed tokens of a view back in the model basis, (B, H, n_compressed, D) `dtype`, mean added
+    (decayed tokens first)."""
+    if view.decayed is not None:
+        return mx.concatenate([decode(seg, dtype) for _, seg in view.segments()], axis=2)
     x = view.quantizer.dequantize(view.codes)
     if view.scale is not None:
         x = x * view.scale[:, :, None, None]
@@ -228,12 +282,13 @@ def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | N
     return mx.argsort(-score, axis=-1).astype(mx.int32)
 
 
-def _grow(buf, n_keep: int, n_new: int, step: int, template):
-    """Buffers (a NamedTuple of arrays, token axis 2) holding n_keep + n_new tokens, capacity a multiple of step."""
+def _grow(buf, n_keep: int, n_new: int, step: int, template, capacity: int | None = None):
+    """Buffers (a NamedTuple of arrays, token axis 2) holding n_keep + n_new tokens, capacity a multiple of step
+    (or `capacity`, when given and enough)."""
     need = n_keep + n_new
     if buf is not None and need <= buf[0].shape[2]:
         return buf
-    capacity = -(-need // step) * step
+    capacity = capacity if capacity is not None and capacity >= need else -(-need // step) * step
     if buf is None:
         return type(template)(*(mx.zeros((*t.shape[:2], capacity, *t.shape[3:]), t.dtype) for t in template))
     fresh = [mx.zeros((*b.shape[:2], capacity - n_keep, *b.shape[3:]), b.dtype) for b in buf]
@@ -270,7 +325,11 @@ class CompressedStream:
     device, once per stream and sequence, at its first compression; every later append is graph construction.
 
     name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages. `encoder` has
-    `encode`'s signature; the cache passes the kernel dispatch (tq_mlx.kernels.dispatch_encode).
+    `encode`'s signature and `decoder` `decode`'s; the cache passes the kernel dispatch
+    (tq_mlx.kernels.dispatch_encode, dispatch_dequantize).
+
+    decay = (age, quantizer): temporal decay (the module docstring). A protected stream does not decay: what
+    made it protect its keys holds at every age.
     """
 
     def __init__(
@@ -284,9 +343,18 @@ class CompressedStream:
         step: int,
         center: bool,
         encoder: Callable = encode,
+        decoder: Callable = decode,
         protect: tuple[float, float] | None = None,
+        decay: tuple[int, TurboQuantMSE] | None = None,
     ):
-        self.quantizer, self.name, self.encoder = quantizer, name, encoder
+        if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay[1])
+                                  or isinstance(quantizer, TurboQuantProd) or decay[1].dim != quantizer.dim
+                                  or decay[1].seed != quantizer.seed):
+            raise ValueError(f"stream {name}: decay needs one-group MSE quantizers of one dim and seed")
+        self.quantizer, self.name, self.encoder, self.decoder = quantizer, name, encoder, decoder
+        self.decay = decay
+        self.decayed = None  # MSECodes buffers (B, H, capacity, ...) of the decay quantizer
+        self.n_decayed = 0
         self.base_quantizer, self.protect = quantizer, protect
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
             sinks, window, compress_block, step, center)
@@ -304,7 +372,12 @@ class CompressedStream:
 
     @property
     def n_tokens(self) -> int:
-        return self.n_sinks + self.n_compressed + self.n_window
+        return self.n_sinks + self.n_decayed + self.n_compressed + self.n_window
+
+    @property
+    def decaying(self) -> bool:
+        """Whether old tokens are re-coded (decay configured, and the stream did not protect itself)."""
+        return self.decay is not None and not self.protected
 
     def _float_dtype(self, x: mx.array) -> mx.Dtype:
         """The dtype of the float buffers: theirs once they exist, else that of the first tokens."""
@@ -344,18 +417,20 @@ class CompressedStream:
         if n_c == 0:
             self.window[:, :, self.n_window : total] = x.astype(self.window.dtype)
             self.n_window = total
+            self._decay_fresh()  # ages grow with every token
             return
         if self.n_window:
             x = mx.concatenate([self.window[:, :, : self.n_window].astype(mx.float32), x.astype(mx.float32)], axis=2)
-        self._compress(x, n_c)
+        self._compress(x, n_c, window_after=total - n_c)
         self.n_window = total - n_c
         if self.n_window:
             self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
 
-    def _compress(self, x: mx.array, n: int) -> None:
-        """Compress the first n tokens of x (the window's tokens, then the new ones)."""
+    def _compress(self, x: mx.array, n: int, window_after: int = 0) -> None:
+        """Compress the first n tokens of x (the window's tokens, then the new ones), window_after tokens
+        staying in the window; then decay what is old enough."""
         x = x.astype(mx.float32)
-        if self.n_compressed == 0:  # calibrate on the first tokens after the sinks
+        if self.n_compressed == 0 and self.n_decayed == 0:  # calibrate on the first tokens after the sinks
             # With a window, the first compression sees at least `window + 1` tokens after the sinks, however
             # the prompt is fed: calibrating on the first `window` gives the most tokens independent of feeding.
             calib = x[:, :, : self.max_window] if self.max_window else x
@@ -366,26 +441,74 @@ class CompressedStream:
             self.perm = outlier_order(calib, self.mean, self.quantizer)
             self.scale = calibration_scale(calib, self.mean)
         new = self.encoder(x[:, :, :n], self.quantizer, self.mean, self.perm, self.scale)
+        d = decayed_split(self.n_compressed + n, window_after, self.decay[0] if self.decaying else None,
+                          self.compress_block)
+        if d > self.n_compressed:  # new codes that decay at once never enter the fresh buffer (a long prefill)
+            k = d - self.n_compressed
+            self._decay_fresh(self.n_compressed)
+            self._append_decayed(type(new)(*(a[:, :, :k] for a in new)))
+            new, n = type(new)(*(a[:, :, k:] for a in new)), n - k
+        else:
+            self._decay_fresh(d)
+        if n == 0:
+            return
         start = self.n_compressed
-        self.codes = _grow(self.codes, start, n, self.step, new)
+        self.codes = _grow(self.codes, start, n, self.step, new, self._fresh_capacity())
         for b, a in zip(self.codes, new):
             b[:, :, start : start + n] = a
         self.n_compressed += n
 
-    def drop_oldest(self, n: int, room: int) -> None:
-        """Drop the n oldest compressed tokens (a bounded cache). The rest move to a new buffer with room for
-        `room` more tokens (capacity a multiple of step), so no slice of the old buffer keeps it alive. The
-        calibration stays: the tokens kept were quantized with it."""
-        n = min(n, self.n_compressed)
+    def _fresh_capacity(self) -> int | None:
+        """The fresh buffer's capacity once tokens decayed: room for the most fresh codes there can be, so it
+        is allocated once and its size is a function of the config (tq_mlx.memory); None before."""
+        if not self.n_decayed:
+            return None
+        return -(-fresh_bound(self.decay[0], self.max_window, self.compress_block) // self.step) * self.step
+
+    def _decay_fresh(self, n: int | None = None) -> None:
+        """Re-code the n oldest fresh codes (None: as many as their age calls for) at the decay bits."""
+        if n is None:
+            n = decayed_split(self.n_compressed, self.n_window, self.decay[0] if self.decaying else None,
+                              self.compress_block)
         if n <= 0:
             return
-        keep = self.n_compressed - n
-        capacity = -(-(keep + room) // self.step) * self.step
+        self._append_decayed(type(self.codes)(*(a[:, :, :n] for a in self.codes)))
+        keep, cap = self.n_compressed - n, self._fresh_capacity()
+        # the kept codes move to the front of a buffer of the bound's size (no slice keeps the old one alive)
         self.codes = type(self.codes)(*(
-            mx.concatenate([a[:, :, n : self.n_compressed], mx.zeros((*a.shape[:2], capacity - keep, *a.shape[3:]),
-                                                                      a.dtype)], axis=2)
-            for a in self.codes))
+            mx.concatenate([a[:, :, n : n + keep], mx.zeros((*a.shape[:2], cap - keep, *a.shape[3:]), a.dtype)],
+                           axis=2) for a in self.codes))
         self.n_compressed = keep
+
+    def _append_decayed(self, codes) -> None:
+        """Re-code fresh codes with the decay quantizer (in the quantizer's basis: mean, scale and channel
+        order stay as they are) and append them to the decayed codes."""
+        x = self.decoder(StreamView(self.quantizer, codes, None, None, None, None, None), mx.float32)
+        new = self.encoder(x, self.decay[1])
+        n, start = new[0].shape[2], self.n_decayed
+        self.decayed = _grow(self.decayed, start, n, self.step, new)
+        for b, a in zip(self.decayed, new):
+            b[:, :, start : start + n] = a
+        self.n_decayed += n
+
+    def drop_oldest(self, n: int, room: int) -> None:
+        """Drop the n oldest compressed tokens (a bounded cache), decayed ones first. The rest of a buffer
+        dropped from move to a new one with room for `room` more tokens (capacity a multiple of step; a decaying
+        stream's fresh buffer keeps its bound's size), so no slice of the old buffer keeps it alive. The
+        calibration stays: the tokens kept were quantized with it."""
+        d = min(n, self.n_decayed)
+        if d > 0:
+            self.decayed, self.n_decayed = self._dropped(self.decayed, self.n_decayed, d, room), self.n_decayed - d
+        n = min(n - d, self.n_compressed)
+        if n > 0:
+            self.codes, self.n_compressed = self._dropped(self.codes, self.n_compressed, n, room,
+                                                          self._fresh_capacity()), self.n_compressed - n
+
+    def _dropped(self, buf, held: int, n: int, room: int, capacity: int | None = None):
+        keep = held - n
+        capacity = capacity or -(-(keep + room) // self.step) * self.step
+        return type(buf)(*(mx.concatenate([a[:, :, n:held], mx.zeros((*a.shape[:2], capacity - keep, *a.shape[3:]),
+                                                                     a.dtype)], axis=2) for a in buf))
 
     @property
     def protected(self) -> bool:
@@ -397,7 +520,11 @@ class CompressedStream:
         self.quantizer = make_quantizer(q.dim, self.protect[1], False, q.seed, q.norm_dtype) if protected else q
 
     def view(self) -> StreamView:
-        s, c, w = self.n_sinks, self.n_compressed, self.n_window
+        s, c, w, d = self.n_sinks, self.n_compressed, self.n_window, self.n_decayed
+        decayed = None
+        if d:
+            decayed = StreamView(self.decay[1], type(self.decayed)(*(a[:, :, :d] for a in self.decayed)), None, None,
+                                 self.mean, None, self.scale)
         return StreamView(
             quantizer=self.quantizer,
             codes=type(self.codes)(*(a[:, :, :c] for a in self.codes)) if c else None,
@@ -406,17 +533,19 @@ class CompressedStream:
             mean=self.mean,
             perm=self.perm,
             scale=self.scale,
+            decayed=decayed,
         )
 
     def trim(self, n: int) -> None:
-        """Drop the last n tokens (at most n_tokens): window first, then compressed tokens, then sinks. A trim
-        that leaves no compressed token drops the calibration, so the next tokens compressed calibrate again
-        exactly as in a fresh stream fed the same tokens."""
-        for part in ("n_window", "n_compressed", "n_sinks"):
+        """Drop the last n tokens (at most n_tokens): window first, then fresh codes, decayed codes, sinks.
+        Decayed tokens that remain keep their decayed codes (their fresh codes are gone). A trim that leaves no
+        compressed token drops the calibration, so the next tokens compressed calibrate again exactly as in a
+        fresh stream fed the same tokens."""
+        for part in ("n_window", "n_compressed", "n_decayed", "n_sinks"):
             d = min(getattr(self, part), n)
             setattr(self, part, getattr(self, part) - d)
             n -= d
-        if self.n_compressed == 0:
+        if self.n_compressed == 0 and self.n_decayed == 0:
             self.mean = self.perm = self.scale = None
             self.quantizer = self.base_quantizer
 
@@ -426,8 +555,10 @@ class CompressedStream:
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
-        parts = [*(self.codes or ()), self.sinks, self.window, self.mean, self.perm, self.scale]
+        parts = [*(self.codes or ()), *(self.decayed or ()), self.sinks, self.window, self.mean, self.perm,
+                 self.scale]
         quantizers = (self.quantizer, self.base_quantizer) if self.protected else (self.quantizer,)
+        quantizers += (self.decay[1],) if self.decay is not None else ()
         return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
 
     @property
@@ -447,30 +578,54 @@ class CompressedStream:
 
     @property
     def state(self) -> dict:
+        codes = ("codes", "decayed")
         return {
-            f"{self.name}_codes": None if self.codes is None else tuple(self.codes),
-            **{f"{self.name}_{part}": getattr(self, part) for part in STATE_PARTS[1:]},
+            **{f"{self.name}_{p}": None if getattr(self, p) is None else tuple(getattr(self, p)) for p in codes},
+            **{f"{self.name}_{part}": getattr(self, part) for part in STATE_PARTS if part not in codes},
         }
 
     def load_state(self, arrays: dict, n_sinks: int, n_compressed: int, n_window: int,
-                   bh: tuple[int, int] | None) -> None:
+                   bh: tuple[int, int] | None, n_decayed: int = 0) -> None:
         """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
         this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens)."""
-        codes_type = ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes
         # mx.array(a) shares a's data but is a new object, so this stream's in-place slice updates never reach
         # another stream built from the same state.
         own = lambda a: mx.array(a) if isinstance(a, mx.array) else a  # noqa: E731
-        codes = arrays.get(f"{self.name}_codes")
-        if codes is not None:
+
+        def codes_of(part, codes_type):
+            codes = arrays.get(f"{self.name}_{part}")
+            if codes is None:
+                return None
             if not isinstance(codes, (list, tuple)) or len(codes) != len(codes_type._fields):
-                raise ValueError(f"{self.name}_codes must hold {codes_type._fields}")
-            codes = codes_type(*map(own, codes))
-        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in STATE_PARTS[1:]}
+                raise ValueError(f"{self.name}_{part} must hold {codes_type._fields}")
+            return codes_type(*map(own, codes))
+
+        codes = codes_of("codes", ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes)
+        decayed = codes_of("decayed", MSECodes)
+        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in STATE_PARTS[1:] if p != "decayed"}
         self._check_state(codes, parts, n_sinks, n_compressed, n_window, bh)
-        self.codes = codes
+        if n_decayed or decayed is not None:
+            if self.decay is None:
+                raise ValueError(f"{self.name}_decayed: decayed tokens, but the config has no decay")
+            self._check_codes("decayed", decayed, self.decay[1], n_decayed, bh)
+        self.codes, self.decayed = codes, decayed
         for p, a in parts.items():
             setattr(self, p, a)
-        self.n_sinks, self.n_compressed, self.n_window = n_sinks, n_compressed, n_window
+        self.n_sinks, self.n_compressed, self.n_window, self.n_decayed = n_sinks, n_compressed, n_window, n_decayed
+
+    def _check_codes(self, part: str, codes, quantizer, n: int, bh) -> None:
+        B, H = bh or (None, None)
+        # A lazy probe gives each field's trailing shape and dtype without evaluating anything.
+        probe = quantizer.quantize(mx.zeros((1, 1, 1, quantizer.dim), mx.float32))
+        if codes is None or len(codes) != len(probe):
+            raise ValueError(f"{self.name}_{part} must hold {probe._fields}")
+        for field, a, p in zip(probe._fields, codes, probe):
+            got = tuple(a.shape) if isinstance(a, mx.array) else None
+            if (got is None or a.dtype != p.dtype or len(got) != p.ndim or got[2] < n
+                    or got[:2] != (B, H) or got[3:] != tuple(p.shape[3:])):
+                raise ValueError(f"{self.name}_{part}.{field} must be a {_dtype_name(p.dtype)} array of shape "
+                                 f"{(B, H, None, *p.shape[3:])} (None: at least {n}), got "
+                                 f"{got if got is not None else type(a).__name__}")
 
     def _check_state(self, codes, parts: dict, n_sinks: int, n_compressed: int, n_window: int, bh) -> None:
         B, H = bh or (None, None)
