@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -123,12 +124,44 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("no key protection")
     if cfg.norm_bits != DEFAULTS["norm_bits"]:
         extra.append(f"{cfg.norm_bits}-bit norms")
+    if cfg.decay_after is not None:
+        extra.append(f"decaying to {decay_label(cfg)} after {cfg.decay_after}")
     if cfg.center_values != DEFAULTS["center_values"]:
         extra.append(centering_tag(cfg.center_values))
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
     return Setting(label, "tq", config=cfg)
+
+
+def decay_label(cfg: TurboQuantConfig) -> str:
+    kb, vb = cfg.decay_key_bits or cfg.key_bits, cfg.decay_value_bits or cfg.value_bits
+    return bits_label(kb, vb)
+
+
+SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?$")
+
+
+def parse_setting(key: str) -> Setting:
+    """A --settings key: one of BY_KEY, or a spelled-out TurboQuant setting
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8],
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms last)."""
+    if key in BY_KEY:
+        return BY_KEY[key]
+    m = SPEC.match(key)
+    if not m:
+        raise SystemExit(f"unknown setting {key!r}: expected one of {', '.join(BY_KEY)} or a spec like "
+                         f"k4v3w768b128d2048k3v2n8")
+    num = lambda x: float(x) if "." in x else int(x)  # noqa: E731
+    over = dict(window=int(m["window"]), compress_block=int(m["block"]))
+    if m["after"]:
+        dk, dv = int(m["dk"]), int(m["dv"])
+        over.update(decay_after=int(m["after"]), decay_key_bits=dk if dk < num(m["kb"]) else None,
+                    decay_value_bits=dv if dv < num(m["vb"]) else None)
+    if m["n8"]:
+        over["norm_bits"] = 8
+    return tq(num(m["kb"]), num(m["vb"]), **over)
 
 
 def centering_tag(center_values: bool) -> str:
@@ -160,7 +193,9 @@ def config_text(cfg: TurboQuantConfig) -> str:
             f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, key protection "
             + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
-            + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "") + f", seed {cfg.seed}")
+            + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
+            + (f", decaying to {decay_label(cfg)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
+            + f", seed {cfg.seed}")
 
 
 def rot(bits: int, window: int) -> Setting:
@@ -409,7 +444,7 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     _MODEL_CONFIG[0] = mcfg
     n_att, H, D = quality.kv_geometry(mcfg)
     contexts = args.contexts_for(key)
-    settings = [BY_KEY[k] for k in args.settings.split(",")] if args.settings else QUICK if args.quick else ALL
+    settings = [parse_setting(k) for k in args.settings.split(",")] if args.settings else QUICK if args.quick else ALL
     if settings[0] is not FLOAT:
         settings = [FLOAT, *[x for x in settings if x is not FLOAT]]
     m = results["models"][key] = {
