@@ -113,6 +113,27 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     assert rc == 0 and "K3/V2 on all 3 attention layers" in capsys.readouterr().out
 
 
+def test_decay_flags(monkeypatch):
+    from tq_mlx.config import PRESETS
+
+    cfg = config_from_args(parse("--tq-decay-after", "2048", "--tq-decay-key-bits", "3", "--tq-decay-value-bits", "2"))
+    assert (cfg.decay_after, cfg.decay_key_bits, cfg.decay_value_bits) == (2048, 3, 2)
+    assert "decaying to K3/V2 after 2048 tokens" in describe_config(cfg)
+    with pytest.raises(ValueError, match="decay_key_bits=4 must be an integer below key_bits=4"):
+        config_from_args(parse("--tq-decay-after", "2048", "--tq-decay-key-bits", "4"))
+    with pytest.raises(ValueError, match="--tq-no-decay and --tq-decay-after contradict"):
+        config_from_args(parse("--tq-no-decay", "--tq-decay-after", "2048"))
+    monkeypatch.setitem(PRESETS, "compact", dict(key_bits=4, value_bits=3, decay_after=2048, decay_key_bits=3,
+                                                 decay_value_bits=2))
+    assert config_from_args(parse("--tq-preset", "compact", "--tq-no-decay")).decay_after is None
+    # fewer bits than the preset decays to: that side keeps its bits at every age; both sides: no decay at all
+    one = config_from_args(parse("--tq-preset", "compact", "--tq-value-bits", "2"))
+    assert (one.value_bits, one.decay_key_bits, one.decay_value_bits, one.decay_after) == (2, 3, None, 2048)
+    none = config_from_args(parse("--tq-preset", "compact", "--tq-bits", "2"))
+    assert (none.decay_after, none.decay_key_bits, none.decay_value_bits) == (None, None, None)
+    assert cache_flags_given(parse("--tq-no-decay")) == ["--tq-no-decay"]
+
+
 def test_short_aliases():
     p = add_cache_args(argparse.ArgumentParser(), short_aliases=True)
     cfg = config_from_args(p.parse_args(["--bits", "3.5", "--k-bits", "4"]))

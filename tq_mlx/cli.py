@@ -38,9 +38,12 @@ _FIELDS = {
     "tq_protect_factor": "protect_factor",
     "tq_protect_bits": "protect_bits",
     "tq_norm_bits": "norm_bits",
+    "tq_decay_after": "decay_after",
+    "tq_decay_key_bits": "decay_key_bits",
+    "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
-          *_FIELDS)
+          "tq_no_decay", *_FIELDS)
 
 
 def bits_arg(text: str) -> float:
@@ -127,6 +130,17 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-norm-bits", dest="tq_norm_bits", type=int, choices=NORM_BITS, metavar="N",
                    help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, within 2.2%%; "
                         f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
+    g.add_argument("--tq-decay-after", dest="tq_decay_after", type=_count_arg(1), metavar="N",
+                   help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
+                        f"(default {d.decay_after if d.decay_after else 'none'})")
+    g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=bits_arg, metavar="B",
+                   help="bits keys decay to: an integer below the key bits (default "
+                        f"{format_bits(d.decay_key_bits) if d.decay_key_bits else 'none'})")
+    g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=bits_arg, metavar="B",
+                   help="bits values decay to: an integer below the value bits (default "
+                        f"{format_bits(d.decay_value_bits) if d.decay_value_bits else 'none'})")
+    g.add_argument("--tq-no-decay", dest="tq_no_decay", action="store_true",
+                   help="keep every compressed token at its bits (no temporal decay)")
     g.add_argument("--tq-seed", dest="tq_seed", type=_count_arg(0), metavar="N",
                    help=f"seed of the rotations (default {d.seed})")
     return parser
@@ -168,6 +182,21 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):
         kw["center_values"] = False
+    decay = [d for d in ("tq_decay_after", "tq_decay_key_bits", "tq_decay_value_bits") if getattr(args, d, None)]
+    if getattr(args, "tq_no_decay", False):
+        if decay:
+            raise ValueError(f"--tq-no-decay and --{decay[0].replace('_', '-')} contradict each other: give one")
+        kw.update(decay_after=None, decay_key_bits=None, decay_value_bits=None)
+    preset = TurboQuantConfig.preset(getattr(args, "tq_preset", None) or "default").to_dict()
+    # A side given fewer bits than the preset decays it to keeps them at every age (decay only ever lowers bits).
+    for side in ("key", "value"):
+        decay_bits = kw.get(f"decay_{side}_bits", preset.get(f"decay_{side}_bits"))
+        bits = kw.get(f"{side}_bits")
+        if f"decay_{side}_bits" not in kw and bits is not None and decay_bits is not None and decay_bits >= bits:
+            kw[f"decay_{side}_bits"] = None
+    if kw.get("decay_after", preset.get("decay_after")) is not None and all(
+            kw.get(f"decay_{side}_bits", preset.get(f"decay_{side}_bits")) is None for side in ("key", "value")):
+        kw["decay_after"] = None  # nothing left to decay to
     return TurboQuantConfig.preset(getattr(args, "tq_preset", None) or "default", **kw)
 
 
@@ -198,6 +227,9 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
     if config.protect_factor is None:
         parts.append("no key protection")
+    if config.decay_after is not None:
+        parts.append(f"decaying to {bits_label(config.decay_key_bits or config.key_bits, config.decay_value_bits or config.value_bits)}"
+                     f" after {config.decay_after} tokens")
     return ", ".join(parts)
 
 

@@ -102,7 +102,10 @@ class TurboQuantConfig:
                     raise ValueError(f"{name} needs decay_after (the token age at which tokens are re-coded)")
             return
         least = self.window + self.compress_block_size
-        check_int("decay_after", self.decay_after, least)  # so that fresh codes remain next to decayed ones
+        a = self.decay_after
+        if isinstance(a, bool) or not isinstance(a, int) or a < least:  # fresh codes always remain next to decayed
+            raise ValueError(f"decay_after must be an integer >= {least} (window + compress_block: at least one "
+                             f"block stays at full bits), got {a!r}")
         if all(getattr(self, name) is None for name, _ in sides):
             raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to)")
         for name, bits in sides:
