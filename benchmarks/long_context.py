@@ -144,15 +144,21 @@ SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+
 
 
 def parse_setting(key: str) -> Setting:
-    """A --settings key: one of BY_KEY, or a spelled-out TurboQuant setting
+    """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8],
-    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms last)."""
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms last), rotation + affine at other bits and windows (rot2w1700: the
+    peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
+    peer = re.fullmatch(r"(rot|peer)([\d.]+)(?:w(\d+))?", key)
+    if peer and peer[1] == "rot" and peer[3] and peer[2] in ("2", "3", "4", "8"):
+        return rot(int(peer[2]), int(peer[3]))  # rotation + affine at other bits, with a window of that size
+    if peer and peer[1] == "peer" and not peer[3]:
+        return Setting(f"peer: mlx-vlm TurboQuant {peer[2]}-bit", "peer", bits=float(peer[2]))
     m = SPEC.match(key)
     if not m:
-        raise SystemExit(f"unknown setting {key!r}: expected one of {', '.join(BY_KEY)} or a spec like "
-                         f"k4v3w768b128d2048k3v2n8")
+        raise SystemExit(f"unknown setting {key!r}: expected one of {', '.join(BY_KEY)}, a spec like "
+                         f"k4v3w768b128d2048k3v2n8, rot<2|3|4|8>w<window> or peer<bits>")
     num = lambda x: float(x) if "." in x else int(x)  # noqa: E731
     over = dict(window=int(m["window"]), compress_block=int(m["block"]))
     if m["after"]:
