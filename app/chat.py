@@ -20,8 +20,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Markdown
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.cli import describe_config
-from tq_mlx.memory import FLOAT_BYTES, format_bytes, saving_text, window_text
+from tq_mlx.memory import FLOAT_BYTES, config_label, format_bytes, saving_text, window_text
 
 from .models import ModelSource, ModelUnavailable, download
 from .plan import Plan, format_ctx
@@ -126,7 +125,7 @@ class ChatApp(App):
         """"model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights')."""
         s = self.settings
         dtype = s.dtype or dtype
-        cache = describe_config(s.config).split(",")[0] if s.config else "mlx-lm cache"
+        cache = f"TurboQuant {config_label(s.config)}" if s.config else "mlx-lm cache"  # "K4→3/V3→2 after 2048"
         return " · ".join(p for p in (self._model_name(dtype), dtype, cache, f"ctx {format_ctx(s.ctx)}") if p)
 
     def compose(self) -> ComposeResult:

@@ -52,6 +52,7 @@ class Plan:
     fetch_transient: int = 0  # float bytes one layer's fetch materializes at ctx (memory.fetch_transient_bytes)
     float_reason: str = ""  # why the model's fetch decodes to float (architectures.FLOAT_FETCH)
     max_kv_size: int | None = None  # a bounded cache (--max-kv-size): tokens each full layer keeps
+    decayed: int = 0  # tokens a decaying stream holds at the decay bits at ctx (memory.decayed_tokens)
 
     @property
     def usable(self) -> int:
@@ -105,13 +106,10 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         float_reason=next((FLOAT_FETCH[t] for t in sorted(model_types(model_config)) if t in FLOAT_FETCH),
                           "derives its K=V layers' keys from the stored values" if lay.k_eq_v else ""),
     )
-    if config is not None and config.protect_factor is not None and config.protect_bits > config.key_bits:
+    if config is not None:
         # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
-        flat = replace(config, boundary_layers=0)
-        more = estimate_kv_bytes(model_config, ctx, replace(flat, key_bits=config.protect_bits, qjl=False),
-                                 max_kv_size=max_kv_size)
-        less = estimate_kv_bytes(model_config, ctx, flat, max_kv_size=max_kv_size)
-        plan.protect_bytes = (more - less) // max(plan.attention_layers, 1)
+        plan.protect_bytes = memory.protect_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
+        plan.decayed = memory.decayed_tokens(ctx, max_kv_size, config)
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
             f"--ctx {ctx:,} is beyond the model's trained context of {lay.max_context:,} tokens; "
@@ -130,7 +128,7 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     tips = []
     base = plan.config or TurboQuantConfig()
     for bits in SUGGESTED_BITS:
-        cfg = replace(base, key_bits=bits, value_bits=bits, qjl=False)
+        cfg = with_bits(base, bits)
         peak = estimate_peak_bytes(model_config, plan.ctx, cfg, weights=plan.weights, prefill_step=plan.prefill_step,
                                    max_kv_size=plan.max_kv_size)
         if bits < max(base.key_bits, base.value_bits) and peak <= plan.usable:
@@ -142,6 +140,16 @@ def _suggest(plan: Plan, model_config: dict) -> str:
     if not tips:
         return "even a short context does not fit next to the weights: choose a smaller model"
     return "; or ".join(tips)
+
+
+def with_bits(config: TurboQuantConfig, bits: float) -> TurboQuantConfig:
+    """config at `bits` for keys and values (no QJL), as --bits would set them. Temporal decay stays where it
+    still lowers integer bits; a side it no longer applies to keeps its bits at every age (tq_mlx.cli's rule)."""
+    decay = {f"decay_{side}_bits": None if b is None or bits != int(bits) or b >= bits else b
+             for side, b in (("key", config.decay_key_bits), ("value", config.decay_value_bits))}
+    if all(b is None for b in decay.values()):
+        decay["decay_after"] = None
+    return replace(config, key_bits=bits, value_bits=bits, qjl=False, **decay)
 
 
 def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048,
@@ -208,6 +216,15 @@ def fetch_path(plan: Plan) -> str:
     return "on the codes: attention reads the compressed keys and values directly, no float copy"
 
 
+def decay_text(plan: Plan) -> str:
+    """Temporal decay at the plan's context: "K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits"."""
+    c = plan.config
+    text = f"{memory.config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
+    if c.boundary_layers:
+        text += f" (the {2 * c.boundary_layers} boundary layers keep theirs)"
+    return text
+
+
 def format_plan(plan: Plan) -> str:
     """The preflight report, as tq-chat --plan prints it."""
     cfg = describe_config(plan.config) if plan.config else "float16 (no TurboQuant)"
@@ -229,6 +246,8 @@ def format_plan(plan: Plan) -> str:
         ("KV float16", format_bytes(plan.kv_fp16)),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
     ]
+    if plan.config and plan.config.decay_after is not None and plan.attention_layers:
+        rows.append(("decay", decay_text(plan)))
     if plan.protect_bytes:
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))

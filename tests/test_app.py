@@ -15,11 +15,12 @@ import pytest
 from tq_chat import main as cli
 from tq_chat.chat import ChatApp, ChatSettings, Progress, Stats, Streamed
 from tq_chat.models import ALIASES, ModelSource, ModelUnavailable, resolve
-from tq_chat.plan import format_ctx, format_plan, make_plan, max_context
+from tq_chat.plan import format_ctx, format_plan, make_plan, max_context, with_bits
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.memory import estimate_kv_bytes, estimate_peak_bytes, format_bytes, load_model_config, weight_bytes
+from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, format_bytes, load_model_config,
+                           protect_layer_bytes, weight_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds any single wait in the app may take
@@ -89,12 +90,37 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
     plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
     n = plan.attention_layers
     all_protected = estimate_kv_bytes(cfg, 32768, TurboQuantConfig(key_bits=8))
-    assert plan.protect_bytes == (all_protected - plan.kv) // n > 0
+    assert plan.protect_bytes == protect_layer_bytes(cfg, 32768, TurboQuantConfig()) > 0
+    # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own
+    assert 0 < plan.protect_bytes - (all_protected - plan.kv) // n < 10**4
     assert "for each layer whose keys protect themselves (K8" in format_plan(plan)
     # nothing to price without protection, or when the keys are already at the protected bits
     for off in (TurboQuantConfig(protect_factor=None), TurboQuantConfig(key_bits=8, value_bits=8)):
         plan = make_plan("m", cfg, 10**8, 32768, off, 10**10)
         assert plan.protect_bytes == 0 and "protect themselves" not in format_plan(plan)
+
+
+def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
+    cfg = load_model_config(tiny_model_dir)
+    decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)
+    plan = make_plan("m", cfg, 10**8, 32768, decay, 10**10)
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, decay) < estimate_kv_bytes(cfg, 32768, TurboQuantConfig())
+    assert plan.decayed == decayed_tokens(32768, None, decay) == 30720
+    text = format_plan(plan)
+    assert "decay       K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits" in text
+    assert "decaying to K3/V2 after 2048 tokens" in text  # the KV cache row's description
+    assert "decay " not in format_plan(make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10))
+    boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(boundary_layers=1, decay_after=2048,
+                                                                   decay_value_bits=2), 10**10)
+    assert "K4/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits (the 2 boundary layers keep theirs)" in \
+        format_plan(boundary)
+    # suggestions with fewer bits keep the decay where it still lowers integer bits (before, 3.5 bits raised)
+    tight = make_plan("m", cfg, 10**8, 1 << 20, decay, 10**8)
+    assert not tight.fits and tight.suggestion
+    assert with_bits(decay, 4) == TurboQuantConfig(key_bits=4, value_bits=4, decay_after=2048, decay_key_bits=3,
+                                                   decay_value_bits=2)
+    assert (with_bits(decay, 3).decay_key_bits, with_bits(decay, 3).decay_value_bits) == (None, 2)
+    assert with_bits(decay, 3.5) == TurboQuantConfig(key_bits=3.5, value_bits=3.5)  # fractional bits cannot decay
 
 
 def test_context_beyond_training_warns(tiny_model_dir, capsys):
@@ -258,6 +284,9 @@ def test_the_panel_never_shows_a_negative_saving_and_says_where_the_float_window
                  compressed_tokens=3228)
     text = " ".join(panel_text(MemoryPanel(), later).split())
     assert "saved 20.0 MB (3.00x)" in text and "3,228 tokens compressed, 772 in float16" in text
+    decayed = dict(later, decayed_tokens=1152, bits="K4→3/V3→2 after 2048 on all 3 attention layers")
+    text = " ".join(panel_text(MemoryPanel(), decayed).split())
+    assert "3,228 tokens compressed (1,152 decayed), 772 in float16" in text and "K4→3/V3→2 after 2048" in text
 
 
 def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
@@ -287,6 +316,25 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
     asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
     asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
     asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))  # the tiny model's weights are float32
+
+
+def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
+    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2)
+
+    async def run():
+        app = make_app(tiny_model_dir, config=config)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            assert app.sub_title.endswith("TurboQuant K4→3/V3→2 after 32 · ctx 1k")
+            await say(pilot, "a question long enough for its oldest tokens to decay " * 2)
+            stats = app.panel.stats
+            assert stats["decayed_tokens"] == max(max(c.n_decayed) for c in app.session.cache) > 0
+            assert stats["kv_bytes"] == sum(c.nbytes for c in app.session.cache)
+            text = " ".join(rendered(app).split())
+            assert f"({stats['decayed_tokens']:,} decayed)" in text
+            assert "K4→3/V3→2 after 32 on all 3 attention layers" in text
+
+    asyncio.run(run())
 
 
 def test_second_turn_reuses_the_cache(tiny_model_dir):

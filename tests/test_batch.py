@@ -526,3 +526,90 @@ def test_smollm2_batch_generate_equals_generating_alone():
         r = smollm2_agreement()
     assert len(set(r["lengths"])) == 3 and min(r["lengths"]) > CFG.window + CFG.sinks and r["compressed"]
     assert r["equal_sequences"] == r["sequences"] and r["equal_tokens"] == r["tokens"] >= 30, r
+
+
+# --- temporal decay (issue 23): rows whose streams hold decayed codes ---------------------------------------------
+
+# Tokens decay once more than 24 fresh and window tokens are held: rows of 40 and 57 tokens hold decayed codes when
+# merged, the row of 23 starts decaying while the batch decodes.
+DECAY_CFG = TurboQuantConfig(window=16, compress_block=8, sinks=2, decay_after=24, decay_key_bits=3,
+                             decay_value_bits=2)
+
+
+def decaying_rows(lengths, fetch: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in lengths:
+        c = TurboQuantKVCache(DECAY_CFG, head_dim=64, fetch=fetch)
+        c.update_and_fetch(*kv(rng, n))
+        rows.append(c)
+    return rows
+
+
+@pytest.mark.parametrize("fetch", ["codes", "float"])
+def test_rows_with_decayed_codes_batch_as_they_would_alone(fetch, tmp_path):
+    # merge, decode across decay boundaries, filter, extend, extract and trim: every row's views (codes) or padded
+    # float tensors (float fetch, BatchTurboQuantKVCache._side) are those of the same cache alone
+    rng = np.random.default_rng(7)
+    rows = decaying_rows(LENGTHS, fetch)
+    assert [c.n_decayed[0] > 0 for c in rows] == [True, False, True]
+    solo = [copy.deepcopy(c) for c in rows]
+    batch = TurboQuantKVCache.merge(rows)
+
+    def step(n_new: int = 1):
+        B = len(batch.rows)
+        x = mx.array(rng.normal(size=(B, 2, n_new, 64)), dtype=mx.float32)
+        q = mx.array(rng.normal(size=(B, 4, 1, 64)), dtype=mx.float32)
+        kb, vb = batch.update_and_fetch(x, 2 * x)
+        for i, s in enumerate(solo):
+            ks, vs = s.update_and_fetch(x[i : i + 1], 2 * x[i : i + 1])
+            if fetch == "codes":
+                assert kb.rows[i].n_decayed == ks.n_decayed == s.n_decayed[0]
+                got = turboquant_attention(q, kb, vb, 0.125)[i : i + 1]
+                assert mx.array_equal(got, turboquant_attention(q[i : i + 1], ks, vs, 0.125))
+            else:  # right-aligned at the last column of the padded layout
+                n = ks.shape[2]
+                assert mx.array_equal(kb[i : i + 1, :, batch.size() - n :], ks)
+                assert mx.array_equal(vb[i : i + 1, :, batch.size() - n :], vs)
+
+    for _ in range(10):
+        step()
+    assert all(c.n_decayed[0] > 0 for c in solo)
+    batch.filter([2, 0])
+    solo = [solo[2], solo[0]]
+    other = decaying_rows([33], fetch, seed=1)
+    solo.append(copy.deepcopy(other[0]))
+    batch.extend(TurboQuantKVCache.merge(other))
+    for _ in range(9):
+        step()
+    step(3)
+    one = batch.extract(1)
+    assert one.n_decayed == solo[1].n_decayed and one.nbytes == solo[1].nbytes
+    assert batch.nbytes == sum(s.nbytes for s in solo)
+    assert batch.trim(5) == 5
+    for s in solo:
+        s.trim(5)
+    assert [r.n_decayed for r in batch.rows] == [s.n_decayed for s in solo]
+    step()
+    path = str(tmp_path / "batch.safetensors")  # decayed codes in a saved batch (state version 6 rows)
+    mlx_cache.save_prompt_cache(path, [batch])
+    (batch,) = tq_mlx.load_prompt_cache(path)
+    assert [r.n_decayed for r in batch.rows] == [s.n_decayed for s in solo]
+    step()
+
+
+@pytest.mark.parametrize("arch", ["llama", "stablelm", "deepseek_v3"])  # on the codes, decode-to-float, latent
+def test_batch_generate_with_decay_equals_generating_alone(request, arch):
+    if ran_on_reference_blas(request):  # rows equal to their sequences alone, bit for bit: see reference_blas_env
+        return
+    from tests.support import zoo
+
+    model = TINY_MODELS[arch]()[0] if arch in TINY_MODELS else zoo.build(arch)
+    tq_mlx.patch_model(model, DECAY_CFG)
+    prompts = prompts_of(LENGTHS)
+    r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=10, prefill_step_size=16,
+                       return_token_ids=True, return_prompt_caches=True)
+    for p, got, caches in zip(prompts, r.token_ids, r.caches):
+        assert got == alone(model, p, 10, prefill_step_size=16)[0]
+        tq = [c for c in caches if isinstance(c, TurboQuantKVCache)]
+        assert tq and all(c.n_decayed[0] > 0 for c in tq)

@@ -7,7 +7,9 @@ store padding as codes. So the batch holds one B=1 TurboQuantKVCache per row and
 bookkeeping (`_left`, `_idx`, as BatchKVCache's `left_padding` and `_idx`): update_and_fetch hands each row
 only its real tokens (left padding from merge/prepare, right padding before finalize are dropped), and
 attention runs row by row on each row's own views (tq_mlx.attention.batched_attention), padding queries getting
-zeros. Each row therefore stores and computes exactly what it would alone.
+zeros. Each row therefore stores and computes exactly what it would alone, temporal decay included (a row's
+streams re-code their old tokens as the same cache alone would: its views carry the decayed codes, and its float
+fetches decode them).
 
 What mlx-lm sees is BatchKVCache's: `offset` an mx.array (B,) (RoPE), make_mask an array (B, 1, N, T) over the
 padded layout, prepare/finalize, filter/extend, extract(i) -> a TurboQuantKVCache, size(), nbytes, state.

@@ -7,7 +7,8 @@
 * `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
   for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. The TurboQuant estimate follows the
   cache's storage layout (tq_mlx/stream.py) and equals `TurboQuantKVCache.nbytes` exactly when the cache was
-  filled in one prefill or token by token (chunked prefill can add up to one `step` of padding per chunk).
+  filled in one prefill or token by token (chunked prefill can add up to one `step` of padding per chunk),
+  temporal decay included (decayed tokens at their bits, `code_capacity`).
 * `weight_bytes(path)` from safetensors headers, `available_memory()` for MLX on this machine.
 
 Float16 references (`fp16_bytes`, the planner's estimates) count exactly 2 · n_kv_heads · head_dim · 2 bytes per
@@ -33,8 +34,8 @@ from .architectures import fetch_for
 from .attention import tile_size
 from .cache import TurboQuantKVCache, check_max_size
 from .config import bits_label
-from .quantizer import constant_arrays
-from .stream import has_channel_order, make_quantizer, overflow, window_capacity
+from .quantizer import constant_arrays, format_bits
+from .stream import decayed_split, fresh_bound, has_channel_order, make_quantizer, overflow, window_capacity
 
 FLOAT16_BYTES = 2
 
@@ -273,16 +274,21 @@ def bounded_tokens(ctx: int, max_kv_size: int | None, config) -> tuple[int, int,
     max_kv_size None: unbounded. The cache refuses max_kv_size < sinks + window + K − 1 (cache.check_max_size).
     """
     s, c, w = _turboquant_split(ctx, config)
+    return s, max(0, c - dropped_tokens(ctx, max_kv_size, config)), w
+
+
+def dropped_tokens(ctx: int, max_kv_size: int | None, config) -> int:
+    """Compressed tokens a cache bounded to max_kv_size dropped after ctx tokens fed token by token:
+    K·⌈(ctx − max_kv_size)/K⌉ (bounded_tokens), 0 unbounded or within the bound."""
     if max_kv_size is None or ctx <= max_kv_size:
-        return s, c, w
+        return 0
     K = config.compress_block_size
-    dropped = K * -(-(ctx - max_kv_size) // K)
-    return s, max(0, c - dropped), w
+    return K * -(-(ctx - max_kv_size) // K)
 
 
 def bounded_capacity(ctx: int, max_kv_size: int | None, config) -> int:
     """Tokens the compressed storage of one stream is allocated for after `ctx` tokens fed token by token (a
-    multiple of config.step).
+    multiple of config.step), for a stream that does not decay (code_capacity prices one that does).
 
     Unbounded: the compressed tokens rounded up to `step`. Bounded: each drop moves the kept codes to a new buffer
     with room for one more block (stream.drop_oldest(n, room=K)), and drops come every K tokens (before the
@@ -297,6 +303,55 @@ def bounded_capacity(ctx: int, max_kv_size: int | None, config) -> int:
     s, _, w = _turboquant_split(before, config)
     kept = max(0, max_kv_size - K - s - w)
     return -(-(kept + K) // config.step) * config.step
+
+
+def decayed_tokens(ctx: int, max_kv_size: int | None, config) -> int:
+    """Compressed tokens a decaying stream (config.decay_after) holds at the decay bits after ctx tokens, fed in
+    one prefill or token by token (bounded: token by token); 0 without decay. The rest of bounded_tokens'
+    compressed tokens are fresh codes.
+
+    Unbounded: the stream re-codes its oldest fresh codes in whole compress blocks so that at most decay_after
+    fresh and window tokens remain (stream.decayed_split), whatever the feeding. Bounded to M = max_kv_size, drops
+    take decayed tokens first. If M <= sinks + decay_after nothing ever decays: a bound that keeps at most M
+    tokens keeps at most decay_after fresh and window tokens. Otherwise the first drop (at M + 1 tokens) finds at
+    least one decayed block, and after it one block decays for each block dropped (both every K tokens), so drops
+    never reach the fresh codes: the fresh codes and the window are the unbounded cache's, and the decayed tokens
+    its decayed tokens less the dropped ones (dropped_tokens).
+    """
+    A = config.decay_after
+    if A is None:
+        return 0
+    _, c, w = _turboquant_split(ctx, config)
+    if max_kv_size is not None and ctx > max_kv_size and max_kv_size <= config.sinks + A:
+        return 0
+    return decayed_split(c, w, A, config.compress_block_size) - dropped_tokens(ctx, max_kv_size, config)
+
+
+def code_capacity(ctx: int, max_kv_size: int | None, config, decaying: bool = False) -> tuple[int, int]:
+    """(fresh, decayed): tokens the fresh and the decayed code buffers of one stream are allocated for after ctx
+    tokens (one prefill or token by token; bounded: token by token), multiples of config.step. decaying: the
+    stream re-codes old tokens (decay configured for its side and layer, keys not protected).
+
+    Until a token decays (and without decay): bounded_capacity, no decayed buffer. From the first decayed token
+    on, the fresh buffer holds ⌈fresh_bound/step⌉·step codes for good (stream._fresh_capacity: at most
+    decay_after − (window − K + 1) fresh codes) and the decayed codes grow in steps: ⌈decayed/step⌉·step.
+    Bounded (see decayed_tokens), each drop moves the decayed codes kept to a buffer with room for one more
+    block, and one block decays before the next drop, so their capacity is that of the last drop:
+    ⌈(decayed tokens held just before it)/step⌉·step.
+    """
+    step, K = config.step, config.compress_block_size
+    A = config.decay_after if decaying else None
+    if A is None:
+        return bounded_capacity(ctx, max_kv_size, config), 0
+    _, c, w = _turboquant_split(ctx, config)
+    if decayed_split(c, w, A, K) == 0 or (max_kv_size is not None and ctx > max_kv_size
+                                          and max_kv_size <= config.sinks + A):
+        return bounded_capacity(ctx, max_kv_size, config), 0
+    fresh = -(-fresh_bound(A, config.window, K) // step) * step
+    if max_kv_size is None or ctx <= max_kv_size:
+        return fresh, -(-decayed_split(c, w, A, K) // step) * step
+    before = max_kv_size + (ctx - 1 - max_kv_size) // K * K  # tokens fed before the last drop
+    return fresh, -(-decayed_tokens(before, max_kv_size, config) // step) * step
 
 
 def held_tokens(ctx: int, max_kv_size: int | None, config=None) -> int:
@@ -324,6 +379,7 @@ def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
+    decay_bits: tuple[int | None, int | None] | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token).
@@ -338,6 +394,13 @@ def turboquant_layer_bytes(
     means (float32), scales (float32) and channel orders (int32, fractional bits) appear with the first
     compressed tokens; the quantizers' rotations and codebooks are a constant per layer. max_kv_size: a bounded
     cache (bounded_tokens, bounded_capacity).
+
+    Temporal decay: decay_bits = (keys, values), the bits this layer's old tokens decay to (None: that side keeps
+    its bits; config.layer_decay_bits gives a layer's, (None, None) in boundary layers); None: the config's own.
+    A latent layer's rope key decays at the key's decay bits, a K=V layer's one stream too. A decaying stream
+    holds decayed_tokens at the decay bits in a buffer of its own and its fresh codes in one of a fixed size
+    (code_capacity), and the decay quantizer's constants from the start; a protected key stream does not decay,
+    but holds those constants all the same (the stream was built to decay before its keys chose protection).
     """
     if tokens <= 0:
         return 0
@@ -346,22 +409,34 @@ def turboquant_layer_bytes(
     n_c = _turboquant_split(tokens, config)[1]  # ever compressed: centering and channel orders exist from then on
     value_dim = 0 if k_eq_v else value_dim
     value_bits, v_center = (key_bits, config.center_keys) if latent else (value_bits, config.center_values)
+    k_decay, v_decay = config.layer_decay_bits(0, None) if decay_bits is None else decay_bits
+    if latent:
+        v_decay = k_decay
     base_bits = key_bits
     if protected:
         key_bits, qjl = config.protect_bits, False
     else:
         qjl = config.layer_qjl(key_bits)
-    k_tok, k_const, k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)
-    v_tok, v_const, v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype) if value_dim else \
-        (0, 0, False)
-    total = k_const + v_const
+    total = 0
+    streams = [(key_dim, key_bits, qjl, k_decay, not protected), (value_dim, value_bits, False, v_decay, True)]
+    for dim, bits, q, decay, decays in streams[: 1 + bool(value_dim)]:
+        per_token, constants, _ = _quantizer_layout(dim, bits, q, config.norm_dtype)
+        decayed_token = 0
+        if decay is not None:  # the decay quantizer: held once the stream exists, whether or not anything decayed
+            decayed_token, decay_constants, _ = _quantizer_layout(dim, decay, False, config.norm_dtype)
+            constants += decay_constants
+        total += constants
+        if n_c:
+            fresh, decayed = code_capacity(tokens, max_kv_size, config, decaying=decay is not None and decays)
+            total += B * H * (fresh * per_token + decayed * decayed_token)
     if protected:  # the stream keeps its configured quantizer next to the protecting one
         total += _quantizer_layout(key_dim, base_bits, config.layer_qjl(base_bits), config.norm_dtype)[1]
     if config.sinks:
         total += B * H * config.sinks * (key_dim + value_dim) * float_bytes
     total += B * H * window_capacity(tokens - n_s, config.window) * (key_dim + value_dim) * float_bytes
     if n_c:
-        total += B * H * bounded_capacity(tokens, max_kv_size, config) * (k_tok + v_tok)
+        k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)[2]
+        v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype)[2] if value_dim else False
         total += B * H * 4 * (key_dim * config.center_keys + value_dim * v_center + 1 + bool(value_dim))  # μ, ν, scales
         total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
     return total
@@ -393,10 +468,11 @@ def estimate_kv_bytes(
     every column); sliding-window layers hold min(ctx, window) float tokens with their own geometry (float16 in
     the references, the model's dtype next to TurboQuant, as RotatingKVCache holds); KV-shared layers hold
     nothing; linear-attention state (fixed size) is not counted. TurboQuant's float sinks and window hold the
-    model's dtype (kv_float_bytes: `dtype`, else torch_dtype).
+    model's dtype (kv_float_bytes: `dtype`, else torch_dtype). Temporal decay (config.decay_after) is priced per
+    layer (config.layer_decay_bits: boundary layers do not decay), as turboquant_layer_bytes says.
 
     max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
-    RotatingKVCache, decoding); TurboQuant follows bounded_tokens / bounded_capacity (decoding token by token).
+    RotatingKVCache, decoding); TurboQuant follows bounded_tokens / code_capacity (decoding token by token).
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
@@ -417,7 +493,8 @@ def estimate_kv_bytes(
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
             total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
-                                            latent=lay.latent, k_eq_v=lay.k_eq_v)
+                                            latent=lay.latent, k_eq_v=lay.k_eq_v,
+                                            decay_bits=config.layer_decay_bits(a, n_att))
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
@@ -430,7 +507,9 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     """What one attention layer adds at ctx if its keys protect themselves (config.protect_bits, chosen by the
     layer's own calibration tokens, so a plan can only price one): its key stream at protect_bits, its values
     unchanged (a latent layer's rope key keeps the key bits), and the stream keeps its configured quantizer's
-    constants next to the protecting one. 0 if protection is off or not above the key bits."""
+    constants next to the protecting one. Protected keys do not decay (config.decay_after): with decay this is
+    also the decayed key codes turned back into protect_bits codes. 0 if protection is off or not above the key
+    bits."""
     if config.protect_factor is None or config.protect_bits <= config.key_bits:
         return 0
     lay = attention_layout(model_config)
@@ -440,7 +519,7 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     kb, vb = config.layer_bits(n_att // 2, n_att)  # a middle layer: boundary layers have their own bits
     args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim, kb, vb, config, batch,
             kv_float_bytes(model_config, dtype), max_kv_size)
-    flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v)
+    flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v, decay_bits=config.layer_decay_bits(n_att // 2, n_att))
     return turboquant_layer_bytes(*args, protected=True, **flags) - turboquant_layer_bytes(*args, **flags)
 
 
@@ -602,6 +681,9 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
                      nbytes for the layers that stay float
       kv_dtype       the model's dtype the float tokens are kept in ("float32"; None for an empty cache)
       float_tokens, compressed_tokens   TurboQuant layers: tokens still in float (sinks + window) and compressed
+                     (decayed ones included), the most of any layer
+      decayed_tokens TurboQuant layers: compressed tokens re-coded at the decay bits (config.decay_after), the most
+                     of any layer and side
       sinks, window  TurboQuant layers: the config's float sinks and window (None without TurboQuant layers);
                      compression starts at token sinks + window + 1
       fp16_bytes     what float16 KVCaches would hold for the same tokens (2·heads·head_dim·2 bytes per token)
@@ -613,7 +695,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       attention_layers, turboquant_layers  counts
     """
 
-    kv = fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = 0
+    kv = fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = decayed = 0
     dtype, sinks, window = None, None, None
     for c in _flatten(prompt_cache):
         geo = _kv_geometry(c)
@@ -635,7 +717,8 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         mlx_lm += mlx_lm_kv_bytes(T, H, dk, dv, float_bytes, B) if compressing else c.nbytes
         if isinstance(c, TurboQuantKVCache):
             float_tokens = max(float_tokens, c.n_sinks + c.n_window)
-            compressed = max(compressed, c.n_compressed)
+            compressed = max(compressed, c.n_compressed)  # decayed tokens included
+            decayed = max(decayed, *c.n_decayed)
             sinks, window = c.config.sinks, c.config.window
     return {
         "kv_bytes": kv,
@@ -643,6 +726,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         "kv_dtype": str(dtype).removeprefix("mlx.core.") if dtype is not None else None,
         "float_tokens": float_tokens,
         "compressed_tokens": compressed,
+        "decayed_tokens": decayed,
         "sinks": sinks,
         "window": window,
         "fp16_bytes": fp16,
@@ -665,11 +749,44 @@ def _layer_caches(prompt_cache: Iterable[Any]) -> list[tuple[int, Any]]:
     return [(i + offset, m) for i, m in caches]
 
 
+def decay_label(key_bits: float, value_bits: float, qjl: bool = False,
+                decay_bits: tuple[int | None, int | None] = (None, None), after: int | None = None) -> str:
+    """config.bits_label with temporal decay: "K4→3/V3→2 after 2048" (keys 4 bits, 3 once decay_after tokens
+    old; values 3, then 2), "K4/V3→2 after 2048" when only the values decay; "K4/V3" without decay."""
+    if after is None or decay_bits == (None, None):
+        return bits_label(key_bits, value_bits, qjl)
+
+    def to(decayed: int | None) -> str:
+        return "" if decayed is None else f"→{format_bits(decayed)}"
+
+    return (f"K{format_bits(key_bits)}{'+qjl' if qjl else ''}{to(decay_bits[0])}/V{format_bits(value_bits)}"
+            f"{to(decay_bits[1])} after {after}")
+
+
+def config_label(config, attention_index: int = 0, n_attention_layers: int | None = None) -> str:
+    """A config's bits as decay_label words them, for one attention layer (by default one that is not a boundary
+    layer): "K4→3/V3→2 after 2048"."""
+    kb, vb = config.key_bits, config.value_bits
+    if n_attention_layers is not None:
+        kb, vb = config.layer_bits(attention_index, n_attention_layers)
+    return decay_label(kb, vb, config.layer_qjl(kb), config.layer_decay_bits(attention_index, n_attention_layers),
+                       config.decay_after)
+
+
+def cache_decay_bits(c: TurboQuantKVCache) -> tuple[int | None, int | None]:
+    """(keys, values): the bits a cache's streams re-code old tokens at (None: that side does not decay), as
+    the streams do it: a protected key stream does not decay, a latent layer's rope key (its values) decays at
+    the key's decay bits, protected or not. Before the first tokens: the cache's decay_bits."""
+    if c.key_stream is None:
+        return c.decay_bits
+    return tuple(s.decay[1].bits if s is not None and s.decaying else None for s in (c.key_stream, c.value_stream))
+
+
 def _layer_label(c) -> str | None:
-    """How bits_summary names one cache: its bits, "float" (with a sliding window's size), None for caches
-    without keys and values (recurrent state)."""
+    """How bits_summary names one cache: its bits (with temporal decay, decay_label's "K4→3/V3→2 after 2048"),
+    "float" (with a sliding window's size), None for caches without keys and values (recurrent state)."""
     if isinstance(c, TurboQuantKVCache):
-        return bits_label(c.key_bits, c.value_bits, c.qjl)
+        return decay_label(c.key_bits, c.value_bits, c.qjl, cache_decay_bits(c), c.config.decay_after)
     if not hasattr(c, "keys"):
         return None
     bits = getattr(c, "bits", None)
@@ -681,8 +798,9 @@ def _layer_label(c) -> str | None:
 
 def bits_summary(prompt_cache: Iterable[Any]) -> str:
     """Which layers hold what, compactly: "K4/V3 on all 28 attention layers", or per run of layers, e.g.
-    "L0-1 K8/V8 · L2-27 K4/V3 · L28-29 K8/V8" or "L0 float (sliding window 512) · L1 K4/V3 · ..." (layers
-    that stay float are named; recurrent-state layers are left out)."""
+    "L0-1 K8/V8 · L2-27 K4→3/V3→2 after 2048 · L28-29 K8/V8" (temporal decay: decay_label) or
+    "L0 float (sliding window 512) · L1 K4/V3 · ..." (layers that stay float are named; recurrent-state layers
+    are left out)."""
     runs: list[tuple[str, list[int]]] = []  # (label, layers), consecutive attention layers with one label
     labelled = [(i, lab) for i, c in _layer_caches(prompt_cache) if (lab := _layer_label(c)) is not None]
     for i, label in labelled:
@@ -787,14 +905,16 @@ def saving_text(s: dict) -> str:
 
 def window_text(s: dict) -> str | None:
     """How much of the context cache_bytes(...) found still in TurboQuant's float window (None without
-    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"."""
+    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 768-token window): compression starts at token 773",
+    or "3,228 tokens compressed (1,152 decayed), 772 in float16 (4 sinks + 768-token window)"."""
     if s.get("window") is None:
         return None
     kept = f"{s['kv_dtype'] or 'float'} ({s['sinks']} sinks + {s['window']:,}-token window)"
     if not s["compressed_tokens"]:
         start = s["sinks"] + s["window"] + 1
         return f"all {s['float_tokens']:,} tokens in {kept}: compression starts at token {start:,}"
-    return f"{s['compressed_tokens']:,} tokens compressed, {s['float_tokens']:,} in {kept}"
+    decayed = f" ({s['decayed_tokens']:,} decayed)" if s.get("decayed_tokens") else ""
+    return f"{s['compressed_tokens']:,} tokens compressed{decayed}, {s['float_tokens']:,} in {kept}"
 
 
 def format_bytes(n: float) -> str:
