@@ -177,9 +177,8 @@ class TurboQuantKVCache(_BaseCache):
         """(keys, values): the bits compressed tokens decay to (config.decay_after), None where they do not. A
         latent layer's rope key (its value stream) decays like keys; a protected key stream does not decay."""
         kb, vb = self.config.layer_decay_bits(self.attention_index, self.n_attention_layers)
-        if self.protected:
-            kb = None
-        return kb, (kb if self.fetch == "latent" else vb)
+        vb = kb if self.fetch == "latent" else vb  # the rope key decays even where the latent protected itself
+        return (None if self.protected else kb), vb
 
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
         self.check_dims(key_dim, value_dim)
