@@ -10,8 +10,8 @@ launcher's twin (`*_reference`) takes the same arguments and runs the core's pur
     encode / encode_reference                 centering, norm, rotation, Lloyd-Max codes, packing (+ QJL);
                                               encode_dense.metal for channel groups (2.5 / 3.5 bits) and head
                                               dims without a power-of-two WHT (80, 96, 192, ...)
-    dequantize / dequantize_reference         codes -> float in the model basis (tools and tests; attention
-                                              never dequantizes)
+    dequantize / dequantize_reference         codes -> float in the model basis (float fetches, tools and tests;
+                                              attention never dequantizes); decayed codes: one launch per segment
     decode_attention / decode_attention_reference
                                               attention of 1..8 query tokens on the codes: pass 1 (split-K
                                               partials) + pass 2 (merge with the float16 tokens)
@@ -19,7 +19,8 @@ launcher's twin (`*_reference`) takes the same arguments and runs the core's pur
                                               attention of any number of query tokens (prefill chunks) on the
                                               codes: one flash-attention-style pass per query tile
 
-Dispatch: `dispatch_attention` (decode_attention for 1..8 query tokens, prefill_attention for more),
+Dispatch: `dispatch_attention` (decode_attention for 1..8 query tokens, prefill_attention for more; on views
+with decayed codes both take decode_attention's two passes, see "Temporal decay" below),
 `dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run the kernel when the back end is Metal
 (`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal when `mx.metal.is_available()` and
 the default device is the GPU) and the case is supported, else the reference.
@@ -63,6 +64,31 @@ transient per layer is the float32 query rows (scaled; times s_k; rotated; S·q 
 4·B·Hq·L·(4·D + 1) bytes plus the output (twice, in float32, without the in-kernel value rotation), flat in the
 context and independent of the tile size.
 
+Temporal decay (TurboQuantConfig.decay_after): a side's older compressed tokens are decayed codes, re-coded at
+fewer integer bits by a quantizer of the same dim and seed (one group, one rotation: _decay_unsupported refuses
+anything else), before its fresh codes; keys and values may change quantizer at different tokens (only one side
+decays, or protected keys do not). attention.aligned_segments cuts the compressed tokens into spans [a, b) of one
+key and one value quantizer (1..3 spans). Pass 1 (decode_partial, no change to its source) runs once per span,
+its own compiled variant (code layouts, centroid tables, rows per threadgroup) on the span's codes, with
+params[1] = b - a tokens, the mask column offset params[6] = n_sinks + a (the kernel uses it for nothing else)
+and the causal limit lowered by a; the query rows (rotated once: one basis) and q·μ are shared. Each span's
+partials (its splits, sized as above from the whole context and the span's own bytes per token) are concatenated
+along the split axis, and pass 2 merges them all as one (N = every compressed token): the decayed and fresh
+value accumulators are in one rotated basis. Costs against a view without decay: one pass-1 launch per span
+instead of one, and a copy of the partials (the concatenation). Bytes per decode step: each span's codes once,
+so n_decayed·(decayed bytes per token) + n_fresh·(fresh bytes per token), e.g. 84 B/token for decayed K3/V2
+against 132 at K4/V4 (D = 128); partials B·H·S·R·L·(DV+2)·4 bytes, S = the splits of all spans, still under 5%
+of the codes read (plus at most one split per span on short contexts).
+Prefill chunks (more than 8 query tokens) on decayed views take the same two passes (prefill_attention.metal holds
+one codebook per side): pass 1 with its query rows in tiles of up to 64 (chunks of R·L / NR, as prefill's tiles:
+each compressed byte read once per tile), pass 2 with one SIMD group per query row over the float sinks and
+window. There a split's partials are large against its codes, so the split rule gives one split per span unless
+the context is long against the chunk: the device transient is the float32 query rows as in prefill plus the
+partials, B·H·S·R·L·(DV+2)·4 bytes written by pass 1 and read by pass 2, twice (the concatenation's copy) when
+there are two or three spans, S >= the spans (1..3), e.g. 34 MB per span for a 2048-token chunk at 32 query
+heads, 8 kv heads, DV = 128; the float window is read once per query row (from the cache) instead of once per
+SIMD group. Views without decayed codes are launched exactly as before.
+
 Masks and learned sinks (both kernels): mask None, "causal" (limits computed on the host), or a bool or additive
 array (L, T), (B or 1, 1, L, T) or (B or 1, Hq, L, T) over the view's tokens in order (sinks, compressed,
 window), read per (query row, token) where a score is made (`_mask_inputs`: contiguous, with batch/head/token
@@ -84,12 +110,14 @@ output row in the rotated basis (outc, float32) for attention.unrotate: B·Hq·L
 
 Supported by the kernels: head dims 16..512 (key and value dims may differ), every bit width the config takes
 (1, 2, 2.5, 3, 3.5, 4, 8; QJL keys 2, 3, 4, i.e. an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their uint8 log code,
-float16/bfloat16/float32 inputs, masks and learned sinks as above. Views without compressed tokens need no
+float16/bfloat16/float32 inputs, masks and learned sinks as above, decayed codes (every decay the config takes:
+1..4 bits, one side or both, MLA's latent too). Views without compressed tokens need no
 kernel of ours: they take mx.fast.scaled_dot_product_attention (attention.float_attention, sinks included).
 On a Mac the reference path runs only: QJL at 1 bit (no MSE stage: nothing for the kernels' score loop to
 read), QJL keys' encode at head dims without a WHT (the QJL encode is written for the WHT kernel), head dims
 above 512 (threadgroup memory), masks other than bool/float arrays of the shapes above (integer dtypes,
-other broadcasts) or of 2^31 elements or more (int32 offsets); and any variant whose self-check failed
+other broadcasts) or of 2^31 elements or more (int32 offsets), decayed codes in another basis than the fresh
+ones (never built by a cache); and any variant whose self-check failed
 (with a warning). Batch views (tq_mlx.batch) run row by row, each row through dispatch_attention.
 """
 
@@ -106,7 +134,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .attention import keys_are_values, split_query, turboquant_attention, unrotate
+from .attention import aligned_segments, keys_are_values, split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, load_norms
 from .rotation import Rotation
@@ -276,10 +304,11 @@ def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None, scale=None)
 
 def dequantize_unsupported(kv: StreamView) -> str | None:
     """Why `dequantize` cannot run this view (None: it can)."""
+    if kv.decayed is not None:  # decayed codes, then fresh ones: each segment is its own launch
+        return next((f"{'decayed' if off == 0 and seg is kv.decayed else 'fresh'} codes: {r}"
+                     for off, seg in kv.segments() if (r := dequantize_unsupported(seg))), None)
     if kv.codes is None:
         return "no compressed tokens"
-    if kv.decayed is not None:
-        return "decayed codes (dequantize each segment)"
     if kv.perm is not None:
         return "channel permutation (fractional bits)"
     reason = _quantizer_unsupported(kv.quantizer)
@@ -352,6 +381,62 @@ def _kv_codes(keys: StreamView, values: StreamView) -> tuple[_Codes, _Codes, boo
     return _codes(keys.quantizer), _codes(values.quantizer), isinstance(keys.quantizer, TurboQuantProd)
 
 
+def _decayed(keys: StreamView, values: StreamView) -> bool:
+    return keys.decayed is not None or values.decayed is not None
+
+
+def _spans(keys: StreamView, values: StreamView) -> list[tuple[int, int, StreamView, StreamView]]:
+    """The compressed tokens in spans [a, b) with one key and one value quantizer each, and each side's
+    codes-only view of the span (attention.aligned_segments: decayed codes, then fresh ones; keys and values
+    may change quantizer at different tokens). Without decayed codes, one span: the views themselves."""
+    if not _decayed(keys, values):
+        return [(0, keys.n_compressed, keys, values)]
+    return aligned_segments(keys, values)
+
+
+def _span_codes(keys: StreamView, values: StreamView) -> tuple[tuple[_Codes, _Codes, bool], ...]:
+    """Each span's code layouts (keys, values, QJL keys): one pass-1 variant per span."""
+    return tuple(_kv_codes(ks, vs) for _, _, ks, vs in _spans(keys, values))
+
+
+def _n_heads(kv: StreamView) -> int:
+    """A view's kv heads (from its decayed codes when it holds nothing else)."""
+    if kv.codes is None and kv.sinks is None and kv.window is None and kv.decayed is not None:
+        return kv.decayed.codes.codes.shape[1]
+    return kv.n_heads
+
+
+def _basis(q) -> tuple | None:
+    """What fixes the rotated basis of a one-group quantizer: its rotation (dim, kind, seed); None for groups."""
+    groups = _mse(q).groups
+    return (groups[0].rotation.dim, groups[0].rotation.kind, groups[0].rotation.seed) if len(groups) == 1 else None
+
+
+def _decay_unsupported(kv: StreamView) -> str | None:
+    """Why the attention kernels cannot read a view's decayed codes (None: they can, or it has none). They
+    share the query rotation and the value accumulator with the fresh codes, so both must be in one basis."""
+    d = kv.decayed
+    if d is None:
+        return None
+    if not isinstance(d.quantizer, TurboQuantMSE) or isinstance(kv.quantizer, TurboQuantProd):
+        return "decayed codes with QJL keys"
+    if kv.perm is not None or d.perm is not None or _basis(d.quantizer) is None or (
+            _basis(d.quantizer) != _basis(kv.quantizer)):
+        return "decayed codes in another rotated basis than the fresh codes"
+    if d.quantizer.dim != kv.quantizer.dim:
+        return f"decayed codes of dim {d.quantizer.dim} for fresh codes of dim {kv.quantizer.dim}"
+    reason = _quantizer_unsupported(d.quantizer)
+    return reason and f"decayed codes: {reason}"
+
+
+def _rows_unsupported(rl: int, queries: mx.array, keys, values) -> str | None:
+    """Threadgroup memory: pass 1 (and prefill_attention) must fit one query row of every span's layout."""
+    for kc, vc, qjl in _span_codes(keys, values):
+        if _rows_per_threadgroup(rl, queries.shape[3], values.head_dim, kc, vc, qjl) == 0:
+            return "threadgroup memory"
+    return None
+
+
 def decode_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
     """Why `decode_attention` cannot run this case (None: it can)."""
     if isinstance(queries, mx.array) and queries.ndim == 4 and not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
@@ -359,11 +444,7 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
     reason = _views_unsupported(queries, keys, values, mask, sinks)
     if reason:
         return reason
-    kc, vc, qjl = _kv_codes(keys, values)
-    if _rows_per_threadgroup((queries.shape[1] // keys.n_heads) * queries.shape[2], queries.shape[3],
-                             values.head_dim, kc, vc, qjl) == 0:
-        return "threadgroup memory"
-    return None
+    return _rows_unsupported((queries.shape[1] // _n_heads(keys)) * queries.shape[2], queries, keys, values)
 
 
 def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
@@ -377,9 +458,9 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
         return "no query tokens"
     if keys.n_compressed == 0:
         return "no compressed tokens (float tokens only)"
-    if keys.decayed is not None or values.decayed is not None:
-        return "decayed codes (temporal decay)"
-    H = keys.n_heads
+    if values.n_compressed != keys.n_compressed:
+        return f"{keys.n_compressed} compressed keys and {values.n_compressed} compressed values"
+    H = _n_heads(keys)
     if Hq % H or D != keys.head_dim:
         return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"
     reason = _mask_unsupported(mask, B, Hq, L, keys.n_tokens)
@@ -398,7 +479,7 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
             return f"scale of shape {tuple(kv.scale.shape)}"
     reason = _quantizer_unsupported(keys.quantizer) or (
         "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
-    )
+    ) or _decay_unsupported(keys) or _decay_unsupported(values)
     return reason or None
 
 
@@ -472,10 +553,7 @@ def prefill_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) 
         return reason
     if isinstance(mask, str) and queries.shape[2] > keys.n_tokens:  # a query that sees no token (never in mlx-lm)
         return f"{queries.shape[2]} causal queries over {keys.n_tokens} cached tokens"
-    kc, vc, qjl = _kv_codes(keys, values)
-    if _prefill_rows(1, queries.shape[3], values.head_dim, kc, vc, qjl) == 0:
-        return "threadgroup memory"
-    return None
+    return _rows_unsupported(1, queries, keys, values)  # _prefill_rows: the same budget as pass 1
 
 
 def _float_dtype(kv: StreamView) -> mx.Dtype:
@@ -590,6 +668,8 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
     """The compressed tokens of a view in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
+    if kv.decayed is not None:  # one launch per segment (its own quantizer), decayed tokens first
+        return mx.concatenate([dequantize(seg, dtype, metal_kernel=factory) for _, seg in kv.segments()], axis=2)
     if kv.scale is not None:  # codes hold (x - μ) / s: decode with μ / s, then scale back
         s = kv.scale.astype(mx.float32)
         mean = None if kv.mean is None else kv.mean.astype(mx.float32) / s[:, :, None]
@@ -643,7 +723,7 @@ def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int
     """(B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T): queries' shape, kv heads and value dim, the R·L query rows of a
     kv head, its compressed, sink and window tokens, and all of them."""
     B, Hq, L, DK = queries.shape
-    H = keys.n_heads
+    H = _n_heads(keys)
     N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
     return B, Hq, L, DK, H, values.head_dim, (Hq // H) * L, N, n_s, n_w, n_s + N + n_w
 
@@ -651,7 +731,7 @@ def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int
 def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: float, sparse_epsilon: float,
              factory) -> _Prepared:
     B, Hq, L, DK = queries.shape
-    H = keys.n_heads
+    H = _n_heads(keys)
     kc, vc, qjl = _kv_codes(keys, values)
     kq = keys.quantizer
     q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * L, DK))
@@ -667,10 +747,25 @@ def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: flo
     qmu = None
     if keys.mean is not None:
         qmu = mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(q.shape[:3]))
-    tables = _tables(kq, ("attention", values.quantizer, sparse_epsilon), lambda: _floats(
-        *[g.centroids for g in _mse(kq).groups], *[g.centroids for g in values.quantizer.groups],
-        [kq.qjl_scale if qjl else 0.0, sparse_epsilon]))
+    tables = _attention_tables(kq, values.quantizer, sparse_epsilon)
     return _Prepared(q, q_rot, qs, qmu, kc, vc, qjl, tables, keys_are_values(keys, values))
+
+
+def _attention_tables(kq, vq, sparse_epsilon: float) -> mx.array:
+    qjl = isinstance(kq, TurboQuantProd)
+    return _tables(kq, ("attention", vq, sparse_epsilon), lambda: _floats(
+        *[g.centroids for g in _mse(kq).groups], *[g.centroids for g in vq.groups],
+        [kq.qjl_scale if qjl else 0.0, sparse_epsilon]))
+
+
+def _for_span(p: _Prepared, ks: StreamView, vs: StreamView, sparse_epsilon: float) -> _Prepared:
+    """The prepared call for one span of decayed or fresh codes: its code layouts and centroid tables; the
+    query rows (one rotated basis for both ages, _decay_unsupported) and q·μ are the call's."""
+    kc, vc, qjl = _kv_codes(ks, vs)
+    if qjl != p.qjl:
+        raise ValueError("decayed and fresh keys must both be QJL keys or neither")
+    return p._replace(kc=kc, vc=vc, tables=_attention_tables(ks.quantizer, vs.quantizer, sparse_epsilon),
+                      keqv=keys_are_values(ks, vs))
 
 
 def _outputs(p: _Prepared, queries: mx.array, DV: int) -> tuple[list, list, list]:
@@ -726,42 +821,68 @@ def decode_attention(
     byte of a kv head once for all R·L query rows of its GQA group (once per chunk of rows where threadgroup
     memory needs chunks), per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass
     2 starts each row at its learned sink, merges the splits with the float sinks and window, rotates back once
-    and adds the value mean. Sparse V departs from
-    the exact result by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row (SPARSE_V_EPSILON); < 0 keeps all.
+    and adds the value mean. With decayed codes (temporal decay) pass 1 runs once per span of one key and one
+    value quantizer (attention.aligned_segments), each with its own variant, and pass 2 merges all their splits.
+    Sparse V departs from the exact result by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row
+    (SPARSE_V_EPSILON); < 0 keeps all.
     """
     _require(decode_unsupported(queries, keys, values, mask, sinks), "decode_attention")
-    factory = metal_kernel or _default_factory()
+    return _two_pass(queries, keys, values, scale, mask, sinks, split_tokens, None, sparse_epsilon,
+                     metal_kernel or _default_factory())
+
+
+def _two_pass(queries, keys, values, scale, mask, sinks, split_tokens, rows, sparse_epsilon, factory) -> mx.array:
+    """decode_partial per span and split, then decode_merge: decode attention, and prefill on decayed views.
+    rows: query rows per pass-1 threadgroup, one int for every span or one per span (None: as many as fit)."""
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = isinstance(mask, str)
     amask, mask_template, mask_strides = _mask_inputs(mask, L, T)
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
+    if split_tokens is not None and (split_tokens % 32 or split_tokens <= 0):
+        raise ValueError(f"split_tokens must be a positive multiple of 32, got {split_tokens}")
+    spans = _spans(keys, values)
+    if rows is not None and not isinstance(rows, int) and len(rows) != len(spans):
+        raise ValueError(f"rows per threadgroup for {len(rows)} spans of codes, the view has {len(spans)}")
 
-    # Pass 1: split-K partials over the compressed tokens.
-    nr = _rows_per_threadgroup(RL, DK, DV, p.kc, p.vc, p.qjl)
-    layout = _partial_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
-    chunks = -(-RL // nr)
-    read = keys.codes if p.keqv else (*keys.codes, *values.codes)  # what pass 1 reads per token
-    token_bytes = sum(a.itemsize * math.prod(a.shape[3:]) for a in read)
-    per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
-    if per % 32 or per <= 0:
-        raise ValueError(f"split_tokens must be a positive multiple of 32, got {per}")
-    S = -(-N // per)
-    nt = 32 * min(nr, 8)
-    kc = keys.codes
+    # Pass 1: split-K partials over the compressed tokens, span by span (decayed codes, then fresh ones).
     p1 = _kernel(factory, "decode_partial",
                  ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "amask", "params"], ["pm", "pl", "pacc"],
                  row_contiguous=False)
-    pm, pl, pacc = p1(
-        inputs=[p.q_rot, p.qs, kc.codes, kc.norms, kc.qjl if p.qjl else _dummy(mx.uint32, 4),
-                kc.gamma if p.qjl else _dummy(mx.float16, 3), values.codes.codes, values.codes.norms, p.tables,
-                amask, _ints(H, N, RL, L, per, T - L - n_s if causal else _NO_LIMIT, n_s, *mask_strides)],
-        output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
-        output_dtypes=[mx.float32] * 3,
-        grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
-        template=[("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *mask_template, *layout],
-    )
+    partials = []
+    for i, (a, b, ks, vs) in enumerate(spans):
+        sp = p if (ks is keys and vs is values) else _for_span(p, ks, vs, sparse_epsilon)
+        nr = (rows if isinstance(rows, int) else rows[i]) if rows is not None else (
+            _rows_per_threadgroup(RL, DK, DV, sp.kc, sp.vc, sp.qjl))
+        layout = _partial_layout(nr, DK, DV, sp.kc, sp.vc, sp.qjl)
+        if nr < 1 or nr & (nr - 1) or _partial_tg_bytes(layout) > THREADGROUP_MEMORY:
+            raise ValueError(f"rows per threadgroup must be a power of two within threadgroup memory, got {nr}")
+        chunks = -(-RL // nr)
+        kc, vc = ks.codes, vs.codes
+        read = kc if sp.keqv else (*kc, *vc)  # what pass 1 reads per token
+        token_bytes = sum(x.itemsize * math.prod(x.shape[3:]) for x in read)
+        # Split sizes from the whole context's token count (about 1024 threadgroups over all spans) and the
+        # span's own bytes per token (the partials stay under 5% of what the split reads).
+        per = split_tokens or _split_tokens(N, B * H * chunks, 4 * RL * (DV + 2), token_bytes)
+        n = b - a
+        S = -(-n // per)
+        nt = 32 * min(nr, 8)
+        partials.append(p1(
+            inputs=[sp.q_rot, sp.qs, kc.codes, kc.norms, kc.qjl if sp.qjl else _dummy(mx.uint32, 4),
+                    kc.gamma if sp.qjl else _dummy(mx.float16, 3), vc.codes, vc.norms, sp.tables, amask,
+                    # the span's token 0 is compressed token a: mask column n_s + a, causal limit shifted by a
+                    _ints(H, n, RL, L, per, T - L - n_s - a if causal else _NO_LIMIT, n_s + a, *mask_strides)],
+            output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
+            output_dtypes=[mx.float32] * 3,
+            grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
+            template=[("DK", DK), ("DV", DV), ("NR", nr), *sp.template(), *mask_template, *layout],
+        ))
+    if len(partials) == 1:
+        pm, pl, pacc = partials[0]
+    else:  # the splits of every span side by side: pass 2 merges them all alike
+        pm, pl, pacc = (mx.concatenate([_mx(part[j], mx.float32) for part in partials], axis=2) for j in range(3))
+    S = pm.shape[2]
 
-    if values.scale is not None:  # compressed values hold (v - ν) / s_v
+    if values.scale is not None:  # compressed values hold (v - ν) / s_v (decayed ones too)
         pacc = _mx(pacc, mx.float32) * values.scale.astype(mx.float32)[:, :, None, None, None]
 
     # Pass 2: merge with the float tokens, rotate back, add the value mean. An absent part is a dummy of its
@@ -804,7 +925,7 @@ def prefill_attention(
     mask=None,
     sinks=None,
     *,
-    rows_per_threadgroup: int | None = None,
+    rows_per_threadgroup: int | tuple[int, ...] | None = None,
     sparse_epsilon: float = SPARSE_V_EPSILON,
     metal_kernel=None,
 ) -> mx.array:
@@ -819,9 +940,19 @@ def prefill_attention(
     QJL; times s_k) and q·μ, 4·B·Hq·L·(4·D + 1) bytes at most, whatever the context length; no partials, no
     scores.
     Sparse V departs by at most sparse_epsilon · max_i ‖v_i - ν‖₂ per row, as in decode_attention.
+
+    Views with decayed codes (temporal decay: two codebooks per side, where prefill_attention.metal holds one)
+    take decode_attention's two passes instead, for all R·L rows: decode_partial per span of one key and one
+    value quantizer (query rows in tiles as here, `rows_per_threadgroup` one int for every span or one per
+    span), then decode_merge; see the module docstring for what that costs.
     """
     _require(prefill_unsupported(queries, keys, values, mask, sinks), "prefill_attention")
     factory = metal_kernel or _default_factory()
+    if _decayed(keys, values):
+        return _two_pass(queries, keys, values, scale, mask, sinks, None, rows_per_threadgroup, sparse_epsilon,
+                         factory)
+    if rows_per_threadgroup is not None and not isinstance(rows_per_threadgroup, int):
+        raise ValueError("rows_per_threadgroup: one int without decayed codes")
     B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T = _shape(queries, keys, values)
     causal = isinstance(mask, str)
     amask, mask_template, mask_strides = _mask_inputs(mask, L, T)
@@ -1026,22 +1157,49 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
     return encode_reference(x, quantizer, mean, perm, scale)
 
 
-def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: StreamView) -> StreamView:
+def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: StreamView,
+                 n_decayed: int = 0) -> StreamView:
     """A small random StreamView compressed by `quantizer`, with a mean, a scale and float tokens of the
-    dtype where `like` has them (for self-checks)."""
+    dtype where `like` has them (for self-checks); its first n_decayed compressed tokens coded by like's decay
+    quantizer."""
     D = quantizer.dim
     mean = _normal(rng, (1, 1, D)) * 0.2 if like.mean is not None else None
     scale = mx.full((1, 1), 2.0**-2) if like.scale is not None else None
     perm = mx.array(rng.permutation(D).astype(np.int32))[None] if like.perm is not None else None
     x = _normal(rng, (1, 1, n, D))
-    codes = encode_reference(x, quantizer, mean, perm, scale)
+    codes = encode_reference(x[:, :, n_decayed:], quantizer, mean, perm, scale) if n > n_decayed else None
+    decayed = None
+    if n_decayed:
+        dq = like.decayed.quantizer
+        decayed = StreamView(dq, encode_reference(x[:, :, :n_decayed], dq, mean, None, scale), None, None, mean,
+                             None, scale)
     floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
-    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale)
+    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale, decayed)
+
+
+def _random_views(rng, keys: StreamView, values: StreamView, n_sinks: int, n: int, n_window: int, tail: int = 0):
+    """Small random (keys, values) like the real ones for a self-check: the same quantizers and parts, n
+    compressed tokens; with decayed codes, the same spans of one key and one value quantizer in the same order
+    (each side's decayed count mapped onto n spans' worth of tokens: n per span, the last one `tail` more)."""
+    same = keys_are_values(keys, values)
+    if not _decayed(keys, values):
+        k = _random_view(rng, keys.quantizer, n_sinks, n + tail, n_window, keys)
+        return k, (k if same else _random_view(rng, values.quantizer, n_sinks, n + tail, n_window, values))
+    N = keys.n_compressed
+    cuts = sorted({0, N, keys.n_decayed, values.n_decayed})
+    total = n * (len(cuts) - 1) + tail
+    small = {c: (n * i if c < N else total) for i, c in enumerate(cuts)}
+    k = _random_view(rng, keys.quantizer, n_sinks, total, n_window, keys, small[keys.n_decayed])
+    return k, (k if same else _random_view(rng, values.quantizer, n_sinks, total, n_window, values,
+                                           small[values.n_decayed]))
 
 
 def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
     """dequantize on Metal when enabled, supported and self-checked; dequantize_reference otherwise."""
     factory = metal_kernel or _factory or _default_factory()
+    if kv.decayed is not None:  # each segment as its own view, with its own variant and self-check
+        return mx.concatenate([dispatch_dequantize(seg, dtype, metal_kernel=metal_kernel)
+                               for _, seg in kv.segments()], axis=2)
     if kernels_enabled() and dequantize_unsupported(kv) is None:
         def run():
             h = _random_view(_rng(3), kv.quantizer, 0, 7, 0, kv)
@@ -1083,17 +1241,21 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
             and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask, sinks) is None):
         B, Hq, L, D = queries.shape
-        R = Hq // keys.n_heads
+        R = Hq // _n_heads(keys)
         kc, vc, qjl = _kv_codes(keys, values)
-        nr = _prefill_rows(R * L, D, values.head_dim, kc, vc, qjl)
+        decayed = _decayed(keys, values)
+        spans = _span_codes(keys, values) if decayed else ()
+        # rows per threadgroup: prefill_attention's query tile; on decayed views pass 1's rows, one per span
+        nr = (tuple(_rows_per_threadgroup(R * L, D, values.head_dim, *c) for c in spans) if decayed
+              else _prefill_rows(R * L, D, values.head_dim, kc, vc, qjl))
 
         def run():
             # The same compiled variant (rows per threadgroup) on a small cache: 2 query tiles, the last partial,
-            # 40 compressed tokens before the chunk's (2 tiles of 32 or more), the causal mask reaching into them.
+            # 40 compressed tokens before the chunk's (2 tiles of 32 or more; per span with decayed codes), the
+            # causal mask reaching into them.
             rng = _rng(5)
-            lc = max(MAX_QUERY_TOKENS + 1, -(-(nr + 1) // R))
-            k = _random_view(rng, keys.quantizer, 2, 40 + lc, 3, keys)
-            v = k if keys_are_values(keys, values) else _random_view(rng, values.quantizer, 2, 40 + lc, 3, values)
+            lc = max(MAX_QUERY_TOKENS + 1, -(-((max(nr) if decayed else nr) + 1) // R))
+            k, v = _random_views(rng, keys, values, 2, 40, 3, tail=lc)
             qs = _normal(rng, (1, R, lc, D), queries.dtype)
             ms = _random_mask(np.random.default_rng(5), kind, R, lc, k.n_tokens)
             ls = None if sinks is None else _normal(rng, (R,), sinks.dtype)
@@ -1104,20 +1266,21 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None, sinks is not None, keys_are_values(keys, values))
+                   keys.perm is not None, values.perm is not None, spans, sinks is not None,
+                   keys_are_values(keys, values))
         if _self_check("prefill_attention", variant, factory, run):
             return prefill_attention(queries, keys, values, scale, mask, sinks, rows_per_threadgroup=nr,
                                      metal_kernel=factory)
         return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if kernels_enabled() and decode_unsupported(queries, keys, values, mask, sinks) is None:
         B, Hq, L, D = queries.shape
-        R = Hq // keys.n_heads
+        R = Hq // _n_heads(keys)
         kc, vc, qjl = _kv_codes(keys, values)
 
         def run():
+            # 45 compressed tokens (per span with decayed codes): splits of 32, the last partial
             rng = _rng(4)
-            k = _random_view(rng, keys.quantizer, 2, 45, 3, keys)
-            v = k if keys_are_values(keys, values) else _random_view(rng, values.quantizer, 2, 45, 3, values)
+            k, v = _random_views(rng, keys, values, 2, 45, 3)
             qs = _normal(rng, (1, R, L, D), queries.dtype)
             ms = _random_mask(np.random.default_rng(4), kind, R, L, k.n_tokens)
             ls = None if sinks is None else _normal(rng, (R,), sinks.dtype)
@@ -1128,7 +1291,9 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None, sinks is not None, keys_are_values(keys, values))
+                   keys.perm is not None, values.perm is not None,
+                   _span_codes(keys, values) if _decayed(keys, values) else (), sinks is not None,
+                   keys_are_values(keys, values))
         if _self_check("decode_attention", variant, factory, run):
             return decode_attention(queries, keys, values, scale, mask, sinks, metal_kernel=factory)
     return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

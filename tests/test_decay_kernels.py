@@ -1,0 +1,278 @@
+"""The attention kernels on views with decayed codes (temporal decay: TurboQuantConfig.decay_after), against the
+reference `turboquant_attention`, under the CPU MSL emulator (tests/emulator): nothing here runs on a GPU.
+
+A decayed view holds, per side, older compressed tokens re-coded at fewer bits before its fresh codes, in one
+rotated basis. The kernels run pass 1 (decode_partial) once per span of one key and one value quantizer
+(tq_mlx.attention.aligned_segments) and pass 2 (decode_merge) once over every span's splits; prefill chunks on
+decayed views take the same two passes (prefill_attention.metal holds one codebook).
+
+* decode (1..8 query tokens) and prefill (more) on real TurboQuantKVCache views: both sides decaying (K4 -> K3,
+  V3 -> V2), only the keys, only the values (QJL keys, which do not decay), keys and values decaying at
+  different tokens (three spans), one view as keys and values (MLA's latent), only decayed codes left (a trim);
+  masks None, "causal" (in prefill reaching into the codes: chunks longer than the window), bool and additive
+  arrays; learned sinks; GQA 1..4; batch 1 and 2; head dims 64 and 128; float16 and uint8 norms (norm_bits 8);
+  every float dtype; all three lane schedules;
+* byte counts: pass 1 reads each decayed and fresh code byte once per kv head and step (decayed tokens fewer
+  bytes each), and writes nothing near a float copy;
+* dispatch_attention: the decayed variants pass their self-checks (random views with the same spans) and take
+  the kernel path; dequantize per segment; a decay quantizer in another basis is refused with its reason.
+Cost: about 30 s warm, 40 s cold (compiling the new variants) on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+    SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
+)
+from tq_mlx import kernels as K
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.attention import aligned_segments
+from tq_mlx.quantizer import TurboQuantMSE
+from tq_mlx.stream import decode as stream_decode
+
+DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64)
+
+
+def decayed_views(dim=64, kb=4, vb=3, dkb=3, dvb=2, qjl=False, B=1, H=2, n_prompt=300, L=1, dtype=mx.float16,
+                  norm_bits=16, seed=0, **config):
+    """Views of a real cache with decay after a prompt of n_prompt tokens and L new ones: (keys, values)."""
+    rng = np.random.default_rng(seed)
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, decay_key_bits=dkb, decay_value_bits=dvb,
+                           norm_bits=norm_bits, **(DECAY | config))
+    cache = TurboQuantKVCache(cfg, head_dim=dim)
+    kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
+    cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
+    return cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
+
+
+def span_counts(keys, values) -> list[int]:
+    return [b - a for a, b, *_ in aligned_segments(keys, values)]
+
+
+def run(kernel, q, keys, values, mask, sinks, factory, **kw):
+    scale = 1 / math.sqrt(q.shape[-1])
+    unsupported = K.decode_unsupported if kernel == "decode" else K.prefill_unsupported
+    assert unsupported(q, keys, values, mask, sinks) is None
+    launch = K.decode_attention if kernel == "decode" else K.prefill_attention
+    got = launch(q, keys, values, scale, mask, sinks, metal_kernel=factory, **kw)
+    want = K.decode_attention_reference(q, keys, values, scale, mask, sinks)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    return got, want
+
+
+def masks(rng, kind, B, Hq, L, T):
+    return kind if kind in (None, "causal") else make_mask(rng, kind, B, Hq, L, T)
+
+
+# ================================================================ 1. decode and prefill against the reference
+CASES = [
+    # kernel, dim, kb, vb, decay kb, decay vb, qjl, dtype, B, R, L, mask, learned sinks, norm_bits
+    ("decode", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 1, None, False, 16),  # the default bits, both decaying
+    ("decode", 128, 4, 3, 3, None, False, mx.bfloat16, 2, 4, 3, "causal", True, 16),  # only keys; GQA 4, sinks
+    ("decode", 64, 4, 3, 3, 2, False, mx.float32, 2, 2, 2, "bool-batch", False, 8),  # uint8 norms, bool mask
+    ("decode", 64, 4, 4, None, 2, True, mx.float16, 1, 2, 4, "add-heads-float16", True, 16),  # QJL keys: values
+    ("decode", 128, 3, 2, 2, 1, False, mx.float16, 2, 1, 1, "bool-2d", False, 8),  # K3 -> K2, V2 -> V1
+    ("prefill", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, 16),  # chunk > window: causal in codes
+    ("prefill", 128, 4, 3, 3, None, False, mx.bfloat16, 2, 4, 12, "causal", True, 8),  # only keys, GQA 4, sinks
+    ("prefill", 64, 4, 3, 3, 2, False, mx.float32, 2, 1, 20, "add-heads-float32", True, 16),  # additive, sinks
+]
+
+
+def case_id(c) -> str:
+    kernel, dim, kb, vb, dkb, dvb, qjl, dtype, B, R, L, mask, sinks, nb = c
+    return (f"{kernel}-d{dim}-K{kb}{'+qjl' if qjl else ''}->{dkb}-V{vb}->{dvb}-{ids(dtype)}-B{B}R{R}L{L}-{mask}"
+            f"{'-sinks' if sinks else ''}-n{nb}")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decayed_views_match_reference(emulator, schedule, case):
+    kernel, dim, kb, vb, dkb, dvb, qjl, dtype, B, R, L, mask, sinks, nb = case
+    keys, values = decayed_views(dim, kb, vb, dkb, dvb, qjl, B, n_prompt=300, L=L, dtype=dtype, norm_bits=nb)
+    assert (keys.decayed is not None) == (dkb is not None) and (values.decayed is not None) == (dvb is not None)
+    for kv, bits in ((keys, dkb), (values, dvb)):
+        if bits is not None:
+            assert kv.decayed.quantizer.bits == bits and kv.n_fresh > 32 and kv.n_decayed > 32
+            assert kv.decayed.quantizer.norm_dtype == (mx.uint8 if nb == 8 else mx.float16)
+    if kernel == "prefill" and mask == "causal" and L > DECAY["window"]:
+        assert keys.n_window < L  # the chunk's first tokens are compressed: the causal limit lies in the codes
+    rng = np.random.default_rng(L)
+    q = normal(rng, (B, 2 * R, L, dim), dtype)
+    m = masks(rng, mask, B, 2 * R, L, keys.n_tokens)
+    ls = normal(rng, (2 * R,), dtype) * 2 + 4 if sinks else None
+    f = Emu(schedule, seed=7)
+    kw = dict(split_tokens=64) if kernel == "decode" else {}
+    got, want = run(kernel, q, keys, values, m, ls, f, **kw)
+    assert_close(got, want, dtype, schedule)
+    # pass 1 ran once per span, prefill_attention.metal never
+    assert len(f.stats("tq_decode_partial")) == len(span_counts(keys, values)) >= 2
+    assert not f.stats("tq_prefill_attention")
+
+
+def three_spans(dim=64, B=1, L=1, dtype=mx.float16, **kw):
+    """Keys from a cache decaying after 160 tokens, values from one decaying after 224: the sides change
+    quantizer at different tokens, so the compressed tokens are three spans (Kd Vd, Kf Vd... as it falls)."""
+    keys, _ = decayed_views(dim, B=B, L=L, dtype=dtype, seed=1, **kw)
+    _, values = decayed_views(dim, B=B, L=L, dtype=dtype, seed=2, decay_after=224, **kw)
+    assert keys.n_decayed != values.n_decayed and keys.n_compressed == values.n_compressed
+    assert len(span_counts(keys, values)) == 3
+    return keys, values
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kernel,L,mask", [("decode", 2, "causal"), ("prefill", 90, "bool-2d")], ids=ids)
+def test_keys_and_values_decayed_at_different_tokens(emulator, schedule, kernel, L, mask):
+    keys, values = three_spans(L=L, B=2)
+    rng = np.random.default_rng(3)
+    q = normal(rng, (2, 4, L, 64), mx.float16)
+    f = Emu(schedule, seed=3)
+    got, want = run(kernel, q, keys, values, masks(rng, mask, 2, 4, L, keys.n_tokens), None, f,
+                    **(dict(split_tokens=32) if kernel == "decode" else {}))
+    assert_close(got, want, mx.float16, schedule)
+    assert len(f.stats("tq_decode_partial")) == 3
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_latent_keys_are_values_decayed(emulator, schedule):
+    # MLA's decode: one view (the latent, decayed too) as keys and values, 16 query heads on one kv head, an
+    # additive rope-score mask: each span's codes are read once for keys and values.
+    kv, _ = decayed_views(64, 4, 4, 3, 3, B=2, H=1, dtype=mx.bfloat16)
+    rng = np.random.default_rng(5)
+    q = normal(rng, (2, 16, 1, 64), mx.bfloat16)
+    pe = make_mask(rng, "add-heads-bfloat16", 2, 16, 1, kv.n_tokens)
+    f = Emu(schedule, seed=5)
+    got, want = run("decode", q, kv, kv, pe, None, f)
+    assert_close(got, want, mx.bfloat16, schedule)
+    for st in f.stats("tq_decode_partial"):
+        assert st.buffers["vc"].total_bytes_read == st.buffers["vn"].total_bytes_read == 0  # the key words serve
+
+
+@pytest.mark.emulator
+def test_only_decayed_codes_left_after_a_trim(emulator):
+    # A trim that takes the window and every fresh code leaves sinks and decayed codes: one span (K3, V2).
+    rng = np.random.default_rng(9)
+    cache = TurboQuantKVCache(TurboQuantConfig(decay_key_bits=3, decay_value_bits=2, **DECAY), head_dim=64)
+    x = lambda n: normal(rng, (1, 2, n, 64)) + 0.5  # noqa: E731
+    keys, _ = cache.update_and_fetch(x(300), x(300))
+    cache.trim(keys.n_fresh + keys.n_window)
+    keys, values = cache.update_and_fetch(x(2), x(2))
+    assert keys.codes is None and values.codes is None and keys.n_decayed > 0 and keys.n_window == 2
+    assert span_counts(keys, values) == [keys.n_decayed]
+    q = normal(rng, (1, 4, 2, 64), mx.float16)
+    f = Emu()
+    got, want = run("decode", q, keys, values, "causal", None, f, split_tokens=32)
+    assert_close(got, want, mx.float16)
+    assert len(f.stats("tq_decode_partial")) == 1
+    assert_close(K.dequantize(values, mx.float32, metal_kernel=f), stream_decode(values, mx.float32), mx.float32)
+
+
+# ============================================================================== 2. byte counts
+def codes_bytes(kv) -> int:
+    return sum(np.asarray(a).nbytes for _, seg in kv.segments() for a in seg.codes)
+
+
+@pytest.mark.emulator
+def test_decode_reads_each_decayed_and_fresh_byte_once(emulator):
+    B, R, dim = 2, 4, 128
+    keys, values = decayed_views(dim, B=B, n_prompt=1000)
+    assert keys.n_decayed > 500 and keys.n_fresh > 32
+    per_token = {name: sum(a.itemsize * math.prod(a.shape[3:]) for a in seg.codes)
+                 for name, seg in (("decayed", keys.decayed), ("fresh", keys.segments()[1][1]))}
+    assert per_token["decayed"] < per_token["fresh"]  # K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128
+    q = normal(np.random.default_rng(0), (B, 2 * R, 1, dim), mx.float16)
+    f = Emu()
+    got, want = run("decode", q, keys, values, None, None, f)
+    assert_close(got, want, mx.float16)
+    launches = f.stats("tq_decode_partial")
+    assert len(launches) == 2
+    names = ["kc", "kn", "vc", "vn"]
+    for st in launches:
+        for name in names:
+            b = st.buffers[name]
+            assert b.unique_bytes_read == b.nbytes, name  # every byte of every kv head, for all R rows
+            assert b.total_bytes_read <= 1.1 * b.nbytes, name
+            assert b.total_bytes_written == 0
+    read = sum(st.buffers[n].total_bytes_read for st in launches for n in names)
+    assert read <= 1.1 * (codes_bytes(keys) + codes_bytes(values))
+    # less than the same context at the fresh bits would read
+    fresh_rate = sum(a.itemsize * math.prod(a.shape[3:]) for kv in (keys, values) for a in kv.codes)
+    assert read < 0.9 * B * 2 * keys.n_compressed * fresh_rate
+    # No float copy of the cache: pass 1's partials and pass 2's rows are small against it.
+    float_cache = B * 2 * keys.n_compressed * 2 * dim * 2
+    written = sum(b.nbytes for launch in f.launches for b in launch.stats.buffers.values() if b.kind == "output")
+    assert written < 0.1 * float_cache
+
+
+# ============================================================================== 3. dispatch and support
+@pytest.mark.emulator
+@pytest.mark.parametrize("L,sinks", [(1, False), (3, True), (24, False)])
+def test_dispatch_self_checks_decayed_variants(emulator, L, sinks):
+    K.set_backend("metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    keys, values = decayed_views(64, dvb=None, L=L)  # only keys decay
+    rng = np.random.default_rng(L)
+    q = normal(rng, (1, 4, L, 64), mx.float16)
+    ls = normal(rng, (4,), mx.float16) if sinks else None
+    got = K.dispatch_attention(q, keys, values, 0.125, "causal", ls)
+    assert_close(got, K.decode_attention_reference(q, keys, values, 0.125, "causal", ls), mx.float16)
+    status = K.self_check_status()
+    kernel = "decode_attention" if L <= K.MAX_QUERY_TOKENS else "prefill_attention"
+    (variant,) = [v for (k, v), why in status.items() if k == kernel]
+    assert status[(kernel, variant)] is None
+    assert variant[-3] == K._span_codes(keys, values) and len(variant[-3]) == 2  # spans: (K3, V3), (K4, V3)
+    assert len(f.stats("tq_decode_partial")) == 2 * 2  # self-check (2 spans), then the call
+    assert not f.stats("tq_prefill_attention")
+
+
+@pytest.mark.parametrize("sides", ["both", "keys", "values", "different", "latent"])
+def test_self_check_views_have_the_same_spans(sides):
+    if sides == "different":
+        keys, values = three_spans()
+    else:
+        dkb, dvb = {"both": (3, 2), "keys": (3, None), "values": (None, 2), "latent": (3, 2)}[sides]
+        keys, values = decayed_views(dkb=dkb, dvb=dvb)
+        if sides == "latent":
+            values = keys
+    k, v = K._random_views(np.random.default_rng(0), keys, values, 2, 45, 3, tail=5)
+    assert K._span_codes(k, v) == K._span_codes(keys, values)
+    assert K.keys_are_values(k, v) == K.keys_are_values(keys, values)
+    counts = span_counts(k, v)
+    assert all(n > 0 for n in counts) and sum(counts) == 45 * len(counts) + 5
+
+
+@pytest.mark.emulator
+def test_dequantize_per_segment(emulator):
+    keys, values = decayed_views(64, norm_bits=8)
+    for kv in (keys, values):
+        assert K.dequantize_unsupported(kv) is None
+        want = stream_decode(kv, mx.float32)
+        assert want.shape[2] == kv.n_compressed
+        assert_close(K.dequantize(kv, mx.float32, metal_kernel=Emu()), want, mx.float32)
+    K.set_backend("metal")
+    K.set_kernel_factory(Emu())
+    assert_close(K.dispatch_dequantize(values, mx.float16), stream_decode(values, mx.float16), mx.float16)
+    assert all(why is None for (k, _), why in K.self_check_status().items() if k == "dequantize")
+
+
+def test_decay_in_another_basis_is_refused():
+    keys, values = decayed_views(64)
+    q = mx.zeros((1, 4, 1, 64), mx.float16)
+    assert K.decode_unsupported(q, keys, values) is None
+    other = keys._replace(decayed=keys.decayed._replace(quantizer=TurboQuantMSE(64, 3, seed=12345)))
+    assert "another rotated basis" in K.decode_unsupported(q, other, values)
+    assert "another rotated basis" in K.prefill_unsupported(mx.zeros((1, 4, 12, 64), mx.float16), other, values)
+    K.set_backend("metal")
+    K.set_kernel_factory(lambda **_: pytest.fail("no kernel for a view the kernels refuse"))
+    got = K.dispatch_attention(q, other, values, 0.125)
+    assert_close(got, K.decode_attention_reference(q, other, values, 0.125), mx.float16)
