@@ -98,8 +98,8 @@ import quality  # noqa: E402
 from quality import Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
-from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, load_model_config  # noqa: E402
-from tq_mlx.packing import packed_words  # noqa: E402
+from tq_mlx.memory import (affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, load_model_config,  # noqa: E402
+                            turboquant_layer_bytes)
 from tq_mlx.stream import overflow  # noqa: E402
 
 LONG = 32768
@@ -366,16 +366,18 @@ def protected_layers(cache: list) -> list[int]:
 
 def protection_bits(r: dict, g: dict, ctx: int) -> float:
     """What the layers that protected their keys add to a TurboQuant row's bits/value at ctx tokens: their key
-    codes at protect_bits instead of key_bits (every protected layer, the most over the row's texts)."""
+    streams at protect_bits, not decaying (tq_mlx.memory.turboquant_layer_bytes; every protected layer, the most
+    over the row's texts)."""
     n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
     cfg = r.get("config")
     if not n or not cfg:
         return 0.0
-    D, H = g["head_dim"], g["kv_heads"]
-    window = cfg["window"]
-    compressed = overflow(max(0, ctx - cfg["sinks"]), window, cfg["compress_block"] or min(window, 128))
-    extra_words = packed_words(D, int(cfg["protect_bits"])) - packed_words(D, int(cfg["key_bits"]))
-    return n * H * compressed * 4 * extra_words * 8 / (ctx * g["attention_layers"] * H * D * 2)
+    D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
+    config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
+    args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
+    decay = dict(decay_bits=config.layer_decay_bits(n_att // 2, n_att))
+    extra = turboquant_layer_bytes(*args, protected=True, **decay) - turboquant_layer_bytes(*args, **decay)
+    return n * extra * 8 / (ctx * n_att * H * D * 2)
 
 
 # --- one pass -----------------------------------------------------------------------------------------------------

@@ -399,13 +399,6 @@ def _span_codes(keys: StreamView, values: StreamView) -> tuple[tuple[_Codes, _Co
     return tuple(_kv_codes(ks, vs) for _, _, ks, vs in _spans(keys, values))
 
 
-def _n_heads(kv: StreamView) -> int:
-    """A view's kv heads (from its decayed codes when it holds nothing else)."""
-    if kv.codes is None and kv.sinks is None and kv.window is None and kv.decayed is not None:
-        return kv.decayed.codes.codes.shape[1]
-    return kv.n_heads
-
-
 def _basis(q) -> tuple | None:
     """What fixes the rotated basis of a one-group quantizer: its rotation (dim, kind, seed); None for groups."""
     groups = _mse(q).groups
@@ -444,7 +437,7 @@ def decode_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
     reason = _views_unsupported(queries, keys, values, mask, sinks)
     if reason:
         return reason
-    return _rows_unsupported((queries.shape[1] // _n_heads(keys)) * queries.shape[2], queries, keys, values)
+    return _rows_unsupported((queries.shape[1] // keys.n_heads) * queries.shape[2], queries, keys, values)
 
 
 def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
@@ -460,7 +453,7 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
         return "no compressed tokens (float tokens only)"
     if values.n_compressed != keys.n_compressed:
         return f"{keys.n_compressed} compressed keys and {values.n_compressed} compressed values"
-    H = _n_heads(keys)
+    H = keys.n_heads
     if Hq % H or D != keys.head_dim:
         return f"queries of shape {tuple(queries.shape)} for {H} kv heads of dim {keys.head_dim}"
     reason = _mask_unsupported(mask, B, Hq, L, keys.n_tokens)
@@ -723,7 +716,7 @@ def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int
     """(B, Hq, L, DK, H, DV, RL, N, n_s, n_w, T): queries' shape, kv heads and value dim, the R·L query rows of a
     kv head, its compressed, sink and window tokens, and all of them."""
     B, Hq, L, DK = queries.shape
-    H = _n_heads(keys)
+    H = keys.n_heads
     N, n_s, n_w = keys.n_compressed, keys.n_sinks, keys.n_window
     return B, Hq, L, DK, H, values.head_dim, (Hq // H) * L, N, n_s, n_w, n_s + N + n_w
 
@@ -731,7 +724,7 @@ def _shape(queries: mx.array, keys: StreamView, values: StreamView) -> tuple[int
 def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: float, sparse_epsilon: float,
              factory) -> _Prepared:
     B, Hq, L, DK = queries.shape
-    H = _n_heads(keys)
+    H = keys.n_heads
     kc, vc, qjl = _kv_codes(keys, values)
     kq = keys.quantizer
     q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * L, DK))
@@ -1241,7 +1234,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
             and queries.shape[2] > MAX_QUERY_TOKENS and prefill_unsupported(queries, keys, values, mask, sinks) is None):
         B, Hq, L, D = queries.shape
-        R = Hq // _n_heads(keys)
+        R = Hq // keys.n_heads
         kc, vc, qjl = _kv_codes(keys, values)
         decayed = _decayed(keys, values)
         spans = _span_codes(keys, values) if decayed else ()
@@ -1274,7 +1267,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if kernels_enabled() and decode_unsupported(queries, keys, values, mask, sinks) is None:
         B, Hq, L, D = queries.shape
-        R = Hq // _n_heads(keys)
+        R = Hq // keys.n_heads
         kc, vc, qjl = _kv_codes(keys, values)
 
         def run():

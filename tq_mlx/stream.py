@@ -168,7 +168,8 @@ class StreamView(NamedTuple):
 
     @property
     def n_heads(self) -> int:
-        parts = (self.sinks, self.window, None if self.codes is None else self.codes.codes)
+        parts = (self.sinks, self.window, None if self.codes is None else self.codes.codes,
+                 None if self.decayed is None else self.decayed.codes.codes)
         return next(a.shape[1] for a in parts if a is not None)
 
     @property
