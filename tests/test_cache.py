@@ -63,6 +63,14 @@ def test_config_defaults_and_from_bits():
         ({"norm_bits": 4}, "norm_bits must be one of (16, 8)"),
         ({"norm_bits": True}, "norm_bits must be one of (16, 8)"),
         ({"qjl": 1}, "qjl must be True or False"),
+        # temporal decay
+        ({"decay_key_bits": 3}, "decay_key_bits needs decay_after"),
+        ({"decay_after": 2048}, "decay_after needs decay_key_bits or decay_value_bits"),
+        ({"decay_after": 800, "decay_key_bits": 3}, "decay_after must be an integer >= 896"),
+        ({"decay_after": 2048, "decay_key_bits": 4}, "decay_key_bits=4 must be an integer below key_bits=4"),
+        ({"decay_after": 2048, "decay_value_bits": 2.5}, "decay_value_bits must be one of (1, 2, 3, 4) or None"),
+        ({"key_bits": 3.5, "decay_after": 2048, "decay_key_bits": 2}, "itself an integer"),
+        ({"qjl": True, "decay_after": 2048, "decay_key_bits": 2}, "does not apply to QJL keys"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, words):
