@@ -98,7 +98,8 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     assert set(PRESETS) == {"quality", "default", "compact"}
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
     compact = config_from_args(parse("--tq-preset", "compact"))
-    assert (compact.key_bits, compact.value_bits, compact.window) == (3, 2, 1824)
+    assert (compact.key_bits, compact.value_bits, compact.window, compact.norm_bits) == (4, 3, 768, 8)
+    assert (compact.decay_after, compact.decay_key_bits, compact.decay_value_bits) == (4096, 2, 2)
     quality = config_from_args(parse("--tq-preset", "quality", "--tq-window", "256"))
     assert (quality.key_bits, quality.value_bits, quality.norm_bits, quality.window) == (4, 4, 8, 256)
     assert cache_flags_given(parse("--tq-preset", "compact")) == ["--tq-preset"]  # so --kv-bits conflicts with it
@@ -109,8 +110,10 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     p = add_cache_args(argparse.ArgumentParser(), short_aliases=True)
     assert config_from_args(p.parse_args(["--preset", "compact"])) == compact
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "4",
-                        "--tq-preset", "compact", "--tq-window", "8", "--tq-block", "4", "--tq-sinks", "2"])
-    assert rc == 0 and "K3/V2 on all 3 attention layers" in capsys.readouterr().out
+                        "--tq-preset", "compact", "--tq-window", "8", "--tq-block", "4", "--tq-sinks", "2",
+                        "--tq-decay-after", "12"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "K4→2/V3→2 after 12 on all 3 attention layers" in out and "decayed" in out
 
 
 def test_decay_flags(monkeypatch):

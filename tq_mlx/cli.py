@@ -92,8 +92,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
                    help="a named setting the other --tq-* flags then adjust: quality (K4/V4, window 1696, 8-bit "
-                        "norms: 4.77 bits/value at 32k), default (K4/V3, window 768: 4.04), compact (K3/V2, window "
-                        "1824: 3.50); their measurements are in benchmarks/DEFAULTS.md")
+                        "norms: 4.77 bits/value at 32k), default (K4/V3, window 768: 4.04), compact (K4/V3, 8-bit "
+                        "norms, tokens past 4096 decaying to K2/V2: 2.63); their measurements are in "
+                        "benchmarks/DEFAULTS.md")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
                    help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
                         f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")

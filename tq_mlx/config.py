@@ -182,9 +182,9 @@ class TurboQuantConfig:
 
 # Named settings, by what they trade (the commands' --tq-preset). Bits per value at 32k tokens with float parts in
 # float16, head_dim 64; KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at long
-# context"). Issue 23 re-chooses them once temporal decay is in the package.
+# context"). compact decays: tokens past 4096 are re-coded at K2/V2 (2.57 bits/value at head_dim 128).
 PRESETS: dict[str, dict] = {
     "quality": dict(key_bits=4, value_bits=4, window=1696, compress_block=64, norm_bits=8),  # 4.77 bits, KL <= 0.0026
     "default": {},  # K4/V3, window 768: 4.04 bits, KL <= 0.0067
-    "compact": dict(key_bits=3, value_bits=2, window=1824, compress_block=64),  # 3.50 bits, KL <= 0.012
+    "compact": dict(norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2),  # 2.63 bits, KJV 8k 0.015
 }
