@@ -296,6 +296,15 @@ def _grow(buf, n_keep: int, n_new: int, step: int, template, capacity: int | Non
     return type(template)(*(mx.concatenate([b[:, :, :n_keep], f], axis=2) for b, f in zip(buf, fresh)))
 
 
+def _appended(buf, held: int, new, step: int, capacity: int | None = None):
+    """Buffers holding their `held` tokens, then the tokens of `new` (same NamedTuple type), grown by _grow."""
+    n = new[0].shape[2]
+    buf = _grow(buf, held, n, step, new, capacity)
+    for b, a in zip(buf, new):
+        b[:, :, held : held + n] = a
+    return buf
+
+
 def _batch_heads_of(sinks, window, mean, codes) -> tuple[int, int] | None:
     for a in (sinks, window, mean, codes[0] if codes else None):
         if isinstance(a, mx.array) and a.ndim >= 2:
@@ -453,10 +462,7 @@ class CompressedStream:
             self._decay_fresh(d)
         if n == 0:
             return
-        start = self.n_compressed
-        self.codes = _grow(self.codes, start, n, self.step, new, self._fresh_capacity())
-        for b, a in zip(self.codes, new):
-            b[:, :, start : start + n] = a
+        self.codes = _appended(self.codes, self.n_compressed, new, self.step, self._fresh_capacity())
         self.n_compressed += n
 
     def _fresh_capacity(self) -> int | None:
@@ -474,23 +480,17 @@ class CompressedStream:
         if n <= 0:
             return
         self._append_decayed(type(self.codes)(*(a[:, :, :n] for a in self.codes)))
-        keep, cap = self.n_compressed - n, self._fresh_capacity()
         # the kept codes move to the front of a buffer of the bound's size (no slice keeps the old one alive)
-        self.codes = type(self.codes)(*(
-            mx.concatenate([a[:, :, n : n + keep], mx.zeros((*a.shape[:2], cap - keep, *a.shape[3:]), a.dtype)],
-                           axis=2) for a in self.codes))
-        self.n_compressed = keep
+        self.codes = self._dropped(self.codes, self.n_compressed, n, 0, self._fresh_capacity())
+        self.n_compressed -= n
 
     def _append_decayed(self, codes) -> None:
         """Re-code fresh codes with the decay quantizer (in the quantizer's basis: mean, scale and channel
         order stay as they are) and append them to the decayed codes."""
         x = self.decoder(StreamView(self.quantizer, codes, None, None, None, None, None), mx.float32)
         new = self.encoder(x, self.decay[1])
-        n, start = new[0].shape[2], self.n_decayed
-        self.decayed = _grow(self.decayed, start, n, self.step, new)
-        for b, a in zip(self.decayed, new):
-            b[:, :, start : start + n] = a
-        self.n_decayed += n
+        self.decayed = _appended(self.decayed, self.n_decayed, new, self.step)
+        self.n_decayed += new[0].shape[2]
 
     def drop_oldest(self, n: int, room: int) -> None:
         """Drop the n oldest compressed tokens (a bounded cache), decayed ones first. The rest of a buffer
