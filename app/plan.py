@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.config import AUTO
 from tq_mlx.cli import describe_config
 from tq_mlx import memory
 from tq_mlx.architectures import FLOAT_FETCH
@@ -143,8 +144,14 @@ def _suggest(plan: Plan, model_config: dict) -> str:
 
 
 def with_bits(config: TurboQuantConfig, bits: float) -> TurboQuantConfig:
-    """config at `bits` for keys and values (no QJL), as --bits would set them. Temporal decay stays where it
-    still lowers integer bits; a side it no longer applies to keeps its bits at every age (tq_mlx.cli's rule)."""
+    """config at `bits` for keys and values (no QJL), as --bits would set them. A config whose decay is what
+    TurboQuantConfig gives its bits when no decay is asked for (the default's K3/V2 after 6144, or none) gets what
+    it gives `bits`: --bits 3 on the default does not decay. Any other decay stays where it still lowers integer
+    bits; a side it no longer applies to keeps its bits at every age (tq_mlx.cli's rule). (A decay given
+    explicitly but equal to the automatic one is taken for the automatic one.)"""
+    auto = dict(decay_after=AUTO, decay_key_bits=AUTO, decay_value_bits=AUTO)
+    if replace(config, **auto) == config:
+        return replace(config, key_bits=bits, value_bits=bits, qjl=False, **auto)
     decay = {f"decay_{side}_bits": None if b is None or bits != int(bits) or b >= bits else b
              for side, b in (("key", config.decay_key_bits), ("value", config.decay_value_bits))}
     if all(b is None for b in decay.values()):
@@ -246,11 +253,11 @@ def format_plan(plan: Plan) -> str:
         ("KV float16", format_bytes(plan.kv_fp16)),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
     ]
-    if plan.config and plan.config.decay_after is not None and plan.attention_layers:
-        rows.append(("decay", decay_text(plan)))
-    if plan.protect_bytes:
+    if plan.protect_bytes:  # under the KV cache row it adds to (the default decays: a decay row follows)
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
+    if plan.config and plan.config.decay_after is not None and plan.attention_layers:
+        rows.append(("decay", decay_text(plan)))
     rows += [
         ("peak", f"{format_bytes(plan.needed)} predicted for prefill ({plan.prefill_step:,}-token chunks) + decode"
                  + (f"; {format_bytes(plan.peak_float)} with mlx-lm's float cache" if plan.config else "")),

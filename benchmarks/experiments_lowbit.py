@@ -263,7 +263,7 @@ def wo_colnorms(model, layer: int, H: int, D: int) -> mx.array:
 def make_caches(model, spec: Spec, H: int, D: int):
     if spec.real:
         cfg = TurboQuantConfig(key_bits=spec.kb, value_bits=spec.vb, window=spec.window,
-                               compress_block=spec.block, sinks=spec.sinks)
+                               compress_block=spec.block, sinks=spec.sinks, norm_bits=16, decay_after=None)
         return quality.make_cache(model, quality.Setting(spec.name, "tq", config=cfg))
     install_wrapper()
     return [FakeTQCache(spec, i, wo_colnorms(model, i, H, D) if spec.vscale == "wo" else None)
@@ -272,7 +272,8 @@ def make_caches(model, spec: Spec, H: int, D: int):
 
 def bits_at(spec: Spec, mcfg: dict, ctx: int = LONG) -> float:
     n_att, H, D = quality.kv_geometry(mcfg)
-    cfg = TurboQuantConfig(key_bits=4, value_bits=4, window=spec.window, compress_block=spec.block, sinks=spec.sinks)
+    cfg = TurboQuantConfig(key_bits=4, value_bits=4, window=spec.window, compress_block=spec.block, sinks=spec.sinks,
+                           norm_bits=16, decay_after=None)
     total = 0
     for i in range(n_att):
         kb, vb = spec.bits(i)

@@ -105,28 +105,31 @@ from tq_mlx.stream import overflow  # noqa: E402
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
 
-# Library defaults spelled out, so a later change of the defaults does not change what a row measures
+# Settings are spelled out from BASE, the library defaults until 2026-11-26 (K4/V3, 16-bit norms, no decay), so a
+# later change of the defaults never changes what a row measures; DEFAULTS spells today's default out
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
-DEFAULTS = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
-                protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
-                seed=0)
+BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
+            protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
+            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0)
+DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2)
+UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
 def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
-    fields = {**DEFAULTS, "key_bits": key_bits, "value_bits": value_bits, **over}
+    fields = {**BASE, "key_bits": key_bits, "value_bits": value_bits, **over}
     cfg = TurboQuantConfig(**fields)
     extra = []
-    if cfg.window != DEFAULTS["window"] or cfg.compress_block != DEFAULTS["compress_block"]:
+    if cfg.window != BASE["window"] or cfg.compress_block != BASE["compress_block"]:
         extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
     if cfg.boundary_layers:
         extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
     if cfg.protect_factor is None:
         extra.append("no key protection")
-    if cfg.norm_bits != DEFAULTS["norm_bits"]:
+    if cfg.norm_bits != BASE["norm_bits"]:
         extra.append(f"{cfg.norm_bits}-bit norms")
     if cfg.decay_after is not None:
         extra.append(f"decaying to {decay_label(cfg)} after {cfg.decay_after}")
-    if cfg.center_values != DEFAULTS["center_values"]:
+    if cfg.center_values != BASE["center_values"]:
         extra.append(centering_tag(cfg.center_values))
     if note:
         extra.append(note)
@@ -167,7 +170,8 @@ def parse_setting(key: str) -> Setting:
                     decay_value_bits=dv if dv < num(m["vb"]) else None)
     if m["n8"]:
         over["norm_bits"] = 8
-    return tq(num(m["kb"]), num(m["vb"]), **over)
+    s = tq(num(m["kb"]), num(m["vb"]), **over)
+    return next((p for p in PRESET_ROWS if p.config == s.config), s)
 
 
 def centering_tag(center_values: bool) -> str:
@@ -175,23 +179,36 @@ def centering_tag(center_values: bool) -> str:
 
 
 def canonical_name(row: dict) -> str:
-    """A stored TurboQuant row's name under the current DEFAULTS: one measured with another center_values (the
-    default was True until 2026-11-25) says so, so rows of either kind never merge into one."""
+    """A stored TurboQuant row's name under the current defaults. The default was K4/V3 with 16-bit norms and no
+    decay until 2026-11-26, and centered values too until 2026-11-25: a row of an earlier default says which, and
+    a spelled-out row of today's default is the default's row, so rows of either kind never merge into one."""
     cfg, name = row.get("config"), row["setting"]
-    if row.get("kind") != "tq" or not cfg or cfg.get("center_values", True) == DEFAULTS["center_values"]:
+    if row.get("kind") != "tq" or not cfg:
+        return name
+    for preset in PRESET_ROWS:
+        if _same_config(cfg, preset.config.to_dict()):
+            return preset.name
+    name = name.replace("(the default)", f"({UNTIL})")
+    if cfg.get("center_values", True) == BASE["center_values"]:
         return name
     tag = centering_tag(cfg.get("center_values", True))
     if tag in name:
         return name
-    name = name.replace("(the default)", "(the default until 2026-11-25)")
+    name = name.replace(UNTIL, "the default until 2026-11-25")
     return f"{name[:-1]}, {tag})" if name.endswith(")") else f"{name} ({tag})"
+
+
+def _same_config(stored: dict, cfg: dict) -> bool:
+    """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
+    full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None, **stored}
+    return all(full.get(k) == v for k, v in cfg.items())
 
 
 def base_name(name: str) -> str:
     """canonical_name undone: the setting's name under the defaults it was measured with (rows sort by it)."""
     for tag in (centering_tag(True), centering_tag(False)):
         name = name.replace(f", {tag})", ")").replace(f" ({tag})", "")
-    return name.replace("(the default until 2026-11-25)", "(the default)")
+    return name.replace("(the default until 2026-11-25)", f"({UNTIL})")
 
 
 def config_text(cfg: TurboQuantConfig) -> str:
@@ -212,7 +229,10 @@ def rot(bits: int, window: int) -> Setting:
 
 ROT_WINDOW: dict[str, int] = {}
 FLOAT = Setting("float (mlx-lm KVCache)", "float")
-DEFAULT = tq(4, 3, "the default")
+DEFAULT = tq(4, 4, "the default", norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2)
+K4V3 = tq(4, 3, UNTIL)
+# the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2
+COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
@@ -234,6 +254,7 @@ K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
 # 8-bit norms pay for the window at 2.74 bits: 2-bit values and a 1408-token window, or 1-bit values and 2496
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
+PRESET_ROWS = (DEFAULT, COMPACT)  # a spelled-out setting equal to one of these is that row
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -243,11 +264,11 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, K4V3, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
-FIRST = 6  # ALL[:FIRST] on every text before the rest on any
+FIRST = 8  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

@@ -63,8 +63,9 @@ def ctx_label(n: int) -> str:
 
 
 def tq_config(bits: float, boundary_layers: int) -> TurboQuantConfig:
-    """The library's TurboQuantConfig defaults (window, sinks, centering, step) at `bits` for keys and values."""
-    return TurboQuantConfig.from_bits(bits, boundary_layers=boundary_layers)
+    """The library's TurboQuantConfig defaults (window, sinks, centering, norms, step) at `bits` for keys and values,
+    without temporal decay: every column prices the same layout (the default's decay is in the README headline)."""
+    return TurboQuantConfig.from_bits(bits, boundary_layers=boundary_layers, decay_after=None)
 
 
 def _capacity(cache: TurboQuantKVCache) -> int:

@@ -115,9 +115,12 @@ def serve_part(results: Path, suffix: str) -> str:
 
 
 HEADLINE_QUALITY = [
-    "TQ K4/V3 (the default)",
+    "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)",
+    "TQ K4/V3 (the default until 2026-11-26)",
+    "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, compact)",
     "TQ K2/V1 (window 2496, block 64, 8-bit norms)",
     "rotation + affine 4-bit g64 (window 768, sinks 4)",
+    "rotation + affine 2-bit g64 (window 1700, sinks 4)",
     "mlx-lm affine 4-bit g64 (QuantizedKVCache)",
     "mlx-lm affine 8-bit g64 (QuantizedKVCache)",
     "peer: mlx-vlm TurboQuant 4-bit",
@@ -157,8 +160,10 @@ def memory_headline(full: str) -> str:
             row += [format_bytes(cs[k][i]) for k in ("float16", tq_name)]
         row += [format_bytes(cs["mlx-lm affine 4-bit"][-1]), f"{cs['float16'][-1] / cs[tq_name][-1]:.2f}x"]
         rows.append(row)
+    decay = (f", tokens past {d.decay_after} at K{d.decay_key_bits or d.key_bits:g}/V{d.decay_value_bits or d.value_bits:g}"
+             if d.decay_after else "")
     note = (f"KV cache of one sequence (hybrid models: their attention layers only). TurboQuant: the defaults (K{d.key_bits:g}/"
-            f"V{d.value_bits:g}, window {d.window}, {d.sinks} sinks); mlx-lm 4-bit: `--kv-bits 4`, groups of 64; 'vs float16' "
+            f"V{d.value_bits:g}, {d.norm_bits}-bit norms{decay}, window {d.window}, {d.sinks} sinks); mlx-lm 4-bit: `--kv-bits 4`, groups of 64; 'vs float16' "
             f"at {labels[-1]}. From tq_mlx.memory.estimate_kv_bytes, which `benchmarks/memory.py` checks byte for byte "
             f"against real caches. Every bit width, 8k to 256k, and the smallest Mac that fits: [{full}#memory]({full}#memory).")
     return f"### Memory\n\n{common.markdown_table(headers, rows)}\n\n{note}"

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tq_chat.plan import format_ctx, format_plan, make_plan, max_context, with_b
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.cli import config_from_args
 from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, format_bytes, load_model_config,
                            protect_layer_bytes, weight_bytes)
 
@@ -87,13 +89,20 @@ def test_plan_prints_the_estimate(tiny_model_dir, capsys):
 
 def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
     cfg = load_model_config(tiny_model_dir)
-    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
-    n = plan.attention_layers
-    all_protected = estimate_kv_bytes(cfg, 32768, TurboQuantConfig(key_bits=8))
-    assert plan.protect_bytes == protect_layer_bytes(cfg, 32768, TurboQuantConfig()) > 0
-    # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own
-    assert 0 < plan.protect_bytes - (all_protected - plan.kv) // n < 10**4
-    assert "for each layer whose keys protect themselves (K8" in format_plan(plan)
+    # the default (its keys decay to K3 past 6144 tokens, which protected keys do not) and one without decay
+    for config in (TurboQuantConfig(), TurboQuantConfig(decay_after=None)):
+        plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
+        n = plan.attention_layers
+        # every layer's keys at protect_bits, never decaying; the values as configured (decaying or not)
+        all_protected = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=config.protect_bits,
+                                                               decay_key_bits=None))
+        assert plan.protect_bytes == protect_layer_bytes(cfg, 32768, config) > 0
+        # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own
+        assert 0 < plan.protect_bytes - (all_protected - plan.kv) // n < 10**4
+        assert "for each layer whose keys protect themselves (K8" in format_plan(plan)
+        lines = format_plan(plan).splitlines()
+        kv_row = next(i for i, line in enumerate(lines) if line.startswith("KV cache "))
+        assert "protect themselves" in lines[kv_row + 1]  # under the KV cache row it adds to, before a decay row
     # nothing to price without protection, or when the keys are already at the protected bits
     for off in (TurboQuantConfig(protect_factor=None), TurboQuantConfig(key_bits=8, value_bits=8)):
         plan = make_plan("m", cfg, 10**8, 32768, off, 10**10)
@@ -102,17 +111,25 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
 
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     cfg = load_model_config(tiny_model_dir)
-    decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)
+    decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # the default bits, K4/V4
     plan = make_plan("m", cfg, 10**8, 32768, decay, 10**10)
-    assert plan.kv == estimate_kv_bytes(cfg, 32768, decay) < estimate_kv_bytes(cfg, 32768, TurboQuantConfig())
+    no_decay = replace(decay, decay_after=None, decay_key_bits=None, decay_value_bits=None)
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, decay) < estimate_kv_bytes(cfg, 32768, no_decay)
     assert plan.decayed == decayed_tokens(32768, None, decay) == 30720
     text = format_plan(plan)
-    assert "decay       K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits" in text
+    assert "decay       K4→3/V4→2 after 2048: 30,720 of 32,768 tokens at the decay bits" in text
     assert "decaying to K3/V2 after 2048 tokens" in text  # the KV cache row's description
-    assert "decay " not in format_plan(make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10))
+    assert "decay " not in format_plan(make_plan("m", cfg, 10**8, 32768, no_decay, 10**10))
+    # the default decays: tokens 6144 old are at K3/V2 (6144 and 32768 are whole compress blocks of 128)
+    default = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
+    assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 32768 - 6144
+    text = format_plan(default)
+    assert f"decay       K4→3/V4→2 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in text
+    assert "TurboQuant K4/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens" in text
+    # only the values decay (keys left at AUTO would decay to K3 with the default bits)
     boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(boundary_layers=1, decay_after=2048,
-                                                                   decay_value_bits=2), 10**10)
-    assert "K4/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits (the 2 boundary layers keep theirs)" in \
+                                                                   decay_key_bits=None, decay_value_bits=2), 10**10)
+    assert "K4/V4→2 after 2048: 30,720 of 32,768 tokens at the decay bits (the 2 boundary layers keep theirs)" in \
         format_plan(boundary)
     # suggestions with fewer bits keep the decay where it still lowers integer bits (before, 3.5 bits raised)
     tight = make_plan("m", cfg, 10**8, 1 << 20, decay, 10**8)
@@ -121,6 +138,11 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
                                                    decay_value_bits=2)
     assert (with_bits(decay, 3).decay_key_bits, with_bits(decay, 3).decay_value_bits) == (None, 2)
     assert with_bits(decay, 3.5) == TurboQuantConfig(key_bits=3.5, value_bits=3.5)  # fractional bits cannot decay
+    # the default's decay is the one TurboQuantConfig gives K4/V4 by itself: a suggestion prices what --bits gives
+    for bits in ("4", "3.5", "3", "2.5", "2"):
+        assert with_bits(TurboQuantConfig(), float(bits)) == config_from_args(
+            cli.build_parser().parse_args(["m", "--bits", bits])), bits
+    assert with_bits(TurboQuantConfig.from_bits(8), 4) == TurboQuantConfig()  # --bits 4 from K8/V8: the default
 
 
 def test_context_beyond_training_warns(tiny_model_dir, capsys):
@@ -264,7 +286,9 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             n = len(session.tokens)
             assert stats["mlx_lm_bytes"] == 3 * 2 * 256 * -(-n // 256) * 2 * 64 * 4
             assert "mlx-lm float32 cache" in text and f"({stats['mlx_lm_bytes'] / stats['kv_bytes']:.2f}x)" in text
-            assert f"{len(session.tokens):,} / 1,024" in text and "K4/V3 on all 3 attention layers" in text
+            # the default decays (after 6144 tokens, more than this context holds); the label wraps in the panel
+            assert f"{len(session.tokens):,} / 1,024" in text
+            assert "K4→3/V4→2 after 6144 on all 3 attention layers" in " ".join(text.split())
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
@@ -313,26 +337,28 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
             await say(pilot, "/clear")  # the predicted peak stays next to the measured one
             assert "planned peak" in rendered(app)
 
-    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
-    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
-    asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))  # the tiny model's weights are float32
+    # the default: K4/V4, decaying to K3/V2 after 6144 tokens
+    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
+    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
+    # the tiny model's weights are float32
+    asyncio.run(run(None, "tiny · float32 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
 
 
 def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
-    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2)
+    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2)  # K4/V4
 
     async def run():
         app = make_app(tiny_model_dir, config=config)
         async with app.run_test() as pilot:
             await loaded(pilot)
-            assert app.sub_title.endswith("TurboQuant K4→3/V3→2 after 32 · ctx 1k")
+            assert app.sub_title.endswith("TurboQuant K4→3/V4→2 after 32 · ctx 1k")
             await say(pilot, "a question long enough for its oldest tokens to decay " * 2)
             stats = app.panel.stats
             assert stats["decayed_tokens"] == max(max(c.n_decayed) for c in app.session.cache) > 0
             assert stats["kv_bytes"] == sum(c.nbytes for c in app.session.cache)
             text = " ".join(rendered(app).split())
             assert f"({stats['decayed_tokens']:,} decayed)" in text
-            assert "K4→3/V3→2 after 32 on all 3 attention layers" in text
+            assert "K4→3/V4→2 after 32 on all 3 attention layers" in text
 
     asyncio.run(run())
 
@@ -501,7 +527,9 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
         async with app.run_test() as pilot:
             await loaded(pilot)
             await say(pilot, "/bits")
-            assert "K4/V3 on all 3 attention layers" in messages(app, "notice")[-1].source
+            bits = messages(app, "notice")[-1].source  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
+            assert "**Cache**: TurboQuant K4/V4, window 16, sinks 2, decaying to K3/V2 after 6144 tokens" in bits
+            assert "**Bits per layer**: K4→3/V4→2 after 6144 on all 3 attention layers" in bits
             await say(pilot, "/stats")
             assert "KV cache held" in messages(app, "notice")[-1].source
             await say(pilot, "/help")
@@ -628,4 +656,5 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     stats = session.snapshot()
     text = panel_text(MemoryPanel(), stats)
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
-    assert "K4/V3 on its 1 attention layer" in text
+    # the default (K4/V4, decaying after 6144 tokens); the label wraps in the panel
+    assert "K4→3/V4→2 after 6144 on its 1 attention layer" in " ".join(text.split())

@@ -181,7 +181,8 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
                 in text), text
         for label in ("compressed 0 tokens", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in text
-        assert "K4/V3 on all 30 attention layers" in screen
+        # the default: K4/V4, decaying to K3/V2 after 6144 tokens (the panel wraps the label)
+        assert "K4→3/V4→2 after 6144 on all 30 attention layers" in text, text
         term.type(f"/screenshot {shot}")
         wait_for(term, r"Saved a screenshot", timeout=30)
         assert shot.exists() and "Paris" in shot.read_text()

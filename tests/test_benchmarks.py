@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +119,9 @@ def test_quality_quick(quality: dict) -> None:
 
 
 def test_long_context_quick(long_context: dict) -> None:
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
     _meta_ok(long_context["meta"])
     m = long_context["models"]["smollm2"]
     assert m["contexts"] == [1024, 1152] and set(m["texts"]) == {"britannica", "hamlet"}
@@ -134,13 +139,14 @@ def test_long_context_quick(long_context: dict) -> None:
                     assert x["kl"] < 1, (name, text, c, x)
         if r["kind"] != "peer":
             assert 0 < r["bits"]["1152"] <= 17 and 2 < r["bits_32k"] <= 16, (name, r["bits"], r["bits_32k"])
-    default = rows["TQ K4/V3 (the default)"]
+    default = rows[lc.DEFAULT.name]
     # The default's window (768) is most of these contexts: a small loss, a fraction of the previous default's.
     previous = rows["TQ K4/V3 (window 128, block 128, the previous default)"]
     for text in m["texts"]:
         assert 0 < default["texts"][text]["1152"]["kl"] < previous["texts"][text]["1152"]["kl"] / 2
-    # head_dim 64: 3.75 bits/value of codes and norms, + 0.29 for the 768-token float16 window at 32k
-    assert 4.0 < default["bits_32k"] < 4.1 and previous["bits_32k"] < default["bits_32k"]
+    # head_dim 64 at 32k: K4/V4 codes with 8-bit norms for the recent 6144 tokens, K3/V2 past them, and the
+    # 768-token float16 window: 3.24 bits/value (the previous default, window 128, with K4/V3 everywhere: 3.8)
+    assert 3.1 < default["bits_32k"] < 3.3 and default["bits_32k"] < previous["bits_32k"]
     rot = rows["rotation + affine 4-bit g64 (window 768, sinks 4)"]
     assert 4.5 < rot["bits_32k"] < 5
     assert rows["float (mlx-lm KVCache)"]["bits_32k"] == 16
@@ -186,12 +192,20 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     sys.path.insert(0, str(BENCH))
     import long_context as lc
 
-    old = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": dict(lc.DEFAULT.config.to_dict(), center_values=True)}
-    new = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": lc.DEFAULT.config.to_dict()}
-    assert lc.canonical_name(new) == "TQ K4/V3 (the default)"
+    old = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": dict(lc.K4V3.config.to_dict(), center_values=True)}
+    new = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": lc.K4V3.config.to_dict()}
+    assert lc.canonical_name(new) == lc.K4V3.name == "TQ K4/V3 (the default until 2026-11-26)"
     renamed = lc.canonical_name(old)
     assert renamed == "TQ K4/V3 (the default until 2026-11-25, values centered)"
-    assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == "TQ K4/V3 (the default)"
+    assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == lc.K4V3.name
+    # The default decays since 2026-11-26: a row of it spelled out (or stored before norm_bits and the decay
+    # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
+    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144)", "kind": "tq",
+               "config": lc.parse_setting("k4v4w768b128d6144k3v2n8").config.to_dict()}
+    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v2n8") is lc.DEFAULT
+    legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
+    assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
+    assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"
     plain = {"setting": "TQ K4/V4", "kind": "tq", "config": dict(lc.K4V4.config.to_dict(), center_values=True)}
     assert lc.canonical_name(plain) == "TQ K4/V4 (values centered)" and lc.base_name("TQ K4/V4 (values centered)") == "TQ K4/V4"
     assert lc.tq(4, 4, center_values=True).name == "TQ K4/V4 (values centered)"
@@ -253,7 +267,8 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
     # The README's headline: one small table per area, linking into the full tables
     head = readme.read_text()
     assert "OLD-HEADLINE" not in head and head.endswith("<!-- headline-results:end -->\n\nend\n")
-    for part in ("### Memory", "### Quality at long context", "### Speed", "| TQ K4/V3 (the default) |", "| TQ K4/V4 |",
+    for part in ("### Memory", "### Quality at long context", "### Speed", "| TQ K4/V4 (8-bit norms, decaying to K3/V2 "
+                 "after 6144, the default) |", "| TQ K4/V4 |",
                  "(docs/benchmarks.md#memory)", "(docs/benchmarks.md#quality-at-long-context)", "(docs/benchmarks.md#speed)"):
         assert part in head, part
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
@@ -371,3 +386,23 @@ def test_serve_quick_load_test_against_mlx_lm_server(results_dir: Path, tmp_path
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     text = docs.read_text()
     assert "### Serving: concurrent clients" in text and "| 2 | tq-server |" in text and "benchmarks/serve.py" in text
+
+
+def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rotating_bias() -> None:
+    # key_error.py's "rope" centering stands for a cache that subtracts RoPE_p(μ0): its RoPE must be mlx's
+    # (non-traditional) one, and a key that is a constant before RoPE plus noise must center to the noise.
+    sys.path.insert(0, str(BENCH))
+    import key_error as ke
+
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 2, 512, 64)).astype(np.float32))
+    want = mx.fast.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=0)
+    assert mx.allclose(ke.rope_rotate(x, 1e4), want, atol=1e-4)
+    assert mx.allclose(ke.rope_rotate(ke.rope_rotate(x, 1e4), 1e4, inverse=True), x, atol=1e-4)
+    bias = mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)) * 10
+    k = ke.rope_rotate(bias + 0.1 * x, 1e4)
+    calib = slice(4, 260)
+    residual = {how: float(mx.mean(mx.linalg.norm(k - ke.centered_means(k, how, calib, 1e4), axis=-1)))
+                for how in ke.CENTERINGS}
+    noise = float(mx.mean(mx.linalg.norm(0.1 * x, axis=-1)))
+    assert residual["rope"] < 1.1 * noise < residual["block"] < residual["global"], residual

@@ -36,15 +36,61 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, True, False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, True, False)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
+    assert c.norm_bits == 8 and c.norm_dtype == mx.uint8
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
     assert TurboQuantConfig(window=32).compress_block_size == 32
     d = TurboQuantConfig.from_bits(2.5, window=32)
     assert (d.key_bits, d.value_bits, d.window) == (2.5, 2.5, 32)
     assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
+    assert TurboQuantConfig.from_dict(c.to_dict()) == c
+
+
+def decay_of(c: TurboQuantConfig) -> tuple:
+    return c.decay_after, c.decay_key_bits, c.decay_value_bits
+
+
+def test_decay_fields_left_at_auto_follow_the_default_bits():
+    from tq_mlx.config import AUTO
+
+    fields = {f.name: f.default for f in dataclasses.fields(TurboQuantConfig)}
+    assert (fields["decay_after"], fields["decay_key_bits"], fields["decay_value_bits"]) == (AUTO,) * 3
+    # The default bits (K4/V4, no QJL) decay to K3/V2 after 6144 tokens; the resolved config holds no AUTO.
+    assert decay_of(TurboQuantConfig()) == (6144, 3, 2)
+    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32)) == (6144, 3, 2)
+    # A window that alone reaches 6144 moves decay_after: one compress block always stays at full bits.
+    assert decay_of(TurboQuantConfig(window=6144)) == (6144 + 128, 3, 2)
+    # Any other bits, or QJL keys: no decay unless decay bits are given.
+    for kw in (dict(key_bits=3), dict(value_bits=3), dict(key_bits=8, value_bits=8), dict(qjl=True)):
+        assert decay_of(TurboQuantConfig(**kw)) == (None, None, None), kw
+    assert decay_of(TurboQuantConfig.from_bits(2.5)) == (None, None, None)
+    # decay_after=None turns decay off; the decay bits left at AUTO follow.
+    assert decay_of(TurboQuantConfig(decay_after=None)) == (None, None, None)
+    # Decay bits given, decay_after left at AUTO: 6144 (or window + compress_block if larger); the other side's
+    # AUTO bits follow the default rule (K3/V2 only with the default bits).
+    assert decay_of(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == (6144, None, 2)
+    assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, None)
+    assert decay_of(TurboQuantConfig(decay_key_bits=2)) == (6144, 2, 2)
+    assert decay_of(TurboQuantConfig(value_bits=3, window=7000, compress_block=100, decay_value_bits=2)) == (
+        7100, None, 2)
+    # An explicit decay_after with the default bits keeps the default decay bits.
+    assert decay_of(TurboQuantConfig(decay_after=2048)) == (2048, 3, 2)
+    # Files written before norm_bits and decay existed meant float16 norms and no decay.
+    old = {k: v for k, v in TurboQuantConfig().to_dict().items()
+           if k not in ("norm_bits", "decay_after", "decay_key_bits", "decay_value_bits")}
+    o = TurboQuantConfig.from_dict(old)
+    assert o.norm_bits == 16 and decay_of(o) == (None, None, None)
+    assert o == TurboQuantConfig(norm_bits=16, decay_after=None)
+    # Presets: quality drops the decay, compact decays sooner and further.
+    q, dflt, compact = (TurboQuantConfig.preset(n) for n in ("quality", "default", "compact"))
+    assert (q.key_bits, q.value_bits, q.norm_bits, q.window, q.compress_block) == (4, 4, 8, 1696, 64)
+    assert decay_of(q) == (None, None, None)
+    assert dflt == TurboQuantConfig()
+    assert (compact.key_bits, compact.value_bits, compact.norm_bits) == (4, 3, 8)
+    assert decay_of(compact) == (4096, 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -64,8 +110,14 @@ def test_config_defaults_and_from_bits():
         ({"norm_bits": True}, "norm_bits must be one of (16, 8)"),
         ({"qjl": 1}, "qjl must be True or False"),
         # temporal decay
-        ({"decay_key_bits": 3}, "decay_key_bits needs decay_after"),
-        ({"decay_after": 2048}, "decay_after needs decay_key_bits or decay_value_bits"),
+        ({"decay_after": None, "decay_key_bits": 3}, "decay_key_bits needs decay_after"),
+        ({"decay_after": None, "decay_value_bits": 2}, "decay_value_bits needs decay_after"),
+        ({"decay_after": 2048, "decay_key_bits": None, "decay_value_bits": None},
+         "decay_after needs decay_key_bits or decay_value_bits"),
+        ({"value_bits": 3, "decay_after": 2048}, "only the default bits, K4/V4, decay without them"),
+        ({"decay_after": "soon"}, "decay_after must be a number, None or 'auto'"),
+        ({"decay_key_bits": "auto3"}, "decay_key_bits must be a number, None or 'auto'"),
+        ({"window": 6144, "decay_after": 6144}, "decay_after must be an integer >= 6272"),
         ({"decay_after": 800, "decay_key_bits": 3}, "decay_after must be an integer >= 896"),
         ({"decay_after": 2048, "decay_key_bits": 4}, "decay_key_bits=4 must be an integer below key_bits=4"),
         ({"decay_after": 2048, "decay_value_bits": 2.5}, "decay_value_bits must be one of (1, 2, 3, 4) or None"),
@@ -83,7 +135,7 @@ def test_layer_bits_boundary():
     c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
     got = [c.layer_bits(i, 6) for i in range(6)]
     assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
-    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 3)
+    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 4)  # the default value_bits
     cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
     assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
     # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.
@@ -107,10 +159,11 @@ def test_token_layout_and_block_compression():
     assert c.size() == 64 and not c.empty() and c.is_trimmable()
 
 
+# float16 norms: the 0.1 bound below is the 8-bit codes'; an 8-bit log norm alone is up to 2.2% off (norm_bits)
 @pytest.mark.parametrize("cfg", [
-    TurboQuantConfig.from_bits(8, window=16, compress_block=4, sinks=3),
-    TurboQuantConfig.from_bits(8, window=16, sinks=0, center_keys=False),
-    TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2),
+    TurboQuantConfig.from_bits(8, window=16, compress_block=4, sinks=3, norm_bits=16),
+    TurboQuantConfig.from_bits(8, window=16, sinks=0, center_keys=False, norm_bits=16),
+    TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2, norm_bits=16),
 ])
 def test_stored_tokens_are_the_input_tokens(cfg):
     """Whatever the chunking, the views stand for the tokens fed so far, in order: exact copies in the input's
@@ -189,14 +242,16 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
     dtype, which the sinks and the window keep (fill feeds float32)."""
     per_token = 0
     const = 0
+    norm = cfg.norm_bits // 8  # bytes of each stored norm (and QJL's γ): float16 or a uint8 log code
+    assert cfg.decay_after is None  # decaying streams hold a second code buffer (test_decay prices those)
     for bits, qjl, center in ((cfg.key_bits, cfg.qjl, cfg.center_keys), (cfg.value_bits, False, cfg.center_values)):
         if qjl:
             words, groups, c = mse_layout(D, bits - 1) if bits > 1 else (0, 0, 0)
-            per_token += 4 * words + 2 * groups + 4 * math.ceil(D / 32) + 2  # + sign bits + fp16 γ
+            per_token += 4 * words + norm * groups + 4 * math.ceil(D / 32) + norm  # + sign bits + γ
             const += c + 4 * D * D  # + the Gaussian projection S
         else:
             words, groups, c = mse_layout(D, bits)
-            per_token += 4 * words + 2 * groups
+            per_token += 4 * words + norm * groups
             const += c
             if bits != int(bits):
                 const += 4 * H * D  # per-head channel order
@@ -215,6 +270,8 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
         (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, center_values=False), 64),
         (TurboQuantConfig(key_bits=2.5, value_bits=8, window=0, sinks=2, center_keys=False), 80),
         (TurboQuantConfig(key_bits=1, value_bits=1, qjl=True, window=32, sinks=4), 96),
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, norm_bits=16), 128),
+        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, norm_bits=16), 64),
     ],
 )
 def test_nbytes_equals_layout_formula(cfg, D):
@@ -244,8 +301,12 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
     assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered
     assert arrays["k_scale"].shape == arrays["v_scale"].shape == (1, 2)
     const = c.nbytes - state_bytes
-    # Rotation signs, codebooks and lookup tables only (K4, V3 at the default head_dim).
-    assert const == mse_layout(64, 4)[2] + mse_layout(64, 3)[2]  # fill's D = 64, default K4/V3
+    # Rotation signs, codebooks and lookup tables only, at fill's D = 64: the default K4/V4 quantizers and those
+    # the streams decay to (K3/V2, held from the start though 250 tokens are far from decay_after).
+    cfg = c.config
+    assert arrays["k_decayed"] is None and arrays["v_decayed"] is None and c.n_decayed == (0, 0)
+    assert const == sum(mse_layout(64, b)[2] for b in (cfg.key_bits, cfg.value_bits, cfg.decay_key_bits,
+                                                      cfg.decay_value_bits) if b is not None)
     # capacity in 64-token steps: 64, 128, 192, 256, 256
     per_step = (sizes[1] - sizes[0])
     assert [s - sizes[0] for s in sizes] == [0, per_step, 2 * per_step, 3 * per_step, 3 * per_step]
@@ -564,8 +625,9 @@ def test_a_layer_with_biased_keys_protects_its_keys():
     # The protected keys are 8-bit codes (no float copy): more bytes than 4-bit codes, far fewer than float.
     k_on, k_off = on.key_stream.codes.codes, off.key_stream.codes.codes
     assert k_on.shape[-1] == 2 * k_off.shape[-1] and k_on.dtype == mx.uint32
-    # ... and a query along the offset attends far more like float (values at 8 bits, so keys decide).
-    k8 = [fresh(value_bits=8), fresh(value_bits=8, protect_factor=None)]
+    # ... and a query along the offset attends far more like float (values at 8 bits with float16 norms, so keys
+    # decide: an 8-bit log norm is up to 2.2% off, on values whose norm is ~30 here).
+    k8 = [fresh(value_bits=8, norm_bits=16), fresh(value_bits=8, norm_bits=16, protect_factor=None)]
     for c in k8:
         c.update_and_fetch(x, x)
     q = 0.3 * mx.random.normal((1, 2, 1, 64), key=mx.random.key(5)) + mx.mean(x, axis=2, keepdims=True) / 3

@@ -97,11 +97,30 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
 
     assert set(PRESETS) == {"quality", "default", "compact"}
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
+    # the default: K4/V4, 8-bit norms, tokens past 6144 re-coded at K3/V2
+    default = config_from_args(parse())
+    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 768, 8)
+    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits) == (6144, 3, 2)
+    assert describe_config(default) == "TurboQuant K4/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens"
+    # other bits than the default's do not decay unless decay bits are given
+    k3 = config_from_args(parse("--tq-key-bits", "3"))
+    assert (k3.key_bits, k3.value_bits, k3.norm_bits) == (3, 4, 8)
+    assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (None, None, None)
+    assert describe_config(k3) == "TurboQuant K3/V4, window 768, sinks 4"
+    # --tq-decay-after alone moves the default's decay
+    later = config_from_args(parse("--tq-decay-after", "8192"))
+    assert (later.key_bits, later.value_bits) == (4, 4)
+    assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, 2)
+    assert "decaying to K3/V2 after 8192 tokens" in describe_config(later)
+    # ... but other bits have no decay bits to go to: the error names them
+    with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
+        config_from_args(parse("--tq-key-bits", "3", "--tq-decay-after", "8192"))
     compact = config_from_args(parse("--tq-preset", "compact"))
     assert (compact.key_bits, compact.value_bits, compact.window, compact.norm_bits) == (4, 3, 768, 8)
     assert (compact.decay_after, compact.decay_key_bits, compact.decay_value_bits) == (4096, 2, 2)
     quality = config_from_args(parse("--tq-preset", "quality", "--tq-window", "256"))
     assert (quality.key_bits, quality.value_bits, quality.norm_bits, quality.window) == (4, 4, 8, 256)
+    assert (quality.decay_after, quality.decay_key_bits, quality.decay_value_bits) == (None, None, None)
     assert cache_flags_given(parse("--tq-preset", "compact")) == ["--tq-preset"]  # so --kv-bits conflicts with it
     with pytest.raises(SystemExit):
         parse("--tq-preset", "tiny")
@@ -185,7 +204,7 @@ def test_generate_quiet_prints_only_the_answer_and_summary_to_stderr(tiny_model_
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4", "--verbose", "F"])
     captured = capsys.readouterr()
     assert rc == 0 and "KV cache:" not in captured.out
-    assert "K4/V3" in captured.err
+    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in captured.err  # the default's bits
 
 
 def test_generate_kv_bits_alone_is_mlx_lm_cache(tiny_model_dir, capsys):
@@ -207,7 +226,8 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
     rc = generate_main(["--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--prompt", "hi",
                         "--max-tokens", "5", "--num-draft-tokens", "2", "--tq-bits", "4"])
     assert rc == 0
-    assert "K4/V4 on all 3 attention layers" in capsys.readouterr().out
+    # --tq-bits 4 is the default's K4/V4, which decays to K3/V2 after 6144 tokens
+    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in capsys.readouterr().out
 
 
 def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -253,7 +273,9 @@ def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, 
     summary = proc.stdout.strip().splitlines()[-1]
     held = int(re.search(r"KV cache: [\d.]+ [KM]?B for ([\d,]+) tokens", summary).group(1).replace(",", ""))
     assert held > n  # the file's tokens, then the new prompt and the answer
-    assert "in float32 (2 sinks + 16-token window)" in summary and "K4/V3 on all 3 attention layers" in summary
+    # the file's config (the default bits, decaying) came back with it
+    assert "in float32 (2 sinks + 16-token window)" in summary
+    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in summary
 
 
 def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_dir, tmp_path):
@@ -268,7 +290,8 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"converted it to TurboQuant K4/V3, window 16, sinks 2 for this run \(the file is unchanged\)",
+                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, decaying to K3/V2 after 6144 tokens for "
+                  rf"this run \(the file is unchanged\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
@@ -330,7 +353,7 @@ def test_generate_model_errors_are_one_line(tmp_path, case):
 
 def test_tq_bits_help_names_the_real_default():
     help_text = " ".join(add_cache_args(argparse.ArgumentParser(prog="t")).format_help().split())
-    assert "bits per value for keys and values (default: keys 4, values 3, i.e. K4/V3)" in help_text
+    assert "bits per value for keys and values (default: keys 4, values 4, i.e. K4/V4)" in help_text
 
 
 # --- tq-server -------------------------------------------------------------------------------------------

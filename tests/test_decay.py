@@ -57,7 +57,13 @@ def test_config_round_trips_and_boundary_layers_do_not_decay():
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and isinstance(c.decay_key_bits, int)
     assert c.layer_decay_bits(0, 4) == (None, None) and c.layer_decay_bits(3, 4) == (None, None)
     assert c.layer_decay_bits(1, 4) == (3, 2)
-    assert TurboQuantConfig().layer_decay_bits(1, 4) == (None, None)
+    # The default decays (K4/V4 to K3/V2), but not in its boundary layers; other bits, or decay_after=None, do not.
+    assert TurboQuantConfig().layer_decay_bits(1, 4) == (3, 2)
+    assert TurboQuantConfig(boundary_layers=1).layer_decay_bits(0, 4) == (None, None)
+    assert TurboQuantConfig(decay_after=None).layer_decay_bits(1, 4) == (None, None)
+    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (None, None)
+    d = TurboQuantConfig()
+    assert TurboQuantConfig.from_dict(d.to_dict()) == d
 
 
 # --- the stream ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ thread as a fiber (tests/emulator). Matrix:
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
 * decode on real TurboQuantKVCache views (μ, ν, scale, channel order, strided capacity buffers), in all three
-  schedules: every key/value bit pair the kernels take (the default K4/V3 first; 49 pairs of 1, 2, 2.5, 3, 3.5,
+  schedules: every key/value bit pair the kernels take (the default K4/V4 first; 49 pairs of 1, 2, 2.5, 3, 3.5,
   4, 8 bits and 21 with QJL keys) at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three
   dtypes; K4/V3, K4+qjl/V3 and K3.5/V2.5 at head dims 32, 64, 80, 96, 128, 192, 256, 512 with batch 2; the
   pairs with QJL at 1 bit and head dims above 512 must be refused by decode_unsupported with their reason and
@@ -495,7 +495,7 @@ def test_decode_on_cache_handles_strided(emulator, qjl):
 # reason, so dispatch_attention takes the reference path.
 KERNEL_KEY_BITS = {False: MSE_BITS, True: (2, 3, 4)}
 KERNEL_VALUE_BITS = MSE_BITS
-DEFAULT_PAIR = (4, 3, False)  # TurboQuantConfig's default K4/V3
+DEFAULT_PAIR = (4, 4, False)  # TurboQuantConfig's default K4/V4 (its decayed K3/V2 is among the others)
 ALL_PAIRS = [(kb, vb, qjl) for qjl, kbits in ((False, MSE_BITS), (True, PROD_BITS)) for kb in kbits for vb in MSE_BITS]
 KERNEL_PAIRS = [DEFAULT_PAIR] + [
     (kb, vb, qjl) for kb, vb, qjl in ALL_PAIRS
@@ -929,7 +929,7 @@ def test_kernels_take_the_streams_scale_and_float_tokens_in_the_models_dtype(emu
     # A bfloat16 or float32 model's cache keeps its sinks and window in that dtype and stores codes of
     # (x - μ) / scale: decode attention, encode and dequantize all agree with the reference on it.
     rng = np.random.default_rng(5)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8))  # the default K4/V3
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8))  # the default K4/V4, uint8 norms
     k = ((normal(rng, (1, 2, 70, 64)) + 0.7) * magnitude).astype(dtype)
     v = (normal(rng, (1, 2, 70, 64)) * magnitude).astype(dtype)
     keys, values = cache.update_and_fetch(k, v)

@@ -120,7 +120,7 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     assert s["tokens"] == 100 and s["attention_layers"] == 1 and s["turboquant_layers"] == 1
     assert s["ratio"] == pytest.approx(s["fp16_bytes"] / s["kv_bytes"])
     assert s["saved_bytes"] == s["fp16_bytes"] - s["kv_bytes"]
-    assert bits_summary(cache) == "K4/V3 on its 1 attention layer"
+    assert bits_summary(cache) == "K4→3/V4→2 after 6144 on its 1 attention layer"  # the default decays
 
 
 def test_empty_cache():
@@ -231,11 +231,14 @@ def test_bits_summary_names_the_layers_that_stay_float():
     from tests.support import zoo
 
     sliding = make_prompt_cache(zoo.build("gemma3"), TurboQuantConfig())  # global layer every second layer
-    assert bits_summary(sliding) == "L0 float (sliding window 16) · L1 K4/V3 · L2 float (sliding window 16) · L3 K4/V3"
+    tq = "K4→3/V4→2 after 6144"  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
+    assert bits_summary(sliding) == f"L0 float (sliding window 16) · L1 {tq} · L2 float (sliding window 16) · L3 {tq}"
     nested = make_prompt_cache(zoo.build("falcon_h1"), TurboQuantConfig(boundary_layers=1))  # KVCache in CacheList
-    assert bits_summary(nested) == "L0 K8/V8 · L1-2 K4/V3 · L3 K8/V8"
+    assert bits_summary(nested) == f"L0 K8/V8 · L1-2 {tq} · L3 K8/V8"  # boundary layers do not decay
     hybrid = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig())  # linear-attention state left out
-    assert bits_summary(hybrid) == "K4/V3 on all 2 attention layers"
+    assert bits_summary(hybrid) == f"{tq} on all 2 attention layers"
+    plain = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig(decay_after=None))
+    assert bits_summary(plain) == "K4/V4 on all 2 attention layers"
 
 
 def test_plan_says_which_layers_are_compressed_and_which_stay_float():
@@ -589,8 +592,13 @@ def test_decay_labels():
     assert decay_label(4, 3, False, (3, None), 2048) == "K4→3/V3 after 2048"
     assert decay_label(4, 3, False, (None, None), 2048) == decay_label(4, 3) == "K4/V3"
     cfg = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2, boundary_layers=1)
-    assert config_label(cfg) == "K4→3/V3→2 after 2048" and config_label(cfg, 0, 4) == "K8/V8"
-    assert config_label(TurboQuantConfig()) == "K4/V3"
+    assert config_label(cfg) == "K4→3/V4→2 after 2048" and config_label(cfg, 0, 4) == "K8/V8"
+    assert config_label(TurboQuantConfig()) == "K4→3/V4→2 after 6144"
+    assert config_label(TurboQuantConfig(), 0, 4) == "K4→3/V4→2 after 6144"
+    assert config_label(TurboQuantConfig(boundary_layers=1), 3, 4) == "K8/V8"
+    assert config_label(TurboQuantConfig(decay_after=None)) == "K4/V4"
+    assert config_label(TurboQuantConfig(value_bits=3)) == "K4/V3"  # other bits: no decay unless asked
+    assert config_label(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == "K4/V3→2 after 6144"
 
 
 @pytest.mark.parametrize("sides", DECAY_SIDES.values(), ids=DECAY_SIDES.keys())
@@ -664,12 +672,13 @@ def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
         mx.eval(cache.held_arrays())
         assert cache.protected and cache.n_decayed == (0, decayed_tokens(300, None, cfg)) == (0, 256)
         flags = dict(float_bytes=4, latent=fetch == "latent")
-        protected = turboquant_layer_bytes(300, 1, *dims, 4, 3, cfg, protected=True, **flags)
+        protected = turboquant_layer_bytes(300, 1, *dims, cfg.key_bits, cfg.value_bits, cfg, protected=True, **flags)
         assert cache.nbytes == protected
-        label = "K8/V4→3 after 64" if fetch == "latent" else "K8/V3→2 after 64"
+        # the rope key decays at the key's decay bits, plain values at theirs (the default K4/V4)
+        label = "K8/V4→3 after 64" if fetch == "latent" else "K8/V4→2 after 64"
         assert bits_summary([cache]) == f"{label} on its 1 attention layer"
-    protected, plain = (turboquant_layer_bytes(300, 1, 512, 64, 4, 3, cfg, float_bytes=4, latent=True, protected=p)
-                        for p in (True, False))
+    protected, plain = (turboquant_layer_bytes(300, 1, 512, 64, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,
+                                               latent=True, protected=p) for p in (True, False))
     assert protect_layer_bytes(MLA_TINY, 300, cfg, dtype="float32") == protected - plain > 0
 
 

@@ -1,7 +1,7 @@
 """prefill_attention (metal_kernels/prefill_attention.metal) against the reference attention, under the CPU MSL
 emulator (tests/emulator): nothing here runs on a GPU.
 
-* shapes: the default K4/V3 first, QJL keys, K != V bits, head_dim 64 and 128 (32, 256, 512 and K 128 / V 64
+* shapes: K4/V3 (the default until 2026-11-26) first, QJL keys, K != V bits, head_dim 64 and 128 (32, 256, 512 and K 128 / V 64
   too; fractional bits and head dims 80 and 96 on real caches in every lane schedule), GQA 1..8, batch 1 and 2, mask None and "causal" (including chunks longer than the window, so the mask
   reaches into the codes, and fewer compressed tokens than a tile), no key/value mean, every float dtype, real
   TurboQuantKVCache views (mean, scale, strided capacity buffers);
@@ -53,7 +53,7 @@ def run_prefill(rng, dk, kb, vb, qjl, dtype, R, L, mask, factory, dv=None, B=1, 
 @pytest.mark.parametrize(
     "dk,dv,kb,vb,qjl,dtype,B,R,L,mask,mean",
     [
-        (64, 64, 4, 3, False, mx.float16, 1, 2, 40, "causal", True),  # the default K4/V3; 40 > window: mask in codes
+        (64, 64, 4, 3, False, mx.float16, 1, 2, 40, "causal", True),  # K4/V3; 40 > window: mask in codes
         (128, 128, 4, 3, False, mx.float16, 2, 4, 12, "causal", True),  # head_dim 128, GQA 4, batch 2
         (64, 64, 3, 2, True, mx.bfloat16, 2, 1, 9, None, True),  # QJL keys, no mask
         (128, 128, 8, 4, False, mx.float32, 1, 3, 33, "causal", False),  # GQA 3: 99 rows, a partial tile; no μ, ν

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from .config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label
+from .config import AUTO, NORM_BITS, PRESETS, TurboQuantConfig, bits_label
 from .quantizer import MSE_BITS, check_bits, format_bits
 
 _ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
@@ -91,10 +91,11 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
         return [long, short] if short_aliases else [long]
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
-                   help="a named setting the other --tq-* flags then adjust: quality (K4/V4, window 1696, 8-bit "
-                        "norms: 4.77 bits/value at 32k), default (K4/V3, window 768: 4.04), compact (K4/V3, 8-bit "
-                        "norms, tokens past 4096 decaying to K2/V2: 2.63); their measurements are in "
-                        "benchmarks/DEFAULTS.md")
+                   help="a named setting the other --tq-* flags then adjust (bits/value at 32k, head_dim 128): "
+                        "quality (K4/V4, window 1696, no decay: 4.71), default (K4/V4, window 768, tokens past 6144 "
+                        "decaying to K3/V2: 3.17; other bits do not decay unless --tq-decay-* says so), compact "
+                        "(K4/V3, tokens past 4096 decaying to K2/V2: 2.58); all with 8-bit norms; their "
+                        "measurements are in benchmarks/DEFAULTS.md")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
                    help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
                         f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")
@@ -133,13 +134,14 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=_count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
-                        f"(default {d.decay_after if d.decay_after else 'none'})")
+                        f"(default {d.decay_after} at the default bits, {bits_label(d.key_bits, d.value_bits)}, "
+                        "or when decay bits are given; other bits do not decay)")
     g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=bits_arg, metavar="B",
                    help="bits keys decay to: an integer below the key bits (default "
-                        f"{format_bits(d.decay_key_bits) if d.decay_key_bits else 'none'})")
+                        f"{format_bits(d.decay_key_bits)} at key bits {format_bits(d.key_bits)}, else none)")
     g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=bits_arg, metavar="B",
                    help="bits values decay to: an integer below the value bits (default "
-                        f"{format_bits(d.decay_value_bits) if d.decay_value_bits else 'none'})")
+                        f"{format_bits(d.decay_value_bits)} at value bits {format_bits(d.value_bits)}, else none)")
     g.add_argument("--tq-no-decay", dest="tq_no_decay", action="store_true",
                    help="keep every compressed token at its bits (no temporal decay)")
     g.add_argument("--tq-seed", dest="tq_seed", type=_count_arg(0), metavar="N",
@@ -188,15 +190,18 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
         if decay:
             raise ValueError(f"--tq-no-decay and --{decay[0].replace('_', '-')} contradict each other: give one")
         kw.update(decay_after=None, decay_key_bits=None, decay_value_bits=None)
-    preset = TurboQuantConfig.preset(getattr(args, "tq_preset", None) or "default").to_dict()
-    # A side given fewer bits than the preset decays it to keeps them at every age (decay only ever lowers bits).
+    # A side given no more bits than the preset decays it to, or fractional bits, keeps them at every age (decay
+    # only ever lowers integer bits).
+    # The default preset names no decay of its own: TurboQuantConfig decays the default bits only (K4/V4).
+    preset = PRESETS[getattr(args, "tq_preset", None) or "default"]
     for side in ("key", "value"):
         decay_bits = kw.get(f"decay_{side}_bits", preset.get(f"decay_{side}_bits"))
         bits = kw.get(f"{side}_bits")
-        if f"decay_{side}_bits" not in kw and bits is not None and decay_bits is not None and decay_bits >= bits:
+        if (f"decay_{side}_bits" not in kw and bits is not None and decay_bits not in (None, AUTO)
+                and (decay_bits >= bits or bits != int(bits))):  # fractional bits never decay (one rotation)
             kw[f"decay_{side}_bits"] = None
     if kw.get("decay_after", preset.get("decay_after")) is not None and all(
-            kw.get(f"decay_{side}_bits", preset.get(f"decay_{side}_bits")) is None for side in ("key", "value")):
+            kw.get(f"decay_{side}_bits", preset.get(f"decay_{side}_bits", AUTO)) is None for side in ("key", "value")):
         kw["decay_after"] = None  # nothing left to decay to
     return TurboQuantConfig.preset(getattr(args, "tq_preset", None) or "default", **kw)
 

@@ -16,6 +16,10 @@ from .quantizer import PROD_BITS, check_bits, format_bits
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 DECAY_BITS = (1, 2, 3, 4)  # one channel group each, so decayed codes share the fresh codes' rotation
+# The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, tokens 6144 old are re-coded at K3/V2.
+AUTO = "auto"
+DECAY_AFTER = 6144
+AUTO_DECAY = {"key": (4, 3), "value": (4, 2)}  # side: (its default bits, the bits it decays to)
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -36,17 +40,26 @@ class TurboQuantConfig:
 
     The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short: keys at 4 bits
     keep top-1 attention agreement at 0.98-0.99 on SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost
-    2-4x the KL; values at 3 bits cost little over V4, for ~4.1x less memory than float16 at head_dim 128 and 32k
-    tokens; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
+    2-4x the KL; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
     (4k-8k tokens) the float window decides quality: 768 recent tokens (compressed 128 at a time) bring KL at 8k
-    from 0.0126 (window 512) to 0.0072 nats on SmolLM2, and cost 0.3 bits/value at 32k. A key stream whose
-    tokens barely vary along their own mean direction (bias_outlier_factor > protect_factor; layer 0 of
-    Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. μ, ν (and the outlier channels of
-    2.5/3.5 bits) are calibrated on the first `window` tokens after the sinks, however the prompt is fed.
+    from 0.0126 (window 512) to 0.0072 nats on SmolLM2. Norms in 8 bits (a log code, RMS 1.25% off) cost nothing
+    measurable next to 2-4-bit codes (they do next to 8-bit ones: norm_bits=16 for those). Past 6144
+    tokens of age, codes are re-coded at K3/V2 (temporal decay): at 32k tokens most of the cache is old, so the
+    default holds 3.17 bits/value at head_dim 128 (5.05x less than float16) while the recent 6144 tokens keep
+    K4/V4. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
+    protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. μ, ν
+    (and the outlier channels of 2.5/3.5 bits) are calibrated on the first `window` tokens after the sinks,
+    however the prompt is fed.
+
+    Decay fields left at AUTO follow the default setting: with the default bits (K4/V4, no QJL) tokens decay to
+    K3/V2 after DECAY_AFTER tokens; with other bits nothing decays unless decay bits are given (then decay_after
+    AUTO means DECAY_AFTER). An explicit value is always validated as given. The resolved values are the fields:
+    dataclasses.replace(config, key_bits=8) keeps K3/V2 decay from a default config (pass the decay fields as AUTO
+    to resolve them again, or build a new config).
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
-    value_bits: float = 3
+    value_bits: float = 4
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
     window: int = 768  # recent tokens kept in the model's float dtype (0: compress every token at once)
     compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
@@ -59,14 +72,14 @@ class TurboQuantConfig:
     center_keys: bool = True  # subtract a per-(batch, kv head) key mean μ before quantizing (exact)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
-    norm_bits: int = 16  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
+    norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
     # Temporal decay: compressed tokens at least decay_after tokens old (counted back from the newest) are
     # re-coded from their codes at decay_key_bits / decay_value_bits (None: that side keeps its bits), in whole
     # compress blocks. None: no decay. Integer bits below the side's own, which must be integer too (the codes
     # of both ages share one rotation); not with QJL keys; boundary and protected layers do not decay.
-    decay_after: int | None = None
-    decay_key_bits: float | None = None
-    decay_value_bits: float | None = None
+    decay_after: int | None | str = AUTO
+    decay_key_bits: float | None | str = AUTO
+    decay_value_bits: float | None | str = AUTO
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
 
@@ -92,7 +105,31 @@ class TurboQuantConfig:
                 raise ValueError(
                     f"compress_block must be between 1 and window={self.window}, got {self.compress_block}"
                 )
+        self._resolve_decay()
         self._check_decay()
+
+    def _resolve_decay(self) -> None:
+        """Decay fields left at AUTO, resolved (see the class doc); the resolved config holds no AUTO."""
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        names = ("decay_after", "decay_key_bits", "decay_value_bits")
+        for name in names:
+            v = getattr(self, name)
+            if isinstance(v, str) and v != AUTO:
+                raise ValueError(f"{name} must be a number, None or {AUTO!r}, got {v!r}")
+        if self.decay_after is None:
+            for name in names[1:]:
+                if getattr(self, name) == AUTO:
+                    set_(name, None)
+            return
+        default_bits = not self.qjl and all(getattr(self, f"{side}_bits") == bits
+                                            for side, (bits, _) in AUTO_DECAY.items())
+        for side, (_, to) in AUTO_DECAY.items():
+            if getattr(self, f"decay_{side}_bits") == AUTO:
+                set_(f"decay_{side}_bits", to if default_bits else None)
+        if self.decay_after == AUTO:
+            decays = any(getattr(self, f"decay_{side}_bits") is not None for side in AUTO_DECAY)
+            # a window that alone reaches DECAY_AFTER moves it: one compress block always stays at full bits
+            set_("decay_after", max(DECAY_AFTER, self.window + self.compress_block_size) if decays else None)
 
     def _check_decay(self) -> None:
         sides = (("decay_key_bits", self.key_bits), ("decay_value_bits", self.value_bits))
@@ -107,7 +144,8 @@ class TurboQuantConfig:
             raise ValueError(f"decay_after must be an integer >= {least} (window + compress_block: at least one "
                              f"block stays at full bits), got {a!r}")
         if all(getattr(self, name) is None for name, _ in sides):
-            raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to)")
+            raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to; only the "
+                             f"default bits, K{AUTO_DECAY['key'][0]}/V{AUTO_DECAY['value'][0]}, decay without them)")
         for name, bits in sides:
             b = getattr(self, name)
             if b is None:
@@ -173,6 +211,11 @@ class TurboQuantConfig:
         d = dict(d)
         if "block" in d and "compress_block" not in d:  # the field's name in prompt-cache files of state version 1
             d["compress_block"] = d.pop("block")
+        # Fields a file written before they existed does not name had the meaning of their absence then: float16
+        # norms, no decay (the defaults changed since).
+        d.setdefault("norm_bits", 16)
+        for name in ("decay_after", "decay_key_bits", "decay_value_bits"):
+            d.setdefault(name, None)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -181,10 +224,13 @@ class TurboQuantConfig:
 
 
 # Named settings, by what they trade (the commands' --tq-preset). Bits per value at 32k tokens with float parts in
-# float16, head_dim 64; KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at long
-# context"). compact decays: tokens past 4096 are re-coded at K2/V2 (2.57 bits/value at head_dim 128).
+# float16, head_dim 128 (64); KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at
+# long context"). default and compact decay: old tokens are re-coded at fewer bits.
 PRESETS: dict[str, dict] = {
-    "quality": dict(key_bits=4, value_bits=4, window=1696, compress_block=64, norm_bits=8),  # 4.77 bits, KL <= 0.0026
-    "default": {},  # K4/V3, window 768: 4.04 bits, KL <= 0.0067
-    "compact": dict(norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2),  # 2.63 bits, KJV 8k 0.015
+    # K4/V4, window 1696, 8-bit norms, no decay: 4.71 (4.77) bits, KL <= 0.0026
+    "quality": dict(window=1696, compress_block=64, decay_after=None),
+    # K4/V4, window 768, 8-bit norms, tokens past 6144 at K3/V2: 3.12 (3.23) bits
+    "default": {},
+    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2: 2.57 (2.63) bits, KJV 8k 0.015
+    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2),
 }

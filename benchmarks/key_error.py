@@ -1,0 +1,141 @@
+"""Why a model's keys are hard to code: the score error of TurboQuant keys under three ways to center them.
+
+The cache subtracts one key mean μ per (batch, kv head), taken after RoPE from its first compressed tokens. A
+model whose keys carry a large constant part before RoPE (Qwen2.5's k_proj bias) sees that part rotate with the
+position after RoPE, so one μ leaves most of it in the vectors and the codes spend their bits on it. This script
+measures, per attention layer, the RMS error of the attention scores q·k with keys coded at --bits, relative to
+the spread of the exact scores over the keys (the same measure for every model), for:
+
+* global: one μ after RoPE over the calibration tokens (what the cache does);
+* block: one μ per block of 128 tokens (what per-block means would store: D float16 per block and head);
+* rope: one μ0 before RoPE, subtracted as RoPE_p(μ0) at each position p (no storage; attention would add
+  q·RoPE_p(μ0) back per token).
+
+Queries are the last 256 of a --context-token Britannica prefix, keys all of it; calibration tokens are the
+cache's (the window after 4 sinks). Not a quality figure: it says which centering a model's keys call for.
+
+    python benchmarks/key_error.py --models qwen05,smollm2 --context 4096 --bits 3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (puts the repo on sys.path)
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import quality  # noqa: E402
+from tq_mlx import TurboQuantConfig  # noqa: E402
+from tq_mlx.memory import load_model_config  # noqa: E402
+from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
+    "qwen05": ("Qwen2.5-Coder-0.5B-Instruct", "load_qwen25_coder_05b", "qwen25_coder_05b_path"),
+    "qwen15": ("Qwen2.5-Coder-1.5B-Instruct", "load_qwen25_coder_15b", "qwen25_coder_15b_path"),
+}
+QUERIES = 256
+BLOCK = 128
+CENTERINGS = ("global", "block", "rope")
+
+
+def rope_rotate(x: mx.array, base: float, inverse: bool = False) -> mx.array:
+    """mlx's non-traditional RoPE (pairs i and i + D/2) at positions 0..n-1 of x (B, H, n, D), or its inverse."""
+    D = x.shape[-1]
+    half = D // 2
+    freqs = base ** (-np.arange(half) * 2.0 / D)
+    angle = np.arange(x.shape[2])[:, None] * freqs[None]
+    cos, sin = mx.array(np.cos(angle), mx.float32), mx.array(np.sin(angle) * (-1 if inverse else 1), mx.float32)
+    a, b = x[..., :half], x[..., half:]
+    return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def relative_error(q: mx.array, k: mx.array, k_hat: mx.array) -> float:
+    s, s_hat = q @ k.swapaxes(-1, -2), q @ k_hat.swapaxes(-1, -2)
+    spread = mx.sqrt(mx.mean((s - mx.mean(s, axis=-1, keepdims=True)) ** 2))
+    return float(mx.sqrt(mx.mean((s - s_hat) ** 2)) / spread)
+
+
+def centered_means(k: mx.array, how: str, calib: slice, base: float) -> mx.array:
+    """The mean subtracted from every key (B, H, n, D) under `how`."""
+    if how == "global":
+        return mx.broadcast_to(mx.mean(k[:, :, calib], axis=2, keepdims=True), k.shape)
+    if how == "block":
+        B, H, n, D = k.shape
+        blocks = k.reshape(B, H, n // BLOCK, BLOCK, D)
+        return mx.broadcast_to(mx.mean(blocks, axis=3, keepdims=True), blocks.shape).reshape(k.shape)
+    mu0 = mx.mean(rope_rotate(k, base, inverse=True)[:, :, calib], axis=2, keepdims=True)
+    return rope_rotate(mx.broadcast_to(mu0, k.shape), base)
+
+
+def run_model(key: str, context: int, bits: list[float]) -> dict:
+    from tests.support import real_models
+
+    label, loader, path_fn = MODELS[key]
+    mcfg = load_model_config(getattr(real_models, path_fn)())
+    if mcfg.get("rope_scaling") or mcfg.get("partial_rotary_factor", 1) != 1:
+        raise SystemExit(f"{label}: only plain RoPE over the whole head is modelled here")
+    base = float(mcfg.get("rope_theta", 10000.0))
+    model, tok = getattr(real_models, loader)(mx.float32)
+    ids = quality.text_ids(tok, context)
+    captured, scale = quality.capture_qkv(model, ids)
+    d = TurboQuantConfig()
+    calib = slice(d.sinks, d.sinks + d.window)
+    layers = []
+    for i, (q, k, _) in enumerate(captured):
+        q = q.astype(mx.float32)[:, :, -QUERIES:] * scale
+        k = k.astype(mx.float32)
+        B, Hq, _, D = q.shape
+        H = k.shape[1]
+        q = q.reshape(B, H, Hq // H * QUERIES, D)
+        row = {"layer": i}
+        for how in CENTERINGS:
+            mean = centered_means(k, how, calib, base)
+            row[f"norm_{how}"] = float(mx.mean(mx.linalg.norm(k - mean, axis=-1)))
+            for b in bits:
+                quant = TurboQuantMSE(D, b, seed=1)
+                row[f"{how}_{b:g}"] = relative_error(q, k, quant.dequantize(quant.quantize(k - mean)) + mean)
+        layers.append(row)
+        print(f"  layer {i:2d}: " + ", ".join(f"{how} {row[f'{how}_{bits[-1]:g}']:.3f}" for how in CENTERINGS),
+              flush=True)
+    mean_of = lambda name: float(np.mean([r[name] for r in layers]))  # noqa: E731
+    summary = {f"{how}_{b:g}": mean_of(f"{how}_{b:g}") for how in CENTERINGS for b in bits}
+    return {"model": label, "context": context, "rope_theta": base, "layers": layers, "mean": summary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(MODELS)}")
+    ap.add_argument("--context", type=int, default=4096, help="prefix tokens (a multiple of 128)")
+    ap.add_argument("--bits", default="3,4", help="key bits, comma list")
+    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    args = ap.parse_args()
+    if args.context % BLOCK or args.context <= QUERIES:
+        raise SystemExit(f"--context must be a multiple of {BLOCK} above {QUERIES}, got {args.context}")
+    bits = [float(b) for b in args.bits.split(",")]
+    t0 = time.perf_counter()
+    results = {"meta": common.metadata(), "models": {}}
+    for key in args.models.split(","):
+        print(f"{MODELS[key][0]}:", flush=True)
+        results["models"][key] = run_model(key, args.context, bits)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    headers = ["model"] + [f"{how} K{b:g}" for b in bits for how in CENTERINGS]
+    rows = [[m["model"]] + [f"{m['mean'][f'{how}_{b:g}']:.3f}" for b in bits for how in CENTERINGS]
+            for m in results["models"].values()]
+    table = common.markdown_table(headers, rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "key_error.json").write_text(json.dumps(results, indent=1))
+    print("\nrelative score error, mean over layers (lower is better)\n\n" + table)
+    print(f"\nwrote {out / 'key_error.json'} ({results['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
