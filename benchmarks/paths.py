@@ -22,7 +22,7 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.cache import _sdpa
 from tq_mlx.integration import tune_malloc
 
-CONFIG = TurboQuantConfig()  # the defaults: K4/V3, window 768
+CONFIG = TurboQuantConfig()  # the defaults (results/paths.json records the config it measured)
 
 
 def _fill(cache, k, v, chunk: int = 2048):

@@ -216,17 +216,19 @@ def test_long_context_counts_protected_layers_in_the_bits() -> None:
     import long_context
 
     g = {"attention_layers": 24, "kv_heads": 2, "head_dim": 64}
-    row = {"kind": "tq", "config": long_context.DEFAULT.config.to_dict(),
+    row = {"kind": "tq", "config": long_context.K4V3.config.to_dict(),
            "texts": {"britannica": {"protected_layers": [0]}, "hamlet": {"protected_layers": []}}}
-    # One layer of 24 with its keys at 8 instead of 4 bits: +4 bits on 1/48 of the values, times the compressed
-    # share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after the 4 sinks)
-    # share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after the 4 sinks), plus the
-    # protecting quantizer's constants (its 8-bit codebook and lookup tables)
+    # K4/V3 without decay: one layer of 24 with its keys at 8 instead of 4 bits: +4 bits on 1/48 of the values,
+    # times the compressed share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after
+    # the 4 sinks), plus the protecting quantizer's constants (its 8-bit codebook and lookup tables)
     compressed = 250 * 128
     plain = long_context.protection_bits(row, g, 32768)
     assert 4 / 48 * compressed / 32768 < plain < 1.01 * 4 / 48 * compressed / 32768
     # With decay the protected keys also stay out of it: 8 bits instead of the 3 the others decay to
     row["config"] = dict(row["config"], decay_after=2048, decay_key_bits=3, decay_value_bits=2)
+    assert long_context.protection_bits(row, g, 32768) > 1.2 * plain
+    # The default's protected keys: 8 bits with float16 norms, against K4/K3 codes with uint8 norms
+    row["config"] = long_context.DEFAULT.config.to_dict()
     assert long_context.protection_bits(row, g, 32768) > 1.2 * plain
     row["texts"]["britannica"]["protected_layers"] = []
     assert long_context.protection_bits(row, g, 32768) == 0

@@ -334,6 +334,36 @@ def test_state_round_trip_is_exact(norm_bits):
                                       np.array(turboquant_attention(q, *b, 0.125, mask)))
 
 
+def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_still_load(monkeypatch):
+    # norm_bits=8's log code (RMS 1.25% off) is three times 8-bit codes' own error: protected keys, boundary
+    # layers and K8/V8 keep float16 norms; 2-4-bit streams take the uint8 code. A file written before that
+    # (8-bit codes with uint8 norms) loads with the norms it holds and continues exactly as its cache would.
+    from tq_mlx import stream
+
+    cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, compress_block=4, sinks=2, norm_bits=8)
+    c = TurboQuantKVCache(cfg)
+    fill(c, (30,))
+    assert c.key_stream.codes.norms.dtype == mx.float16 and c.value_stream.codes.norms.dtype == mx.uint8
+    monkeypatch.setattr(stream, "WIDE_BITS", 99)  # the rule before: every stream's norms in uint8
+    old = TurboQuantKVCache(cfg)
+    fill(old, (30,))
+    assert old.key_stream.codes.norms.dtype == mx.uint8
+    monkeypatch.undo()
+    d = TurboQuantKVCache.from_state(old.state)
+    assert d.key_stream.quantizer.norm_dtype == mx.uint8 and d.nbytes == old.nbytes
+    rng = np.random.default_rng(4)
+    monkeypatch.setattr(stream, "WIDE_BITS", 99)
+    for k, v in chunks(rng, (1, 6)):
+        a = old.update_and_fetch(k, v)
+        monkeypatch.undo()
+        b = d.update_and_fetch(k, v)
+        monkeypatch.setattr(stream, "WIDE_BITS", 99)
+        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
+        mask = "causal" if k.shape[2] > 1 else None
+        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
+                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+
+
 def test_state_is_stored_references():
     c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1))
     fill(c, (20,))

@@ -34,6 +34,7 @@ from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: t
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import aligned_segments
+from tq_mlx.config import PRESETS
 from tq_mlx.quantizer import TurboQuantMSE
 from tq_mlx.stream import decode as stream_decode
 
@@ -276,3 +277,21 @@ def test_decay_in_another_basis_is_refused():
     K.set_kernel_factory(lambda **_: pytest.fail("no kernel for a view the kernels refuse"))
     got = K.dispatch_attention(q, other, values, 0.125)
     assert_close(got, K.decode_attention_reference(q, other, values, 0.125), mx.float16)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
+    # The Metal path stays whole: on a Mac no named setting falls back to the reference path, before or after
+    # its oldest tokens decay (head_dim 128, GQA 4, a decode step and a causal prefill chunk).
+    rng = np.random.default_rng(3)
+    cfg = TurboQuantConfig.preset(preset)
+    cache = TurboQuantKVCache(cfg)
+    n = (cfg.decay_after or 2048) + 1100
+    k = mx.array(rng.standard_normal((1, 2, n, 128)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, 2, n, 128)).astype(np.float16))
+    for a in range(0, n, 2048):
+        keys, values = cache.update_and_fetch(k[:, :, a : a + 2048], v[:, :, a : a + 2048])
+    assert (keys.n_decayed > 0) == (values.n_decayed > 0) == (cfg.decay_after is not None)
+    assert K.decode_unsupported(mx.zeros((1, 8, 1, 128), mx.float16), keys, values) is None
+    assert K.prefill_unsupported(mx.zeros((1, 8, 512, 128), mx.float16), keys, values, "causal") is None
+    assert K.dequantize_unsupported(keys) is None and K.dequantize_unsupported(values) is None
