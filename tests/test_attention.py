@@ -290,9 +290,7 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
     # float64 softmax with the sink column exactly.
     rng = np.random.default_rng(21)
     B, H, R, D = 1, 2, 3, 64
-    # float16 norms: the bound is the 8-bit codes' own (a uint8 log-coded norm is up to 2.2% off by itself)
-    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4, norm_bits=16),
-                              layer_index=1)
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4), layer_index=1)
     sinks = mx.array(rng.normal(size=(H * R,)) * 2 + 1, dtype=sink_dtype)
     ks, vs = [], []
     for L in (30, 1, 5, 1):
@@ -383,9 +381,7 @@ def test_keys_that_are_the_values_with_an_additive_mask():
     rng = np.random.default_rng(12)
     B, R, D = 2, 16, 64
     for bits, tol in ((4, None), (8, 0.02)):
-        # float16 norms: the bound is the 8-bit codes' own (a uint8 log-coded norm is up to 2.2% off by itself)
-        cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=4, norm_bits=16),
-                                  layer_index=0)
+        cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=4), layer_index=0)
         latent = mx.array(rng.normal(size=(B, 1, 60, D)) + 0.3, dtype=mx.float32)
         cache.update_and_fetch(latent[:, :, :59], latent[:, :, :59])
         kv, _ = cache.update_and_fetch(latent[:, :, 59:], latent[:, :, 59:])

@@ -24,7 +24,6 @@ from tests.support.tiny_models import TINY_MODELS, tiny_llama, tiny_tokenizer
 # Small window and blocks, so that a 64-token run is mostly compressed tokens.
 COMPRESSING = TurboQuantConfig(window=8, compress_block=4, sinks=2)
 # The same at the defaults the accuracy tests below were written against (K4/V3, float16 norms, no decay), pinned:
-# their error bounds are the codes' own (8-bit log norms alone add up to ~1% relative error to 8-bit logits), and
 # they vary the bits with dataclasses.replace, which would carry COMPRESSING's resolved decay bits (K3/V2) over.
 PLAIN = TurboQuantConfig(window=8, compress_block=4, sinks=2, value_bits=3, norm_bits=16, decay_after=None)
 
