@@ -242,9 +242,10 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
     dtype, which the sinks and the window keep (fill feeds float32)."""
     per_token = 0
     const = 0
-    norm = cfg.norm_bits // 8  # bytes of each stored norm (and QJL's γ): float16 or a uint8 log code
     assert cfg.decay_after is None  # decaying streams hold a second code buffer (test_decay prices those)
     for bits, qjl, center in ((cfg.key_bits, cfg.qjl, cfg.center_keys), (cfg.value_bits, False, cfg.center_values)):
+        # bytes of each stored norm (and QJL's γ): float16 or a uint8 log code; 8-bit codes keep float16 ones
+        norm = 2 if bits >= 8 else cfg.norm_bits // 8
         if qjl:
             words, groups, c = mse_layout(D, bits - 1) if bits > 1 else (0, 0, 0)
             per_token += 4 * words + norm * groups + 4 * math.ceil(D / 32) + norm  # + sign bits + γ
