@@ -527,7 +527,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
 
 def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> None:
     """The needle probes of quality.py (a magic number at depths 0.1/0.5/0.9 of a Britannica haystack, greedy
-    answer) at args.needle_lengths, float and the default, on the model already loaded by run_model."""
+    answer) at args.needle_lengths, for args.needle_settings (float and the default unless told), on the model
+    already loaded by run_model."""
     from tests.support import real_models
 
     if not args.needle_lengths:
@@ -537,7 +538,7 @@ def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> N
     m = results["models"][key]
     m["needles"] = out = []
     for length in args.needle_lengths:
-        for s in (FLOAT, DEFAULT):
+        for s in args.needle_settings:
             for depth in args.needle_depths:
                 if budget.over():
                     out.append({"setting": s.name, "length": length, "depth": depth, "error": "skipped: time budget spent"})
@@ -723,6 +724,8 @@ def main() -> None:
                     "order; float is always run first, as the reference)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
     ap.add_argument("--needles", default="4096,8192", help="SmolLM2 needle haystack lengths ('' for none)")
+    ap.add_argument("--needle-settings", default="float,default",
+                    help="settings probed with needles (keys as --settings; default float,default)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -742,6 +745,7 @@ def main() -> None:
     args.texts = args.texts.split(",")
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
     args.needle_depths = (0.1, 0.5, 0.9)
+    args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]
     for c in sm + qw + qw15:
         if c % args.chunk:
             raise SystemExit(f"context {c} is not a multiple of the chunk {args.chunk}")
