@@ -124,6 +124,7 @@ HEADLINE_QUALITY = [
     "mlx-lm affine 4-bit g64 (QuantizedKVCache)",
     "mlx-lm affine 8-bit g64 (QuantizedKVCache)",
     "peer: mlx-vlm TurboQuant 4-bit",
+    "peer: mlx-vlm TurboQuant 3-bit",
 ]
 HEADLINE_SPEED = ["float (mlx-lm KVCache)", "mlx-lm QuantizedKVCache 4-bit", "TQ K4/V3", "TQ K4/V4",
                   "peer: mlx-vlm TurboQuant 4-bit"]

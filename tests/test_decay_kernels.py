@@ -183,13 +183,15 @@ def codes_bytes(kv) -> int:
 
 
 @pytest.mark.emulator
-def test_decode_reads_each_decayed_and_fresh_byte_once(emulator):
+@pytest.mark.parametrize("vb, norm_bits", [(3, 16), (4, 8)], ids=["K4-V3-float16-norms", "the-default-K4-V4-uint8-norms"])
+def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, vb, norm_bits):
     B, R, dim = 2, 4, 128
-    keys, values = decayed_views(dim, B=B, n_prompt=1000)
+    keys, values = decayed_views(dim, vb=vb, B=B, n_prompt=1000, norm_bits=norm_bits)
     assert keys.n_decayed > 500 and keys.n_fresh > 32
     per_token = {name: sum(a.itemsize * math.prod(a.shape[3:]) for a in seg.codes)
                  for name, seg in (("decayed", keys.decayed), ("fresh", keys.segments()[1][1]))}
-    assert per_token["decayed"] < per_token["fresh"]  # K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128
+    # K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128 (+ 1 with uint8 norms)
+    assert per_token == {"decayed": 48 + norm_bits // 8, "fresh": 64 + norm_bits // 8}
     q = normal(np.random.default_rng(0), (B, 2 * R, 1, dim), mx.float16)
     f = Emu()
     got, want = run("decode", q, keys, values, None, None, f)
