@@ -255,6 +255,7 @@ K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 PRESET_ROWS = (DEFAULT, COMPACT)  # a spelled-out setting equal to one of these is that row
+PRESET_NAMES = {p.name for p in PRESET_ROWS}
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -561,7 +562,7 @@ def needle_line(m: dict) -> str | None:
         for name in dict.fromkeys(r["setting"] for r in probes):
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
             if rs:
-                short = name.split(" (")[0] if name == base_name(name) else name  # renamed: say what ran
+                short = name.split(" (")[0] if name == base_name(name) and name not in PRESET_NAMES else name  # say what ran
                 cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
                              + ("" if all(r["hit"] for r in rs) else
                                 " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][:24]!r}" for r in rs if not r["hit"]) + ")"))
