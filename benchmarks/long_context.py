@@ -229,7 +229,8 @@ def rot(bits: int, window: int) -> Setting:
 
 ROT_WINDOW: dict[str, int] = {}
 FLOAT = Setting("float (mlx-lm KVCache)", "float")
-DEFAULT = tq(4, 4, "the default", norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2)
+DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default",
+             **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits")})
 K4V3 = tq(4, 3, UNTIL)
 # the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2
 COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
