@@ -111,7 +111,8 @@ EVAL = 512  # tokens scored at the end of each context
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0)
-DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2)
+DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2,
+                center_keys="rope")
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
@@ -131,6 +132,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"decaying to {decay_label(cfg)} after {cfg.decay_after}")
     if cfg.center_values != BASE["center_values"]:
         extra.append(centering_tag(cfg.center_values))
+    if cfg.center_keys == "rope":
+        extra.append("keys centered before RoPE")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -143,13 +146,13 @@ def decay_label(cfg: TurboQuantConfig) -> str:
 
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
-                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?$")
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
-    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8],
-    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms last), rotation + affine at other bits and windows (rot2w1700: the
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r],
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE, last), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -170,6 +173,8 @@ def parse_setting(key: str) -> Setting:
                     decay_value_bits=dv if dv < num(m["vb"]) else None)
     if m["n8"]:
         over["norm_bits"] = 8
+    if m["rope"]:
+        over["center_keys"] = "rope"
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in PRESET_ROWS if p.config == s.config), s)
 
@@ -188,6 +193,8 @@ def canonical_name(row: dict) -> str:
     for preset in PRESET_ROWS:
         if _same_config(cfg, preset.config.to_dict()):
             return preset.name
+    for tag in PRESET_TAGS:  # a preset's row from before the preset changed: what it measured, spelled out
+        name = name.replace(f", {tag})", ")")
     name = name.replace("(the default)", f"({UNTIL})")
     if cfg.get("center_values", True) == BASE["center_values"]:
         return name
@@ -232,8 +239,11 @@ FLOAT = Setting("float (mlx-lm KVCache)", "float")
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default",
              **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits")})
 K4V3 = tq(4, 3, UNTIL)
+# the default's bits with the key mean taken after RoPE: the default for a few hours of 2026-11-26
+DEFAULT_MEAN = tq(4, 4, **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits",
+                                                                                           "center_keys")})
 # the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2
-COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
+COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope")
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
@@ -257,6 +267,9 @@ K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 PRESET_ROWS = (DEFAULT, COMPACT)  # a spelled-out setting equal to one of these is that row
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
+PRESET_TAGS = ("the default", "compact")
+# the README's headline: the default, the defaults before it, compact
+HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_MEAN.name, K4V3.name, COMPACT.name, "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096)"]
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -266,11 +279,11 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, K4V3, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, K4V3, DEFAULT_MEAN, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
 FIRST = 8  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

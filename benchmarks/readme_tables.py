@@ -114,10 +114,7 @@ def serve_part(results: Path, suffix: str) -> str:
     return f"{table}\n\nCommand: `{COMMANDS['serve']}`"
 
 
-HEADLINE_QUALITY = [
-    "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)",
-    "TQ K4/V3 (the default until 2026-11-26)",
-    "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, compact)",
+HEADLINE_QUALITY = [  # the presets' rows come first (long_context.HEADLINE_PRESETS names them)
     "TQ K2/V1 (window 2496, block 64, 8-bit norms)",
     "rotation + affine 4-bit g64 (window 768, sinks 4)",
     "rotation + affine 2-bit g64 (window 1700, sinks 4)",
@@ -182,7 +179,7 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
     headers, rows = long_context.model_table(m)
     ctx = max(c for c in m["contexts"] if c <= long_context.TRAINED_CONTEXT["smollm2"])
     cols = [0, 1, 2] + [i for i, h in enumerate(headers) if h.startswith("KL ") and h.endswith(f" {long_context.ctx_label(ctx)}")]
-    order = {name: i for i, name in enumerate(HEADLINE_QUALITY)}
+    order = {name: i for i, name in enumerate([*long_context.HEADLINE_PRESETS, *HEADLINE_QUALITY])}
     picked = sorted((r for r in rows if r[0] in order), key=lambda r: order[r[0]])
     trained = " (its trained context)" if ctx == long_context.TRAINED_CONTEXT["smollm2"] else ""
     note = (f"{m['model']} at {long_context.ctx_label(ctx)} tokens{trained}: KL(float ‖ cache) in nats of the "

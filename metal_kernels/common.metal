@@ -119,6 +119,52 @@ METAL_FUNC void tq_key_scores(const threadgroup uint* w, const threadgroup float
   }
 }
 
+// Keys centered before RoPE (tq_mlx/rope.py): a token at position p = 8h + l adds q·R(p) μ0 to its scores, less
+// its constant part (the host's q·μ term): Σ_k A_k cos(θ_hk + φ_lk) + B_k sin(θ_hk + φ_lk) over the NP channel
+// pairs, θ_h = (8h)·f and φ_l = l·f in float32 and added by angle addition, as the reference does. The 8 φ_l
+// are staged once per threadgroup (tq_rope_stage_l), the θ_h of a tile's positions once per tile (at most 5
+// blocks for 32 positions: tq_rope_stage_h), so no token takes a sine. Tables hold (cos, sin) per (block, pair).
+constexpr int TQ_ROPE_SPLIT = 8;
+constexpr int TQ_ROPE_BLOCKS = 5;  // blocks of 8 positions a tile of 32 positions touches, at most
+
+template <int NP>
+METAL_FUNC void tq_rope_stage_l(threadgroup float* lcs, const threadgroup float* freqs, uint tid, uint nt) {
+  for (uint i = tid; i < uint(TQ_ROPE_SPLIT * NP); i += nt) {
+    const float a = float(i / NP) * freqs[i % NP];
+    lcs[2 * i] = precise::cos(a);
+    lcs[2 * i + 1] = precise::sin(a);
+  }
+}
+
+// θ_h for the blocks from p0 / 8 on (p0 >= 0: the tile's first position).
+template <int NP>
+METAL_FUNC void tq_rope_stage_h(threadgroup float* hcs, const threadgroup float* freqs, int p0, uint tid, uint nt) {
+  const int h0 = p0 / TQ_ROPE_SPLIT;
+  for (uint i = tid; i < uint(TQ_ROPE_BLOCKS * NP); i += nt) {
+    const float a = float((h0 + int(i / NP)) * TQ_ROPE_SPLIT) * freqs[i % NP];
+    hcs[2 * i] = precise::cos(a);
+    hcs[2 * i + 1] = precise::sin(a);
+  }
+}
+
+// terms holds each row's [A_1..A_NP, B_1..B_NP] (rows of 2·NP floats); pos is the token's position, p0 the
+// tile's first (whose blocks hcs holds).
+template <int NP, int RPS, int NSG>
+METAL_FUNC void tq_rope_scores(const threadgroup float* terms, const threadgroup float* hcs,
+                               const threadgroup float* lcs, int pos, int p0, uint sg, thread float* s) {
+  const threadgroup float* hb = hcs + 2 * NP * (pos / TQ_ROPE_SPLIT - p0 / TQ_ROPE_SPLIT);
+  const threadgroup float* lb = lcs + 2 * NP * (pos % TQ_ROPE_SPLIT);
+  for (int j = 0; j < NP; ++j) {
+    const float ch = hb[2 * j], sh = hb[2 * j + 1], cl = lb[2 * j], sl = lb[2 * j + 1];
+    const float c = ch * cl - sh * sl;
+    const float sn = sh * cl + ch * sl;
+    for (int k = 0; k < RPS; ++k) {
+      const threadgroup float* t = terms + (int(sg) + k * NSG) * 2 * NP;
+      s[k] += t[j] * c + t[NP + j] * sn;
+    }
+  }
+}
+
 // Dim j (< D) of a token's codes in the rotated basis, norm applied: the codes are one group (D0 = D) or two
 // (dims [0, D0) at B0 bits in words [0, W0) with norm n0, dims [D0, D) at B1 bits after them with norm n1;
 // fractional bits). cent holds group 0's 2^B0 centroids, then group 1's.

@@ -18,11 +18,12 @@
 //   float16, vc (B, H, N, WV) uint32, vn (B, H, N, VG) float16: strided views of the cache;
 //   tables float32 [key centroids (2^KB, then 2^KB1 if KG = 2) | value centroids (same) | qjl scale | ε];
 //   amask: the array mask (MASK 1 bool, 2 additive), read at (row, n_sinks + t) as decode_merge.metal does;
-//   params int32 [H, N, RL, L, tokens per split, causal limit, n_sinks, sb, sh, si]: compressed token t is
-//   visible to query token i iff t <= causal limit + i (and the mask shows it).
+//   rterms (B, H, RL, 2·NP) float32, rfreqs (NP) float32: keys centered before RoPE (tq_rope_scores), NP > 0;
+//   params int32 [H, N, RL, L, tokens per split, causal limit, n_sinks, sb, sh, si, position of token 0]:
+//   compressed token t is visible to query token i iff t <= causal limit + i (and the mask shows it).
 // Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
 // Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, KEQV (keys are values), MASK, MT (the mask's type),
-// NR (rows per threadgroup, a power of two), KG, KD0, KB1,
+// NR (rows per threadgroup, a power of two), NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1,
 // WK0 and VG, VD0, VB1, WV0 (groups, group 0's dims, group 1's bits, group 0's words), and the layout from
 // tq_mlx.kernels._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
 // staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
@@ -46,6 +47,7 @@ const int RL = params[2];
 const int L = params[3];
 const int climit = params[5];
 const int ns = params[6];
+const int pos0 = params[10];  // the position of compressed token 0 (RoPE terms)
 const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const int r0 = int(threadgroup_position_in_grid.z) * NR;
@@ -62,6 +64,10 @@ threadgroup float tok_gamma[TG_GAMMA];
 threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
 threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
 threadgroup float cent[TG_C];       // key centroids, then value centroids
+threadgroup float rope_tg[TG_R];    // RoPE terms [A | B] per row (NP > 0)
+threadgroup float rfreq_tg[TG_F];   // RoPE frequencies
+threadgroup float rl_tg[TG_RL];     // cos, sin of φ_l per (l, pair)
+threadgroup float rh_tg[TG_RH];     // cos, sin of θ_h per (block of the tile, pair)
 
 for (int i = int(tid); i < NR * DK; i += NT) {
   int r = i / DK;
@@ -73,6 +79,17 @@ for (int i = int(tid); i < NR * DK; i += NT) {
 }
 for (int i = int(tid); i < NKC + NVC; i += NT) {
   cent[i] = tables[i];
+}
+for (int i = int(tid); NP > 0 && i < NR * 2 * NP; i += NT) {
+  const int r = i / (2 * NP);
+  rope_tg[i] = r < nrows ? rterms[(size_t(bh) * RL + r0 + r) * 2 * NP + i % (2 * NP)] : 0.0f;
+}
+for (int i = int(tid); i < NP; i += NT) {
+  rfreq_tg[i] = rfreqs[i];
+}
+if (NP > 0) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  tq_rope_stage_l<NP>(rl_tg, rfreq_tg, tid, NT);
 }
 const float qjl_scale = tables[NKC + NVC];
 // Divided by the split's length, so the dropped mass stays below ε of the softmax sum at any context length.
@@ -126,6 +143,9 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   if (QJL && int(tid) < nt) {
     tok_gamma[tid] = tq_norm(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
+  if (NP > 0) {
+    tq_rope_stage_h<NP>(rh_tg, rfreq_tg, pos0 + t0, tid, NT);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // 2. Scores and online softmax: lane = token of the tile, this SIMD group's rows.
@@ -133,6 +153,9 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   const int t = t0 + int(lane);
   float s[RPS];
   tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  if (NP > 0) {
+    tq_rope_scores<NP, RPS, NSG>(rope_tg, rh_tg, rl_tg, pos0 + t, pos0 + t0, sg, s);
+  }
   if (QJL) {
     const float g = qjl_scale * tok_gamma[lane];
     const threadgroup uint* tj = jwords + lane * WJS;

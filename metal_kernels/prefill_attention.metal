@@ -21,12 +21,13 @@
 //   tables float32 [key centroids | value centroids | qjl scale | sparse V ε]; vsigns (DV) float32; vmean
 //   (B·H, DV) float32 = ν; vscale (B·H) float32 = s_v;
 //   lsink (Hq) float32 learned sink logits; amask the array mask, read at (row, column) as decode_merge.metal;
+//   rterms (B, H, RL, 2·NP) float32, rfreqs (NP) float32: keys centered before RoPE (tq_rope_scores), NP > 0;
 //   params int32 [H, N, RL, L, n_sinks, n_window, compressed limit, sink limit, window limit, has qmu, has ν,
-//   has s_v, has sinks, sb, sh, si]: token t of a part is visible to query token i iff t <= that part's limit
-//   + i (and the mask shows it).
+//   has s_v, has sinks, sb, sh, si, position of compressed token 0]: token t of a part is visible to query
+//   token i iff t <= that part's limit + i (and the mask shows it).
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
 // Template: T, TO, DK, DV, KB, VB, QJL, KEQV (keys are values), MASK (0 none or causal, 1 bool, 2 additive),
-// MT (its type), NR, KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
+// MT (its type), NR, NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
 // tq_mlx.kernels._prefill_layout's
 // WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
 constexpr int EV = (DV + 31) / 32;
@@ -54,6 +55,7 @@ const bool has_qmu = params[9] != 0;
 const bool has_mean = params[10] != 0;
 const bool has_vscale = params[11] != 0;
 const bool has_sinks = params[12] != 0;
+const int pos0 = params[16];  // the position of compressed token 0 (RoPE terms)
 const uint b = bh / uint(H);
 const uint h = bh % uint(H);
 const int r0 = int(threadgroup_position_in_grid.z) * NR;
@@ -68,6 +70,10 @@ threadgroup float tok_gamma[TG_GAMMA];
 threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
 threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
 threadgroup float cent[TG_C];       // key centroids, then value centroids
+threadgroup float rope_tg[TG_R];    // RoPE terms [A | B] per row (NP > 0)
+threadgroup float rfreq_tg[TG_F];   // RoPE frequencies
+threadgroup float rl_tg[TG_RL];     // cos, sin of φ_l per (l, pair)
+threadgroup float rh_tg[TG_RH];     // cos, sin of θ_h per (block of the tile, pair)
 
 for (int i = int(tid); i < NR * DK; i += NT) {
   int r = i / DK;
@@ -75,6 +81,17 @@ for (int i = int(tid); i < NR * DK; i += NT) {
 }
 for (int i = int(tid); i < NKC + NVC; i += NT) {
   cent[i] = tables[i];
+}
+for (int i = int(tid); NP > 0 && i < NR * 2 * NP; i += NT) {
+  const int r = i / (2 * NP);
+  rope_tg[i] = r < nrows ? rterms[(size_t(bh) * RL + r0 + r) * 2 * NP + i % (2 * NP)] : 0.0f;
+}
+for (int i = int(tid); i < NP; i += NT) {
+  rfreq_tg[i] = rfreqs[i];
+}
+if (NP > 0) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  tq_rope_stage_l<NP>(rl_tg, rfreq_tg, tid, NT);
 }
 const float qjl_scale = tables[NKC + NVC];
 // Divided by the compressed tokens' count: the dropped mass stays below ε of l at any context length.
@@ -214,6 +231,9 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   if (QJL && int(tid) < nt) {
     tok_gamma[tid] = tq_norm(kg_bh[(t0 + int(tid)) * kg_strides[2]]);
   }
+  if (NP > 0) {
+    tq_rope_stage_h<NP>(rh_tg, rfreq_tg, pos0 + t0, tid, NT);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // Scores and online softmax: lane = token of the tile, this SIMD group's rows.
@@ -221,6 +241,9 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   const int t = t0 + int(lane);
   float s[RPS];
   tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  if (NP > 0) {
+    tq_rope_scores<NP, RPS, NSG>(rope_tg, rh_tg, rl_tg, pos0 + t, pos0 + t0, sg, s);
+  }
   if (QJL) {
     const float g = qjl_scale * tok_gamma[lane];
     const threadgroup uint* tj = jwords + lane * WJS;

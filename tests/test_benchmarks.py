@@ -200,9 +200,19 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == lc.K4V3.name
     # The default decays since 2026-11-26: a row of it spelled out (or stored before norm_bits and the decay
     # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
-    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144)", "kind": "tq",
-               "config": lc.parse_setting("k4v4w768b128d6144k3v2n8").config.to_dict()}
-    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v2n8") is lc.DEFAULT
+    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE)",
+               "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8r").config.to_dict()}
+    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v2n8r") is lc.DEFAULT
+    # ... and its keys are centered before RoPE since later that day: the rows of the default and of compact
+    # measured with the mean after RoPE keep their numbers under the name of what they measured
+    before = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)", "kind": "tq",
+              "config": lc.parse_setting("k4v4w768b128d6144k3v2n8").config.to_dict()}
+    assert lc.canonical_name(before) == lc.DEFAULT_MEAN.name == "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144)"
+    assert before["config"]["center_keys"] is True and lc.DEFAULT.config.center_keys == "rope"
+    compact = {"setting": "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, compact)", "kind": "tq",
+               "config": lc.parse_setting("k4v3w768b128d4096k2v2n8").config.to_dict()}
+    assert lc.canonical_name(compact) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096)" != lc.COMPACT.name
+    assert lc.canonical_name(dict(compact, config=lc.COMPACT.config.to_dict())) == lc.COMPACT.name
     legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
     assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
     assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"
@@ -269,8 +279,10 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
     # The README's headline: one small table per area, linking into the full tables
     head = readme.read_text()
     assert "OLD-HEADLINE" not in head and head.endswith("<!-- headline-results:end -->\n\nend\n")
-    for part in ("### Memory", "### Quality at long context", "### Speed", "| TQ K4/V4 (8-bit norms, decaying to K3/V2 "
-                 "after 6144, the default) |", "| TQ K4/V4 |",
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    for part in ("### Memory", "### Quality at long context", "### Speed", f"| {lc.DEFAULT.name} |", "| TQ K4/V4 |",
                  "(docs/benchmarks.md#memory)", "(docs/benchmarks.md#quality-at-long-context)", "(docs/benchmarks.md#speed)"):
         assert part in head, part
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)

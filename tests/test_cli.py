@@ -87,6 +87,17 @@ def test_value_centering_both_ways():
         config_from_args(parse("--tq-center-values", "--tq-no-center-values"))
 
 
+def test_key_centering_before_or_after_rope():
+    assert config_from_args(parse("--tq-center-keys", "rope")).center_keys == "rope"
+    assert config_from_args(parse("--tq-center-keys", "mean")).center_keys is True
+    assert config_from_args(parse("--tq-no-center-keys")).center_keys is False
+    with pytest.raises(ValueError, match="contradict"):
+        config_from_args(parse("--tq-center-keys", "rope", "--tq-no-center-keys"))
+    with pytest.raises(SystemExit):
+        parse("--tq-center-keys", "before")
+    assert cache_flags_given(parse("--tq-center-keys", "rope")) == ["--tq-center-keys"]
+
+
 def test_key_and_value_bits_override_both():
     cfg = config_from_args(parse("--tq-bits", "2", "--tq-key-bits", "8"))
     assert (cfg.key_bits, cfg.value_bits) == (8, 2)

@@ -174,7 +174,7 @@ def test_state_round_trip_then_both_continue_alike():
     feed(c, k[:, :, :500], v[:, :, :500], (500,))
     d = TurboQuantKVCache.from_state(c.state)
     assert (d.n_compressed, d.n_decayed, d.n_window, d.nbytes) == (c.n_compressed, c.n_decayed, c.n_window, c.nbytes)
-    assert c.state[0]["version"] == 6 and c.state[0]["n_decayed"] == [c.n_decayed[0], 0]
+    assert c.state[0]["version"] >= 6 and c.state[0]["n_decayed"] == [c.n_decayed[0], 0]
     q = mx.ones((1, 4, 1, D))
     for t in range(500, 700, 40):
         a, b = (x.update_and_fetch(k[:, :, t : t + 40], v[:, :, t : t + 40]) for x in (c, d))

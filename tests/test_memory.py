@@ -53,6 +53,8 @@ CONFIGS = {
     "qjl, no window": TurboQuantConfig(key_bits=3, value_bits=2, qjl=True, window=0, center_values=False),
     "block": TurboQuantConfig(key_bits=2, value_bits=4, window=48, compress_block=16, step=32),
     "8-bit norms": TurboQuantConfig(key_bits=3, value_bits=3.5, norm_bits=8, window=32, step=64),
+    "keys centered before RoPE": TurboQuantConfig(center_keys="rope", window=32, compress_block=16, step=64,
+                                                  decay_after=64),
 }
 
 

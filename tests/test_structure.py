@@ -18,6 +18,7 @@ RANKS = {
     "codebook": 0, "rotation": 0, "packing": 0,
     "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
     "architectures": 0,  # which fetch each mlx-lm model_type takes: a table, imports nothing
+    "rope": 0,  # a layer's RoPE as pairs and frequencies (keys centered before RoPE)
     "quantizer": 1,
     "config": 2,
     "stream": 3,

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .quantizer import MSECodes, TurboQuantProd, load_norms
+from .rope import score_bias
 from .stream import StreamView, code_order
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
@@ -98,7 +99,7 @@ def aligned_segments(keys: StreamView, values: StreamView) -> list[tuple[int, in
     the sides may split at different tokens (only one side decays, or the keys protected themselves)."""
     def cut(kv: StreamView, a: int, b: int) -> StreamView:
         off, seg = next((o, v) for o, v in reversed(kv.segments()) if o <= a)
-        return seg._replace(codes=_codes_tile(seg.codes, a - off, b - off))
+        return seg._replace(codes=_codes_tile(seg.codes, a - off, b - off), position=seg.position + a - off)
 
     same = keys_are_values(keys, values)
     n = keys.n_compressed
@@ -331,7 +332,8 @@ def turboquant_attention(
         # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
         qk = q if keys.scale is None else q * keys.scale[:, :, None, None]
         queries_in = {}  # per key quantizer (decayed codes have their own): the query in its bases
-        q_mu = (q @ keys.mean[..., None]) if keys.mean is not None else None  # (B, H, R·L, 1)
+        # q·μ per query row, or (keys centered before RoPE) q·R(p) μ0 per row and token, per tile
+        q_mu = (q @ keys.mean[..., None]) if keys.mean is not None and keys.rope is None else None  # (B, H, R·L, 1)
         tile = tile_size(B, Hq, L, tile_tokens)
         spans = []
         for a0, b0, ks, vs in aligned_segments(keys, values):
@@ -372,6 +374,8 @@ def turboquant_attention(
                     s = sj if s is None else s + sj
                 if q_mu is not None:
                     s = s + q_mu
+                elif keys.rope is not None:
+                    s = s + score_bias(q, keys.mean, keys.rope, keys.position + a, b - a)
                 mb, p, lb = softmax(masked(s, n_s + a, n_s + b))
                 # decayed and fresh values share one rotated basis: their accumulators add
                 part = (mb, lb, lb, None, [(p * n) @ u for u, n in v_units])

@@ -31,14 +31,15 @@ from .config import TurboQuantConfig, check_int
 from .architectures import FETCHES
 from .kernels import dispatch_attention, dispatch_dequantize, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
+from .rope import Rope
 from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer, unique_arrays
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
 # update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
-# codes). Earlier files still load.
-STATE_VERSION = 6
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope). Earlier files still load.
+STATE_VERSION = 7
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -101,6 +102,7 @@ class TurboQuantKVCache(_BaseCache):
         fetch: str = "codes",
         max_size: int | None = None,
         derive_keys: Callable[[mx.array], mx.array] | None = None,
+        rope: Rope | None = None,
     ):
         install_attention_hook()
         if fetch not in FETCHES:
@@ -117,6 +119,9 @@ class TurboQuantKVCache(_BaseCache):
         else:
             self.config_bits = self.config.layer_bits(self.attention_index, n_attention_layers)
         self.expected_head_dim = head_dim
+        # the keys' RoPE (tq_mlx.rope.probe of the model's layer), for centering before it (config.center_keys
+        # "rope"); None: one mean after RoPE. Only keys of per-head caches ("codes", "float") are rotated.
+        self.rope = rope if self.config.center_keys == "rope" and not self.k_eq_v and fetch != "latent" else None
         self.max_size = None if max_size is None else check_max_size(max_size, self.config)
         self.n_dropped = 0  # tokens dropped by the bound (offset = held tokens + n_dropped)
         self.offset = 0
@@ -196,11 +201,13 @@ class TurboQuantKVCache(_BaseCache):
                                                                              c.norm_dtype))
 
         self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
-                                           name="k", center=c.center_keys, protect=protect,
-                                           decay=decay_of(key_dim, 0), **common)
+                                           name="k", center=bool(c.center_keys), protect=protect,
+                                           decay=decay_of(key_dim, 0),
+                                           rope=self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim
+                                           else None, **common)
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
-            name="v", center=c.center_keys if self.fetch == "latent" else c.center_values,
+            name="v", center=bool(c.center_keys) if self.fetch == "latent" else c.center_values,
             decay=decay_of(value_dim, 1), **common)
 
     @property
@@ -546,7 +553,7 @@ class TurboQuantKVCache(_BaseCache):
             for s, d in zip(self.streams, n_decayed):
                 if d > n_c:
                     raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
-                s.load_state(arrays, n_s, n_c - d, n_w, bh, d)
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped)
         except ValueError as e:
             raise bad(str(e)) from None
 

@@ -42,8 +42,11 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
           "tq_no_decay", *_FIELDS)
+
+
+CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
 
 
 def bits_arg(text: str) -> float:
@@ -123,6 +126,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"bits of self-protected keys (default {format_bits(d.protect_bits)})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: every layer keeps the configured bits")
+    g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
+                   help="where the per-head key mean is taken: before RoPE (rope: subtracted at each position "
+                        "rotated as the model rotates keys; layers whose RoPE cannot be read keep the mean) or "
+                        f"after it (mean) (default {'rope' if d.center_keys == 'rope' else 'mean'})")
     g.add_argument("--tq-no-center-keys", dest="tq_no_center_keys", action="store_true",
                    help="do not subtract the per-head key mean before quantizing")
     g.add_argument("--tq-center-values", dest="tq_center_values", action="store_true",
@@ -173,6 +180,10 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
             kw[name] = value
     if getattr(args, "tq_qjl", False):
         kw["qjl"] = True
+    if getattr(args, "tq_center_keys", None) and getattr(args, "tq_no_center_keys", False):
+        raise ValueError("--tq-center-keys and --tq-no-center-keys contradict each other: give one")
+    if getattr(args, "tq_center_keys", None):
+        kw["center_keys"] = "rope" if args.tq_center_keys == "rope" else True
     if getattr(args, "tq_no_center_keys", False):
         kw["center_keys"] = False
     if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):

@@ -35,6 +35,7 @@ from .blas import warn_reference_blas
 from .cache import TurboQuantKVCache, check_max_size, install_attention_hook
 from .config import TurboQuantConfig
 from .memory import AttentionLayout, attention_layout
+from .rope import Rope, probe
 
 WAY_OUT = "use mlx-lm's own cache for this model (drop the TurboQuant options)"
 
@@ -92,6 +93,27 @@ def _attention_module(model: nn.Module, i: int):
         if attn is not None:
             return attn
     return None
+
+
+ROPE_NAMES = ("rope", "rotary_emb", "rotary", "rotary_embedding")  # what mlx-lm's model files call the module
+
+
+def layer_rope(model: nn.Module, i: int) -> Rope | None:
+    """The RoPE of layer i's keys, read off its rope module (tq_mlx.rope.probe), or None: the attention's own
+    (`rope`, `rotary_emb`, ...), else the one module of the layer with such a name. Layers that apply RoPE as a
+    function of a frequency array (nanochat), or not at all, give None: their keys keep the mean."""
+    head_dim = layer_geometry(model, i)[0]
+    try:
+        layer = model.layers[i]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    attn = _attention_module(model, i)
+    found = [getattr(m, n, None) for m in (attn, getattr(attn, "attention", None)) if m is not None for n in ROPE_NAMES]
+    found = [f for f in found if isinstance(f, nn.Module)]
+    if not found and isinstance(layer, nn.Module):
+        found = [m for name, m in layer.named_modules() if name.rsplit(".", 1)[-1] in ROPE_NAMES]
+        found = found if len(found) == 1 else []
+    return probe(found[0], head_dim) if found and head_dim else None
 
 
 def layer_geometry(model: nn.Module, i: int) -> tuple[int | None, int | None]:
@@ -261,6 +283,9 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
                 config, layer_index=start + i, attention_index=start + j if whole else j,
                 n_attention_layers=total if whole else len(slots), head_dim=_cache_head_dim(model, i, fetch, member),
                 fetch=fetch, max_size=max_kv_size, derive_keys=_layer_derive_keys(model, i, member, max_kv_size),
+                # one KV cache in the layer: the attention's keys (a second is an indexer's or another stream)
+                rope=layer_rope(model, i) if config.center_keys == "rope" and sum(s[0] == i for s in slots) == 1
+                else None,
             )
         except ValueError as e:
             raise ValueError(f"{e}; change key_bits/value_bits, or {WAY_OUT}") from None

@@ -19,6 +19,10 @@ launcher's twin (`*_reference`) takes the same arguments and runs the core's pur
                                               attention of any number of query tokens (prefill chunks) on the
                                               codes: one flash-attention-style pass per query tile
 
+Keys centered before RoPE (tq_mlx.rope): encode and dequantize see the centered tokens (the stream subtracts and
+adds R(p)μ0 around them); the attention kernels add q·R(p)μ0 per token from 2·P terms per query row (_prepare),
+the angles staged per threadgroup and tile (common.metal, tq_rope_*), no sine and no byte per token.
+
 Dispatch: `dispatch_attention` (decode_attention for 1..8 query tokens, prefill_attention for more; on views
 with decayed codes both take decode_attention's two passes, see "Temporal decay" below),
 `dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run the kernel when the back end is Metal
@@ -137,6 +141,7 @@ import mlx.core as mx
 from .attention import aligned_segments, keys_are_values, split_query, turboquant_attention, unrotate
 from .packing import packed_words, unpack
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, load_norms
+from .rope import bias_terms, n_pairs
 from .rotation import Rotation
 from .stream import StreamView, code_order, decode, encode as stream_encode
 
@@ -156,6 +161,7 @@ MAX_QUERY_TOKENS = 8
 # 20k-token pattern, vs 1.8e-2 for the earlier fixed 1e-6 threshold). A fixed threshold has no such bound:
 # n tokens just below it drop n times its mass.
 SPARSE_V_EPSILON = 1e-5
+SELF_CHECK_POSITION = 100_003  # where self-checks put keys centered before RoPE: angles of 1e5 radians
 THREADGROUP_MEMORY = 32 * 1024
 _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 
@@ -348,7 +354,8 @@ def _codes(q) -> _Codes:
                   str(q.norm_dtype))
 
 
-def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> list[tuple[str, int]]:
+def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool, np: int = 0
+                    ) -> list[tuple[str, int]]:
     """decode_partial.metal's template values past DK, DV, QJL, NR and the code layouts: words per token and
     the size of each threadgroup array, in 4-byte elements. The kernel declares its arrays with these values,
     so this is the one place its threadgroup-memory layout (and so its budget) is defined."""
@@ -362,6 +369,10 @@ def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool
         ("TG_W", 32 * ws), ("TG_J", 32 * wjs if qjl else 1),  # a tile's key then value words; its QJL words
         ("TG_NORM", norms), ("TG_GAMMA", 32), ("TG_P", nr * 32),  # per-token norms, γ; weights (row, token)
         ("TG_KEEP", min(nr, 8)), ("TG_C", kc.centroids() + vc.centroids()),  # kept-token masks; centroids
+        # keys centered before RoPE: each row's [A | B] and the np pair frequencies (tq_rope_scores)
+        # and cos, sin of φ_l (8 per pair) and of a tile's θ_h (5 blocks per pair): tq_rope_stage_*
+        ("NP", np), ("TG_R", 2 * nr * np or 1), ("TG_F", np or 1), ("TG_RL", 2 * 8 * np or 1),
+        ("TG_RH", 2 * 5 * np or 1),
     ]
 
 
@@ -369,12 +380,17 @@ def _partial_tg_bytes(layout: list[tuple[str, int]]) -> int:
     return 4 * sum(v for k, v in layout if k.startswith("TG_"))
 
 
-def _rows_per_threadgroup(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> int:
+def _rows_per_threadgroup(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool, np: int = 0) -> int:
     """Query rows pass 1 handles per threadgroup: all R·L rows if they fit (codes read once), else chunks."""
     nr = min(64, _pow2_ceil(rl))
-    while nr > 1 and _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl)) > THREADGROUP_MEMORY:
+    while nr > 1 and _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl, np)) > THREADGROUP_MEMORY:
         nr //= 2
-    return nr if _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl)) <= THREADGROUP_MEMORY else 0
+    return nr if _partial_tg_bytes(_partial_layout(nr, dk, dv, kc, vc, qjl, np)) <= THREADGROUP_MEMORY else 0
+
+
+def _rope_pairs(keys: StreamView) -> int:
+    """RoPE pairs the attention kernels add per token (keys centered before RoPE), 0 without."""
+    return 0 if keys.rope is None else n_pairs(keys.rope)
 
 
 def _kv_codes(keys: StreamView, values: StreamView) -> tuple[_Codes, _Codes, bool]:
@@ -425,7 +441,7 @@ def _decay_unsupported(kv: StreamView) -> str | None:
 def _rows_unsupported(rl: int, queries: mx.array, keys, values) -> str | None:
     """Threadgroup memory: pass 1 (and prefill_attention) must fit one query row of every span's layout."""
     for kc, vc, qjl in _span_codes(keys, values):
-        if _rows_per_threadgroup(rl, queries.shape[3], values.head_dim, kc, vc, qjl) == 0:
+        if _rows_per_threadgroup(rl, queries.shape[3], values.head_dim, kc, vc, qjl, _rope_pairs(keys)) == 0:
             return "threadgroup memory"
     return None
 
@@ -470,6 +486,8 @@ def _views_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -
             return f"float tokens of dtypes {sorted(map(str, dtypes))}"
         if kv.scale is not None and tuple(kv.scale.shape) != (queries.shape[0], H):
             return f"scale of shape {tuple(kv.scale.shape)}"
+    if values.rope is not None and not keys_are_values(keys, values):
+        return "values centered before RoPE"
     reason = _quantizer_unsupported(keys.quantizer) or (
         "QJL values" if isinstance(values.quantizer, TurboQuantProd) else _quantizer_unsupported(values.quantizer)
     ) or _decay_unsupported(keys) or _decay_unsupported(values)
@@ -524,19 +542,20 @@ def _mx_dtype(a) -> mx.Dtype | None:
     return {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}.get(np.dtype(a.dtype).name)
 
 
-def _prefill_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> list[tuple[str, int]]:
+def _prefill_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool, np: int = 0
+                    ) -> list[tuple[str, int]]:
     """prefill_attention.metal's layout: decode_partial's (one query array holds the model-basis rows for the
     float tokens, then the rotated rows for the codes), so the same budget rule applies."""
-    return _partial_layout(nr, dk, dv, kc, vc, qjl)
+    return _partial_layout(nr, dk, dv, kc, vc, qjl, np)
 
 
-def _prefill_rows(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool) -> int:
+def _prefill_rows(rl: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool, np: int = 0) -> int:
     """Query rows per prefill threadgroup (the query tile): up to 64, as many as threadgroup memory holds.
     Each compressed byte is read once per tile, so ceil(R·L / rows) times per kv head."""
     nr = min(64, _pow2_ceil(rl))
-    while nr > 1 and _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl)) > THREADGROUP_MEMORY:
+    while nr > 1 and _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl, np)) > THREADGROUP_MEMORY:
         nr //= 2
-    return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl)) <= THREADGROUP_MEMORY else 0
+    return nr if _partial_tg_bytes(_prefill_layout(nr, dk, dv, kc, vc, qjl, np)) <= THREADGROUP_MEMORY else 0
 
 
 def prefill_unsupported(queries: mx.array, keys, values, mask=None, sinks=None) -> str | None:
@@ -661,6 +680,10 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
     """The compressed tokens of a view in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
+    if kv.rope is not None:  # centered before RoPE: decode the centered tokens, add R(p) μ0 (tq_mlx.rope)
+        y = dequantize(kv._replace(mean=None, rope=None, decayed=kv.decayed and kv.decayed._replace(mean=None, rope=None)),
+                       mx.float32, metal_kernel=factory)
+        return (y + kv.centers()).astype(dtype)
     if kv.decayed is not None:  # one launch per segment (its own quantizer), decayed tokens first
         return mx.concatenate([dequantize(seg, dtype, metal_kernel=factory) for _, seg in kv.segments()], axis=2)
     if kv.scale is not None:  # codes hold (x - μ) / s: decode with μ / s, then scale back
@@ -700,7 +723,10 @@ class _Prepared(NamedTuple):
     q: mx.array  # (B, H, RL, DK) float32 = scale·q, model basis; rows of a kv head: head_in_group·L + token
     q_rot: mx.array  # the keys' rotated basis (× s_k): one WHT, or each group's Π_g (q[order])_g side by side
     qs: mx.array  # S·s_k·scale·q (QJL), else a dummy
-    qmu: mx.array | None  # (B, H, RL) scale·q·μ
+    qmu: mx.array | None  # (B, H, RL) scale·q·μ (keys centered before RoPE: its constant part, tq_mlx.rope)
+    rterms: mx.array  # (B, H, RL, 2·NP) float32 [A | B] of scale·q (keys centered before RoPE), else a dummy
+    rfreqs: mx.array  # (NP,) float32 pair frequencies, else a dummy
+    np: int  # RoPE pairs (0: keys not centered before RoPE)
     kc: _Codes
     vc: _Codes
     qjl: bool
@@ -737,11 +763,15 @@ def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: flo
         parts, sq = split_query(qk, keys)
         q_rot = mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
         qs = mx.contiguous(sq) if qjl else _dummy(mx.float32)
-    qmu = None
-    if keys.mean is not None:
+    qmu, rterms, rfreqs = None, _dummy(mx.float32), _dummy(mx.float32)
+    if keys.rope is not None:  # q·R(p) μ0 = c + Σ_k A_k cos(p f_k) + B_k sin(p f_k): c here, the rest per token
+        qmu, a, b = bias_terms(q, keys.mean, keys.rope)
+        rterms, rfreqs = mx.contiguous(mx.concatenate([a, b], axis=-1)), keys.rope.freqs
+    elif keys.mean is not None:
         qmu = mx.contiguous((q @ keys.mean.astype(mx.float32)[..., None]).reshape(q.shape[:3]))
     tables = _attention_tables(kq, values.quantizer, sparse_epsilon)
-    return _Prepared(q, q_rot, qs, qmu, kc, vc, qjl, tables, keys_are_values(keys, values))
+    return _Prepared(q, q_rot, qs, qmu, rterms, rfreqs, _rope_pairs(keys), kc, vc, qjl, tables,
+                     keys_are_values(keys, values))
 
 
 def _attention_tables(kq, vq, sparse_epsilon: float) -> mx.array:
@@ -839,14 +869,14 @@ def _two_pass(queries, keys, values, scale, mask, sinks, split_tokens, rows, spa
 
     # Pass 1: split-K partials over the compressed tokens, span by span (decayed codes, then fresh ones).
     p1 = _kernel(factory, "decode_partial",
-                 ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "amask", "params"], ["pm", "pl", "pacc"],
-                 row_contiguous=False)
+                 ["q", "qs", "kc", "kn", "kj", "kg", "vc", "vn", "tables", "amask", "rterms", "rfreqs", "params"],
+                 ["pm", "pl", "pacc"], row_contiguous=False)
     partials = []
     for i, (a, b, ks, vs) in enumerate(spans):
         sp = p if (ks is keys and vs is values) else _for_span(p, ks, vs, sparse_epsilon)
         nr = (rows if isinstance(rows, int) else rows[i]) if rows is not None else (
-            _rows_per_threadgroup(RL, DK, DV, sp.kc, sp.vc, sp.qjl))
-        layout = _partial_layout(nr, DK, DV, sp.kc, sp.vc, sp.qjl)
+            _rows_per_threadgroup(RL, DK, DV, sp.kc, sp.vc, sp.qjl, p.np))
+        layout = _partial_layout(nr, DK, DV, sp.kc, sp.vc, sp.qjl, p.np)
         if nr < 1 or nr & (nr - 1) or _partial_tg_bytes(layout) > THREADGROUP_MEMORY:
             raise ValueError(f"rows per threadgroup must be a power of two within threadgroup memory, got {nr}")
         chunks = -(-RL // nr)
@@ -862,8 +892,10 @@ def _two_pass(queries, keys, values, scale, mask, sinks, split_tokens, rows, spa
         partials.append(p1(
             inputs=[sp.q_rot, sp.qs, kc.codes, kc.norms, kc.qjl if sp.qjl else _dummy(mx.uint32, 4),
                     kc.gamma if sp.qjl else _dummy(mx.float16, 3), vc.codes, vc.norms, sp.tables, amask,
+                    p.rterms, p.rfreqs,
                     # the span's token 0 is compressed token a: mask column n_s + a, causal limit shifted by a
-                    _ints(H, n, RL, L, per, T - L - n_s - a if causal else _NO_LIMIT, n_s + a, *mask_strides)],
+                    _ints(H, n, RL, L, per, T - L - n_s - a if causal else _NO_LIMIT, n_s + a, *mask_strides,
+                          keys.position + a)],
             output_shapes=[(B, H, S, RL), (B, H, S, RL), (B, H, S, RL, DV)],
             output_dtypes=[mx.float32] * 3,
             grid=(S * nt, B * H, chunks), threadgroup=(nt, 1, 1),
@@ -950,8 +982,8 @@ def prefill_attention(
     causal = isinstance(mask, str)
     amask, mask_template, mask_strides = _mask_inputs(mask, L, T)
     p = _prepare(queries, keys, values, scale, sparse_epsilon, factory)
-    nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, p.kc, p.vc, p.qjl)
-    layout = _prefill_layout(nr, DK, DV, p.kc, p.vc, p.qjl)
+    nr = rows_per_threadgroup or _prefill_rows(RL, DK, DV, p.kc, p.vc, p.qjl, p.np)
+    layout = _prefill_layout(nr, DK, DV, p.kc, p.vc, p.qjl, p.np)
     if nr & (nr - 1) or _partial_tg_bytes(layout) > THREADGROUP_MEMORY:
         raise ValueError(f"rows_per_threadgroup must be a power of two within threadgroup memory, got {nr}")
     kdum, vdum = _dummy(_float_dtype(keys), 4), _dummy(_float_dtype(values), 4)
@@ -960,7 +992,7 @@ def prefill_attention(
     shapes, dtypes, types = _outputs(p, queries, DV)
     k = _kernel(factory, "prefill_attention",
                 ["qf", "qr", "qs", "qmu", "ksink", "vsink", "kwin", "vwin", "kc", "kn", "kj", "kg", "vc", "vn",
-                 "tables", "vsigns", "vmean", "vscale", "lsink", "amask", "params"], ["out", "outc"],
+                 "tables", "vsigns", "vmean", "vscale", "lsink", "amask", "rterms", "rfreqs", "params"], ["out", "outc"],
                 row_contiguous=False)
     out, outc = k(
         inputs=[p.q, p.q_rot, p.qs, _dummy(mx.float32) if p.qmu is None else p.qmu,
@@ -971,13 +1003,13 @@ def prefill_attention(
                 values.quantizer.groups[0].rotation.signs if p.vc.wht else _dummy(mx.float32),
                 _dummy(mx.float32) if values.mean is None else mx.contiguous(values.mean.astype(mx.float32)),
                 _dummy(mx.float32) if values.scale is None else mx.contiguous(values.scale.astype(mx.float32)),
-                _sink_input(sinks), amask,
+                _sink_input(sinks), amask, p.rterms, p.rfreqs,
                 _ints(H, N, RL, L, n_s, n_w,
                       T - L - n_s if causal else _NO_LIMIT,  # compressed token t: t <= this + query token
                       T - L if causal else _NO_LIMIT,  # sink t
                       T - L - n_s - N if causal else _NO_LIMIT,  # window token t
                       p.qmu is not None, values.mean is not None, values.scale is not None, sinks is not None,
-                      *mask_strides)],
+                      *mask_strides, keys.position)],
         output_shapes=shapes, output_dtypes=dtypes,
         grid=(32 * nsg, B * H, -(-RL // nr)), threadgroup=(32 * nsg, 1, 1),
         template=[*types, ("DK", DK), ("DV", DV), ("NR", nr), *p.template(), *mask_template, *layout],
@@ -1167,7 +1199,11 @@ def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: Stre
         decayed = StreamView(dq, encode_reference(x[:, :, :n_decayed], dq, mean, None, scale), None, None, mean,
                              None, scale)
     floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
-    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale, decayed)
+    # keys centered before RoPE: the same pairs, at positions far enough out that the angles are large
+    where = dict(rope=like.rope, position=SELF_CHECK_POSITION) if like.rope is not None else {}
+    if decayed is not None and where:
+        decayed = decayed._replace(**where)
+    return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale, decayed, **where)
 
 
 def _random_views(rng, keys: StreamView, values: StreamView, n_sinks: int, n: int, n_window: int, tail: int = 0):
@@ -1239,8 +1275,9 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         decayed = _decayed(keys, values)
         spans = _span_codes(keys, values) if decayed else ()
         # rows per threadgroup: prefill_attention's query tile; on decayed views pass 1's rows, one per span
-        nr = (tuple(_rows_per_threadgroup(R * L, D, values.head_dim, *c) for c in spans) if decayed
-              else _prefill_rows(R * L, D, values.head_dim, kc, vc, qjl))
+        npairs = _rope_pairs(keys)
+        nr = (tuple(_rows_per_threadgroup(R * L, D, values.head_dim, *c, npairs) for c in spans) if decayed
+              else _prefill_rows(R * L, D, values.head_dim, kc, vc, qjl, npairs))
 
         def run():
             # The same compiled variant (rows per threadgroup) on a small cache: 2 query tiles, the last partial,
@@ -1259,7 +1296,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None, spans, sinks is not None,
+                   keys.perm is not None, values.perm is not None, npairs, spans, sinks is not None,
                    keys_are_values(keys, values))
         if _self_check("prefill_attention", variant, factory, run):
             return prefill_attention(queries, keys, values, scale, mask, sinks, rows_per_threadgroup=nr,
@@ -1284,7 +1321,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None,
+                   keys.perm is not None, values.perm is not None, _rope_pairs(keys),
                    _span_codes(keys, values) if _decayed(keys, values) else (), sinks is not None,
                    keys_are_values(keys, values))
         if _self_check("decode_attention", variant, factory, run):

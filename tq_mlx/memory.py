@@ -77,6 +77,7 @@ class AttentionLayout:
     latent: bool = False  # multi-head latent attention caching (kv_latent, k_pe)
     latent_expansion: int = 0  # MLA prefill: qk_nope_head_dim + v_head_dim floats per query head and token
     k_eq_v: bool = False  # full layers' values are their keys (Gemma 4): TurboQuant holds one stream, fetch "float"
+    rope_pairs: int | None = None  # channel pairs RoPE rotates in a full layer's keys (None: not rotated keys)
 
     @property
     def sliding_geometry(self) -> tuple[int, int, int]:
@@ -210,7 +211,23 @@ def attention_layout(model_config: dict) -> AttentionLayout:
         latent=latent,
         k_eq_v=k_eq_v,
         latent_expansion=(nope_dim + (mla_v_dim or 0)) if latent else 0,
+        rope_pairs=None if latent or k_eq_v else _rope_pairs(cfg, head_dim),
     )
+
+
+def _rope_pairs(cfg: dict, head_dim: int) -> int | None:
+    """Channel pairs a config's RoPE rotates per head (rotary_dim, or partial_rotary_factor of head_dim), None
+    for configs that name no RoPE: what tq_mlx.rope.probe reads off the model (its `rope` module)."""
+    names = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_emb_base", "rotary_dim", "partial_rotary_factor")
+    if not any(n in cfg for n in names):
+        return None
+    dims = _first_int(cfg, "rotary_dim")
+    if dims is None:  # Qwen3.5 names the factor inside rope_parameters
+        nested = [d for d in (cfg, cfg.get("rope_parameters"), cfg.get("rope_scaling")) if isinstance(d, dict)]
+        factor = next((d["partial_rotary_factor"] for d in nested
+                       if isinstance(d.get("partial_rotary_factor"), (int, float))), 1.0)
+        dims = int(head_dim * factor)
+    return min(dims, head_dim) // 2
 
 
 def _first_int(cfg: dict, *names: str) -> int | None:
@@ -379,10 +396,14 @@ def turboquant_layer_bytes(
     tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, key_bits: float, value_bits: float,
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
-    decay_bits: tuple[int | None, int | None] | None = None,
+    decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token).
+
+    rope_pairs: keys centered before RoPE (config.center_keys "rope" on a layer whose RoPE rotates that many
+    channel pairs): the key stream holds the pairs' channel order (int32, key_dim) and frequencies (float32) from
+    the start; None: not.
 
     Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key). A
     latent layer stores its rope key (the value stream) at the key bits, centered like keys (it enters the
@@ -408,7 +429,7 @@ def turboquant_layer_bytes(
     n_s = min(tokens, config.sinks)
     n_c = _turboquant_split(tokens, config)[1]  # ever compressed: centering and channel orders exist from then on
     value_dim = 0 if k_eq_v else value_dim
-    value_bits, v_center = (key_bits, config.center_keys) if latent else (value_bits, config.center_values)
+    value_bits, v_center = (key_bits, bool(config.center_keys)) if latent else (value_bits, config.center_values)
     k_decay, v_decay = config.layer_decay_bits(0, None) if decay_bits is None else decay_bits
     if latent:
         v_decay = k_decay
@@ -429,6 +450,8 @@ def turboquant_layer_bytes(
         if n_c:
             fresh, decayed = code_capacity(tokens, max_kv_size, config, decaying=decay is not None and decays)
             total += B * H * (fresh * per_token + decayed * decayed_token)
+    if rope_pairs is not None and config.center_keys == "rope":
+        total += 4 * (key_dim + rope_pairs)
     if protected:  # the stream keeps its configured quantizer next to the protecting one
         total += _quantizer_layout(key_dim, base_bits, config.layer_qjl(base_bits), config.norm_dtype)[1]
     if config.sinks:
@@ -437,7 +460,7 @@ def turboquant_layer_bytes(
     if n_c:
         k_perm = _quantizer_layout(key_dim, key_bits, qjl, config.norm_dtype)[2]
         v_perm = _quantizer_layout(value_dim, value_bits, False, config.norm_dtype)[2] if value_dim else False
-        total += B * H * 4 * (key_dim * config.center_keys + value_dim * v_center + 1 + bool(value_dim))  # μ, ν, scales
+        total += B * H * 4 * (key_dim * bool(config.center_keys) + value_dim * v_center + 1 + bool(value_dim))  # μ, ν, scales
         total += H * 4 * (key_dim * k_perm + value_dim * v_perm)
     return total
 
@@ -494,7 +517,7 @@ def estimate_kv_bytes(
             kb, vb = config.layer_bits(a, n_att)
             total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
                                             latent=lay.latent, k_eq_v=lay.k_eq_v,
-                                            decay_bits=config.layer_decay_bits(a, n_att))
+                                            decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:

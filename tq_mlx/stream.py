@@ -24,7 +24,10 @@ the fresh code buffer is allocated for the most fresh tokens there can be (`fres
 shifted out in place; decayed codes grow in steps like fresh ones.
 
 Centering (turboquant.md §4): with `center`, the mean μ per (batch, kv head) of the first compressed tokens
-is subtracted before quantizing and fixed afterwards. Fractional bit widths (2.5, 3.5) quantize the d/4
+is subtracted before quantizing and fixed afterwards. With a `rope` as well (keys centered before RoPE,
+tq_mlx.rope), μ0 is the mean of those tokens turned back by their RoPE, and the token at position p has
+R(p) μ0 subtracted: a constant part of the keys before RoPE (Qwen2's k_proj bias) leaves the codes instead of
+rotating through them. Position p of compressed token t is sinks + tokens a bound dropped + t. Fractional bit widths (2.5, 3.5) quantize the d/4
 channels of largest mean |x - μ| in those same tokens at one more bit (paper §4.3): the stream stores that
 channel order per kv head as `perm` and feeds x[..., perm] to the quantizer, whose outlier group is its first
 d/4 channels. Every stream also fixes a power-of-two scale per (batch, kv head) there (calibration_scale) and
@@ -44,6 +47,7 @@ once first used):
     [+ 4·B·H·C'·W' + N·B·H·C'·G' with decay: its own capacity C' and words W']
     + F·B·H·(window capacity + sinks)·D                               float window and sinks
     + 4·B·H·D if centered + 4·H·D for fractional bits + 4·B·H          μ, channel order, scale
+    + 4·D + 4·P with a rope (P channel pairs)                          its channel order and frequencies
     + the quantizer's constants (rotation signs or matrices, codebooks, QJL projection)
 """
 
@@ -55,10 +59,12 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
+from .rope import Rope, centers, rotate
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
 # A stream's arrays, under "<name>_<part>" in a cache's state. `scale` came with state version 3 (None: 1).
-STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale", "decayed")  # decayed: state version 6
+# decayed: state version 6; rope (pre-RoPE key centering): version 7
+STATE_PARTS = ("codes", "sinks", "window", "mean", "perm", "scale", "decayed", "rope")
 
 
 def unique_arrays(holders) -> list[mx.array]:
@@ -134,6 +140,9 @@ class StreamView(NamedTuple):
     # The older compressed tokens, re-coded at fewer bits (temporal decay): a codes-only view (no sinks or
     # window; the same mean and scale; its quantizer shares the fresh codes' rotation). They come before `codes`.
     decayed: "StreamView | None" = None
+    # Pre-RoPE centering (tq_mlx.rope): `mean` is μ0, and the token at position p had R(p) μ0 subtracted.
+    rope: Rope | None = None
+    position: int = 0  # the position of the first compressed token of this view (decayed ones first)
 
     @property
     def n_sinks(self) -> int:
@@ -161,8 +170,19 @@ class StreamView(NamedTuple):
         if self.decayed is not None:
             parts.append((0, self.decayed))
         if self.codes is not None:
-            parts.append((self.n_decayed, self._replace(sinks=None, window=None, decayed=None)))
+            parts.append((self.n_decayed, self._replace(sinks=None, window=None, decayed=None,
+                                                        position=self.position + self.n_decayed)))
         return parts
+
+    def centers(self, first: int = 0, n: int | None = None) -> mx.array | None:
+        """What was subtracted from compressed tokens first .. first + n - 1 of this view before quantizing,
+        (B, H, n, D) float32 (n: to the last), or broadcastable (B, H, 1, D) without RoPE; None if nothing."""
+        if self.mean is None:
+            return None
+        if self.rope is None:
+            return self.mean[:, :, None, :]
+        n = self.n_compressed - first if n is None else n
+        return centers(self.mean, self.rope, self.position + first, n)
 
     @property
     def n_window(self) -> int:
@@ -211,7 +231,7 @@ def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
         inv = mx.argsort(view.perm, axis=-1)
         x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
     if view.mean is not None:
-        x = x + view.mean[:, :, None, :]
+        x = x + view.centers()
     return x.astype(dtype)
 
 
@@ -362,6 +382,7 @@ class CompressedStream:
         decoder: Callable = decode,
         protect: tuple[float, float] | None = None,
         decay: tuple[int, TurboQuantMSE] | None = None,
+        rope: Rope | None = None,
     ):
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay[1])
                                   or isinstance(quantizer, TurboQuantProd) or decay[1].dim != quantizer.dim
@@ -381,6 +402,8 @@ class CompressedStream:
         self.mean = None  # (B, H, D) float32, with the first compressed tokens (if center)
         self.perm = None  # (H, D) int32, with the first compressed tokens (fractional bits)
         self.scale = None  # (B, H) float32 power of two, with the first compressed tokens
+        self.rope = rope if center else None  # center before RoPE (tq_mlx.rope): mean is then μ0
+        self.n_dropped = 0  # compressed tokens a bound dropped: positions continue past them
 
     @property
     def dim(self) -> int:
@@ -454,9 +477,18 @@ class CompressedStream:
             if self.protect is not None and self.protect[1] > self.base_quantizer.bits:
                 self.set_protected(mx.max(bias_outlier_factor(calib, mean)).item() > self.protect[0])
             self.mean = mean if self.center else None
-            self.perm = outlier_order(calib, self.mean, self.quantizer)
-            self.scale = calibration_scale(calib, self.mean)
-        new = self.encoder(x[:, :, :n], self.quantizer, self.mean, self.perm, self.scale)
+            if self.rope is not None:  # μ0 before RoPE; calibrate on the tokens as they will be quantized
+                self.mean = calibration_mean(rotate(calib, self.rope, self._position(0), inverse=True))
+                calib = calib - centers(self.mean, self.rope, self._position(0), calib.shape[2])
+                mean = None
+            else:
+                mean = self.mean
+            self.perm = outlier_order(calib, mean, self.quantizer)
+            self.scale = calibration_scale(calib, mean)
+        new = x[:, :, :n]
+        if self.rope is not None:
+            new = new - centers(self.mean, self.rope, self._position(self.n_decayed + self.n_compressed), n)
+        new = self.encoder(new, self.quantizer, None if self.rope is not None else self.mean, self.perm, self.scale)
         d = decayed_split(self.n_compressed + n, window_after, self.decay[0] if self.decaying else None,
                           self.compress_block)
         if d > self.n_compressed:  # new codes that decay at once never enter the fresh buffer (a long prefill)
@@ -470,6 +502,10 @@ class CompressedStream:
             return
         self.codes = _appended(self.codes, self.n_compressed, new, self.step, self._fresh_capacity())
         self.n_compressed += n
+
+    def _position(self, t: int) -> int:
+        """The position of compressed token t (decayed ones first): sinks and dropped tokens come before."""
+        return self.n_sinks + self.n_dropped + t
 
     def _fresh_capacity(self) -> int | None:
         """The fresh buffer's capacity once tokens decayed: room for the most fresh codes there can be, so it
@@ -503,6 +539,7 @@ class CompressedStream:
         dropped from move to a new one with room for `room` more tokens (capacity a multiple of step; a decaying
         stream's fresh buffer keeps its bound's size), so no slice of the old buffer keeps it alive. The
         calibration stays: the tokens kept were quantized with it."""
+        self.n_dropped += min(n, self.n_decayed + self.n_compressed)
         d = min(n, self.n_decayed)
         if d > 0:
             self.decayed, self.n_decayed = self._dropped(self.decayed, self.n_decayed, d, room), self.n_decayed - d
@@ -531,7 +568,7 @@ class CompressedStream:
         decayed = None
         if d:
             decayed = StreamView(self.decay[1], type(self.decayed)(*(a[:, :, :d] for a in self.decayed)), None, None,
-                                 self.mean, None, self.scale)
+                                 self.mean, None, self.scale, rope=self.rope, position=self._position(0))
         return StreamView(
             quantizer=self.quantizer,
             codes=type(self.codes)(*(a[:, :, :c] for a in self.codes)) if c else None,
@@ -541,6 +578,8 @@ class CompressedStream:
             perm=self.perm,
             scale=self.scale,
             decayed=decayed,
+            rope=self.rope,
+            position=self._position(0),
         )
 
     def trim(self, n: int) -> None:
@@ -562,8 +601,8 @@ class CompressedStream:
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
-        parts = [*(self.codes or ()), *(self.decayed or ()), self.sinks, self.window, self.mean, self.perm,
-                 self.scale]
+        parts = [*(self.codes or ()), *(self.decayed or ()), *(self.rope or ()), self.sinks, self.window, self.mean,
+                 self.perm, self.scale]
         quantizers = (self.quantizer, self.base_quantizer) if self.protected else (self.quantizer,)
         quantizers += (self.decay[1],) if self.decay is not None else ()
         return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
@@ -585,14 +624,14 @@ class CompressedStream:
 
     @property
     def state(self) -> dict:
-        codes = ("codes", "decayed")
+        codes = ("codes", "decayed", "rope")
         return {
             **{f"{self.name}_{p}": None if getattr(self, p) is None else tuple(getattr(self, p)) for p in codes},
             **{f"{self.name}_{part}": getattr(self, part) for part in STATE_PARTS if part not in codes},
         }
 
     def load_state(self, arrays: dict, n_sinks: int, n_compressed: int, n_window: int,
-                   bh: tuple[int, int] | None, n_decayed: int = 0) -> None:
+                   bh: tuple[int, int] | None, n_decayed: int = 0, n_dropped: int = 0) -> None:
         """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
         this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens)."""
         # mx.array(a) shares a's data but is a new object, so this stream's in-place slice updates never reach
@@ -610,12 +649,18 @@ class CompressedStream:
         codes = codes_of("codes", ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes)
         self._read_norms_as_written(codes)
         decayed = codes_of("decayed", MSECodes)
-        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in STATE_PARTS[1:] if p != "decayed"}
+        rope = codes_of("rope", Rope)
+        parts = {p: own(arrays.get(f"{self.name}_{p}")) for p in STATE_PARTS[1:] if p not in ("decayed", "rope")}
         self._check_state(codes, parts, n_sinks, n_compressed, n_window, bh)
         if n_decayed or decayed is not None:
             if self.decay is None:
                 raise ValueError(f"{self.name}_decayed: decayed tokens, but the config has no decay")
             self._check_codes("decayed", decayed, self.decay[1], n_decayed, bh)
+        if rope is not None:
+            self._check_rope(rope)
+        # the file's RoPE is what its codes were centered with, whatever the model at hand says
+        self.rope = rope if self.center else None
+        self.n_dropped = n_dropped
         self.codes, self.decayed = codes, decayed
         for p, a in parts.items():
             setattr(self, p, a)
@@ -632,6 +677,18 @@ class CompressedStream:
         if self.base_quantizer is q:
             self.base_quantizer = legacy
         self.quantizer = legacy
+
+    def _check_rope(self, rope: Rope) -> None:
+        D, name = self.dim, f"{self.name}_rope"
+        order, freqs = rope
+        if not isinstance(order, mx.array) or order.dtype != mx.int32 or tuple(order.shape) != (D,):
+            raise ValueError(f"{name}.order must be an int32 array of shape ({D},)")
+        if not isinstance(freqs, mx.array) or freqs.dtype != mx.float32 or freqs.ndim != 1 or 2 * freqs.shape[0] > D:
+            raise ValueError(f"{name}.freqs must be a float32 array of shape (P,), 2·P <= {D}")
+        if not self.center:
+            raise ValueError(f"{name}: keys centered before RoPE, but the config does not center them")
+        if sorted(order.tolist()) != list(range(D)):
+            raise ValueError(f"{name}.order must be a permutation of the {D} channels")
 
     def _check_codes(self, part: str, codes, quantizer, n: int, bh) -> None:
         B, H = bh or (None, None)
