@@ -48,11 +48,13 @@ def _family(r: dict) -> str:
         return "mlx-lm affine"
     if r["kind"] == "rot":
         return "rotation + affine"
-    return "default" if r["setting"] == "TQ K4/V3 (the default)" else "TurboQuant"
+    import long_context
+
+    return "default" if long_context.canonical_name(r) == long_context.DEFAULT.name else "TurboQuant"
 
 
 STYLE = {  # family: colour, marker size, legend label
-    "default": ("tab:red", 11, "TurboQuant default (K4/V3)"),
+    "default": ("tab:red", 11, "TurboQuant default"),
     "TurboQuant": ("tab:blue", 7, "TurboQuant, other settings"),
     "rotation + affine": ("tab:green", 7, "rotation + affine 4-bit"),
     "mlx-lm affine": ("dimgray", 7, "mlx-lm QuantizedKVCache"),

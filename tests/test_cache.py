@@ -36,7 +36,7 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, True, False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, "rope", False)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
     assert c.norm_bits == 8 and c.norm_dtype == mx.uint8

@@ -213,12 +213,13 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import json
 
+    import long_context
     import plots
 
     # every setting and peer of the long-context JSON measured at 8k is a point, the default among them
     lc = json.loads((REPO / "benchmarks" / "results" / "long_context.json").read_text())
     names = {p["name"] for p in plots.kl_points(lc)}
-    assert "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)" in names
+    assert long_context.DEFAULT.name in names and long_context.DEFAULT_MEAN.name in names
     assert "TQ K4/V3 (the default until 2026-11-26)" in names and "peer: mlx-vlm TurboQuant 4-bit" in names
     rows = [r for r in lc["models"]["smollm2"]["rows"] if r["kind"] != "float"
             and any("8192" in c for c in r["texts"].values())]
