@@ -623,7 +623,7 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         else:
             bits_s = common.fmt(bits)
         extra = r["kind"] == "tq" and protection_bits(r, m["geometry"], top)
-        if extra:  # layers whose keys protected themselves: their key codes at protect_bits, marked †
+        if extra and bits is not None:  # layers whose keys protected themselves: their key codes at protect_bits, marked †
             bits_s = f"{bits + extra:.2f}†"
         b32 = r.get("bits_32k")
         line = [canonical_name(r), bits_s,
