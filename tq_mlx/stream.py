@@ -27,7 +27,8 @@ Centering (turboquant.md §4): with `center`, the mean μ per (batch, kv head) o
 is subtracted before quantizing and fixed afterwards. With a `rope` as well (keys centered before RoPE,
 tq_mlx.rope), μ0 is the mean of those tokens turned back by their RoPE, and the token at position p has
 R(p) μ0 subtracted: a constant part of the keys before RoPE (Qwen2's k_proj bias) leaves the codes instead of
-rotating through them. Position p of compressed token t is sinks + tokens a bound dropped + t. Fractional bit widths (2.5, 3.5) quantize the d/4
+rotating through them. Position p of compressed token t is sinks + tokens a bound dropped + t.
+Fractional bit widths (2.5, 3.5) quantize the d/4
 channels of largest mean |x - μ| in those same tokens at one more bit (paper §4.3): the stream stores that
 channel order per kv head as `perm` and feeds x[..., perm] to the quantizer, whose outlier group is its first
 d/4 channels. Every stream also fixes a power-of-two scale per (batch, kv head) there (calibration_scale) and
