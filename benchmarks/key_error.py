@@ -9,7 +9,9 @@ the spread of the exact scores over the keys (the same measure for every model),
 * global: one μ after RoPE over the calibration tokens (what the cache does);
 * block: one μ per block of 128 tokens (what per-block means would store: D float16 per block and head);
 * rope: one μ0 before RoPE, subtracted as RoPE_p(μ0) at each position p (no storage; attention would add
-  q·RoPE_p(μ0) back per token).
+  q·RoPE_p(μ0) back per token);
+* weighted: rope, and the keys coded times the cache's query weights (tq_mlx.stream.query_weights, from the
+  queries at the calibration positions), the query divided by them.
 
 Queries are the last 256 of a --context-token Britannica prefix, keys all of it; calibration tokens are the
 cache's (the window after 4 sinks). Not a quality figure: it says which centering a model's keys call for.
@@ -35,6 +37,8 @@ import quality  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.memory import load_model_config  # noqa: E402
 from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.rope import probe  # noqa: E402
+from tq_mlx.stream import query_weights  # noqa: E402
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
@@ -43,7 +47,7 @@ MODELS = {
 }
 QUERIES = 256
 BLOCK = 128
-CENTERINGS = ("global", "block", "rope")
+CENTERINGS = ("global", "block", "rope", "weighted")
 
 
 def rope_rotate(x: mx.array, base: float, inverse: bool = False) -> mx.array:
@@ -71,6 +75,8 @@ def centered_means(k: mx.array, how: str, calib: slice, base: float) -> mx.array
         B, H, n, D = k.shape
         blocks = k.reshape(B, H, n // BLOCK, BLOCK, D)
         return mx.broadcast_to(mx.mean(blocks, axis=3, keepdims=True), blocks.shape).reshape(k.shape)
+    if how == "weighted":
+        how = "rope"
     mu0 = mx.mean(rope_rotate(k, base, inverse=True)[:, :, calib], axis=2, keepdims=True)
     return rope_rotate(mx.broadcast_to(mu0, k.shape), base)
 
@@ -89,19 +95,27 @@ def run_model(key: str, context: int, bits: list[float]) -> dict:
     d = TurboQuantConfig()
     calib = slice(d.sinks, d.sinks + d.window)
     layers = []
+    # the calibration queries per kv head (B, H, R, n, D), and each layer's RoPE as the cache reads it
+    q_all = [q.astype(mx.float32).reshape(q.shape[0], k.shape[1], -1, *q.shape[2:]) for q, k, _ in captured]
+    ropes = [probe(model.model.layers[i].self_attn.rope, captured[i][1].shape[-1]) for i in range(len(captured))]
     for i, (q, k, _) in enumerate(captured):
         q = q.astype(mx.float32)[:, :, -QUERIES:] * scale
         k = k.astype(mx.float32)
         B, Hq, _, D = q.shape
         H = k.shape[1]
+        q_calib = q_all[i][:, :, :, calib].reshape(B, H, -1, D)
         q = q.reshape(B, H, Hq // H * QUERIES, D)
         row = {"layer": i}
         for how in CENTERINGS:
             mean = centered_means(k, how, calib, base)
+            w = mx.ones((1, 1, 1, D))
+            if how == "weighted":
+                w = query_weights(mx.sum(q_calib * q_calib, axis=2), (k - mean)[:, :, calib], ropes[i])[:, :, None]
             row[f"norm_{how}"] = float(mx.mean(mx.linalg.norm(k - mean, axis=-1)))
             for b in bits:
                 quant = TurboQuantMSE(D, b, seed=1)
-                row[f"{how}_{b:g}"] = relative_error(q, k, quant.dequantize(quant.quantize(k - mean)) + mean)
+                k_hat = quant.dequantize(quant.quantize((k - mean) * w)) / w + mean
+                row[f"{how}_{b:g}"] = relative_error(q, k, k_hat)
         layers.append(row)
         print(f"  layer {i:2d}: " + ", ".join(f"{how} {row[f'{how}_{bits[-1]:g}']:.3f}" for how in CENTERINGS),
               flush=True)

@@ -110,7 +110,7 @@ EVAL = 512  # tokens scored at the end of each context
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
-            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0)
+            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False)
 DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2,
                 center_keys="rope")
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
@@ -134,6 +134,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(centering_tag(cfg.center_values))
     if cfg.center_keys == "rope":
         extra.append("keys centered before RoPE")
+    if cfg.weigh_keys:
+        extra.append("keys weighed by the queries")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -146,13 +148,13 @@ def decay_label(cfg: TurboQuantConfig) -> str:
 
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
-                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?$")
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
-    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r],
-    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE, last), rotation + affine at other bits and windows (rot2w1700: the
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q],
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by the queries), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -175,6 +177,8 @@ def parse_setting(key: str) -> Setting:
         over["norm_bits"] = 8
     if m["rope"]:
         over["center_keys"] = "rope"
+    if m["weigh"]:
+        over["weigh_keys"] = True
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in PRESET_ROWS if p.config == s.config), s)
 
@@ -207,7 +211,8 @@ def canonical_name(row: dict) -> str:
 
 def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
-    full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None, **stored}
+    full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
+            "weigh_keys": False, **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 
@@ -225,7 +230,7 @@ def config_text(cfg: TurboQuantConfig) -> str:
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
             + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
             + (f", decaying to {decay_label(cfg)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
-            + f", seed {cfg.seed}")
+            + (", keys weighed by the queries" if cfg.weigh_keys else "") + f", seed {cfg.seed}")
 
 
 def rot(bits: int, window: int) -> Setting:

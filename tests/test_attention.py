@@ -27,12 +27,20 @@ def dequantized(h: StreamView) -> np.ndarray:
         if h.perm is not None:
             inv = np.argsort(np.asarray(h.perm), axis=-1)
             x = np.take_along_axis(x, np.broadcast_to(inv[None, :, None, :], x.shape), -1)
+        if h.weights is not None:
+            x = x / np.asarray(h.weights).astype(np.float64)[:, :, None, :]
         if h.mean is not None:
             x = x + np.asarray(h.mean).astype(np.float64)[:, :, None, :]
         parts.append(x)
     if h.window is not None:
         parts.append(np.asarray(h.window.astype(mx.float32)).astype(np.float64))
     return np.concatenate(parts, axis=2)
+
+
+def attended(h: StreamView, queries: mx.array) -> StreamView:
+    """The view attention reads for these queries: a key stream that weighs its keys takes the queries of its
+    calibration tokens first (CompressedStream.observe), which may code its first compression again."""
+    return h if h.observe is None else h.observe(queries)
 
 
 def reference_attention(queries, K, V, scale, mask, sinks=None) -> np.ndarray:
@@ -99,7 +107,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
         q = mx.array(2 * rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
         mask = "causal" if L > 1 else None
         out = turboquant_attention(q, kh, vh, D**-0.5, mask, tile_tokens=5)
-        ref = reference_attention(q, dequantized(kh), dequantized(vh), D**-0.5, mask)
+        ref = reference_attention(q, dequantized(attended(kh, q)), dequantized(vh), D**-0.5, mask)
         assert out.shape == (B, H * R, L, D)
         assert rel_err(out, ref) < 2e-5, (L, rel_err(out, ref))
     assert cache.n_compressed > 10 and cache.n_sinks == 3 and cache.n_window > 0
@@ -305,7 +313,7 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
             ref = _sdpa_float(q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), D**-0.5, mask, sinks)
             assert float(mx.abs(out - ref).max()) < 0.02 * float(mx.abs(ref).max()), L
             # Exact on the codes: the float64 softmax with the sink column.
-            K, V = dequantized(kh), dequantized(vh)
+            K, V = dequantized(attended(kh, q)), dequantized(vh)
             with_sink = reference_attention(q, K, V, D**-0.5, mask, sinks)
             assert rel_err(out, with_sink) < 2e-5
         # The sinks change the result (the sink takes some of the mass).

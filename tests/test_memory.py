@@ -26,6 +26,15 @@ from tq_mlx.memory import (
 )
 
 
+def fed(cache, keys: mx.array, values: mx.array) -> None:
+    """update_and_fetch as a model's layer calls it: its attention then takes the key view, so a key stream that
+    weighs its keys sums the queries and fixes its weights (CompressedStream.observe), as it does in a model."""
+    kh, _ = cache.update_and_fetch(keys, values)
+    if getattr(kh, "observe", None) is not None:
+        B, H, L, _ = keys.shape
+        kh.observe(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)))
+
+
 def config_dict(args) -> dict:
     """A model's ModelArgs as the config.json dict it came from."""
     return json.loads(json.dumps(dataclasses.asdict(args), default=lambda o: None))
@@ -305,10 +314,10 @@ def latent_caches(cfg: TurboQuantConfig, n: int, one_shot: bool = True, layers: 
     latent, rope = mx.random.normal((1, 1, n, 512)), mx.random.normal((1, 1, n, 64))
     for c in caches:
         if one_shot:
-            c.update_and_fetch(latent, rope)
+            fed(c, latent, rope)
         else:
             for t in range(n):
-                c.update_and_fetch(latent[:, :, t : t + 1], rope[:, :, t : t + 1])
+                fed(c, latent[:, :, t : t + 1], rope[:, :, t : t + 1])
         mx.eval(c.held_arrays())
     return caches
 
@@ -368,7 +377,7 @@ def sliding_cache(n: int, heads: int, dim: int, window: int = 16) -> RotatingKVC
     c = RotatingKVCache(max_size=window, keep=0)
     k = mx.random.normal((1, heads, n, dim))
     for t in range(n):
-        c.update_and_fetch(k[:, :, t : t + 1], k[:, :, t : t + 1])
+        fed(c, k[:, :, t : t + 1], k[:, :, t : t + 1])
     mx.eval(c.keys, c.values)
     return c
 
@@ -378,7 +387,7 @@ def test_gemma4_estimate_equals_real_caches(n):
     cfg = TurboQuantConfig()
     full = TurboQuantKVCache(cfg, layer_index=2, attention_index=0, n_attention_layers=1, derive_keys=lambda v: v)
     kv = mx.random.normal((1, 1, n, 64))
-    full.update_and_fetch(kv, kv)
+    fed(full, kv, kv)
     mx.eval(full.held_arrays())
     assert full.value_stream is None  # K=V: one stream
     sliding = [sliding_cache(n, 2, 32) for _ in range(3)]
@@ -392,7 +401,7 @@ def test_gpt_oss_estimate_equals_real_caches():
     cfg, n = CONFIGS["fractional+boundary"], 150
     full = [TurboQuantKVCache(cfg, layer_index=i, attention_index=a, n_attention_layers=2) for a, i in enumerate((1, 3))]
     for c in full:
-        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        fed(c, mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         mx.eval(c.held_arrays())
     real = sum(c.nbytes for c in full) + sum(sliding_cache(n, 2, 64).nbytes for _ in range(2))
     assert estimate_kv_bytes(GPT_OSS_TINY, n, cfg, dtype="float32") == real
@@ -458,7 +467,7 @@ def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
     cache = TurboQuantKVCache(cfg, max_size=M)
     k, v = mx.random.normal((1, 2, n_max, 64)), mx.random.normal((1, 2, n_max, 64))
     for t in range(n_max):
-        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
         mx.eval(cache.held_arrays())
         n = t + 1
         assert (cache.n_sinks, cache.n_compressed, cache.n_window) == bounded_tokens(n, M, cfg), n
@@ -535,7 +544,7 @@ def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
     k1, k2 = mx.random.split(mx.random.key(0))
     # a latent that never varies along its mean (channel 0 constant): its keys protect themselves
     latent = mx.concatenate([mx.full((1, 1, 200, 1), 20.0), mx.random.normal((1, 1, 200, 511), key=k1)], axis=-1)
-    cache.update_and_fetch(latent, mx.random.normal((1, 1, 200, 64), key=k2))
+    fed(cache, latent, mx.random.normal((1, 1, 200, 64), key=k2))
     mx.eval(cache.held_arrays())
     assert cache.protected and (cache.key_bits, cache.value_bits) == (8, 4)
     protected = turboquant_layer_bytes(200, 1, 512, 64, 4, 3, cfg, float_bytes=4, latent=True, protected=True)
@@ -626,10 +635,10 @@ def test_decay_estimate_equals_a_k_eq_v_cache(sides):
         full = TurboQuantKVCache(cfg, layer_index=2, attention_index=0, n_attention_layers=1, derive_keys=lambda v: v)
         kv = mx.random.normal((1, 1, n, 64))
         if one_shot:
-            full.update_and_fetch(kv, kv)
+            fed(full, kv, kv)
         else:
             for t in range(n):
-                full.update_and_fetch(kv[:, :, t : t + 1], kv[:, :, t : t + 1])
+                fed(full, kv[:, :, t : t + 1], kv[:, :, t : t + 1])
         mx.eval(full.held_arrays())
         assert full.n_decayed == (decayed_tokens(n, None, cfg) if cfg.decay_key_bits else 0, 0)
         real = full.nbytes + sum(sliding_cache(n, 2, 32).nbytes for _ in range(3))
@@ -647,7 +656,7 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
     k, v = mx.random.normal((1, 2, n_max, 64)), mx.random.normal((1, 2, n_max, 64))
     decayed = set()
     for t in range(n_max):
-        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
         mx.eval(cache.held_arrays())
         n = t + 1
         assert (cache.n_sinks, cache.n_compressed, cache.n_window) == bounded_tokens(n, M, cfg), n
@@ -670,7 +679,7 @@ def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
     rope = mx.random.normal((1, 1, 300, 64), key=k2)
     for fetch, dims in (("latent", (512, 64)), ("codes", (512, 512))):
         cache = TurboQuantKVCache(cfg, fetch=fetch)
-        cache.update_and_fetch(latent, rope if fetch == "latent" else latent)
+        fed(cache, latent, rope if fetch == "latent" else latent)
         mx.eval(cache.held_arrays())
         assert cache.protected and cache.n_decayed == (0, decayed_tokens(300, None, cfg)) == (0, 256)
         flags = dict(float_bytes=4, latent=fetch == "latent")
@@ -700,7 +709,7 @@ def test_decay_bits_per_value_at_32k_by_hand():
         per_token = {b: D * b // 8 + norm for b in (4, 3, 2)}  # packed codes and one norm per token and head
         codes = 1536 * (per_token[4] + per_token[3]) + 30720 * (per_token[3] + per_token[2])
         floats = (4 + 768) * 2 * D * 2  # sinks and window, keys and values
-        centering = 4 * (D + 2)  # μ (keys), a scale per stream
+        centering = 4 * (2 * D + 2)  # μ and the query weights (keys), a scale per stream
         constants = sum(a.nbytes for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0,
                                                                                                cfg.norm_dtype)))
         layer = H * (codes + floats + centering) + constants

@@ -266,6 +266,10 @@ def turboquant_attention(
             queries, keys, values, scale, mask,
             lambda q, k, v, scale, mask, sinks: turboquant_attention(q, k, v, scale, mask, tile_tokens, sinks),
             sinks=sinks)
+    if keys.observe is not None:  # the stream sums these queries for its weights first (query_weights)
+        keys = keys.observe(queries)
+    if values.weights is not None:
+        raise ValueError("values view with query weights: only key streams weigh their tokens")
     if keys.n_compressed == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):
         return float_attention(queries, keys, values, scale, mask, sinks)
     B, Hq, L, D = queries.shape
@@ -331,6 +335,8 @@ def turboquant_attention(
     if n_c:
         # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
         qk = q if keys.scale is None else q * keys.scale[:, :, None, None]
+        if keys.weights is not None:  # ... and (x - μ)·w: the query is divided by w (query_weights)
+            qk = qk / keys.weights[:, :, None, :]
         queries_in = {}  # per key quantizer (decayed codes have their own): the query in its bases
         # q·μ per query row, or (keys centered before RoPE) q·R(p) μ0 per row and token, per tile
         q_mu = (q @ keys.mean[..., None]) if keys.mean is not None and keys.rope is None else None  # (B, H, R·L, 1)

@@ -38,8 +38,8 @@ from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
 # update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
 # codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope). Earlier files still load.
-STATE_VERSION = 7
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+STATE_VERSION = 8
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
 
@@ -204,7 +204,7 @@ class TurboQuantKVCache(_BaseCache):
                                            name="k", center=bool(c.center_keys), protect=protect,
                                            decay=decay_of(key_dim, 0),
                                            rope=self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim
-                                           else None, **common)
+                                           else None, weigh=c.weigh_keys and self.fetch == "codes", **common)
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
             name="v", center=bool(c.center_keys) if self.fetch == "latent" else c.center_values,

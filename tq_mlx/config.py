@@ -75,6 +75,9 @@ class TurboQuantConfig:
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
+    weigh_keys: bool = False  # code keys times per-channel weights from the queries that attend the calibration
+    # tokens, the queries divided by them (exact; tq_mlx.stream.query_weights), in caches whose attention takes
+    # views ("codes" fetch). Off until measured on every model and text (benchmarks/DEFAULTS.md)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
@@ -92,7 +95,7 @@ class TurboQuantConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
-        for name in ("qjl", "center_keys", "center_values"):
+        for name in ("qjl", "center_keys", "center_values", "weigh_keys"):
             if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != ("center_keys", "rope"):
                 allowed = "True, False or 'rope'" if name == "center_keys" else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")

@@ -684,6 +684,13 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
         y = dequantize(kv._replace(mean=None, rope=None, decayed=kv.decayed and kv.decayed._replace(mean=None, rope=None)),
                        mx.float32, metal_kernel=factory)
         return (y + kv.centers()).astype(dtype)
+    if kv.weights is not None:  # codes hold (x - μ)·w: decode with μ·w, then divide by w
+        w = kv.weights.astype(mx.float32)
+        mean = None if kv.mean is None else kv.mean.astype(mx.float32) * w
+        strip = dict(mean=mean, weights=None)
+        y = dequantize(kv._replace(**strip, decayed=kv.decayed and kv.decayed._replace(**strip)), mx.float32,
+                       metal_kernel=factory)
+        return (y / w[:, :, None, :]).astype(dtype)
     if kv.decayed is not None:  # one launch per segment (its own quantizer), decayed tokens first
         return mx.concatenate([dequantize(seg, dtype, metal_kernel=factory) for _, seg in kv.segments()], axis=2)
     if kv.scale is not None:  # codes hold (x - μ) / s: decode with μ / s, then scale back
@@ -756,6 +763,8 @@ def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: flo
     q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * L, DK))
     # Compressed keys hold (k - μ) / s_k: the query is scaled instead, once per call.
     qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]
+    if keys.weights is not None:  # ... and (k - μ)·w: the query is divided by w (stream.query_weights)
+        qk = qk / keys.weights.astype(mx.float32)[:, :, None, :]
     if kc.wht:
         q_rot = rotate(qk, _mse(kq).groups[0].rotation, metal_kernel=factory)
         qs = mx.contiguous(qk @ kq.projection.T) if qjl else _dummy(mx.float32)
@@ -1201,6 +1210,8 @@ def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: Stre
     floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
     # keys centered before RoPE: the same pairs, at positions far enough out that the angles are large
     where = dict(rope=like.rope, position=SELF_CHECK_POSITION) if like.rope is not None else {}
+    if like.weights is not None:  # query-aware key weights: the kernels' query and decode divide by them
+        where["weights"] = mx.exp(_normal(rng, (1, 1, D)) * 0.5)
     if decayed is not None and where:
         decayed = decayed._replace(**where)
     return StreamView(quantizer, codes, floats(n_sinks), floats(n_window), mean, perm, scale, decayed, **where)
@@ -1236,7 +1247,7 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
 
         q = kv.quantizer
         variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype), kv.mean is not None,
-                   kv.scale is not None, str(q.norm_dtype))
+                   kv.scale is not None, str(q.norm_dtype), kv.weights is not None)
         if _self_check("dequantize", variant, factory, run):
             return dequantize(kv, dtype, metal_kernel=factory)
     return dequantize_reference(kv, dtype)
@@ -1265,6 +1276,8 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None, "causal"
     or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
     everything else."""
+    if isinstance(keys, StreamView) and keys.observe is not None:  # its stream sums these queries first
+        keys = keys.observe(queries)
     factory = metal_kernel or _factory or _default_factory()
     kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
@@ -1296,7 +1309,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", nr, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None, npairs, spans, sinks is not None,
+                   keys.perm is not None, values.perm is not None, keys.weights is not None, npairs, spans, sinks is not None,
                    keys_are_values(keys, values))
         if _self_check("prefill_attention", variant, factory, run):
             return prefill_attention(queries, keys, values, scale, mask, sinks, rows_per_threadgroup=nr,
@@ -1321,7 +1334,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         floats = tuple(str(_float_dtype(kv)) for kv in (keys, values))
         variant = (D, values.head_dim, kc, vc, "qjl" if qjl else "mse", R * L, str(queries.dtype), kind, floats,
                    keys.mean is not None, values.mean is not None, keys.scale is not None, values.scale is not None,
-                   keys.perm is not None, values.perm is not None, _rope_pairs(keys),
+                   keys.perm is not None, values.perm is not None, keys.weights is not None, _rope_pairs(keys),
                    _span_codes(keys, values) if _decayed(keys, values) else (), sinks is not None,
                    keys_are_values(keys, values))
         if _self_check("decode_attention", variant, factory, run):

@@ -397,6 +397,7 @@ def turboquant_layer_bytes(
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
+    weighted: bool | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token).
@@ -404,6 +405,10 @@ def turboquant_layer_bytes(
     rope_pairs: keys centered before RoPE (config.center_keys "rope" on a layer whose RoPE rotates that many
     channel pairs): the key stream holds the pairs' channel order (int32, key_dim) and frequencies (float32) from
     the start; None: not.
+
+    weighted: the keys are weighed by the queries (config.weigh_keys on a per-head layer whose attention sees the
+    cache's views; None: config.weigh_keys unless latent or K=V): once attention has seen a query after the sinks,
+    the key stream holds B·H·key_dim float32, the queries summed until the first compression, then the weights.
 
     Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key). A
     latent layer stores its rope key (the value stream) at the key bits, centered like keys (it enters the
@@ -452,6 +457,10 @@ def turboquant_layer_bytes(
             total += B * H * (fresh * per_token + decayed * decayed_token)
     if rope_pairs is not None and config.center_keys == "rope":
         total += 4 * (key_dim + rope_pairs)
+    if weighted is None:
+        weighted = config.weigh_keys and not latent and not k_eq_v
+    if weighted and tokens > config.sinks:
+        total += B * H * 4 * key_dim
     if protected:  # the stream keeps its configured quantizer next to the protecting one
         total += _quantizer_layout(key_dim, base_bits, config.layer_qjl(base_bits), config.norm_dtype)[1]
     if config.sinks:
@@ -517,7 +526,8 @@ def estimate_kv_bytes(
             kb, vb = config.layer_bits(a, n_att)
             total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
                                             latent=lay.latent, k_eq_v=lay.k_eq_v,
-                                            decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs)
+                                            decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs,
+                                            weighted=config.weigh_keys and lay.fetch == "codes")
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:

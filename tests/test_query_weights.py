@@ -1,0 +1,288 @@
+"""Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.stream.query_weights).
+
+* query_weights: w² ∝ rms(q)/rms(k) per channel (per RoPE pair), geometric mean 1, bounded; exact scores;
+* the stream takes the queries of its calibration tokens from attention (observe): whether the prompt comes in
+  one piece, in chunks or token by token, the weights and the codes are the same; a first compression coded
+  before its queries came is coded again before anything attends it, and no float copy is kept once attention
+  ran; where queries and keys load different channels, the weights cut the attention error;
+* state keeps the weights (and the queries summed before calibration); trim, float fetches and K=V layers;
+* the attention kernels and dequantize divide by the weights under the CPU MSL emulator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+    Emu, _clean_dispatch, assert_close, emulator, normal,
+)
+from tests.test_rope import model_rope, rope_views
+from tq_mlx import kernels as K
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.attention import turboquant_attention
+from tq_mlx.rope import probe
+from tq_mlx.stream import WEIGHT_RANGE, decode as stream_decode, query_weights
+
+D = 64
+
+
+def anisotropic(rng, B, H, n, spread, shift=0.0, seed=0):
+    """Tokens whose channel c has standard deviation spread[c] (plus a fixed offset per channel)."""
+    off = np.random.default_rng(seed).normal(size=(1, H, 1, D)) * shift
+    return mx.array(rng.normal(size=(B, H, n, D)) * spread + off, dtype=mx.float32)
+
+
+def spreads(seed=1):
+    """Key and query channel scales that load different channels (keys: the first half, queries the last)."""
+    r = np.random.default_rng(seed)
+    k = np.exp(r.normal(size=D) * 0.8)
+    k[: D // 2] *= 4
+    q = np.exp(r.normal(size=D) * 0.8)
+    q[D // 2 :] *= 4
+    return k, q
+
+
+def cfg(**kw):
+    return TurboQuantConfig(**(dict(key_bits=3, value_bits=4, window=32, compress_block=8, sinks=2, step=32,
+                                    weigh_keys=True) | kw))
+
+
+def run_cache(config, keys, values, queries, chunks, rope=None, attend=True):
+    """Feed keys/values (B, H, T, D) in chunks, attending each chunk with its queries; returns the cache and
+    the outputs, in token order."""
+    cache = TurboQuantKVCache(config, head_dim=D, rope=rope)
+    outs, at = [], 0
+    for L in chunks:
+        kh, vh = cache.update_and_fetch(keys[:, :, at : at + L], values[:, :, at : at + L])
+        if attend:
+            outs.append(turboquant_attention(queries[:, :, at : at + L], kh, vh, D**-0.5,
+                                             "causal" if L > 1 else None))
+        at += L
+    return cache, (mx.concatenate(outs, axis=2) if outs else None)
+
+
+def float_attention(queries, keys, values):
+    q, k, v = (np.asarray(a).astype(np.float64) for a in (queries, keys, values))
+    R = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, R, axis=1), np.repeat(v, R, axis=1)
+    s = (q @ k.swapaxes(-1, -2)) * D**-0.5
+    T = k.shape[2]
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+# ===================================================================================== query_weights
+def test_weights_follow_the_queries_over_the_keys():
+    rng = np.random.default_rng(0)
+    ks, qs = spreads()
+    calib = anisotropic(rng, 2, 2, 400, ks)
+    q = anisotropic(rng, 2, 2, 400, qs)
+    w = query_weights(mx.sum(q * q, axis=2), calib, None)
+    assert w.shape == (2, 2, D) and w.dtype == mx.float32
+    logw = np.log(np.asarray(w))
+    assert np.allclose(logw.mean(-1), 0, atol=1e-5)  # geometric mean 1
+    want = np.log(qs / ks) / 4  # w² ∝ (rms(q)/rms(k))^½
+    want -= want.mean()
+    assert np.abs(logw - want).max() < 0.1
+    # bounded: a channel no query looks at, and one the keys never use
+    qz = np.asarray(mx.sum(q * q, axis=2)).copy()
+    qz[..., 0] = 0
+    kz = np.asarray(calib).copy()
+    kz[..., 1] = 0
+    w = np.asarray(query_weights(mx.array(qz), mx.array(kz), None))
+    assert np.isfinite(w).all() and w.min() >= 1 / WEIGHT_RANGE - 1e-6 and w.max() <= WEIGHT_RANGE + 1e-4
+
+
+def test_weights_are_one_per_rope_pair():
+    rope = probe(model_rope(D), D)
+    rng = np.random.default_rng(1)
+    ks, qs = spreads(2)
+    w = np.asarray(query_weights(mx.sum(anisotropic(rng, 1, 2, 300, qs) ** 2, axis=2),
+                                 anisotropic(rng, 1, 2, 300, ks), rope))
+    order = np.asarray(rope.order)
+    P = rope.freqs.shape[0]
+    assert np.allclose(w[..., order[:P]], w[..., order[P : 2 * P]])
+    assert w.std() > 0.1  # and not all one
+
+
+# ============================================================================ the stream and its cache
+def test_feeding_does_not_change_weights_or_codes():
+    rng = np.random.default_rng(3)
+    ks, qs = spreads(3)
+    T = 90
+    keys = anisotropic(rng, 1, 2, T, ks, shift=1.0)
+    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
+    queries = anisotropic(rng, 1, 6, T, np.tile(qs, 1))
+    caches = {name: run_cache(cfg(), keys, values, queries, chunks)[0]
+              for name, chunks in (("one", [T]), ("chunks", [20, 25, 45]), ("tokens", [1] * T))}
+    ref = caches["one"].key_stream
+    assert ref.weights is not None and ref.queries is None and ref._redo is None
+    for name, c in caches.items():
+        s = c.key_stream
+        assert np.allclose(np.asarray(s.weights), np.asarray(ref.weights), rtol=1e-5), name
+        assert np.array_equal(np.asarray(s.codes.codes[:, :, : s.n_compressed]),
+                              np.asarray(ref.codes.codes[:, :, : ref.n_compressed])), name
+
+
+def test_first_compression_is_coded_again_before_it_is_attended():
+    rng = np.random.default_rng(4)
+    ks, qs = spreads(4)
+    keys = anisotropic(rng, 1, 2, 80, ks)
+    values = mx.array(rng.normal(size=(1, 2, 80, D)), dtype=mx.float32)
+    queries = anisotropic(rng, 1, 4, 80, qs)
+    cache = TurboQuantKVCache(cfg(), head_dim=D)
+    kh, vh = cache.update_and_fetch(keys, values)  # one chunk: its queries come with its attention
+    s = cache.key_stream
+    assert kh.observe is not None and kh.weights is None and s._redo is not None
+    out = turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+    assert s._redo is None and s.queries is None and s.weights is not None  # no float copy left behind
+    k2, _ = cache.keys_and_values()
+    assert k2.observe is None and k2.weights is s.weights
+    # the output is attention over the codes the stream now holds
+    again = turboquant_attention(queries, k2, vh, D**-0.5, "causal")
+    assert float(mx.max(mx.abs(out - again))) < 1e-5
+    # and nbytes holds the weights: B·H·D float32
+    off = TurboQuantKVCache(cfg(weigh_keys=False), head_dim=D)
+    off.update_and_fetch(keys, values)
+    assert cache.nbytes - off.nbytes == 4 * 2 * D
+
+
+def test_weights_cut_the_attention_error():
+    rng = np.random.default_rng(5)
+    ks, qs = spreads(5)
+    T = 300
+    keys = anisotropic(rng, 1, 2, T, ks, shift=1.0)
+    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
+    queries = anisotropic(rng, 1, 4, T, qs) * 3
+    want = float_attention(queries, keys, values)[:, :, -64:]
+    err = {}
+    for weigh in (True, False):
+        # 8-bit values: the error left is the keys'
+        _, out = run_cache(cfg(weigh_keys=weigh, value_bits=8), keys, values, queries, [T - 64] + [1] * 64)
+        got = np.asarray(out)[:, :, -64:]
+        err[weigh] = np.sqrt(np.mean((got - want) ** 2))
+    assert err[True] < 0.8 * err[False], err
+
+
+def test_state_round_trip_before_and_after_calibration():
+    rng = np.random.default_rng(6)
+    ks, qs = spreads(6)
+    T = 100
+    keys = anisotropic(rng, 1, 2, T, ks)
+    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
+    queries = anisotropic(rng, 1, 4, T, qs)
+    whole, _ = run_cache(cfg(), keys, values, queries, [20, 80])
+    # saved after 20 tokens: queries summed, no weights yet; the loaded cache goes on as the whole one did
+    first, _ = run_cache(cfg(), keys, values, queries, [20])
+    meta, arrays = first.state
+    assert arrays["k_queries"] is not None and arrays["k_weights"] is None and meta["version"] == 8
+    loaded = TurboQuantKVCache()
+    loaded.state = (meta, arrays)
+    kh, vh = loaded.update_and_fetch(keys[:, :, 20:], values[:, :, 20:])
+    turboquant_attention(queries[:, :, 20:], kh, vh, D**-0.5, "causal")
+    assert np.allclose(np.asarray(loaded.key_stream.weights), np.asarray(whole.key_stream.weights), rtol=1e-5)
+    # saved after calibration: the weights, and no queries
+    meta, arrays = whole.state
+    assert arrays["k_weights"] is not None and arrays["k_queries"] is None and arrays["v_weights"] is None
+    again = TurboQuantKVCache()
+    again.state = (meta, arrays)
+    assert np.array_equal(np.asarray(again.key_stream.weights), np.asarray(whole.key_stream.weights))
+    bad = dict(arrays, k_weights=mx.ones((1, 2, D + 1)))
+    with pytest.raises(ValueError, match="k_weights"):
+        TurboQuantKVCache().state = (meta, bad)
+
+
+def test_trim_forgets_what_it_cannot_take_back():
+    rng = np.random.default_rng(7)
+    ks, qs = spreads(7)
+    keys = anisotropic(rng, 1, 2, 100, ks)
+    values = mx.array(rng.normal(size=(1, 2, 100, D)), dtype=mx.float32)
+    queries = anisotropic(rng, 1, 4, 100, qs)
+    cache, _ = run_cache(cfg(), keys, values, queries, [20])
+    s = cache.key_stream
+    assert s.queries is not None and s._q_hi == 20
+    cache.trim(5)  # back into the calibration tokens: their queries are summed in and cannot come out
+    assert s.queries is None and s._q_lo == s._q_hi == 15
+    cache, _ = run_cache(cfg(), keys, values, queries, [100])
+    cache.trim(cache.offset - 2)  # every token but the sinks: the calibration and the weights go
+    assert cache.key_stream.weights is None and cache.key_stream.mean is None
+
+
+def test_float_fetches_and_k_eq_v_layers_do_not_weigh():
+    for cache in (TurboQuantKVCache(cfg(), head_dim=D, fetch="float"),
+                  TurboQuantKVCache(cfg(), head_dim=D, derive_keys=lambda v: v),
+                  TurboQuantKVCache(cfg(weigh_keys=False), head_dim=D)):
+        assert not cache.key_stream.weigh
+    with pytest.raises(ValueError, match="weigh_keys"):
+        TurboQuantConfig(weigh_keys="yes")
+
+
+# ====================================================================================== the kernels
+def weighted(views, seed=0):
+    keys, values = views
+    w = mx.exp(normal(np.random.default_rng(seed), (keys.sinks.shape[0] if keys.sinks is not None else 1,
+                                                    keys.n_heads, keys.head_dim)) * 0.5)
+    return keys._replace(weights=w, decayed=keys.decayed and keys.decayed._replace(weights=w)), values
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("kernel,L,decay", [("decode", 1, False), ("decode", 2, True), ("prefill", 20, True)])
+def test_kernels_divide_the_query_by_the_weights(emulator, kernel, L, decay):
+    keys, values = weighted(rope_views(64, 1, L, mx.float16, decay=decay))
+    q = normal(np.random.default_rng(L), (1, 4, L, 64), mx.float16)
+    mask = "causal" if L > 1 else None
+    launch = K.decode_attention if kernel == "decode" else K.prefill_attention
+    f = Emu()
+    got = launch(q, keys, values, 0.125, mask, None, metal_kernel=f)
+    want = K.decode_attention_reference(q, keys, values, 0.125, mask, None)
+    assert_close(got, want, mx.float16)
+    plain = K.decode_attention_reference(q, keys._replace(weights=None, decayed=keys.decayed and keys.decayed._replace(
+        weights=None)), values, 0.125, mask, None)
+    assert float(mx.max(mx.abs(plain.astype(mx.float32) - want.astype(mx.float32)))) > 0.01  # they matter
+
+
+@pytest.mark.emulator
+def test_dispatch_and_dequantize_with_weights(emulator):
+    keys, values = weighted(rope_views(64, 1, 20, mx.float16, decay=True))
+    f = Emu()
+    K.set_kernel_factory(f)
+    K.set_backend("metal")
+    q = normal(np.random.default_rng(9), (1, 4, 20, 64), mx.float16)
+    got = K.dispatch_attention(q, keys, values, 0.125, "causal")
+    assert_close(got, turboquant_attention(q, keys, values, 0.125, "causal"), mx.float16)
+    status = K.self_check_status()
+    assert any(k == "prefill_attention" and v[-5] is True and why is None for (k, v), why in status.items())
+    deq = K.dispatch_dequantize(keys, mx.float32)
+    assert float(mx.max(mx.abs(deq - stream_decode(keys, mx.float32)))) < 1e-3 * max(
+        1.0, float(mx.max(mx.abs(deq))))
+    assert math.isfinite(float(mx.sum(deq)))
+
+
+@pytest.mark.parametrize("kb,qjl,center", [(4, False, "rope"), (3, False, True), (2.5, False, True), (3, True, False)])
+def test_attention_on_weighted_codes_matches_float64(kb, qjl, center):
+    from tests.test_attention import attended, dequantized, feed, reference_attention, rel_err
+
+    rng = np.random.default_rng(int(4 * kb))
+    B, H, R = 2, 2, 3
+    config = TurboQuantConfig(key_bits=kb, value_bits=3, qjl=qjl, window=8, compress_block=4, sinks=3, step=16,
+                              center_keys=center, weigh_keys=True)
+    rope = probe(model_rope(D), D) if center == "rope" else None
+    cache = TurboQuantKVCache(config, layer_index=1, head_dim=D, rope=rope)
+    for L, (kh, vh) in feed(cache, rng, (7, 1, 20, 1, 3, 9), B, H, D):
+        q = mx.array(2 * rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
+        mask = "causal" if L > 1 else None
+        out = turboquant_attention(q, kh, vh, D**-0.5, mask, tile_tokens=5)
+        k = attended(kh, q)
+        K = dequantized(k) if rope is None else None
+        if rope is not None:  # centered before RoPE: the reference codec adds R(p) μ0 back
+            K = np.concatenate([np.asarray(a.astype(mx.float32)).astype(np.float64) for a in
+                                (k.sinks, stream_decode(k, mx.float32) if k.n_compressed else None, k.window)
+                                if a is not None], axis=2)
+        assert rel_err(out, reference_attention(q, K, dequantized(vh), D**-0.5, mask)) < 2e-5, L
+    assert cache.key_stream.weights is not None and cache.n_compressed > 10
