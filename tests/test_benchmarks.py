@@ -312,6 +312,21 @@ def test_long_context_default_row_is_the_library_default() -> None:
     assert long_context.DEFAULT.config == dataclasses.replace(library, compress_block=library.compress_block_size)
 
 
+def test_long_context_spec_q_weighs_the_keys_and_stored_rows_did_not() -> None:
+    # `q` spells weigh_keys=True; a stored row from before the field existed measured keys without weights, so it
+    # stays the default's row, and the weighed row is another.
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    weighed = lc.parse_setting("k4v4w768b128d6144k3v2n8rq")
+    assert weighed.config.weigh_keys and "keys weighed by the queries" in weighed.name
+    assert weighed.config == dataclasses.replace(lc.DEFAULT.config, weigh_keys=True)
+    stored = {k: v for k, v in lc.DEFAULT.config.to_dict().items() if k != "weigh_keys"}
+    assert lc.canonical_name({"kind": "tq", "config": stored, "setting": lc.DEFAULT.name}) == lc.DEFAULT.name
+    row = {"kind": "tq", "config": weighed.config.to_dict(), "setting": weighed.name}
+    assert lc.canonical_name(row) == weighed.name
+
+
 def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
     # mac_check.py needs Metal; --dry-run runs the same code at tiny sizes on the CPU, kernels on the emulator
     # (when it can compile), and writes the JSON a Mac user attaches to an issue, with the same schema.

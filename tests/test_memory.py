@@ -709,10 +709,12 @@ def test_decay_bits_per_value_at_32k_by_hand():
         per_token = {b: D * b // 8 + norm for b in (4, 3, 2)}  # packed codes and one norm per token and head
         codes = 1536 * (per_token[4] + per_token[3]) + 30720 * (per_token[3] + per_token[2])
         floats = (4 + 768) * 2 * D * 2  # sinks and window, keys and values
-        centering = 4 * (2 * D + 2)  # μ and the query weights (keys), a scale per stream
+        centering = 4 * (D + 2)  # μ (keys), a scale per stream
         constants = sum(a.nbytes for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0,
                                                                                                cfg.norm_dtype)))
         layer = H * (codes + floats + centering) + constants
         model = {"num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": H, "head_dim": D}
         assert estimate_kv_bytes(model, ctx, cfg, dtype="float16") == layer
+        weighed = dataclasses.replace(cfg, weigh_keys=True)  # and the keys' query weights: B·H·D float32
+        assert estimate_kv_bytes(model, ctx, weighed, dtype="float16") == layer + H * 4 * D
         assert round(layer * 8 / (ctx * H * D * 2), 2) == want

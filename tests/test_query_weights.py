@@ -47,6 +47,15 @@ def spreads(seed=1):
     return k, q
 
 
+def tokens(seed, T, q_heads=4, shift=0.0, q_gain=1.0):
+    """keys (1, 2, T, D) loading the first channels, values, and queries (1, q_heads, T, D) loading the last."""
+    rng = np.random.default_rng(seed)
+    ks, qs = spreads(seed)
+    keys = anisotropic(rng, 1, 2, T, ks, shift=shift)
+    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
+    return keys, values, anisotropic(rng, 1, q_heads, T, qs) * q_gain
+
+
 def cfg(**kw):
     return TurboQuantConfig(**(dict(key_bits=3, value_bits=4, window=32, compress_block=8, sinks=2, step=32,
                                     weigh_keys=True) | kw))
@@ -113,12 +122,8 @@ def test_weights_are_one_per_rope_pair():
 
 # ============================================================================ the stream and its cache
 def test_feeding_does_not_change_weights_or_codes():
-    rng = np.random.default_rng(3)
-    ks, qs = spreads(3)
     T = 90
-    keys = anisotropic(rng, 1, 2, T, ks, shift=1.0)
-    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
-    queries = anisotropic(rng, 1, 6, T, np.tile(qs, 1))
+    keys, values, queries = tokens(3, T, q_heads=6, shift=1.0)
     caches = {name: run_cache(cfg(), keys, values, queries, chunks)[0]
               for name, chunks in (("one", [T]), ("chunks", [20, 25, 45]), ("tokens", [1] * T))}
     ref = caches["one"].key_stream
@@ -131,11 +136,7 @@ def test_feeding_does_not_change_weights_or_codes():
 
 
 def test_first_compression_is_coded_again_before_it_is_attended():
-    rng = np.random.default_rng(4)
-    ks, qs = spreads(4)
-    keys = anisotropic(rng, 1, 2, 80, ks)
-    values = mx.array(rng.normal(size=(1, 2, 80, D)), dtype=mx.float32)
-    queries = anisotropic(rng, 1, 4, 80, qs)
+    keys, values, queries = tokens(4, 80)
     cache = TurboQuantKVCache(cfg(), head_dim=D)
     kh, vh = cache.update_and_fetch(keys, values)  # one chunk: its queries come with its attention
     s = cache.key_stream
@@ -154,12 +155,8 @@ def test_first_compression_is_coded_again_before_it_is_attended():
 
 
 def test_weights_cut_the_attention_error():
-    rng = np.random.default_rng(5)
-    ks, qs = spreads(5)
     T = 300
-    keys = anisotropic(rng, 1, 2, T, ks, shift=1.0)
-    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
-    queries = anisotropic(rng, 1, 4, T, qs) * 3
+    keys, values, queries = tokens(5, T, shift=1.0, q_gain=3.0)
     want = float_attention(queries, keys, values)[:, :, -64:]
     err = {}
     for weigh in (True, False):
@@ -171,12 +168,8 @@ def test_weights_cut_the_attention_error():
 
 
 def test_state_round_trip_before_and_after_calibration():
-    rng = np.random.default_rng(6)
-    ks, qs = spreads(6)
     T = 100
-    keys = anisotropic(rng, 1, 2, T, ks)
-    values = mx.array(rng.normal(size=(1, 2, T, D)), dtype=mx.float32)
-    queries = anisotropic(rng, 1, 4, T, qs)
+    keys, values, queries = tokens(6, T)
     whole, _ = run_cache(cfg(), keys, values, queries, [20, 80])
     # saved after 20 tokens: queries summed, no weights yet; the loaded cache goes on as the whole one did
     first, _ = run_cache(cfg(), keys, values, queries, [20])
@@ -199,11 +192,7 @@ def test_state_round_trip_before_and_after_calibration():
 
 
 def test_trim_forgets_what_it_cannot_take_back():
-    rng = np.random.default_rng(7)
-    ks, qs = spreads(7)
-    keys = anisotropic(rng, 1, 2, 100, ks)
-    values = mx.array(rng.normal(size=(1, 2, 100, D)), dtype=mx.float32)
-    queries = anisotropic(rng, 1, 4, 100, qs)
+    keys, values, queries = tokens(7, 100)
     cache, _ = run_cache(cfg(), keys, values, queries, [20])
     s = cache.key_stream
     assert s.queries is not None and s._q_hi == 20
