@@ -71,13 +71,25 @@ def _split(x: mx.array, rope: Rope) -> tuple[mx.array, mx.array, mx.array]:
     return x[..., :P], x[..., P : 2 * P], x[..., 2 * P :]
 
 
+def _join(a: mx.array, b: mx.array, rest: mx.array, rope: Rope) -> mx.array:
+    """_split undone: the pairs' channels back in the model's order."""
+    return mx.take(mx.concatenate([a, b, rest], axis=-1), mx.argsort(rope.order), axis=-1)
+
+
+def pair_mean(x: mx.array, rope: Rope) -> mx.array:
+    """x (..., D) with each channel pair's two entries replaced by their mean: RoPE turns a pair's energy from one
+    channel to the other with the position, so per-pair statistics hold at every position."""
+    a, b, rest = _split(x, rope)
+    m = (a + b) / 2
+    return _join(m, m, rest, rope)
+
+
 def rotate(x: mx.array, rope: Rope, first: int, inverse: bool = False) -> mx.array:
     """R(p) x_t (or R(p)⁻¹ x_t) for tokens x (B, H, n, D) at positions p = first + t."""
     cos, sin = angles(rope, first, x.shape[2])
     sin = -sin if inverse else sin
     a, b, rest = _split(x, rope)
-    y = mx.concatenate([a * cos - b * sin, a * sin + b * cos, rest], axis=-1)
-    return mx.take(y, mx.argsort(rope.order), axis=-1)
+    return _join(a * cos - b * sin, a * sin + b * cos, rest, rope)
 
 
 def centers(mean0: mx.array, rope: Rope, first: int, n: int) -> mx.array:

@@ -71,7 +71,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
-from .rope import Rope, centers, rotate
+from .rope import Rope, centers, pair_mean, rotate
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
 # A stream's arrays, under "<name>_<part>" in a cache's state. `scale` came with state version 3 (None: 1).
@@ -332,19 +332,6 @@ def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | N
 WEIGHT_RANGE = 4.0  # query weights stay within [1/4, 4] of their geometric mean
 
 
-def pair_mean(x: mx.array, rope: Rope | None) -> mx.array:
-    """x (..., D) with each RoPE channel pair's two entries replaced by their mean (x itself without a rope):
-    RoPE turns a pair's energy from one channel to the other with the position, so per-pair statistics hold at
-    every position, per-channel ones only near the calibration's."""
-    if rope is None:
-        return x
-    P = rope.freqs.shape[0]
-    xo = mx.take(x, rope.order, axis=-1)
-    m = (xo[..., :P] + xo[..., P : 2 * P]) / 2
-    xo = mx.concatenate([m, m, xo[..., 2 * P :]], axis=-1)
-    return mx.take(xo, mx.argsort(rope.order), axis=-1)
-
-
 def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.array:
     """Channel weights w (B, H, D) for keys, from the summed squares of the queries q_sq (B, H, D) that attended
     the calibration tokens and those tokens as they will be quantized, calib (B, H, n, D) (centered).
@@ -361,7 +348,8 @@ def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.arra
     mean 1 and stay within WEIGHT_RANGE of it."""
     ok, n = _finite_tokens(calib)
     k_sq = mx.sum(mx.where(ok, calib * calib, 0.0), axis=2) / mx.maximum(n, 1)
-    q_sq, k_sq = pair_mean(q_sq, rope), pair_mean(k_sq, rope)
+    if rope is not None:
+        q_sq, k_sq = pair_mean(q_sq, rope), pair_mean(k_sq, rope)
     tiny = 1e-30
     q_sq = mx.maximum(q_sq, 1e-12 * mx.max(q_sq, axis=-1, keepdims=True) + tiny)
     k_sq = mx.maximum(k_sq, 1e-12 * mx.max(k_sq, axis=-1, keepdims=True) + tiny)
@@ -618,7 +606,7 @@ class CompressedStream:
             q = mx.where(mx.isfinite(q), q, 0.0)
             sq = mx.sum((q * q).reshape(B, H, Hq // H, hi - lo, D), axis=(2, 3))
             self.queries = sq if self.queries is None else self.queries + sq
-            if self._q_hi == self._q_lo:
+            if lo > self._q_hi:  # the first queries summed, or a gap before these: coverage starts here
                 self._q_lo = lo
             self._q_hi = hi
         self._settle()
