@@ -611,8 +611,12 @@ def ctx_label(c: int) -> str:
 
 def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
     contexts, texts = m["contexts"], [t for t in m["texts"] if any(t in r["texts"] for r in m["rows"])]
-    # bits at the longest context every measured row reached (merged runs may reach further for some rows)
-    top = max((c for c in contexts if all(str(c) in r["bits"] for r in m["rows"] if r["texts"])), default=max(contexts))
+    # bits at the longest context every measured row reached (merged runs may reach further for some rows); with
+    # none in common, at one the default reached, then the one most rows reached, then the longest
+    measured = [r for r in m["rows"] if r["texts"]]
+    default = [r["bits"] for r in measured if canonical_name(r) == DEFAULT.name]
+    top = max((c for c in contexts if all(str(c) in r["bits"] for r in measured)), default=None) or max(
+        contexts, key=lambda c: (any(str(c) in b for b in default), sum(str(c) in r["bits"] for r in measured), c))
     headers = ["cache", f"bits/val @{ctx_label(top)}", "bits/val @32k"]
     headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
     headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]

@@ -184,6 +184,22 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     headers, rows = lc.model_table(merged)
     assert headers[1] == "bits/val @1152" and "KL Brit 2k" in headers
     assert sum(row[headers.index("KL Brit 2k")] != "–" for row in rows) == 2
+    # a run of other rows at a context no earlier row reached: no context in common, so bits at one the
+    # default reached (not the new run's), the one most rows reached
+    other = json.loads(json.dumps(longer))
+    o = other["models"]["smollm2"]
+    o["contexts"], o["rows"] = [4096], [r for r in o["rows"] if r["kind"] == "float"]
+    for r in o["rows"]:
+        r["setting"] += " (again)"
+        r["bits"] = {"4096": 16.0}
+        r["texts"] = {t: {"4096": dict(c["1152"])} for t, c in r["texts"].items()}
+    paths.append(tmp_path / "run2.json")
+    paths[-1].write_text(json.dumps(other))
+    lc.merge([str(x) for x in paths], str(tmp_path / "merged2"))
+    merged = json.loads((tmp_path / "merged2" / "long_context.json").read_text())["models"]["smollm2"]
+    assert merged["contexts"] == [1024, 1152, 2048, 4096]
+    headers, _ = lc.model_table(merged)
+    assert headers[1] == "bits/val @1152" and "KL Brit 4k" in headers
 
 
 def test_long_context_rows_measured_with_values_centered_say_so() -> None:
