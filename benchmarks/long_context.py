@@ -25,7 +25,7 @@ layers; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64 (no window), "
 (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head of keys and values, then mlx-lm
 affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128 tokens), and mlx-vlm's
 TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run). Needles (SmolLM2): the
-default and float at --needles haystack lengths, depths 0.1/0.5/0.9.
+default and float at --needles haystack lengths, --needle-depths 0.1/0.5/0.9.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
@@ -570,21 +570,35 @@ def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> N
                 save()
 
 
+def needle_depths(text: str) -> tuple[float, ...]:
+    """--needle-depths: fractions of the haystack strictly between 0 and 1, comma-separated."""
+    try:
+        depths = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        depths = ()
+    if not depths or not all(0 < d < 1 for d in depths):
+        raise SystemExit(f"--needle-depths must be fractions strictly between 0 and 1, e.g. 0.1,0.5,0.9; got {text!r}")
+    return depths
+
+
 def needle_line(m: dict) -> str | None:
     """"Needles (depths 0.1/0.5/0.9 found): 4k float 3/3, default 3/3; 8k ..." from a model's probes."""
     probes = m.get("needles") or []
     if not probes:
         return None
     parts = []
+    shorts = {n: n.split(" (")[0] if n == base_name(n) and n not in PRESET_NAMES else n  # say what ran
+              for n in dict.fromkeys(r["setting"] for r in probes)}
     for length in sorted({r["length"] for r in probes}):
         cells = []
-        for name in dict.fromkeys(r["setting"] for r in probes):
+        for name, short in shorts.items():
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
-            if rs:
-                short = name.split(" (")[0] if name == base_name(name) and name not in PRESET_NAMES else name  # say what ran
-                cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
-                             + ("" if all(r["hit"] for r in rs) else
-                                " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][:24]!r}" for r in rs if not r["hit"]) + ")"))
+            if not rs:
+                continue
+            short = short if list(shorts.values()).count(short) == 1 else name  # one two settings share says little
+            cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
+                         + ("" if all(r["hit"] for r in rs) else  # the answer's end: the number it gave
+                            " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][-24:]!r}" for r in rs if not r["hit"]) + ")"))
         parts.append(f"{ctx_label(length)}: " + ", ".join(cells))
     depths = "/".join(f"{d:g}" for d in sorted({r["depth"] for r in probes}))
     return f"Needles on {m['model']} (the magic number at depths {depths} of a Britannica haystack, greedy): " + "; ".join(parts)
@@ -750,6 +764,8 @@ def main() -> None:
     ap.add_argument("--needles", default="4096,8192", help="SmolLM2 needle haystack lengths ('' for none)")
     ap.add_argument("--needle-settings", default="float,default",
                     help="settings probed with needles (keys as --settings; default float,default)")
+    ap.add_argument("--needle-depths", default="0.1,0.5,0.9",
+                    help="where the needle sits, as fractions of the haystack strictly between 0 and 1")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -768,7 +784,7 @@ def main() -> None:
     args.contexts_for = lambda key: {"smollm2": sm, "qwen15": qw15}.get(key, qw)
     args.texts = args.texts.split(",")
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
-    args.needle_depths = (0.1, 0.5, 0.9)
+    args.needle_depths = needle_depths(args.needle_depths)
     args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]
     for c in sm + qw + qw15:
         if c % args.chunk:

@@ -451,3 +451,23 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
                 for how in ke.CENTERINGS}
     noise = float(mx.mean(mx.linalg.norm(0.1 * x, axis=-1)))
     assert residual["rope"] < 1.1 * noise < residual["block"] < residual["global"], residual
+
+
+def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> None:
+    # Two settings whose short names agree are named in full; a miss quotes the end of the answer (the number).
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    a, b = "TQ K4/V4 (8-bit norms)", "TQ K4/V4 (8-bit norms, keys weighed by the queries)"
+    probe = lambda name, depth, hit, answer: dict(setting=name, length=8192, depth=depth, hit=hit,  # noqa: E731
+                                                  answer=f"The special magic number for the archive is {answer}.")
+    m = {"model": "M", "needles": [probe("float (mlx-lm KVCache)", 0.5, True, "7314926"),
+                                   probe(a, 0.5, False, "1661-1663"), probe(b, 0.5, True, "7314926")]}
+    line = lc.needle_line(m)
+    assert line.startswith("Needles on M (the magic number at depths 0.5 of")
+    assert f"{a} 0/1 (missed: 0.5: 'he archive is 1661-1663.')" in line and f"{b} 1/1" in line
+    assert "float 1/1" in line
+    assert lc.needle_depths("0.25,0.75") == (0.25, 0.75)
+    for bad in ("0,0.5", "1", "x", ""):
+        with pytest.raises(SystemExit, match="strictly between 0 and 1"):
+            lc.needle_depths(bad)
