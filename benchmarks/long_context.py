@@ -589,13 +589,14 @@ def needle_line(m: dict) -> str | None:
     parts = []
     shorts = {n: n.split(" (")[0] if n == base_name(n) and n not in PRESET_NAMES else n  # say what ran
               for n in dict.fromkeys(r["setting"] for r in probes)}
+    taken = list(shorts.values())
+    shorts = {n: s if taken.count(s) == 1 else n for n, s in shorts.items()}  # one two settings share says little
     for length in sorted({r["length"] for r in probes}):
         cells = []
         for name, short in shorts.items():
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
             if not rs:
                 continue
-            short = short if list(shorts.values()).count(short) == 1 else name  # one two settings share says little
             cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
                          + ("" if all(r["hit"] for r in rs) else  # the answer's end: the number it gave
                             " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][-24:]!r}" for r in rs if not r["hit"]) + ")"))
