@@ -112,7 +112,7 @@ BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, b
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False)
 DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2,
-                center_keys="rope")
+                center_keys="rope", weigh_keys=True)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
@@ -244,11 +244,16 @@ FLOAT = Setting("float (mlx-lm KVCache)", "float")
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default",
              **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits")})
 K4V3 = tq(4, 3, UNTIL)
-# the default's bits with the key mean taken after RoPE: the default for a few hours of 2026-11-26
+# the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed (2026-11-26)
+DEFAULT_ROPE = tq(4, 4, **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits",
+                                                                                           "weigh_keys")})
+# ... with the key mean taken after RoPE: the default for a few hours of 2026-11-26
 DEFAULT_MEAN = tq(4, 4, **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits",
-                                                                                           "center_keys")})
+                                                                                           "center_keys", "weigh_keys")})
 # the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2
-COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope")
+COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope",
+             weigh_keys=True)
+COMPACT_ROPE = tq(4, 3, norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope")
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
@@ -274,7 +279,7 @@ PRESET_ROWS = (DEFAULT, COMPACT)  # a spelled-out setting equal to one of these 
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
 PRESET_TAGS = ("the default", "compact")
 # the README's headline: the default, the defaults before it, compact
-HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_MEAN.name, K4V3.name, COMPACT.name, "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096)"]
+HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name]
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -284,11 +289,11 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, K4V3, DEFAULT_MEAN, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
-FIRST = 8  # ALL[:FIRST] on every text before the rest on any
+FIRST = 9  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

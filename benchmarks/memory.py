@@ -99,7 +99,9 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
             aligned = cache.n_compressed % step == 0 and _capacity(cache) == cache.n_compressed
             m = min(big if aligned else K, T - n)
             a = n % POOL if n % POOL + m <= POOL else 0
-            cache.update_and_fetch(pool_k[:, :, a : a + m], pool_v[:, :, a : a + m])
+            keys, _ = cache.update_and_fetch(pool_k[:, :, a : a + m], pool_v[:, :, a : a + m])
+            if getattr(keys, "observe", None) is not None:  # as attention does: queries for the keys' weights
+                keys.observe(pool_k[:, :, a : a + m])
             n += m
             mx.eval(cache.held_arrays())
         assert cache.offset == T

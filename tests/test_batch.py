@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import tq_mlx
+from tests.support.blas import ran_on_reference_blas, reference_blas_env
 from tests.support.host_sync import forbid_host_sync
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
@@ -264,29 +264,6 @@ def prompts_of(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-def reference_blas_env() -> dict:
-    """This process's environment without OpenBLAS preloaded: MLX's reference BLAS, whose matmuls give a row of a
-    batch exactly what they give it alone. OpenBLAS picks other kernels for other batch sizes (float32 keys
-    differ by ~1e-6 from the sequence alone, with mlx-lm's own BatchKVCache too), and quantization can turn such a
-    difference into another code, so a batch equals its rows alone only on the reference BLAS."""
-    env = dict(os.environ, TQ_MLX_OPENBLAS="0")
-    env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
-                                 if p and "blas" not in p)
-    return env
-
-
-def ran_on_reference_blas(request) -> bool:
-    """Under OpenBLAS, runs this test again in a pytest subprocess on the reference BLAS (asserting that it passes
-    there) and returns True; returns False when this process already uses the reference BLAS."""
-    if not openblas_preloaded():
-        return False
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                         cwd=REPO, env=reference_blas_env(), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1].startswith("1 passed"), run.stdout[-2000:]
-    return True
-
-
 def alone(model, prompt, max_tokens, prompt_cache=None, eos=(EOS,), **kw):
     """Greedy tokens and their log-probabilities generating one sequence with mlx-lm's generate_step, up to the
     first end-of-sequence token (which batch_generate leaves out)."""
@@ -357,7 +334,9 @@ def test_batch_generator_inserting_and_finishing_mid_generation(patched):
             got.setdefault(r.uid, []).append(r.token)
     gen.close()
     for uid, p, m in zip(uids, prompts, max_tokens):
-        want, _ = alone(model, p, m, eos=())
+        # alone with the generator's prefill chunks: which tokens a chunk's queries see as codes, and so every
+        # later query and the keys' query weights, depend on where the chunks end
+        want, _ = alone(model, p, m, eos=(), prefill_step_size=16)
         assert got[uid] == want
 
 

@@ -216,9 +216,16 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == lc.K4V3.name
     # The default decays since 2026-11-26: a row of it spelled out (or stored before norm_bits and the decay
     # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
-    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE)",
-               "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8r").config.to_dict()}
-    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v2n8r") is lc.DEFAULT
+    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, keys weighed by the queries)",
+               "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8rq").config.to_dict()}
+    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v2n8rq") is lc.DEFAULT
+    # ... and its keys are weighed by the queries later on 2026-11-26: the default's rows from before measured them
+    # unweighed and keep their numbers under that name, which the README's headline shows beside the default
+    unweighed = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, the default)",
+                 "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8r").config.to_dict()}
+    assert lc.canonical_name(unweighed) == lc.DEFAULT_ROPE.name != lc.DEFAULT.name
+    assert lc.DEFAULT_ROPE.name == "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE)"
+    assert lc.DEFAULT_ROPE.name in lc.HEADLINE_PRESETS and lc.parse_setting("default-rope") is lc.DEFAULT_ROPE
     # ... and its keys are centered before RoPE since later that day: the rows of the default and of compact
     # measured with the mean after RoPE keep their numbers under the name of what they measured
     before = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)", "kind": "tq",
@@ -229,6 +236,10 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
                "config": lc.parse_setting("k4v3w768b128d4096k2v2n8").config.to_dict()}
     assert lc.canonical_name(compact) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096)" != lc.COMPACT.name
     assert lc.canonical_name(dict(compact, config=lc.COMPACT.config.to_dict())) == lc.COMPACT.name
+    rope = dict(compact, setting=compact["setting"].replace(", compact)", ", keys centered before RoPE, compact)"),
+                config=lc.parse_setting("k4v3w768b128d4096k2v2n8r").config.to_dict())
+    assert lc.canonical_name(rope) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, keys centered before RoPE)"
+    assert lc.parse_setting("k4v3w768b128d4096k2v2n8rq") is lc.COMPACT
     legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
     assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
     assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"
@@ -330,17 +341,20 @@ def test_long_context_default_row_is_the_library_default() -> None:
 
 def test_long_context_spec_q_weighs_the_keys_and_stored_rows_did_not() -> None:
     # `q` spells weigh_keys=True; a stored row from before the field existed measured keys without weights, so it
-    # stays the default's row, and the weighed row is another.
+    # is not the default's row (the default weighs them), whatever name it was stored under.
     sys.path.insert(0, str(BENCH))
     import long_context as lc
 
     weighed = lc.parse_setting("k4v4w768b128d6144k3v2n8rq")
     assert weighed.config.weigh_keys and "keys weighed by the queries" in weighed.name
-    assert weighed.config == dataclasses.replace(lc.DEFAULT.config, weigh_keys=True)
+    assert weighed is lc.DEFAULT and lc.DEFAULT.config.weigh_keys
+    plain = lc.parse_setting("k4v4w768b128d6144k3v2n8r")
+    assert plain.config == dataclasses.replace(lc.DEFAULT.config, weigh_keys=False) and plain == lc.DEFAULT_ROPE
     stored = {k: v for k, v in lc.DEFAULT.config.to_dict().items() if k != "weigh_keys"}
-    assert lc.canonical_name({"kind": "tq", "config": stored, "setting": lc.DEFAULT.name}) == lc.DEFAULT.name
+    before = lc.DEFAULT_ROPE.name[:-1] + ", the default)"  # the name the default's rows were stored under
+    assert lc.canonical_name({"kind": "tq", "config": stored, "setting": before}) == lc.DEFAULT_ROPE.name
     row = {"kind": "tq", "config": weighed.config.to_dict(), "setting": weighed.name}
-    assert lc.canonical_name(row) == weighed.name
+    assert lc.canonical_name(row) == lc.DEFAULT.name
 
 
 def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:

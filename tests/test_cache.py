@@ -40,6 +40,7 @@ def test_config_defaults_and_from_bits():
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
     assert c.norm_bits == 8 and c.norm_dtype == mx.uint8
+    assert c.weigh_keys is True
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
     assert TurboQuantConfig(window=32).compress_block_size == 32
     d = TurboQuantConfig.from_bits(2.5, window=32)
@@ -47,6 +48,8 @@ def test_config_defaults_and_from_bits():
     assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
     assert TurboQuantConfig.from_dict(c.to_dict()) == c
+    # a file from before weigh_keys existed coded plain keys
+    assert TurboQuantConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "weigh_keys"}).weigh_keys is False
 
 
 def decay_of(c: TurboQuantConfig) -> tuple:

@@ -63,11 +63,11 @@ def test_every_flag_maps_onto_the_config():
         "--tq-bits", "3", "--tq-value-bits", "2.5", "--tq-qjl", "--tq-window", "64", "--tq-block", "16",
         "--tq-sinks", "2", "--tq-boundary-layers", "1", "--tq-boundary-bits", "4", "--tq-no-center-keys",
         "--tq-no-center-values", "--tq-seed", "7", "--tq-protect-factor", "3.5", "--tq-protect-bits", "4",
-        "--tq-weigh-keys",
+        "--tq-no-weigh-keys",
     )
     assert config_from_args(args) == TurboQuantConfig(
         key_bits=3, value_bits=2.5, qjl=True, window=64, compress_block=16, sinks=2, boundary_layers=1, boundary_bits=4,
-        center_keys=False, center_values=False, seed=7, protect_factor=3.5, protect_bits=4, weigh_keys=True,
+        center_keys=False, center_values=False, seed=7, protect_factor=3.5, protect_bits=4, weigh_keys=False,
     )
     assert len(cache_flags_given(args)) == 14
 
@@ -86,6 +86,15 @@ def test_value_centering_both_ways():
     assert config_from_args(parse("--tq-no-center-values")).center_values is False
     with pytest.raises(ValueError, match="contradict"):
         config_from_args(parse("--tq-center-values", "--tq-no-center-values"))
+
+
+def test_key_weights_both_ways():
+    assert TurboQuantConfig().weigh_keys is True
+    assert config_from_args(parse("--tq-weigh-keys")).weigh_keys is True
+    assert config_from_args(parse("--tq-no-weigh-keys")).weigh_keys is False
+    with pytest.raises(ValueError, match="contradict"):
+        config_from_args(parse("--tq-weigh-keys", "--tq-no-weigh-keys"))
+    assert cache_flags_given(parse("--tq-no-weigh-keys")) == ["--tq-no-weigh-keys"]
 
 
 def test_key_centering_before_or_after_rope():

@@ -702,7 +702,7 @@ def test_decay_bits_per_value_at_32k_by_hand():
     ctx, H = 32768, 8
     for D, norm_bits, want in ((128, 16, 3.01), (128, 8, 2.95), (64, 16, 3.13), (64, 8, 3.01)):
         cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=768, compress_block=128, decay_after=2048,
-                               decay_key_bits=3, decay_value_bits=2, norm_bits=norm_bits)
+                               decay_key_bits=3, decay_value_bits=2, norm_bits=norm_bits, weigh_keys=False)
         assert bounded_tokens(ctx, None, cfg) == (4, 32000, 764) and decayed_tokens(ctx, None, cfg) == 30720
         assert code_capacity(ctx, None, cfg, decaying=True) == (1536, 30720)
         norm = norm_bits // 8

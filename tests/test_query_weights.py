@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -189,6 +190,32 @@ def test_state_round_trip_before_and_after_calibration():
     bad = dict(arrays, k_weights=mx.ones((1, 2, D + 1)))
     with pytest.raises(ValueError, match="k_weights"):
         TurboQuantKVCache().state = (meta, bad)
+
+
+def test_queries_summed_on_a_worker_thread_can_be_saved_from_another(tmp_path):
+    # tq-chat attends on a worker thread (its own stream) and saves from the app's: the queries summed before
+    # calibration feed no output, so the stream has them computed where attention ran instead of leaving a graph
+    # that only the worker's stream can run (and that would grow by one step per token)
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    keys, values, queries = tokens(0, 20)
+    mx.eval(keys, values, queries)
+    held = {}
+
+    def work():
+        with mx.stream(mx.new_stream(mx.cpu)):  # the worker's own, as tq-chat's generation thread has
+            cache, out = run_cache(cfg(), keys, values, queries, [12, 1, 1])
+            mx.eval(out)
+        held["cache"] = cache
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    cache = held["cache"]
+    assert cache.key_stream.queries is not None and cache.key_stream.weights is None  # 14 tokens: calibrating
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))[0]
+    assert mx.array_equal(loaded.key_stream.queries, cache.key_stream.queries)
 
 
 def test_trim_forgets_what_it_cannot_take_back():

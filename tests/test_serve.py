@@ -9,13 +9,13 @@ differently from the sequence alone (README, Batching), and the answers are comp
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.blas import reference_blas_env
 from tests.test_cli import save_tiny_model
 from tq_mlx.cli import context_bound
 from tq_mlx.memory import max_context
@@ -28,13 +28,6 @@ import serve  # noqa: E402
 
 TQ = ["--tq-window", "16", "--tq-compress-block", "8", "--tq-sinks", "2", "--prompt-cache-size", "0"]
 TIMEOUT = 120  # seconds per request: the tiny model answers in well under a second
-
-
-def reference_blas_env() -> dict:
-    env = dict(os.environ, TQ_MLX_OPENBLAS="0")
-    env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
-                                 if p and "blas" not in p)
-    return env
 
 
 def prompts(n: int, chars: int) -> list[str]:

@@ -42,7 +42,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
           "tq_no_decay", *_FIELDS)
 
 
@@ -135,6 +135,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-weigh-keys", dest="tq_weigh_keys", action="store_true",
                    help="code keys times per-channel weights from the queries that attend the first window "
                         f"(exact: the queries are divided by them) (default {d.weigh_keys})")
+    g.add_argument("--tq-no-weigh-keys", dest="tq_no_weigh_keys", action="store_true",
+                   help="code the keys as they are, without the queries' channel weights")
     g.add_argument("--tq-center-values", dest="tq_center_values", action="store_true",
                    help=f"subtract the per-head value mean before quantizing (default {d.center_values})")
     g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
@@ -183,8 +185,12 @@ def config_from_args(args: argparse.Namespace) -> TurboQuantConfig:
             kw[name] = value
     if getattr(args, "tq_qjl", False):
         kw["qjl"] = True
+    if getattr(args, "tq_weigh_keys", False) and getattr(args, "tq_no_weigh_keys", False):
+        raise ValueError("--tq-weigh-keys and --tq-no-weigh-keys contradict each other: give one")
     if getattr(args, "tq_weigh_keys", False):
         kw["weigh_keys"] = True
+    if getattr(args, "tq_no_weigh_keys", False):
+        kw["weigh_keys"] = False
     if getattr(args, "tq_center_keys", None) and getattr(args, "tq_no_center_keys", False):
         raise ValueError("--tq-center-keys and --tq-no-center-keys contradict each other: give one")
     if getattr(args, "tq_center_keys", None):

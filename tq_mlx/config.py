@@ -50,9 +50,12 @@ class TurboQuantConfig:
     K4/V4. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
-    0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). μ, ν
-    (and the outlier channels of 2.5/3.5 bits) are calibrated on the first `window` tokens after the sinks,
-    however the prompt is fed.
+    0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
+    per-channel weights from the queries of the calibration tokens, the queries divided by them (weigh_keys,
+    exact): KL at 4k 0.0120 -> 0.0061 on Qwen2.5-Coder-0.5B (Britannica), and SmolLM2 finds at 8k the needles
+    float finds. μ, ν, the weights (and the outlier channels of 2.5/3.5 bits) are calibrated on the first
+    `window` tokens after the sinks, however the prompt is fed (though the queries of a later layer, and so its
+    weights, move a little with the prefill chunks, as every activation past the first compression does).
 
     Decay fields left at AUTO follow the default setting: with the default bits (K4/V4, no QJL) tokens decay to
     K3/V2 after DECAY_AFTER tokens; with other bits nothing decays unless decay bits are given (then decay_after
@@ -75,9 +78,9 @@ class TurboQuantConfig:
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
-    weigh_keys: bool = False  # code keys times per-channel weights from the queries that attend the calibration
+    weigh_keys: bool = True  # code keys times per-channel weights from the queries that attend the calibration
     # tokens, the queries divided by them (exact; tq_mlx.stream.query_weights), in caches whose attention takes
-    # views ("codes" fetch). Off until measured on every model and text (benchmarks/DEFAULTS.md)
+    # views ("codes" fetch); other caches code plain keys. On since 2026-11-26, issue 23 (benchmarks/DEFAULTS.md)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
@@ -221,8 +224,9 @@ class TurboQuantConfig:
         if "block" in d and "compress_block" not in d:  # the field's name in prompt-cache files of state version 1
             d["compress_block"] = d.pop("block")
         # Fields a file written before they existed does not name had the meaning of their absence then: float16
-        # norms, no decay (the defaults changed since).
+        # norms, no decay, no key weights (the defaults changed since).
         d.setdefault("norm_bits", 16)
+        d.setdefault("weigh_keys", False)
         for name in ("decay_after", "decay_key_bits", "decay_value_bits"):
             d.setdefault(name, None)
         names = {f.name for f in dataclasses.fields(cls)}
@@ -236,10 +240,10 @@ class TurboQuantConfig:
 # float16, head_dim 128 (64); KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at
 # long context"). default and compact decay: old tokens are re-coded at fewer bits.
 PRESETS: dict[str, dict] = {
-    # K4/V4, window 1696, 8-bit norms, no decay: 4.71 (4.77) bits, KL <= 0.0026
+    # K4/V4, window 1696, 8-bit norms, no decay: 4.71 (4.77) bits, KL <= 0.0026 (measured before keys were weighed)
     "quality": dict(window=1696, compress_block=64, decay_after=None),
-    # K4/V4, window 768, 8-bit norms, tokens past 6144 at K3/V2: 3.12 (3.23) bits
+    # K4/V4, window 768, 8-bit norms, tokens past 6144 at K3/V2: 3.17 (3.23) bits, KL at 8k <= 0.0043
     "default": {},
-    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2: 2.57 (2.63) bits, KJV 8k 0.015
+    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2: 2.57 (2.63) bits, KJV 8k 0.0118
     "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2),
 }

@@ -610,7 +610,16 @@ class CompressedStream:
                 self._q_lo = lo
             self._q_hi = hi
         self._settle()
-        return self.view()._replace(observe=None)
+        view = self.view()._replace(observe=None)
+        if self.queries is not None:
+            # Still calibrating, so every token is float: the float tokens attention reads carry the sum, which
+            # is then computed with the output, on the thread that attends. Left out of the graph it would hold
+            # every step's queries until the first compression, and a save from another thread (tq-chat's
+            # /save) could not evaluate it.
+            part = "window" if view.window is not None else "sinks"
+            if getattr(view, part) is not None:
+                view = view._replace(**{part: mx.depends(getattr(view, part), self.queries)})
+        return view
 
     def _settle(self) -> None:
         """Finish a first compression that waited for queries: code it again (the same tokens) if queries came
