@@ -241,19 +241,17 @@ def rot(bits: int, window: int) -> Setting:
 
 ROT_WINDOW: dict[str, int] = {}
 FLOAT = Setting("float (mlx-lm KVCache)", "float")
-DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default",
-             **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits")})
+_DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
+DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
 K4V3 = tq(4, 3, UNTIL)
 # the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed (2026-11-26)
-DEFAULT_ROPE = tq(4, 4, **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits",
-                                                                                           "weigh_keys")})
+DEFAULT_ROPE = tq(4, 4, **dict(_DEFAULT, weigh_keys=False))
 # ... with the key mean taken after RoPE: the default for a few hours of 2026-11-26
-DEFAULT_MEAN = tq(4, 4, **{k: v for k, v in DEFAULTS.items() if v != BASE[k] and k not in ("key_bits", "value_bits",
-                                                                                           "center_keys", "weigh_keys")})
-# the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2
-COMPACT = tq(4, 3, "compact", norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope",
-             weigh_keys=True)
-COMPACT_ROPE = tq(4, 3, norm_bits=8, decay_after=4096, decay_key_bits=2, decay_value_bits=2, center_keys="rope")
+DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False))
+# the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2; and its rows from before keys were weighed
+_COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
+COMPACT = tq(4, 3, "compact", **_COMPACT)
+COMPACT_ROPE = tq(4, 3, **dict(_COMPACT, weigh_keys=False))
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
