@@ -95,12 +95,17 @@ def test_key_weights_both_ways():
     with pytest.raises(ValueError, match="contradict"):
         config_from_args(parse("--tq-weigh-keys", "--tq-no-weigh-keys"))
     assert cache_flags_given(parse("--tq-no-weigh-keys")) == ["--tq-no-weigh-keys"]
+    assert "keys not weighed" in describe_config(config_from_args(parse("--tq-no-weigh-keys")))
+    assert "weighed" not in describe_config(TurboQuantConfig())
 
 
 def test_key_centering_before_or_after_rope():
     assert config_from_args(parse("--tq-center-keys", "rope")).center_keys == "rope"
     assert config_from_args(parse("--tq-center-keys", "mean")).center_keys is True
     assert config_from_args(parse("--tq-no-center-keys")).center_keys is False
+    assert "keys not centered" in describe_config(config_from_args(parse("--tq-no-center-keys")))
+    assert "keys centered after RoPE" in describe_config(config_from_args(parse("--tq-center-keys", "mean")))
+    assert "centered" not in describe_config(TurboQuantConfig())
     with pytest.raises(ValueError, match="contradict"):
         config_from_args(parse("--tq-center-keys", "rope", "--tq-no-center-keys"))
     with pytest.raises(SystemExit):

@@ -255,6 +255,10 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
     if config.protect_factor is None:
         parts.append("no key protection")
+    if not config.weigh_keys:  # departures from the default's key coding are named, as protection's is
+        parts.append("keys not weighed")
+    if config.center_keys != "rope":
+        parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
     if config.decay_after is not None:
         parts.append(f"decaying to {bits_label(config.decay_key_bits or config.key_bits, config.decay_value_bits or config.value_bits)}"
                      f" after {config.decay_after} tokens")
