@@ -467,6 +467,25 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
     assert residual["rope"] < 1.1 * noise < residual["block"] < residual["global"], residual
 
 
+def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> None:
+    # attention_mass.py decides whether float "heavy hitter" tokens could pay: its shares must be the softmax's.
+    sys.path.insert(0, str(BENCH))
+    import attention_mass as am
+
+    H, Hq, T, L, D, lo, hi = 2, 4, 300, 16, 8, 4, 200
+    q = mx.random.normal((1, Hq, L, D), key=mx.random.key(0)) + 1.0
+    uniform = am.coded_mass(q, mx.zeros((1, H, T, D)), 1.0, lo, hi)  # every causal token weighs the same
+    positions = np.arange(T - L, T)
+    assert math.isclose(uniform["coded"], float(np.mean((hi - lo) / (positions + 1))), rel_tol=1e-5)
+    assert math.isclose(uniform["top32"], 32 / (hi - lo), rel_tol=1e-4)
+    assert math.isclose(uniform["top128"], 128 / (hi - lo), rel_tol=1e-4)
+    assert math.isclose(uniform["per_query_top32"], 32 / (hi - lo), rel_tol=1e-4)
+    k = mx.zeros((1, H, T, D))
+    k[:, :, 50] = 2.0  # one coded token every query leans on (scores about 16 against 0)
+    heavy = am.coded_mass(q, k, 1.0, lo, hi)
+    assert heavy["coded"] > uniform["coded"] and heavy["top32"] > 0.8 > uniform["top32"], heavy
+
+
 def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> None:
     # Two settings whose short names agree are named in full; a miss quotes the end of the answer (the number).
     sys.path.insert(0, str(BENCH))
