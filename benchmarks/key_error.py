@@ -11,7 +11,11 @@ the spread of the exact scores over the keys (the same measure for every model),
 * rope: one μ0 before RoPE, subtracted as RoPE_p(μ0) at each position p (no storage; attention would add
   q·RoPE_p(μ0) back per token);
 * weighted: rope, and the keys coded times the cache's query weights (tq_mlx.stream.query_weights, from the
-  queries at the calibration positions), the query divided by them.
+  queries at the calibration positions), the query divided by them;
+* matrix: rope, and the keys coded times a full matrix A per kv head instead of per-channel weights, the query
+  times A⁻ᵀ (scores exact): A = M^(1/4) with M = Σk^(-1/2) (Σk^(1/2) Σq Σk^(1/2))^(1/2) Σk^(-1/2) from the
+  calibration queries' and keys' second moments. M minimizes E(score error²) (the matrix form of w² ∝ rms(q)/rms(k))
+  and M^(1/4) takes half its exponent, as the weights do. Not in the cache: it says what a full matrix would add.
 
 Queries are the last 256 of a --context-token Britannica prefix, keys all of it; calibration tokens are the
 cache's (the window after 4 sinks). Not a quality figure: it says which centering a model's keys call for.
@@ -47,7 +51,7 @@ MODELS = {
 }
 QUERIES = 256
 BLOCK = 128
-CENTERINGS = ("global", "block", "rope", "weighted")
+CENTERINGS = ("global", "block", "rope", "weighted", "matrix")
 
 
 def rope_rotate(x: mx.array, base: float, inverse: bool = False) -> mx.array:
@@ -75,10 +79,23 @@ def centered_means(k: mx.array, how: str, calib: slice, base: float) -> mx.array
         B, H, n, D = k.shape
         blocks = k.reshape(B, H, n // BLOCK, BLOCK, D)
         return mx.broadcast_to(mx.mean(blocks, axis=3, keepdims=True), blocks.shape).reshape(k.shape)
-    if how == "weighted":
+    if how in ("weighted", "matrix"):
         how = "rope"
     mu0 = mx.mean(rope_rotate(k, base, inverse=True)[:, :, calib], axis=2, keepdims=True)
     return rope_rotate(mx.broadcast_to(mu0, k.shape), base)
+
+
+def _psd_power(s: np.ndarray, p: float) -> np.ndarray:
+    e, v = np.linalg.eigh(s)
+    return (v * np.maximum(e, 1e-9 * e.max()) ** p) @ v.T
+
+
+def matrix_weights(s_q: np.ndarray, s_k: np.ndarray) -> np.ndarray:
+    """A (D, D), symmetric with determinant 1, for keys coded as A·k and queries as A⁻ᵀ·q: M^(1/4) with M the
+    minimizer of E(score error²) for queries and keys of second moments s_q and s_k (the docstring's formula)."""
+    root, inv_root = _psd_power(s_k, 0.5), _psd_power(s_k, -0.5)
+    a = _psd_power(inv_root @ _psd_power(root @ s_q @ root, 0.5) @ inv_root, 0.25)
+    return a / np.exp(np.mean(np.log(np.linalg.eigvalsh(a))))
 
 
 def run_model(key: str, context: int, bits: list[float]) -> dict:
@@ -111,10 +128,20 @@ def run_model(key: str, context: int, bits: list[float]) -> dict:
             w = mx.ones((1, 1, 1, D))
             if how == "weighted":
                 w = query_weights(mx.sum(q_calib * q_calib, axis=2), (k - mean)[:, :, calib], ropes[i])[:, :, None]
+            a = a_inv = None
+            if how == "matrix":
+                qc, kc = np.array(q_calib), np.array((k - mean)[:, :, calib])
+                am = np.stack([np.stack([matrix_weights(qc[b_, h].T @ qc[b_, h] / qc.shape[2],
+                                                        kc[b_, h].T @ kc[b_, h] / kc.shape[2])
+                                         for h in range(H)]) for b_ in range(B)])
+                a, a_inv = mx.array(am.astype(np.float32)), mx.array(np.linalg.inv(am).astype(np.float32))
             row[f"norm_{how}"] = float(mx.mean(mx.linalg.norm(k - mean, axis=-1)))
             for b in bits:
                 quant = TurboQuantMSE(D, b, seed=1)
-                k_hat = quant.dequantize(quant.quantize((k - mean) * w)) / w + mean
+                if a is None:
+                    k_hat = quant.dequantize(quant.quantize((k - mean) * w)) / w + mean
+                else:  # rows: A·k is (k)·Aᵀ = k·A (A symmetric), and back with A⁻¹
+                    k_hat = quant.dequantize(quant.quantize((k - mean) @ a)) @ a_inv + mean
                 row[f"{how}_{b:g}"] = relative_error(q, k, k_hat)
         layers.append(row)
         print(f"  layer {i:2d}: " + ", ".join(f"{how} {row[f'{how}_{bits[-1]:g}']:.3f}" for how in CENTERINGS),

@@ -467,6 +467,23 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
     assert residual["rope"] < 1.1 * noise < residual["block"] < residual["global"], residual
 
 
+def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diagonal() -> None:
+    # key_error.py's "matrix" mode is the full-matrix form of the cache's weights: on diagonal second moments it
+    # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.stream.query_weights does before its clip.
+    sys.path.insert(0, str(BENCH))
+    import key_error as ke
+
+    rng = np.random.default_rng(1)
+    q2, k2 = rng.uniform(0.1, 10, 16), rng.uniform(0.1, 10, 16)
+    w = (q2 / k2) ** 0.125
+    a = ke.matrix_weights(np.diag(q2), np.diag(k2))
+    assert np.allclose(a, np.diag(w / np.exp(np.mean(np.log(w)))), atol=1e-6)
+    x = rng.standard_normal((64, 16)) @ rng.standard_normal((16, 16))
+    y = rng.standard_normal((64, 16)) @ rng.standard_normal((16, 16))
+    a = ke.matrix_weights(x.T @ x / 64, y.T @ y / 64)
+    assert np.allclose(a, a.T, atol=1e-6) and math.isclose(np.linalg.det(a), 1.0, rel_tol=1e-4)
+
+
 def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> None:
     # attention_mass.py decides whether float "heavy hitter" tokens could pay: its shares must be the softmax's.
     sys.path.insert(0, str(BENCH))
