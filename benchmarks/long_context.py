@@ -84,6 +84,7 @@ import math
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -732,14 +733,22 @@ def report(results: dict) -> tuple[str, list[str]]:
 
 
 def _protection_note(results: dict) -> str:
-    rows = [(m["model"], r["setting"].split(" (")[0],
-             sorted({i for c in r["texts"].values() for i in c.get("protected_layers", ())}))
-            for m in results["models"].values() for r in m["rows"]]
-    rows = [(model, name, layers) for model, name, layers in rows if layers]
-    if not rows:
+    """Which layers protected themselves, per model: a count of rows per set of layers (the rows are marked †),
+    not one entry per row, whose short names repeat."""
+    by_model: dict[str, Counter] = {}
+    for m in results["models"].values():
+        for r in m["rows"]:
+            layers = tuple(sorted({i for c in r["texts"].values() for i in c.get("protected_layers", ())}))
+            if layers:
+                by_model.setdefault(m["model"], Counter())[layers] += 1
+    if not by_model:
         return ""
+    def entry(layers: tuple[int, ...], n: int) -> str:
+        return f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({n} row{'s' if n > 1 else ''})"
+
     return (" † = with the layers whose keys protected themselves in that run (their key codes at protect_bits): "
-            + "; ".join(f"{model} {name}: layer {', '.join(map(str, layers))}" for model, name, layers in rows)
+            + "; ".join(f"{model}: " + ", ".join(entry(layers, n) for layers, n in counts.items())
+                        for model, counts in by_model.items())
             + "; no layer in the other rows.")
 
 
