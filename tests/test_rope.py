@@ -132,13 +132,26 @@ def test_reference_attention_matches_float_at_8_bits(config):
     assert float(mx.max(mx.abs(got - want))) < tol
 
 
-def test_same_attention_as_the_tokens_decoded():
-    """Scores on the codes plus q·R(p) μ0 equal scores on the decoded tokens (what decode-to-float attends)."""
+@pytest.mark.parametrize("fold_rows", [None, 16], ids=["bias-on-scores", "centers-on-keys"])
+def test_same_attention_as_the_tokens_decoded(fold_rows, monkeypatch):
+    """Scores on the codes plus q·R(p) μ0 equal scores on the decoded tokens (what decode-to-float attends):
+    with few query rows the bias goes on the scores, with many (FOLD_ROWS, a prefill chunk; lowered here so the
+    queries stay past the calibration tokens) the centers go on the tile's keys."""
+    import tq_mlx.attention as A
+
+    L = 40
+    if fold_rows is not None:
+        monkeypatch.setattr(A, "FOLD_ROWS", fold_rows)
     cache, fn = rope_cache(decay_after=160, decay_key_bits=3, decay_value_bits=2)
     rng = np.random.default_rng(4)
     keys, values = cache.update_and_fetch(biased_keys(rng, fn, 1, 2, 333, 64), normal(rng, (1, 2, 333, 64)))
-    q = normal(rng, (1, 2, 2, 64)) * 3
+    q = normal(rng, (1, 2, L, 64)) * 3
+    calls = {"bias": 0, "centers": 0}
+    for name, fn_ in (("bias", A.score_bias), ("centers", A._with_centers)):
+        monkeypatch.setattr(A, "score_bias" if name == "bias" else "_with_centers",
+                            lambda *a, _f=fn_, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1])
     got = turboquant_attention(q, keys, values, scale=0.125, tile_tokens=50)
+    assert (calls["centers"] > 0, calls["bias"] > 0) == ((True, False) if L >= A.FOLD_ROWS else (False, True))
     parts = lambda kv: [x for x in (kv.sinks, stream_decode(kv, mx.float32), kv.window)]  # noqa: E731
     kf, vf = (mx.concatenate([p.astype(mx.float32) for p in parts(kv)], axis=2) for kv in (keys, values))
     want = mx.fast.scaled_dot_product_attention(q, kf, vf, scale=0.125)

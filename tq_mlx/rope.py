@@ -5,7 +5,8 @@ turns into R(p) μ0, which rotates with the position, so one mean μ after RoPE 
 and the codes spend their bits on it (benchmarks/key_error.py: Qwen2.5-Coder-0.5B's score error halves when the
 mean is taken before RoPE). With a `Rope`, the key stream subtracts R(p) μ0 from the key at position p, μ0
 the mean of R(p)⁻¹ k_p over the calibration tokens, and adds it back: decoding adds R(p) μ0, attention adds
-q·R(p) μ0 to each compressed token's score. Subtracting and adding one vector is exact whatever it is, so a
+q·R(p) μ0 to each compressed token's score (or, in the reference with a prefill chunk's many query rows, R(p) μ0
+to the tile's dequantized keys: `centers`). Subtracting and adding one vector is exact whatever it is, so a
 Rope that does not match the model's costs quality, never correctness.
 
 R(p) rotates pairs of channels (a_k, b_k) by the angle p·f_k:  a ← a cos - b sin,  b ← a sin + b cos; other
