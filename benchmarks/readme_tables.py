@@ -123,7 +123,8 @@ HEADLINE_QUALITY = [  # the presets' rows come first (long_context.HEADLINE_PRES
     "peer: mlx-vlm TurboQuant 4-bit",
     "peer: mlx-vlm TurboQuant 3-bit",
 ]
-HEADLINE_SPEED = ["float (mlx-lm KVCache)", "mlx-lm QuantizedKVCache 4-bit", "TQ K4/V3", "TQ K4/V4",
+# rows by name, or by the part before " (" (TurboQuant's named settings carry their bits in parentheses)
+HEADLINE_SPEED = ["float (mlx-lm KVCache)", "mlx-lm QuantizedKVCache 4-bit", "TQ default", "TQ compact",
                   "peer: mlx-vlm TurboQuant 4-bit"]
 HEADLINE_CONTEXTS = (32768, 131072)
 
@@ -200,9 +201,10 @@ def speed_headline(results: Path, suffix: str, full: str) -> str:
         return f"### Speed\n\nNo results yet: run `{COMMANDS['speed']}`."
     res = json.loads(path.read_text())
     headers, rows = speed.report(res)[:2]
-    cols = ([headers.index("cache")] + [i for i, h in enumerate(headers) if h.startswith("decode")][-2:]
+    cache = headers.index("cache")
+    cols = ([cache] + [i for i, h in enumerate(headers) if h.startswith("decode")][-2:]
             + [i for i, h in enumerate(headers) if h.startswith("prefill")][-2:])
-    picked = [r for r in rows if r[headers.index("cache")] in HEADLINE_SPEED]
+    picked = [r for r in rows if r[cache] in HEADLINE_SPEED or r[cache].split(" (")[0] in HEADLINE_SPEED]
     model = res["models"][0]["model"]
     where = ("MLX's CPU back end: no Metal, so TurboQuant runs its pure-MLX reference path" if res["meta"]["backend"] == "cpu"
              else f"MLX's {res['meta']['backend']} back end")

@@ -1,7 +1,7 @@
 """Decode and prefill speed of TurboQuant next to mlx-lm's caches, side by side in one run, as ratios to KVCache.
 
-Caches: mlx-lm KVCache (the float baseline), QuantizedKVCache 8/4-bit (group 64), TurboQuantKVCache settings,
-and mlx-vlm's TurboQuantKVCache (a peer from PyPI) where it runs. Models: a random llama-shaped model (hidden
+Caches: mlx-lm KVCache (the float baseline), QuantizedKVCache 8/4-bit (group 64), TurboQuant's named settings
+(default, compact, quality: what --tq-preset builds), and mlx-vlm's TurboQuantKVCache (a peer from PyPI) where it runs. Models: a random llama-shaped model (hidden
 512, 4 layers, 8 Q / 2 KV heads, head_dim 128, like shared/docs/mlx-lm-integration.md §9) and, unless --quick
 or --no-smollm2, the real SmolLM2-135M (head_dim 64) at 1k/2k. Everything is float32 (on CPU fp16 matmuls skip BLAS).
 
@@ -29,7 +29,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 import quality  # noqa: E402  (settings, cache construction, the peer hook)
-from quality import FLOAT, MLX4, MLX8, PEER4, Setting, tq  # noqa: E402
+from quality import FLOAT, MLX4, MLX8, PEER4, Setting  # noqa: E402
+from tq_mlx import TurboQuantConfig  # noqa: E402
+from tq_mlx.config import PRESETS, bits_label  # noqa: E402
 
 CONTEXTS = (1024, 4096, 8192)
 QUICK_CONTEXTS = (256, 1024)
@@ -37,10 +39,24 @@ SMOLLM2_CONTEXTS = (1024, 2048)
 PREFILL_STEP = 2048
 
 
+def preset(name: str) -> Setting:
+    """A named setting as the commands' --tq-preset builds it: "TQ default (K4/V4 → K3/V2 after 6144)"."""
+    cfg = TurboQuantConfig.preset(name)
+    what = bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)
+    if cfg.decay_after is not None:
+        what += (f" → {bits_label(cfg.decay_key_bits or cfg.key_bits, cfg.decay_value_bits or cfg.value_bits)}"
+                 f" after {cfg.decay_after}")
+    else:
+        what += f", window {cfg.window}"
+    return Setting(f"TQ {name} ({what})", "tq", config=cfg)
+
+
 def settings(quick: bool) -> list[Setting]:
+    """The caches a user picks from: mlx-lm's, TurboQuant's named settings (what tq-chat, tq-generate and
+    tq-server run), the peer."""
     if quick:
-        return [FLOAT, MLX4, tq(4), PEER4]
-    return [FLOAT, MLX8, MLX4, tq(4), tq(3), tq(4, 3), PEER4]
+        return [FLOAT, MLX4, preset("default"), PEER4]
+    return [FLOAT, MLX8, MLX4, *(preset(n) for n in PRESETS), PEER4]
 
 
 def llama_model(seed: int = 0) -> nn.Module:
@@ -71,7 +87,9 @@ def fill(cache: list, ctx: int, n_kv: int, head_dim: int, chunk: int = 2048, see
         n = 0
         while n < ctx:
             m = min(chunk, ctx - n)
-            c.update_and_fetch(k[:, :, :m], k[:, :, :m])
+            keys, _ = c.update_and_fetch(k[:, :, :m], k[:, :, :m])
+            if getattr(keys, "observe", None) is not None:  # as attention does: queries for the keys' weights
+                keys.observe(k[:, :, :m])
             n += m
         quality._eval_cache([c])
 
@@ -214,8 +232,7 @@ def main() -> None:
         # A real model costs ~1 min per 2k-token prefill here: fewer settings and contexts, one prefill each.
         model, _ = load_smollm2(mx.float32)
         args.prefill_repeats = 1
-        small = [s for s in sets if s.name in {x.name for x in (FLOAT, MLX8, MLX4, tq(4), tq(3), tq(4, 3), PEER4)}]
-        res["models"].append(run_model("SmolLM2-135M (30 layers, 9/3 heads, head_dim 64)", model, small,
+        res["models"].append(run_model("SmolLM2-135M (30 layers, 9/3 heads, head_dim 64)", model, sets,
                                        SMOLLM2_CONTEXTS, args, budget))
     res["seconds"] = round(time.perf_counter() - t0, 1)
 
@@ -247,6 +264,8 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
            if res["meta"].get("malloc_tuned") else ""),
         f"Peer: mlx-vlm {peer['version']} TurboQuantKVCache (no Metal here: its CPU fallback, dequantize-then-SDPA for "
         "prefill)." if peer["runs"] else f"Peer mlx-vlm: {peer['reason']}.",
+        "TurboQuant rows: the named settings as --tq-preset builds them, filled with random keys and values (the "
+        "keys also standing in for the queries that weigh them).",
         f"The machine was shared with other jobs (load average {', '.join(f'{x:.1f}' for x in res['meta']['load_average'] or [])} "
         "at the start): trust ratios within a column, not absolute speeds.",
     ]

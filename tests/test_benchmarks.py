@@ -308,8 +308,10 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
     assert "OLD-HEADLINE" not in head and head.endswith("<!-- headline-results:end -->\n\nend\n")
     sys.path.insert(0, str(BENCH))
     import long_context as lc
+    import speed as sp
 
-    for part in ("### Memory", "### Quality at long context", "### Speed", f"| {lc.DEFAULT.name} |", "| TQ K4/V4 |",
+    for part in ("### Memory", "### Quality at long context", "### Speed", f"| {lc.DEFAULT.name} |",
+                 f"| {sp.preset('default').name} |",
                  "(docs/benchmarks.md#memory)", "(docs/benchmarks.md#quality-at-long-context)", "(docs/benchmarks.md#speed)"):
         assert part in head, part
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
