@@ -130,7 +130,7 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.norm_bits != BASE["norm_bits"]:
         extra.append(f"{cfg.norm_bits}-bit norms")
     if cfg.decay_after is not None:
-        extra.append(f"decaying to {decay_label(cfg)} after {cfg.decay_after}")
+        extra.append(f"decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}")
     if cfg.center_values != BASE["center_values"]:
         extra.append(centering_tag(cfg.center_values))
     if cfg.center_keys == "rope":
@@ -141,11 +141,6 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
     return Setting(label, "tq", config=cfg)
-
-
-def decay_label(cfg: TurboQuantConfig) -> str:
-    kb, vb = cfg.decay_key_bits or cfg.key_bits, cfg.decay_value_bits or cfg.value_bits
-    return bits_label(kb, vb)
 
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
@@ -230,7 +225,7 @@ def config_text(cfg: TurboQuantConfig) -> str:
             + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
             + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
-            + (f", decaying to {decay_label(cfg)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
+            + (f", decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
             + (", keys weighed by the queries" if cfg.weigh_keys else "") + f", seed {cfg.seed}")
 
 

@@ -159,8 +159,7 @@ def memory_headline(full: str) -> str:
             row += [format_bytes(cs[k][i]) for k in ("float16", tq_name)]
         row += [format_bytes(cs["mlx-lm affine 4-bit"][-1]), f"{cs['float16'][-1] / cs[tq_name][-1]:.2f}x"]
         rows.append(row)
-    decay = (f", tokens past {d.decay_after} at K{d.decay_key_bits or d.key_bits:g}/V{d.decay_value_bits or d.value_bits:g}"
-             if d.decay_after else "")
+    decay = f", tokens past {d.decay_after} at K{d.decayed_bits[0]:g}/V{d.decayed_bits[1]:g}" if d.decay_after else ""
     note = (f"KV cache of one sequence (hybrid models: their attention layers only). TurboQuant: the defaults (K{d.key_bits:g}/"
             f"V{d.value_bits:g}, {d.norm_bits}-bit norms{decay}, window {d.window}, {d.sinks} sinks); mlx-lm 4-bit: `--kv-bits 4`, groups of 64; 'vs float16' "
             f"at {labels[-1]}. From tq_mlx.memory.estimate_kv_bytes, which `benchmarks/memory.py` checks byte for byte "

@@ -44,8 +44,7 @@ def preset(name: str) -> Setting:
     cfg = TurboQuantConfig.preset(name)
     what = bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)
     if cfg.decay_after is not None:
-        what += (f" → {bits_label(cfg.decay_key_bits or cfg.key_bits, cfg.decay_value_bits or cfg.value_bits)}"
-                 f" after {cfg.decay_after}")
+        what += f" → {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}"
     else:
         what += f", window {cfg.window}"
     return Setting(f"TQ {name} ({what})", "tq", config=cfg)

@@ -260,8 +260,7 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     if config.center_keys != "rope":
         parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
     if config.decay_after is not None:
-        parts.append(f"decaying to {bits_label(config.decay_key_bits or config.key_bits, config.decay_value_bits or config.value_bits)}"
-                     f" after {config.decay_after} tokens")
+        parts.append(f"decaying to {bits_label(*config.decayed_bits)} after {config.decay_after} tokens")
     return ", ".join(parts)
 
 

@@ -190,6 +190,11 @@ class TurboQuantConfig:
         return mx.float16 if self.norm_bits == 16 else mx.uint8
 
     @property
+    def decayed_bits(self) -> tuple[float, float]:
+        """(key_bits, value_bits) of decayed tokens: each side's decay bits, or its own where it does not decay."""
+        return self.decay_key_bits or self.key_bits, self.decay_value_bits or self.value_bits
+
+    @property
     def compress_block_size(self) -> int:
         """Tokens compressed at a time when the window overflows."""
         return self.compress_block if self.compress_block is not None else min(max(self.window, 1), COMPRESS_BLOCK)
