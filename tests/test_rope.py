@@ -147,9 +147,15 @@ def test_same_attention_as_the_tokens_decoded(fold_rows, monkeypatch):
     keys, values = cache.update_and_fetch(biased_keys(rng, fn, 1, 2, 333, 64), normal(rng, (1, 2, 333, 64)))
     q = normal(rng, (1, 2, L, 64)) * 3
     calls = {"bias": 0, "centers": 0}
-    for name, fn_ in (("bias", A.score_bias), ("centers", A._with_centers)):
-        monkeypatch.setattr(A, "score_bias" if name == "bias" else "_with_centers",
-                            lambda *a, _f=fn_, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1])
+
+    def counting(name, f):
+        def counted(*args):
+            calls[name] += 1
+            return f(*args)
+        return counted
+
+    monkeypatch.setattr(A, "score_bias", counting("bias", A.score_bias))
+    monkeypatch.setattr(A, "_with_centers", counting("centers", A._with_centers))
     got = turboquant_attention(q, keys, values, scale=0.125, tile_tokens=50)
     assert (calls["centers"] > 0, calls["bias"] > 0) == ((True, False) if L >= A.FOLD_ROWS else (False, True))
     parts = lambda kv: [x for x in (kv.sinks, stream_decode(kv, mx.float32), kv.window)]  # noqa: E731
