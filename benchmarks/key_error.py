@@ -16,6 +16,10 @@ the spread of the exact scores over the keys (the same measure for every model),
   times A⁻ᵀ (scores exact): A = M^(1/4) with M = Σk^(-1/2) (Σk^(1/2) Σq Σk^(1/2))^(1/2) Σk^(-1/2) from the
   calibration queries' and keys' second moments. M minimizes E(score error²) (the matrix form of w² ∝ rms(q)/rms(k))
   and M^(1/4) takes half its exponent, as the weights do. Not in the cache: it says what a full matrix would add.
+* allocated: weighted, and the bits allocated by energy instead of spread evenly by one rotation: the RoPE pairs
+  ranked by their weighted keys' energy in the calibration tokens, the top quarter coded at bits + 1, the middle
+  half at bits, the rest at bits - 1 (the same code bits per vector), each group with its own rotation and
+  norm (two more norms per token). Not in the cache: it says what transform coding's bit allocation would add.
 
 Queries are the last 256 of a --context-token Britannica prefix, keys all of it; calibration tokens are the
 cache's (the window after 4 sinks). Not a quality figure: it says which centering a model's keys call for.
@@ -40,7 +44,9 @@ import numpy as np  # noqa: E402
 import quality  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.memory import load_model_config  # noqa: E402
+from tq_mlx.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.rotation import Rotation  # noqa: E402
 from tq_mlx.rope import probe  # noqa: E402
 from tq_mlx.stream import query_weights  # noqa: E402
 
@@ -51,7 +57,7 @@ MODELS = {
 }
 QUERIES = 256
 BLOCK = 128
-CENTERINGS = ("global", "block", "rope", "weighted", "matrix")
+CENTERINGS = ("global", "block", "rope", "weighted", "matrix", "allocated")
 
 
 def rope_rotate(x: mx.array, base: float, inverse: bool = False) -> mx.array:
@@ -79,7 +85,7 @@ def centered_means(k: mx.array, how: str, calib: slice, base: float) -> mx.array
         B, H, n, D = k.shape
         blocks = k.reshape(B, H, n // BLOCK, BLOCK, D)
         return mx.broadcast_to(mx.mean(blocks, axis=3, keepdims=True), blocks.shape).reshape(k.shape)
-    if how in ("weighted", "matrix"):
+    if how in ("weighted", "matrix", "allocated"):
         how = "rope"
     mu0 = mx.mean(rope_rotate(k, base, inverse=True)[:, :, calib], axis=2, keepdims=True)
     return rope_rotate(mx.broadcast_to(mu0, k.shape), base)
@@ -96,6 +102,35 @@ def matrix_weights(s_q: np.ndarray, s_k: np.ndarray) -> np.ndarray:
     root, inv_root = _psd_power(s_k, 0.5), _psd_power(s_k, -0.5)
     a = _psd_power(inv_root @ _psd_power(root @ s_q @ root, 0.5) @ inv_root, 0.25)
     return a / np.exp(np.mean(np.log(np.linalg.eigvalsh(a))))
+
+
+def group_code(x: mx.array, bits: int, seed: int) -> mx.array:
+    """x (..., n) through TurboQuant_mse at any codebook width: norm (float16), rotation, Lloyd-Max, back."""
+    cb = lloyd_max(x.shape[-1], bits)
+    rot = Rotation(x.shape[-1], seed=seed)
+    norm = mx.linalg.norm(x, axis=-1, keepdims=True)
+    y = rot.forward(x / mx.maximum(norm, 1e-30))
+    idx = mx.sum(y[..., None] > mx.array(cb.boundaries.astype(np.float32)), axis=-1)
+    return rot.inverse(mx.take(mx.array(cb.centroids.astype(np.float32)), idx)) * norm.astype(mx.float16)
+
+
+def allocated(x: mx.array, calib: slice, bits: int) -> mx.array:
+    """x (B, H, n, D) coded in three groups of RoPE pairs (i, i + D/2) ranked by their energy in the calibration
+    tokens: the top quarter at bits + 1, the middle half at bits, the rest at bits - 1."""
+    B, H, _, D = x.shape
+    half = D // 2
+    e = np.array(mx.mean(x[:, :, calib] ** 2, axis=2))
+    out = mx.zeros(x.shape)
+    for b_ in range(B):
+        for h in range(H):
+            order = np.argsort(-(e[b_, h, :half] + e[b_, h, half:]))
+            start = 0
+            for g, (n, gb) in enumerate(((half // 4, bits + 1), (half // 2, bits), (half // 4, bits - 1))):
+                pairs = order[start : start + n]
+                start += n
+                ch = mx.array(np.concatenate([pairs, pairs + half]).astype(np.int32))
+                out[b_, h, :, ch] = group_code(mx.take(x[b_, h], ch, axis=-1), gb, seed=g)
+    return out
 
 
 def run_model(key: str, context: int, bits: list[float]) -> dict:
@@ -126,7 +161,7 @@ def run_model(key: str, context: int, bits: list[float]) -> dict:
         for how in CENTERINGS:
             mean = centered_means(k, how, calib, base)
             w = mx.ones((1, 1, 1, D))
-            if how == "weighted":
+            if how in ("weighted", "allocated"):
                 w = query_weights(mx.sum(q_calib * q_calib, axis=2), (k - mean)[:, :, calib], ropes[i])[:, :, None]
             a = a_inv = None
             if how == "matrix":
@@ -138,7 +173,9 @@ def run_model(key: str, context: int, bits: list[float]) -> dict:
             row[f"norm_{how}"] = float(mx.mean(mx.linalg.norm(k - mean, axis=-1)))
             for b in bits:
                 quant = TurboQuantMSE(D, b, seed=1)
-                if a is None:
+                if how == "allocated":
+                    k_hat = allocated((k - mean) * w, calib, int(b)) / w + mean
+                elif a is None:
                     k_hat = quant.dequantize(quant.quantize((k - mean) * w)) / w + mean
                 else:  # rows: A·k is (k)·Aᵀ = k·A (A symmetric), and back with A⁻¹
                     k_hat = quant.dequantize(quant.quantize((k - mean) @ a)) @ a_inv + mean
@@ -161,6 +198,8 @@ def main() -> None:
     if args.context % BLOCK or args.context <= QUERIES:
         raise SystemExit(f"--context must be a multiple of {BLOCK} above {QUERIES}, got {args.context}")
     bits = [float(b) for b in args.bits.split(",")]
+    if any(b != int(b) or not 2 <= b <= 7 for b in bits):
+        raise SystemExit(f"--bits must be whole numbers from 2 to 7 (allocated codes use bits ± 1), got {args.bits}")
     t0 = time.perf_counter()
     results = {"meta": common.metadata(), "models": {}}
     for key in args.models.split(","):

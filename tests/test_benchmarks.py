@@ -486,6 +486,33 @@ def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diago
     assert np.allclose(a, a.T, atol=1e-6) and math.isclose(np.linalg.det(a), 1.0, rel_tol=1e-4)
 
 
+def test_key_error_allocated_codes_are_turboquant_groups_with_the_bits_where_the_energy_is() -> None:
+    # key_error.py's "allocated" mode says what bit allocation would add: each group must be TurboQuant_mse
+    # itself, and the extra bit must go to the pairs that hold the energy, so that it beats one even code there.
+    sys.path.insert(0, str(BENCH))
+    import key_error as ke
+
+    from tq_mlx.codebook import lloyd_max
+    from tq_mlx.quantizer import TurboQuantMSE
+
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((300, 64)).astype(np.float32))
+    q = TurboQuantMSE(64, 4, seed=3)
+    assert mx.allclose(ke.group_code(x, 4, seed=3), q.dequantize(q.quantize(x)), atol=1e-5)
+    # energy in pairs 0..7 (channels 0..7 and 32..39): those must land in the 5-bit group
+    scale = np.ones(64, np.float32)
+    scale[[*range(8), *range(32, 40)]] = 8.0
+    k = mx.array(rng.standard_normal((1, 2, 300, 64)).astype(np.float32) * scale)
+    coded = ke.allocated(k, slice(0, 256), 4)
+    top = mx.array([*range(8), *range(32, 40)])
+    err = mx.take(k - coded, top, axis=-1)
+    ratio = float(mx.sum(err * err) / mx.sum(mx.take(k, top, axis=-1) ** 2))
+    assert ratio < 0.6 * lloyd_max(16, 4).mse, ratio  # 5-bit codes' error, not 4-bit ones'
+    even = TurboQuantMSE(64, 4, seed=1)
+    even_err = float(mx.sum((k - even.dequantize(even.quantize(k))) ** 2))
+    assert float(mx.sum((k - coded) ** 2)) < 0.7 * even_err
+
+
 def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> None:
     # attention_mass.py decides whether float "heavy hitter" tokens could pay: its shares must be the softmax's.
     sys.path.insert(0, str(BENCH))

@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8)
+# Every width up to 8: the quantizers use 1-4 and 8 (quantizer.MSE_BITS); benchmarks/key_error.py also codes
+# channel groups at 5-7 bits to measure bit allocation.
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 MIN_DIM = 16
 
 # Gauss-Legendre nodes per cell: the density is smooth inside a cell, so 64 nodes integrate it to ~1e-15.
