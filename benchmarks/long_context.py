@@ -248,6 +248,8 @@ DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False))
 _COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
 COMPACT = tq(4, 3, "compact", **_COMPACT)
 COMPACT_ROPE = tq(4, 3, **dict(_COMPACT, weigh_keys=False))
+# the quality preset: 8-bit keys, no decay (K4/V4 with a 1696-token window until 2026-11-27: K4V4_N8 below)
+QUALITY = tq(8, 4, "quality", **dict(_DEFAULT, decay_after=None, decay_key_bits=None, decay_value_bits=None))
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
@@ -269,11 +271,11 @@ K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
 # 8-bit norms pay for the window at 2.74 bits: 2-bit values and a 1408-token window, or 1-bit values and 2496
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
-PRESET_ROWS = (DEFAULT, COMPACT)  # a spelled-out setting equal to one of these is that row
+PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one of these is that row
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
-PRESET_TAGS = ("the default", "compact")
-# the README's headline: the default, the defaults before it, compact
-HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name]
+PRESET_TAGS = ("the default", "compact", "quality")
+# the README's headline: the default, the defaults before it, compact, quality
+HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name, QUALITY.name]
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -283,11 +285,11 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
-FIRST = 9  # ALL[:FIRST] on every text before the rest on any
+FIRST = 10  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "quality": QUALITY, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

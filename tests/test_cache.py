@@ -87,9 +87,10 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
     o = TurboQuantConfig.from_dict(old)
     assert o.norm_bits == 16 and decay_of(o) == (None, None, None)
     assert o == TurboQuantConfig(norm_bits=16, decay_after=None)
-    # Presets: quality drops the decay, compact decays sooner and further.
+    # Presets: quality takes 8-bit keys and drops the decay, compact decays sooner and further.
     q, dflt, compact = (TurboQuantConfig.preset(n) for n in ("quality", "default", "compact"))
-    assert (q.key_bits, q.value_bits, q.norm_bits, q.window, q.compress_block) == (4, 4, 8, 1696, 64)
+    assert (q.key_bits, q.value_bits, q.norm_bits, q.window, q.compress_block) == (8, 4, 8, 768, None)  # None: the library's block size
+    assert q.weigh_keys and q.center_keys == "rope"
     assert decay_of(q) == (None, None, None)
     assert dflt == TurboQuantConfig()
     assert (compact.key_bits, compact.value_bits, compact.norm_bits) == (4, 3, 8)

@@ -145,7 +145,7 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     assert (compact.key_bits, compact.value_bits, compact.window, compact.norm_bits) == (4, 3, 768, 8)
     assert (compact.decay_after, compact.decay_key_bits, compact.decay_value_bits) == (4096, 2, 2)
     quality = config_from_args(parse("--tq-preset", "quality", "--tq-window", "256"))
-    assert (quality.key_bits, quality.value_bits, quality.norm_bits, quality.window) == (4, 4, 8, 256)
+    assert (quality.key_bits, quality.value_bits, quality.norm_bits, quality.window) == (8, 4, 8, 256)
     assert (quality.decay_after, quality.decay_key_bits, quality.decay_value_bits) == (None, None, None)
     assert cache_flags_given(parse("--tq-preset", "compact")) == ["--tq-preset"]  # so --kv-bits conflicts with it
     with pytest.raises(SystemExit):

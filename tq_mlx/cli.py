@@ -95,7 +95,7 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
                    help="a named setting the other --tq-* flags then adjust (bits/value at 32k, head_dim 128): "
-                        "quality (K4/V4, window 1696, no decay: 4.71), default (K4/V4, window 768, tokens past 6144 "
+                        "quality (K8/V4, window 768, no decay: 6.34), default (K4/V4, window 768, tokens past 6144 "
                         "decaying to K3/V2: 3.17; other bits do not decay unless --tq-decay-* says so), compact "
                         "(K4/V3, tokens past 4096 decaying to K2/V2: 2.58); all with 8-bit norms; their "
                         "measurements are in benchmarks/DEFAULTS.md")
