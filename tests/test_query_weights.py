@@ -248,9 +248,12 @@ def weighted(views, seed=0):
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("kernel,L,decay", [("decode", 1, False), ("decode", 2, True), ("prefill", 20, True)])
-def test_kernels_divide_the_query_by_the_weights(emulator, kernel, L, decay):
-    keys, values = weighted(rope_views(64, 1, L, mx.float16, decay=decay))
+@pytest.mark.parametrize("kernel,L,decay,kb", [("decode", 1, False, 4), ("decode", 2, True, 4), ("prefill", 20, True, 4),
+                                              ("decode", 1, False, 8), ("prefill", 20, False, 8)])
+def test_kernels_divide_the_query_by_the_weights(emulator, kernel, L, decay, kb):
+    # kb = 8: the quality preset's keys (8-bit, weighed, centered before RoPE) beside 4-bit values
+    keys, values = weighted(rope_views(64, 1, L, mx.float16, decay=decay, key_bits=kb, value_bits=4))
+    assert keys.codes is not None and keys.quantizer.bits == kb
     q = normal(np.random.default_rng(L), (1, 4, L, 64), mx.float16)
     mask = "causal" if L > 1 else None
     launch = K.decode_attention if kernel == "decode" else K.prefill_attention
