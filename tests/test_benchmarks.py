@@ -240,6 +240,17 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
                 config=lc.parse_setting("k4v3w768b128d4096k2v2n8r").config.to_dict())
     assert lc.canonical_name(rope) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, keys centered before RoPE)"
     assert lc.parse_setting("k4v3w768b128d4096k2v2n8rq") is lc.COMPACT
+    # Every preset's row is what --tq-preset builds (the blocks compressed alike: None means the library's 128),
+    # and the quality preset spelled out (8-bit keys, 2026-11-27) is that row
+    from tq_mlx import TurboQuantConfig
+    from tq_mlx.config import PRESETS
+
+    for name in PRESETS:
+        built = TurboQuantConfig.preset(name)
+        row = lc.parse_setting(name).config
+        assert row.to_dict() | {"compress_block": None} == built.to_dict() | {"compress_block": None}, name
+        assert row.compress_block_size == built.compress_block_size
+    assert lc.parse_setting("k8v4w768b128n8rq") is lc.QUALITY and lc.QUALITY.name.endswith(", quality)")
     legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
     assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
     assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"
