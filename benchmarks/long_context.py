@@ -437,17 +437,54 @@ def text_ids(tokenizer, text: str, n: int) -> list[int]:
     return ids[:n]
 
 
+class FloatReference:
+    """The float pass's log-probs on each context's scored tokens, on disk: computed once per (model, text, context,
+    chunk) and reused by every later run, since at 16k-32k the float pass alone takes most of an hour here.
+
+    Keyed by the model, the chunking and a hash of the token ids, so a changed tokenizer or text is a miss, never a
+    stale hit. Each context is one float32 .npy (eval_tokens x vocab: 311 MB for Qwen at 512 tokens) beside a JSON
+    of the float row's figures; they are loaded one context at a time."""
+
+    def __init__(self, model_key: str, text: str, ids: list[int], chunk: int, eval_tokens: int):
+        import hashlib
+
+        from tests.support.real_models import cache_dir
+
+        digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+        self.dir = cache_dir() / "logprobs" / f"{model_key}-{text}-c{chunk}-e{eval_tokens}-{digest}"
+
+    def has(self, contexts: list[int]) -> bool:
+        return all((self.dir / f"{c}.json").exists() for c in contexts)
+
+    def row(self, contexts: list[int]) -> dict:
+        return {c: json.loads((self.dir / f"{c}.json").read_text()) for c in contexts}
+
+    def __getitem__(self, c: int) -> mx.array:
+        return mx.load(str(self.dir / f"{c}.npy"))
+
+    def put(self, c: int, lp: mx.array, r: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f"{c}.tmp.npy"
+        mx.save(str(tmp), lp)
+        tmp.rename(self.dir / f"{c}.npy")
+        (self.dir / f"{c}.json").write_text(json.dumps(r))  # written last: its presence means the pair is whole
+
+
 def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,
-             reference: dict | None) -> tuple[dict, dict]:
+             reference: FloatReference | dict | None, store: FloatReference | None = None) -> tuple[dict, dict]:
     """Feed ids[:max(contexts)] through `cache` in chunks; at each context C, score the chunk ending at C.
 
     Returns ({C: {ppl, kl, kl_se, bits_real}}, {C: float log-probs}) (the log-probs only when reference is None:
-    this is the float pass)."""
+    this is the float pass; with `store` they go to disk instead of memory)."""
     inputs = ids[: max(contexts)]
     cuts = sorted({*range(0, len(inputs), chunk), *(C - eval_tokens for C in contexts)})
     out, logps = {}, {}
+    t0, shown = time.perf_counter(), time.perf_counter()
     for i, a in enumerate(cuts):
         b = cuts[i + 1] if i + 1 < len(cuts) else len(inputs)
+        if time.perf_counter() - shown > 60:  # progress for passes that take most of an hour
+            shown = time.perf_counter()
+            print(f"    ... {a}/{len(inputs)} tokens, {shown - t0:.0f} s", flush=True)
         logits = model(mx.array(inputs[a:b])[None], cache=cache)
         C = b if b in contexts and b - a == eval_tokens else None
         if C is None:
@@ -458,9 +495,10 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
         nll = -mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0]
         r = {"ppl": math.exp(mx.mean(nll).item())}
         if reference is None:
-            logps[C] = lp
             mx.eval(lp)
             r["kl"], r["kl_se"] = 0.0, 0.0
+            if store is None:
+                logps[C] = lp
         else:
             ref = reference[C]
             kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
@@ -469,6 +507,8 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
             r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))
         quality._eval_cache(cache)
         r["bits_real"] = quality.bits_per_value(cache, b, quality.kv_geometry(_MODEL_CONFIG[0]))
+        if reference is None and store is not None:
+            store.put(C, lp, r)
         out[C] = r
     return out, logps
 
@@ -524,12 +564,18 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
         t = time.perf_counter()
         try:
             ids = text_ids(tok, text, max(contexts) + 1)
-            cache = make_cache(model, s)
-            res, logps = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text))
-            protected = protected_layers(cache)
-            del cache
+            stored = FloatReference(key, text, ids, args.chunk, args.eval_tokens)
+            if s.kind == "float" and stored.has(contexts) and not args.no_float_cache:
+                res, protected = stored.row(contexts), []
+                print(f"  {text} float: from {stored.dir}", flush=True)
+            else:
+                cache = make_cache(model, s)
+                res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
+                                  store=stored if s.kind == "float" else None)
+                protected = protected_layers(cache)
+                del cache
             if s.kind == "float":
-                refs[text] = logps
+                refs[text] = stored
             cell = {str(c): r for c, r in res.items()}
             if s.kind == "tq":
                 cell["protected_layers"] = protected
@@ -779,6 +825,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
     ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--no-float-cache", action="store_true",
+                    help="run the float pass even when its log-probs are on disk (~/.cache/tq-mlx/logprobs)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join runs of different models")
     args = ap.parse_args()
     if args.merge:
