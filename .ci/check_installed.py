@@ -74,7 +74,7 @@ def main() -> int:
         warnings.simplefilter("error")  # a failed self-check warns: make it fatal
         cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4), head_dim=64)
         keys, values = cache.update_and_fetch(normal(1, 2, 60, 64), normal(1, 2, 60, 64))  # encode
-        if not keys.n_compressed:
+        if not keys.n_coded:
             fail("the cache compressed no token: encode never ran")
         q = normal(1, 4, 1, 64)
         checks = [
@@ -89,7 +89,7 @@ def main() -> int:
         # rotation done by the host.
         cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, sinks=4), head_dim=96)
         k96, v96 = cache.update_and_fetch(normal(1, 2, 60, 96), normal(1, 2, 60, 96))
-        if not k96.n_compressed or k96.perm is None:
+        if not k96.n_coded or k96.perm is None:
             fail("the 3.5/2.5-bit cache compressed no token with a channel order")
         q96 = normal(1, 4, 1, 96)
         checks.append(("decode_attention K3.5/V2.5 d96", K.dispatch_attention(q96, k96, v96, 0.1),

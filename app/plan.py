@@ -1,19 +1,25 @@
 """Preflight: will the model and a --ctx-token KV cache fit in the memory MLX can use here?
 
-All numbers come from tq_mlx.memory; this module only compares them and words the verdict.
+All numbers come from tq_mlx.memory; this module only compares them and words the verdict. The saving it shows is
+memory.planned_saving (against mlx-lm's own cache for the same tokens, memory.SAVED_AGAINST), the figure the
+panel and tq-generate's summary show for a live cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.config import AUTO
-from tq_mlx.cli import describe_config
+from tq_mlx.config import derive_config
 from tq_mlx import memory
 from tq_mlx.architectures import FLOAT_FETCH
-from tq_mlx.memory import (attention_layout, estimate_kv_bytes, estimate_peak_bytes, fetch_transient_bytes,
-                           format_bytes, model_types)
+from tq_mlx.architectures import attention_layout, model_types
+from tq_mlx.config import fit_max_kv_size
+from tq_mlx.display import bound_text, config_label, describe_config, format_bytes, saving_words
+from tq_mlx.memory import Saving, estimate_kv_bytes, estimate_peak_bytes, fetch_transient_bytes, kv_float_dtype
 
 # Share of the available memory the weights and KV cache may take; the rest is left for activations
 # (prefill chunks, attention scores) and everything else running.
@@ -29,7 +35,7 @@ class Plan:
     config: TurboQuantConfig | None
     weights: int
     kv_fp16: int
-    kv: int  # with `config` (= kv_fp16 when config is None)
+    kv: int  # with `config` (mlx-lm's cache, kv_mlx_lm, when config is None)
     available: int
     available_source: str
     trained_ctx: int | None
@@ -54,6 +60,15 @@ class Plan:
     float_reason: str = ""  # why the model's fetch decodes to float (architectures.FLOAT_FETCH)
     max_kv_size: int | None = None  # a bounded cache (--max-kv-size): tokens each full layer keeps
     decayed: int = 0  # tokens a decaying stream holds at the decay bits at ctx (memory.decayed_tokens)
+    kv_mlx_lm: int = 0  # mlx-lm's own cache at ctx in kv_dtype (memory.estimate_mlx_lm_bytes): what `kv` saves against
+    kv_dtype: str = "float16"  # the dtype the model runs in, and its KV cache's float parts
+    source: str = ""  # where the model's config (and weight size) came from, when it is not a local folder
+    bound_note: str | None = None  # how --max-kv-size fitted the config (display.bound_text)
+
+    @property
+    def saving(self) -> Saving:
+        """What the cache saves at ctx against mlx-lm's own cache (memory.planned_saving)."""
+        return Saving(self.kv, self.kv_mlx_lm)
 
     @property
     def usable(self) -> int:
@@ -85,14 +100,19 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
               prefill_step: int = 2048, max_kv_size: int | None = None) -> Plan:
     """Estimate weights, KV and the peak of prefill + decode at `ctx` tokens, compare the peak with
     `available`, and suggest settings that fit. dtype: what --dtype casts the model to (its config's
-    torch_dtype otherwise). max_kv_size: a bounded cache (--max-kv-size), priced as memory.bounded_tokens says."""
+    torch_dtype otherwise). max_kv_size: a bounded cache (--max-kv-size), priced as memory.bounded_tokens says,
+    with the config fitted to it (config.fit_max_kv_size)."""
     if dtype:  # the KV cache's float parts hold the dtype the model runs in
         model_config = {**model_config, "torch_dtype": dtype}
     lay = attention_layout(model_config)
+    fitted = fit_max_kv_size(config, max_kv_size) if config is not None else None
+    note = bound_text(config, fitted, max_kv_size) if config is not None and max_kv_size else None
+    config = fitted
+    saving = memory.planned_saving(model_config, ctx, config, max_kv_size=max_kv_size)
     plan = Plan(
         model=model, ctx=ctx, config=config, weights=weights,
         kv_fp16=estimate_kv_bytes(model_config, ctx, None, max_kv_size=max_kv_size),
-        kv=estimate_kv_bytes(model_config, ctx, config, max_kv_size=max_kv_size),
+        kv=saving.held, kv_mlx_lm=saving.reference, kv_dtype=kv_float_dtype(model_config), bound_note=note,
         available=available, available_source=available_source, trained_ctx=lay.max_context,
         attention_layers=len(lay.full_layers), n_layers=lay.n_layers, kv_heads=lay.n_kv_heads,
         head_dim=lay.head_dim, sliding_layers=lay.sliding_layers, linear_layers=lay.linear_layers,
@@ -144,19 +164,10 @@ def _suggest(plan: Plan, model_config: dict) -> str:
 
 
 def with_bits(config: TurboQuantConfig, bits: float) -> TurboQuantConfig:
-    """config at `bits` for keys and values (no QJL), as --bits would set them. A config whose decay is what
-    TurboQuantConfig gives its bits when no decay is asked for (the default's K3/V2 after 6144, or none) gets what
-    it gives `bits`: --bits 3 on the default does not decay. Any other decay stays where it still lowers integer
-    bits; a side it no longer applies to keeps its bits at every age (tq_mlx.cli's rule). (A decay given
-    explicitly but equal to the automatic one is taken for the automatic one.)"""
-    auto = dict(decay_after=AUTO, decay_key_bits=AUTO, decay_value_bits=AUTO)
-    if replace(config, **auto) == config:
-        return replace(config, key_bits=bits, value_bits=bits, qjl=False, **auto)
-    decay = {f"decay_{side}_bits": None if b is None or bits != int(bits) or b >= bits else b
-             for side, b in (("key", config.decay_key_bits), ("value", config.decay_value_bits))}
-    if all(b is None for b in decay.values()):
-        decay["decay_after"] = None
-    return replace(config, key_bits=bits, value_bits=bits, qjl=False, **decay)
+    """config at `bits` for keys and values (no QJL), as --bits would set them (tq_mlx.config.derive_config: the
+    default's automatic decay follows the bits, --bits 3 on the default does not decay; any other decay stays
+    where it still lowers integer bits)."""
+    return derive_config(config, bits, qjl=False)
 
 
 def max_context(model_config: dict, budget: int, config: TurboQuantConfig | None, prefill_step: int = 2048,
@@ -226,7 +237,7 @@ def fetch_path(plan: Plan) -> str:
 def decay_text(plan: Plan) -> str:
     """Temporal decay at the plan's context: "K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits"."""
     c = plan.config
-    text = f"{memory.config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
+    text = f"{config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
     if c.boundary_layers:
         text += f" (the {2 * c.boundary_layers} boundary layers keep theirs)"
     return text
@@ -234,13 +245,12 @@ def decay_text(plan: Plan) -> str:
 
 def format_plan(plan: Plan) -> str:
     """The preflight report, as tq-chat --plan prints it."""
-    cfg = describe_config(plan.config) if plan.config else "float16 (no TurboQuant)"
-    ratio = plan.kv_fp16 / plan.kv if plan.kv else 1.0
+    cfg = describe_config(plan.config) if plan.config else f"mlx-lm's own {plan.kv_dtype} cache (no TurboQuant)"
     trained = f" (trained: {plan.trained_ctx:,})" if plan.trained_ctx else ""
-    rows = [
-        ("model", f"{plan.model} ({plan.n_layers} layers, {geometry(plan)})"),
-        ("layers", layer_roles(plan)),
-    ]
+    rows = [("model", f"{plan.model} ({plan.n_layers} layers, {geometry(plan)})")]
+    if plan.source:
+        rows.append(("source", plan.source))
+    rows.append(("layers", layer_roles(plan)))
     if plan.config and plan.attention_layers:
         rows.append(("fetch", fetch_path(plan)))
     bound = ""
@@ -249,13 +259,16 @@ def format_plan(plan: Plan) -> str:
                  f"prefill chunk attends to at most {plan.max_kv_size - 1 + plan.prefill_step:,})")
     rows += [
         ("context", f"{plan.ctx:,} tokens{trained}{bound}"),
-        ("weights", format_bytes(plan.weights)),
-        ("KV float16", format_bytes(plan.kv_fp16)),
-        ("KV cache", f"{format_bytes(plan.kv)}  {cfg}  ({ratio:.1f}x smaller than float16)"),
+        ("weights", format_bytes(plan.weights) if plan.weights else "unknown (not counted below)"),
+        ("KV cache", f"{format_bytes(plan.kv)}  {cfg}"),
     ]
     if plan.protect_bytes:  # under the KV cache row it adds to (the default decays: a decay row follows)
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
+    if plan.config:
+        rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
+                            f"{plan.ctx:,} tokens"),
+                 ("saved", f"{saving_words(plan.saving)} against mlx-lm's own cache")]
     if plan.config and plan.config.decay_after is not None and plan.attention_layers:
         rows.append(("decay", decay_text(plan)))
     rows += [
@@ -268,7 +281,80 @@ def format_plan(plan: Plan) -> str:
     verdict += "to spare)" if plan.fits else "short)"
     rows.append(("verdict", verdict))
     out = [f"{k:<11} {v}" for k, v in rows]
+    if plan.bound_note:
+        out.append(f"note: {plan.bound_note}")
     if plan.suggestion:
         out.append(f"{'suggestion':<11} {plan.suggestion}")
     out += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+# --- a plan from a config alone ---------------------------------------------------------------------------------
+
+# The configs tq-chat ships for the README's models (config.json numbers with their sources): benchmarks/configs in
+# a checkout, installed as tq_chat/configs (pyproject.toml maps the folder).
+CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "benchmarks" / "configs", Path(__file__).resolve().parent / "configs")
+# Bits per weight of an mlx-lm affine conversion ("...-4bit"): the bits plus a float16 scale and bias per 64 weights.
+AFFINE_OVERHEAD = 0.5
+# What a bare model name (a short name or a shipped config's) is planned with: mlx-community's 4-bit conversion,
+# which tq-chat's short names download.
+NAME_WEIGHT_BITS = 4.5
+
+
+def _model_key(name: str) -> str:
+    """"mlx-community/Qwen3.5-35B-A3B-4bit" and "Qwen3.5-35B-A3B" -> "qwen3.5-35b-a3b": the owner and the tags of
+    a conversion or fine-tune dropped, so that every name of one model matches its shipped config."""
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    while True:
+        shorter = re.sub(r"-(\d+(\.\d+)?bit|bf16|fp16|float16|mlx|instruct|it|chat|dwq)$", "", key)
+        if shorter == key:
+            return key
+        key = shorter
+
+
+def shipped_config(*names: str | None) -> dict | None:
+    """The config tq-chat ships (CONFIG_DIRS) for any of `names` (a short name, a repo id), None if none matches;
+    with its "file"."""
+    wanted = {_model_key(n) for n in names if n}
+    for folder in CONFIG_DIRS:
+        for f in sorted(folder.glob("*.json")):
+            entry = json.loads(f.read_text())
+            if wanted & {_model_key(entry.get("name", "")), _model_key(entry.get("hf_repo", ""))}:
+                return {**entry, "file": f.name}
+    return None
+
+
+def weight_bits(repo_id: str | None) -> float:
+    """Bits per weight a model is planned with from its parameter count: a repo named "...-4bit" holds mlx-lm's
+    affine 4 bits (4.5 with scales and biases), another repo id its original 16 bits, a bare name the 4-bit
+    conversion tq-chat's short names point at (NAME_WEIGHT_BITS)."""
+    if repo_id is None:
+        return NAME_WEIGHT_BITS
+    m = re.search(r"(\d+)-?bit", repo_id.lower())
+    return int(m.group(1)) + AFFINE_OVERHEAD if m else 16
+
+
+def config_only(spec: str, repo_id: str | None) -> tuple[dict, int, str] | None:
+    """(config.json, weight bytes, where they came from) for a plan without the model's files or the Hub: the
+    Hugging Face cache's config.json of repo_id, else the config tq-chat ships for the model; the weights from the
+    shipped parameter count (0: unknown). None when neither is there."""
+    cached = None
+    if repo_id is not None:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            cached = json.loads(Path(hf_hub_download(repo_id, "config.json", local_files_only=True)).read_text())
+        except Exception:  # noqa: BLE001 (not cached, or unreadable: try the shipped configs)
+            cached = None
+    shipped = shipped_config(spec, repo_id)
+    if cached is None and shipped is None:
+        return None
+    weights, weights_from = 0, "weights unknown"
+    if shipped is not None and shipped.get("params"):
+        bits = weight_bits(repo_id)
+        weights = int(shipped["params"] * bits / 8)
+        weights_from = f"weights estimated as {shipped['params'] / 1e9:.3g}B parameters x {bits:g} bits"
+    if cached is not None:
+        return cached, weights, f"config.json from the Hugging Face cache ({repo_id}; offline); {weights_from}"
+    where = f"the config tq-chat ships for {shipped['name']} (configs/{shipped['file']}; offline)"
+    return shipped["config"], weights, f"{where}; {weights_from}"

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_reduce
 
-from tq_mlx import memory
+from tq_mlx import display, memory
 from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.cli import describe_config
+from tq_mlx.display import describe_config
 
 FILE_FORMAT = "tq-chat/1"
 
@@ -286,7 +286,7 @@ class ChatSession:
             prompt_tps=self.speeds.prompt_tps,
             decode_tps=self.speeds.decode_tps,
             prefill=self.speeds.prefill,
-            bits=memory.bits_summary(self.cache),
+            bits=display.bits_summary(self.cache),
             config=describe_config(self.config) if self.config else "mlx-lm's own KV cache (no TurboQuant)",
         )
         return s

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Label, Markdown, ProgressBar, Static
 
-from tq_mlx.memory import format_bytes, saving_text, window_text
+from tq_mlx.display import format_bytes, planned_text, saving_text, window_text
 
 
 class ChatMessage(Markdown):
@@ -65,7 +65,9 @@ def _tps(x: float) -> str:
 
 class MemoryPanel(Static):
     """The live memory panel. `stats` is ChatSession.snapshot(): KV numbers from tq_mlx.memory.cache_bytes,
-    the same function tq-generate's summary uses."""
+    the same function tq-generate's summary uses, saved against mlx-lm's own cache for the same tokens
+    (memory.SAVED_AGAINST); with the plan (stats["plan"], tq_chat.plan.Plan) also what the cache reaches at --ctx,
+    as --plan says it."""
 
     stats: reactive[dict | None] = reactive(None, always_update=True)
 
@@ -115,8 +117,12 @@ class MemoryPanel(Static):
             if title == "KV cache":
                 parts.append(RichBar(total=max(ctx, 1), completed=min(used, ctx), width=width,
                                      complete_style="red" if used >= ctx else "cyan", finished_style="red"))
-                if window:
-                    parts += [Text(""), Text(window, style="dim")]  # the bar leaves its line open
+                plan = s.get("plan")
+                notes = [window] if window else []
+                if plan is not None and plan.config is not None:  # what the first screen cannot show yet
+                    notes.append(planned_text(plan.saving, plan.ctx))
+                if notes:
+                    parts += [Text(""), *(Text(n, style="dim") for n in notes)]  # the bar leaves its line open
             parts.append(Text(""))
         parts += [Text("bits per layer", style="bold underline"), Text(s["bits"]), Text(s["config"], style="dim")]
         return Group(*parts)

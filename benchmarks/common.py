@@ -19,15 +19,16 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from tq_mlx.integration import tune_malloc
-
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
 
-# `python benchmarks/x.py` from anywhere: tq_mlx is installed, tests.support (real models, texts) is not.
+# `python benchmarks/x.py` from anywhere: tests.support (real models, texts) and the tq_mlx beside these scripts,
+# first on the path before anything imports tq_mlx, so a checkout measures its own code whatever is installed.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tq_mlx.integration import tune_malloc  # noqa: E402
 
 
 def backend() -> str:

@@ -66,6 +66,22 @@ def measure(dim: int, bits: int, n: int, seed: int = 0) -> dict:
     }
 
 
+HEADER = (
+    f"{'d':>4} {'b':>2} | {'D_mse':>8} {'optimum':>8} {'paper':>6} {'4^-b':>7} {'ratio':>5} | "
+    f"{'D_prod·d':>8} {'paper':>6} {'bias/SE':>7} | {'quant vec/s':>11} {'dequant vec/s':>13}"
+)
+
+
+def row_text(r: dict) -> str:
+    """One row of the table, as printed (and as docs/benchmarks.md shows it: benchmarks/docs_assets.py)."""
+    return (
+        f"{r['dim']:>4} {r['bits']:>2} | {r['d_mse']:8.5f} {r['d_mse_optimum']:8.5f} {r['d_mse_paper']:6.3f} "
+        f"{r['lower_bound']:7.4f} {r['mse_ratio_to_bound']:5.2f} | {r['d_prod']:8.4f} "
+        f"{r['d_prod_paper']:6.3f} {r['prod_bias_in_se']:7.2f} | {r['quantize_vec_per_s']:11,.0f} "
+        f"{r['dequantize_vec_per_s']:13,.0f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4k vectors instead of 20k (for CI)")
@@ -75,23 +91,14 @@ def main() -> None:
     n = args.vectors or (4000 if args.quick else 20000)
 
     rows = []
-    header = (
-        f"{'d':>4} {'b':>2} | {'D_mse':>8} {'optimum':>8} {'paper':>6} {'4^-b':>7} {'ratio':>5} | "
-        f"{'D_prod·d':>8} {'paper':>6} {'bias/SE':>7} | {'quant vec/s':>11} {'dequant vec/s':>13}"
-    )
     print(f"TurboQuant distortion, {n} random unit vectors per row, {platform.machine()} {mx.default_device()}")
-    print(header)
-    print("-" * len(header))
+    print(HEADER)
+    print("-" * len(HEADER))
     for dim in (64, 128, 256):
         for bits in (1, 2, 3, 4):
             r = measure(dim, bits, n)
             rows.append(r)
-            print(
-                f"{dim:>4} {bits:>2} | {r['d_mse']:8.5f} {r['d_mse_optimum']:8.5f} {r['d_mse_paper']:6.3f} "
-                f"{r['lower_bound']:7.4f} {r['mse_ratio_to_bound']:5.2f} | {r['d_prod']:8.4f} "
-                f"{r['d_prod_paper']:6.3f} {r['prod_bias_in_se']:7.2f} | {r['quantize_vec_per_s']:11,.0f} "
-                f"{r['dequantize_vec_per_s']:13,.0f}"
-            )
+            print(row_text(r))
     if args.json:
         meta = {"machine": platform.platform(), "device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d")}
         with open(args.json, "w") as f:

@@ -99,9 +99,9 @@ import quality  # noqa: E402
 from quality import Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
-from tq_mlx.memory import (affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, load_model_config,  # noqa: E402
-                            turboquant_layer_bytes)
-from tq_mlx.stream import overflow  # noqa: E402
+from tq_mlx.architectures import load_model_config  # noqa: E402
+from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
+from tq_mlx.layout import overflow  # noqa: E402
 
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
@@ -441,33 +441,38 @@ class FloatReference:
     """The float pass's log-probs on each context's scored tokens, on disk: computed once per (model, text, context,
     chunk) and reused by every later run, since at 16k-32k the float pass alone takes most of an hour here.
 
-    Keyed by the model, the chunking and a hash of the token ids, so a changed tokenizer or text is a miss, never a
-    stale hit. Each context is one float32 .npy (eval_tokens x vocab: 311 MB for Qwen at 512 tokens) beside a JSON
-    of the float row's figures; they are loaded one context at a time."""
+    A context C's log-probs depend on the tokens up to C + 1 alone (the pass is causal), so each is keyed by the
+    model, the chunking and a hash of those tokens: a 32k pass serves a later 4k run, and a changed tokenizer or
+    text is a miss, never a stale hit. Each context is one float32 .npy (eval_tokens x vocab: 311 MB for Qwen at
+    512 tokens) beside a JSON of the float row's figures; they are loaded one context at a time."""
 
     def __init__(self, model_key: str, text: str, ids: list[int], chunk: int, eval_tokens: int):
-        import hashlib
-
         from tests.support.real_models import cache_dir
 
-        digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-        self.dir = cache_dir() / "logprobs" / f"{model_key}-{text}-c{chunk}-e{eval_tokens}-{digest}"
+        self.ids = ids
+        self.dir = cache_dir() / "logprobs" / f"{model_key}-{text}-c{chunk}-e{eval_tokens}"
+
+    def _name(self, c: int) -> str:
+        import hashlib
+
+        return f"{c}-{hashlib.sha256(json.dumps(self.ids[: c + 1]).encode()).hexdigest()[:16]}"
 
     def has(self, contexts: list[int]) -> bool:
-        return all((self.dir / f"{c}.json").exists() for c in contexts)
+        return all((self.dir / f"{self._name(c)}.json").exists() for c in contexts)
 
     def row(self, contexts: list[int]) -> dict:
-        return {c: json.loads((self.dir / f"{c}.json").read_text()) for c in contexts}
+        return {c: json.loads((self.dir / f"{self._name(c)}.json").read_text()) for c in contexts}
 
     def __getitem__(self, c: int) -> mx.array:
-        return mx.load(str(self.dir / f"{c}.npy"))
+        return mx.load(str(self.dir / f"{self._name(c)}.npy"))
 
     def put(self, c: int, lp: mx.array, r: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f"{c}.tmp.npy"
+        name = self._name(c)
+        tmp = self.dir / f"{name}.tmp.npy"
         mx.save(str(tmp), lp)
-        tmp.rename(self.dir / f"{c}.npy")
-        (self.dir / f"{c}.json").write_text(json.dumps(r))  # written last: its presence means the pair is whole
+        tmp.rename(self.dir / f"{name}.npy")
+        (self.dir / f"{name}.json").write_text(json.dumps(r))  # written last: its presence means the pair is whole
 
 
 def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,

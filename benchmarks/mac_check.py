@@ -135,6 +135,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
     """Each kernel launcher against its reference twin; `factory` None means mx.fast.metal_kernel."""
     from tq_mlx import kernels as K
     from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
+    from tq_mlx.rotation import Rotation
     from tq_mlx.stream import StreamView
 
     rng = np.random.default_rng(0)
@@ -164,7 +165,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
     for dim in dims:
         for name in dtypes:
             dt = getattr(mx, name)
-            rot = K.Rotation(dim, seed=1)
+            rot = Rotation(dim, seed=1)
             x = _normal(rng, (64, dim), dt)
             for inverse in (False, True):
                 record("rotate" + ("-inverse" if inverse else ""), dim, "-", name,

@@ -36,7 +36,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
-from tq_mlx.memory import attention_layout, estimate_kv_bytes  # noqa: E402
+from tq_mlx.architectures import attention_layout  # noqa: E402
+from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
 
 CONFIGS = common.BENCH_DIR / "configs"
 CONTEXTS = (8192, 32768, 131072, 262144)
@@ -96,7 +97,7 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
     out, n = {}, 0
     for T in sorted(contexts):
         while n < T:
-            aligned = cache.n_compressed % step == 0 and _capacity(cache) == cache.n_compressed
+            aligned = cache.n_coded % step == 0 and _capacity(cache) == cache.n_coded
             m = min(big if aligned else K, T - n)
             a = n % POOL if n % POOL + m <= POOL else 0
             keys, _ = cache.update_and_fetch(pool_k[:, :, a : a + m], pool_v[:, :, a : a + m])

@@ -20,7 +20,9 @@ from pathlib import Path
 import common  # noqa: E402  (puts the repo on sys.path)
 
 from tq_mlx import TurboQuantConfig
-from tq_mlx.memory import estimate_peak_bytes, format_bytes, load_model_config
+from tq_mlx.architectures import load_model_config
+from tq_mlx.display import format_bytes
+from tq_mlx.memory import estimate_peak_bytes
 
 _CELL = r"""
 import json, sys, time

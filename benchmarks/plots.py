@@ -2,6 +2,12 @@
 
     python benchmarks/plots.py                 # writes docs/kl_vs_bits.png and docs/memory_vs_context.png
     python benchmarks/plots.py --out /tmp/p    # somewhere else
+    python benchmarks/plots.py --check         # exit 1 if docs/'s pictures are stale (needs no matplotlib)
+
+(`python benchmarks/docs_assets.py` runs this with every other generated picture and example.) Next to each
+PNG, a JSON sidecar holds what it draws (every point, curve and label) and the PNG's sha256: --check compares
+that data with what the code and results give now, never pixels. Every label lies inside the picture: the KL
+picture is as wide as its key, and a picture with a label cut at its edge is not written.
 
 kl_vs_bits.png: quality against size at 8k tokens, every cache setting and peer of
 benchmarks/results/long_context.json on SmolLM2-135M: KL(float ‖ cache) against bits per value, the same
@@ -15,7 +21,9 @@ which memory.py checks byte for byte against real caches.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -86,15 +94,55 @@ def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[d
     return sorted(out, key=lambda p: (p["bits"], p["name"]))
 
 
-def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT) -> Path:
+# The KL figure's geometry, in inches: the plot keeps its size, the key beside it is as wide as its longest line.
+KL_PLOT = (6.9, 6.2)  # width, height of the plot's axes
+KL_MARGINS = dict(left=0.9, right=0.25, bottom=0.85, top=0.45, gap=0.45)
+KEY_LINE = 0.165  # inches per line of the numbered key (7.8-point monospace)
+KEY_WIDTH = 84  # characters per line of the key; a longer setting name goes on under its start
+
+
+def key_lines(entry: str) -> list[str]:
+    """One key entry ("23   5.03  TQ K4/V4 (...)") as the lines drawn: wrapped at KEY_WIDTH, indented under the name."""
+    import textwrap
+
+    indent = " " * (len(entry) - len(entry.split("  ", 2)[-1].lstrip()))
+    return textwrap.wrap(entry, KEY_WIDTH, subsequent_indent=indent, drop_whitespace=False) or [entry]
+
+
+def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> dict:
+    """Everything the KL picture draws, as data: the points (number, name, family, bits, KL per text) and every
+    label. docs/kl_vs_bits.json keeps this next to the PNG; `docs_assets.py --check` compares it with now."""
     import long_context
 
-    plt = _pyplot()
     pts = kl_points(lc, model, ctx)
     m = lc["models"][model]
-    fig = plt.figure(figsize=(14.5, 7.2))
-    ax = fig.add_axes([0.06, 0.09, 0.47, 0.82])
-    for i, p in enumerate(pts, 1):
+    at = long_context.ctx_label(ctx)
+    texts = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
+    return {
+        "title": f"{m['model']}: quality against size at {at} tokens",
+        "xlabel": f"bits per value at {at} tokens (16 = float16 cache)",
+        "ylabel": "KL(float ‖ cache), nats (lower is better)",
+        "legend": [lab for _, _, lab in STYLE.values()] + [long_context.TEXT_LABEL.get(t, t) + " text" for t in texts],
+        "key_title": f"settings (bits/val @{at}, number as on the plot)",
+        "key": [f"{i:>2}  {p['bits']:5.2f}  {p['name']}" for i, p in enumerate(pts, 1)],
+        "footnote": f"From benchmarks/results/long_context.json ({lc['meta']['date']}). Bar: the spread over the "
+                    "texts. KL below 1e-5 drawn at 1e-5.",
+        "points": [dict(n=i, **p) for i, p in enumerate(pts, 1)],
+    }
+
+
+def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT) -> Path:
+    """Draw kl_figure(lc) to path; every label inside the picture (texts_outside is checked)."""
+    plt = _pyplot()
+    data = kl_figure(lc, model, ctx)
+    pts = data["points"]
+    mg = KL_MARGINS
+    lines = [(p, line) for p, entry in zip(pts, data["key"]) for line in key_lines(entry)]
+    key_h = max(KL_PLOT[1], KEY_LINE * (len(lines) + 1))
+    height = mg["bottom"] + key_h + mg["top"]
+    fig = plt.figure(figsize=(16, height))
+    ax = fig.add_axes([0, 0, 0.1, 0.1])
+    for p in pts:
         color, size, _ = STYLE[p["family"]]
         ys = list(p["kl"].values())
         if len(ys) > 1:
@@ -104,32 +152,85 @@ def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT)
                        s=(size * 2.2) ** 2 if p["family"] == "default" else size ** 2, color=color,
                        edgecolor="black" if p["family"] == "default" else "none", zorder=3)
         # settings of (nearly) the same size take turns right and left of their points
-        near = [q for q in pts[:i - 1] if abs(q["bits"] - p["bits"]) < 0.05]
-        ax.annotate(str(i), (p["bits"], max(ys)), textcoords="offset points", xytext=(-14 if len(near) % 2 else 5, 3),
-                    fontsize=8.5, color=color, weight="bold" if p["family"] == "default" else "normal", zorder=4)
+        near = [q for q in pts[:p["n"] - 1] if abs(q["bits"] - p["bits"]) < 0.05]
+        ax.annotate(str(p["n"]), (p["bits"], max(ys)), textcoords="offset points",
+                    xytext=(-14 if len(near) % 2 else 5, 3), fontsize=8.5, color=color,
+                    weight="bold" if p["family"] == "default" else "normal", zorder=4, annotation_clip=True)
     ax.set_yscale("log")
-    ax.set_xlabel(f"bits per value at {long_context.ctx_label(ctx)} tokens (16 = float16 cache)", fontsize=11)
-    ax.set_ylabel("KL(float ‖ cache), nats (lower is better)", fontsize=11)
-    ax.set_title(f"{m['model']}: quality against size at {long_context.ctx_label(ctx)} tokens", fontsize=12)
+    ax.set_xlabel(data["xlabel"], fontsize=11)
+    ax.set_ylabel(data["ylabel"], fontsize=11)
+    ax.set_title(data["title"], fontsize=12)
     ax.grid(alpha=0.3, which="both")
+    n_styles = len(STYLE)
     handles = [plt.Line2D([], [], ls="", marker="*" if f == "default" else "o", ms=s * (1.4 if f == "default" else 1),
-                          color=c, label=lab) for f, (c, s, lab) in STYLE.items()]
-    handles += [plt.Line2D([], [], ls="", marker=mk, ms=7, color="black", mfc="none",
-                           label=long_context.TEXT_LABEL.get(t, t) + " text") for t, mk in TEXT_MARKER.items()
-                if any(t in p["kl"] for p in pts)]
+                          color=c, label=lab) for (f, (c, s, _)), lab in zip(STYLE.items(), data["legend"])]
+    handles += [plt.Line2D([], [], ls="", marker=TEXT_MARKER[t], ms=7, color="black", mfc="none", label=lab)
+                for t, lab in zip([t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)],
+                                  data["legend"][n_styles:])]
     ax.legend(handles=handles, fontsize=8.5, loc="lower left", framealpha=0.9)
     # The numbered key, beside the plot: every setting's full name, so nothing overlaps on the axes.
-    key = fig.add_axes([0.555, 0.09, 0.44, 0.82])
+    key = fig.add_axes([0.5, 0, 0.1, 0.1])
     key.axis("off")
-    key.set_title("settings (bits/val @8k, number as on the plot)", fontsize=9.5, loc="left")
-    step = 1 / max(len(pts), 1)
-    for i, p in enumerate(pts, 1):
-        key.text(0, 1 - (i - 0.5) * step, f"{i:>2}  {p['bits']:5.2f}  {p['name']}", fontsize=7.8, family="monospace",
-                 color=STYLE[p["family"]][0], va="center", transform=key.transAxes,
-                 weight="bold" if p["family"] == "default" else "normal")
-    fig.text(0.06, 0.015, f"From benchmarks/results/long_context.json ({lc['meta']['date']}). Bar: the spread over "
-             "the texts. KL below 1e-5 drawn at 1e-5.", fontsize=8, color="dimgray")
-    fig.savefig(path, dpi=100)
+    drawn = [key.set_title(data["key_title"], fontsize=9.5, loc="left")]
+    for i, (p, line) in enumerate(lines):
+        drawn.append(key.text(0, 1 - (i + 0.5) / len(lines), line.rstrip(), fontsize=7.8, family="monospace",
+                              color=STYLE[p["family"]][0], va="center", transform=key.transAxes,
+                              weight="bold" if p["family"] == "default" else "normal"))
+    foot = fig.text(0, 0, data["footnote"], fontsize=8, color="dimgray")
+    # Size the figure to its content: the key as wide as its longest line.
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    key_w = max(t.get_window_extent(renderer).width for t in drawn) / fig.dpi + 0.1
+    width = mg["left"] + KL_PLOT[0] + mg["gap"] + key_w + mg["right"]
+    fig.set_size_inches(width, height)
+    plot_bottom = mg["bottom"] + (key_h - KL_PLOT[1])
+    ax.set_position([mg["left"] / width, plot_bottom / height, KL_PLOT[0] / width, KL_PLOT[1] / height])
+    key.set_position([(mg["left"] + KL_PLOT[0] + mg["gap"]) / width, mg["bottom"] / height, key_w / width,
+                      key_h / height])
+    foot.set_position((mg["left"] / width, 0.15 / height))
+    return save(fig, path)
+
+
+def labels(fig) -> list:
+    """Every label fig draws: titles, axis labels, visible tick labels, texts and annotations, legends."""
+    out = [t for t in (*fig.texts, getattr(fig, "_suptitle", None)) if t is not None]
+    out += [t for legend in fig.legends for t in legend.get_texts()]
+    for ax in fig.axes:
+        out += [ax.title, ax._left_title, ax._right_title, *ax.texts]
+        if ax.axison:
+            out += [ax.xaxis.label, ax.yaxis.label]
+            for axis, i in ((ax.xaxis, 0), (ax.yaxis, 1)):  # tick labels in view (the others are not drawn)
+                lo, hi = sorted(axis.get_view_interval())
+                out += [t for t in axis.get_ticklabels(which="both")
+                        if lo - 1e-9 * abs(hi - lo) <= t.get_position()[i] <= hi + 1e-9 * abs(hi - lo)]
+        legend = ax.get_legend()
+        if legend is not None:
+            out += [*legend.get_texts(), legend.get_title()]
+    return [t for t in out if t.get_visible() and t.get_text().strip()]
+
+
+def texts_outside(fig) -> list[str]:
+    """Every label of fig that does not lie wholly inside the picture (empty: nothing is cut)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    out = []
+    for t in labels(fig):
+        e = t.get_window_extent(renderer)
+        if e.x0 < box.x0 - 0.5 or e.y0 < box.y0 - 0.5 or e.x1 > box.x1 + 0.5 or e.y1 > box.y1 + 0.5:
+            out.append(t.get_text())
+    return out
+
+
+def save(fig, path: Path) -> Path:
+    """Write fig as PNG; refuses (SystemExit) a picture whose labels are cut at its edges."""
+    import matplotlib.pyplot as plt
+
+    cut = texts_outside(fig)
+    if cut:
+        plt.close(fig)
+        raise SystemExit(f"{path.name}: labels cut at the picture's edge: {cut}")
+    fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -145,67 +246,150 @@ def user_models(folder: Path | None = None) -> list[dict]:
 def memory_curves(models: list[dict], contexts: list[int] = MEMORY_CONTEXTS) -> dict[str, dict[str, list[int]]]:
     """{model name: {cache: KV bytes at each context}} from tq_mlx.memory's formulas."""
     from tq_mlx import TurboQuantConfig
+    from tq_mlx.display import config_label
     from tq_mlx.memory import estimate_kv_bytes
 
     default = TurboQuantConfig()
     caches = {"float16": {}, "mlx-lm affine 8-bit": {"kv_bits": 8}, "mlx-lm affine 4-bit": {"kv_bits": 4},
-              f"TurboQuant default (K{default.key_bits:g}/V{default.value_bits:g})": {"config": default}}
+              f"TurboQuant default ({config_label(default)})": {"config": default}}
     return {m["name"]: {name: [estimate_kv_bytes(m["config"], c, **kw) for c in contexts] for name, kw in caches.items()}
             for m in models}
 
 
-def plot_memory(models: list[dict], path: Path, contexts: list[int] = MEMORY_CONTEXTS) -> Path:
+MEMORY_TICKS = [0, 32768, 65536, 131072, 196608, 262144]
+
+
+def _gb_label(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def memory_figure(models: list[dict], contexts: list[int] = MEMORY_CONTEXTS) -> dict:
+    """Everything the memory picture draws, as data: per model its title and each cache's curve (KV bytes at
+    every context) with its end label, and the picture's labels. docs/memory_vs_context.json keeps this."""
     import memory
 
-    plt = _pyplot()
-    curves = memory_curves(models, contexts)
-    cols = 3
-    rows = -(-len(curves) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(14, 4.3 * rows), squeeze=False)
-    style = [("black", "-", 2.0), ("dimgray", "--", 1.6), ("dimgray", ":", 1.8), ("tab:red", "-", 2.4)]
-    by_name = {m["name"]: m for m in models}
-    for ax, (name, cs) in zip(axes.flat, curves.items()):
-        for (cache, ys), (color, ls, lw) in zip(cs.items(), style):
-            ax.plot(contexts, [y / 1e9 for y in ys], color=color, ls=ls, lw=lw, label=cache)
-            ax.annotate(f"{ys[-1] / 1e9:.1f} GB" if ys[-1] >= 1e9 else f"{ys[-1] / 1e6:.0f} MB",
-                        (contexts[-1], ys[-1] / 1e9), textcoords="offset points", xytext=(4, 0), fontsize=8.5,
-                        color=color, va="center")
-        from tq_mlx.memory import attention_layout
+    from tq_mlx.architectures import attention_layout
 
-        cfg = by_name[name]["config"]
-        lay = attention_layout(cfg)
-        ticks = [0, 32768, 65536, 131072, 196608, 262144]
-        ax.set_xticks(ticks, [memory.ctx_label(c) if c else "0" for c in ticks])
-        ax.set_xlim(0, contexts[-1] * 1.2)
+    curves = memory_curves(models, contexts)
+    panels = []
+    for m in models:
+        lay = attention_layout(m["config"])
+        panels.append({
+            "title": f"{m['name']}: {len(lay.full_layers)} attention layers, "
+                     f"{lay.n_kv_heads} KV heads x {lay.head_dim}",
+            "curves": {cache: {"bytes": ys, "label": _gb_label(ys[-1])} for cache, ys in curves[m["name"]].items()},
+        })
+    return {
+        "suptitle": "KV cache of one sequence against context (tq_mlx.memory.estimate_kv_bytes; benchmarks/configs)",
+        "xlabel": "context (tokens)",
+        "ylabel": "KV cache, GB",
+        "xticks": [[c, memory.ctx_label(c) if c else "0"] for c in MEMORY_TICKS],
+        "contexts": contexts,
+        "panels": panels,
+    }
+
+
+def plot_memory(models: list[dict], path: Path, contexts: list[int] = MEMORY_CONTEXTS) -> Path:
+    """Draw memory_figure(models) to path; every label inside the picture."""
+    plt = _pyplot()
+    data = memory_figure(models, contexts)
+    cols = 3
+    rows = -(-len(data["panels"]) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(14.5, 4.3 * rows), squeeze=False)
+    style = [("black", "-", 2.0), ("dimgray", "--", 1.6), ("dimgray", ":", 1.8), ("tab:red", "-", 2.4)]
+    for ax, panel in zip(axes.flat, data["panels"]):
+        for (cache, curve), (color, ls, lw) in zip(panel["curves"].items(), style):
+            ys = curve["bytes"]
+            ax.plot(contexts, [y / 1e9 for y in ys], color=color, ls=ls, lw=lw, label=cache)
+            ax.annotate(curve["label"], (contexts[-1], ys[-1] / 1e9), textcoords="offset points", xytext=(4, 0),
+                        fontsize=8.5, color=color, va="center")
+        ticks = [c for c, _ in data["xticks"]]
+        ax.set_xticks(ticks, [lab for _, lab in data["xticks"]])
+        ax.set_xlim(0, contexts[-1] * 1.25)
         ax.set_ylim(0, None)
-        ax.set_title(f"{name}: {len(lay.full_layers)} attention layers, {lay.n_kv_heads} KV heads x {lay.head_dim}",
-                     fontsize=10)
-        ax.set_xlabel("context (tokens)", fontsize=9)
-        ax.set_ylabel("KV cache, GB", fontsize=9)
+        ax.set_title(panel["title"], fontsize=10)
+        ax.set_xlabel(data["xlabel"], fontsize=9)
+        ax.set_ylabel(data["ylabel"], fontsize=9)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(curves):]:
+    for ax in list(axes.flat)[len(data["panels"]):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8.5, loc="upper left")
-    fig.suptitle("KV cache of one sequence against context (tq_mlx.memory.estimate_kv_bytes; "
-                 "benchmarks/configs)", fontsize=12)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    # one legend for all, under the title, where it covers no curve
+    fig.suptitle(data["suptitle"], fontsize=12, y=0.995)
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper center", ncol=4, fontsize=9.5,
+               bbox_to_anchor=(0.5, 0.965), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.945))
+    return save(fig, path)
+
+
+FIGURES = ("kl_vs_bits", "memory_vs_context")
+
+
+def load_inputs(results: Path = common.RESULTS, configs: Path | None = None) -> tuple[dict, list[dict]]:
+    """What the pictures are drawn from: long_context.json and USER_MODELS' entries of benchmarks/configs."""
+    return json.loads((Path(results) / "long_context.json").read_text()), user_models(configs)
+
+
+def figure_data(name: str, lc: dict, models: list[dict]) -> dict:
+    """The data the picture `name` draws (kl_figure or memory_figure): what its sidecar JSON holds."""
+    return kl_figure(lc) if name == "kl_vs_bits" else memory_figure(models)
+
+
+def draw(name: str, lc: dict, models: list[dict], out: Path) -> Path:
+    """Write out/<name>.png and its sidecar out/<name>.json (the data drawn and the PNG's sha256)."""
+    png = plot_kl(lc, out / f"{name}.png") if name == "kl_vs_bits" else plot_memory(models, out / f"{name}.png")
+    side = {"png_sha256": hashlib.sha256(png.read_bytes()).hexdigest(), **figure_data(name, lc, models)}
+    sidecar(out / f"{name}.json").write_text(dump_json(side))
+    return png
+
+
+def sidecar(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def dump_json(data: dict) -> str:
+    """JSON with one list of numbers per line (the curves), so that a changed figure reads as a short diff."""
+    text = json.dumps(data, indent=1, ensure_ascii=False)
+    return re.sub(r"\[\n\s*(-?[\d.e+-]+(?:,\n\s*-?[\d.e+-]+)*)\n\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+
+def check(name: str, lc: dict, models: list[dict], docs: Path = DOCS) -> list[str]:
+    """What is stale about docs/<name>.png: its sidecar against the data drawn now, the PNG against the sidecar's
+    sha256 (pixels are never compared: a matplotlib upgrade does not fail this)."""
+    png, side = docs / f"{name}.png", docs / f"{name}.json"
+    if not png.exists() or not side.exists():
+        return [f"docs/{name}.png or its .json is missing"]
+    stored = json.loads(side.read_text())
+    problems = []
+    if stored.pop("png_sha256", None) != hashlib.sha256(png.read_bytes()).hexdigest():
+        problems.append(f"docs/{name}.png is not the picture docs/{name}.json describes")
+    now = json.loads(json.dumps(figure_data(name, lc, models)))
+    for key in sorted(set(now) | set(stored)):
+        if now.get(key) != stored.get(key):
+            problems.append(f"docs/{name}.json: {key!r} differs from what the code and results give now")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(common.RESULTS), help="folder with long_context.json")
     ap.add_argument("--configs", default=str(common.BENCH_DIR / "configs"), help="folder of model configs")
-    ap.add_argument("--out", default=str(DOCS), help="where the PNGs go (default docs/)")
+    ap.add_argument("--out", default=str(DOCS), help="where the PNGs and their JSON go (default docs/)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/'s pictures are stale")
     args = ap.parse_args(argv)
+    lc, models = load_inputs(Path(args.results), Path(args.configs))
+    if args.check:
+        problems = [p for name in FIGURES for p in check(name, lc, models, Path(args.out))]
+        for p in problems:
+            print(p)
+        if problems:
+            raise SystemExit("stale pictures: python benchmarks/plots.py (or benchmarks/docs_assets.py) redraws them")
+        print("pictures up to date")
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lc = json.loads((Path(args.results) / "long_context.json").read_text())
-    for p in (plot_kl(lc, out / "kl_vs_bits.png"), plot_memory(user_models(Path(args.configs)),
-                                                                 out / "memory_vs_context.png")):
-        print(f"wrote {p}")
+    for name in FIGURES:
+        print(f"wrote {draw(name, lc, models, out)} and its .json")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.kernels import dequantize_reference  # noqa: E402
 from tq_mlx.quantizer import format_bits  # noqa: E402
 from tq_mlx.stream import StreamView  # noqa: E402
-from tq_mlx.memory import estimate_kv_bytes, load_model_config  # noqa: E402
+from tq_mlx.architectures import load_model_config  # noqa: E402
+from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
 NEEDLE_ANSWER = "7314926"
@@ -233,7 +234,7 @@ def _eval_cache(cache: list) -> None:
 
 def kv_geometry(model_config: dict) -> tuple[int, int, int]:
     """(attention layers, kv heads, head_dim)."""
-    from tq_mlx.memory import attention_layout
+    from tq_mlx.architectures import attention_layout
 
     lay = attention_layout(model_config)
     return len(lay.full_layers), lay.n_kv_heads, lay.head_dim

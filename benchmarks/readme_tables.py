@@ -1,15 +1,25 @@
-"""The generated results: every benchmark table in docs/benchmarks.md, the headline tables in README.md.
+"""The generated results: every benchmark table in docs/benchmarks.md, the headline tables in README.md, and every
+number in README.md's prose.
 
-Both come from benchmarks/results/*.json and sit between markers:
+The tables come from benchmarks/results/*.json and sit between markers:
 
     docs/benchmarks.md   <!-- benchmark-results:start --> ... <!-- benchmark-results:end -->   (every table)
     README.md            <!-- headline-results:start --> ... <!-- headline-results:end -->     (one small table each
                                                                                                for memory, quality
                                                                                                and speed)
+    README.md            <!-- path-results:start --> ... <!-- path-results:end -->             (what a decode step
+                                                                                               costs on each fetch
+                                                                                               path: paths.json)
 
-    python benchmarks/readme_tables.py            # print both
-    python benchmarks/readme_tables.py --write    # replace them in docs/benchmarks.md and README.md
-    python benchmarks/readme_tables.py --check    # exit 1 if either differs from the JSON files (tests/test_readme.py)
+The README's prose keeps its words, and each number in it outside those blocks and code is a figure (FIGURES: the
+sentence with {} for each number, and the function that computes them from tq_mlx, the configs and
+benchmarks/results) or one of a few ALLOWED non-results (versions, model names, a CLI example). --check names a
+stale figure and any number that is neither (a figure typed by hand); --write puts each figure's value in.
+
+    python benchmarks/readme_tables.py            # print the tables
+    python benchmarks/readme_tables.py --write    # replace them in docs/benchmarks.md and README.md, and the figures
+    python benchmarks/readme_tables.py --check    # exit 1 if any differs from the code and the JSON files, or a
+                                                  # number in README.md is not generated (tests/test_readme.py)
 
 Each full table is rendered by its own script's `report()` from the saved JSON, so docs/benchmarks.md shows exactly
 what the last full run printed, with its date and machine. The pictures: benchmarks/plots.py.
@@ -18,10 +28,13 @@ what the last full run printed, with its date and machine. The pictures: benchma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,6 +44,8 @@ START = "<!-- benchmark-results:start -->"
 END = "<!-- benchmark-results:end -->"
 HEADLINE_START = "<!-- headline-results:start -->"
 HEADLINE_END = "<!-- headline-results:end -->"
+PATHS_START = "<!-- path-results:start -->"
+PATHS_END = "<!-- path-results:end -->"
 DOCS = common.REPO / "docs" / "benchmarks.md"
 README = common.REPO / "README.md"
 
@@ -42,6 +57,7 @@ COMMANDS = {
                     "(this table: one run per model side by side, joined with --merge; see the script's docstring)",
     "speed": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/speed.py",
     "serve": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/serve.py",
+    "paths": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/paths.py",
 }
 
 
@@ -140,7 +156,8 @@ def memory_headline(full: str) -> str:
     import plots
 
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.memory import attention_layout, format_bytes, text_config
+    from tq_mlx.architectures import attention_layout, text_config
+    from tq_mlx.display import format_bytes
 
     models = plots.user_models()
     curves = plots.memory_curves(models, list(HEADLINE_CONTEXTS))
@@ -221,6 +238,525 @@ def headline(results: Path = common.RESULTS, readme_dir: Path = README.parent, s
     return "\n\n".join(parts) + "\n"
 
 
+# The README's per-path table names example architectures of each fetch path: (how the README spells them, the
+# model_types that must take that path in tq_mlx.architectures; none for examples that are kinds of layers).
+PATH_EXAMPLES = {
+    "codes": [("llama", ["llama"]), ("qwen2/3", ["qwen2", "qwen3"]), ("qwen3.5", ["qwen3_5"]),
+              ("mistral", ["mistral"]), ("gemma3", ["gemma3"]), ("gpt-oss (learned sinks)", ["gpt_oss"]),
+              ("Gemma 4's KV-shared layers", ["gemma4"]), ("deepseek_v2", ["deepseek_v2"]),
+              ("stablelm", ["stablelm"]), ("phi", ["phi"])],
+    "latent": [(t, [t]) for t in ("deepseek_v3", "kimi_k25", "kimi_linear", "glm4_moe_lite", "mistral4",
+                                  "longcat_flash", "bailing_moe_v3")],
+    "float": [("gemma2", ["gemma2"]), ("plamo(2)", ["plamo", "plamo2"]),
+              ("afm7", ["afm7"]), ("deepseek_v32", ["deepseek_v32"]), ("glm_moe_dsa", ["glm_moe_dsa"]),
+              ("minimax_m3_vl", ["minimax_m3_vl"]), ("Gemma 4's K=V layers", [])],
+}
+
+
+def config_words(c: dict) -> str:
+    """What a TurboQuantConfig.to_dict() measured, in words: "K4/V4, 8-bit norms, ..."."""
+    words = [f"K{c['key_bits']:g}/V{c['value_bits']:g}", f"{c['norm_bits']}-bit norms"]
+    if c.get("center_keys"):
+        words.append("keys centered before RoPE" if c["center_keys"] == "rope" else "keys centered")
+    if c.get("weigh_keys"):
+        words.append("weighed by the queries")
+    if c.get("decay_after"):
+        words.append(f"tokens past {c['decay_after']} at K{c['decay_key_bits']:g}/V{c['decay_value_bits']:g}")
+    return ", ".join(words)
+
+
+def paths_section(results: Path = common.RESULTS, readme_dir: Path = README.parent, suffix: str = "") -> str:
+    """The README's per-path table (between the path-results markers): which architectures take each fetch path
+    and what one layer's decode step costs on it against mlx-lm's float cache, from paths<suffix>.json. Raises
+    ValueError if an example architecture does not take its row's path (tq_mlx.architectures.fetch_for)."""
+    from tq_mlx.architectures import fetch_for
+
+    for path, examples in PATH_EXAMPLES.items():
+        wrong = [t for _, types in examples for t in types if fetch_for({t}) != path]
+        if wrong:
+            raise ValueError(f"README per-path table: {wrong} do not take the {path!r} path (tq_mlx.architectures); "
+                             "edit readme_tables.PATH_EXAMPLES")
+    file = results / f"paths{suffix}.json"
+    if not file.exists():
+        return f"No per-path results yet: run `{COMMANDS['paths']}`.\n"
+    res = json.loads(file.read_text())
+    contexts = sorted({r["context"] for r in res["rows"]})
+    at = {(r["layer"], r["path"], r["context"]): r for r in res["rows"]}
+
+    def ratios(layer: str, path: str, digits: int) -> str:
+        return " / ".join(f"{at[layer, path, c]['vs_float']:.{digits}f}x" for c in contexts)
+
+    mb = " / ".join(f"{at['GQA', 'decode-to-float', c]['transient_bytes'] / 2**20:.0f}" for c in contexts)
+    cells = {
+        "codes": f"{ratios('GQA', 'on the codes', 2)} the time, no float transient",
+        "latent": f"decode on the codes: {ratios('MLA', 'latent on the codes', 2)}; prefill chunks decode the layer's "
+                  "latent to float",
+        "float": f"{ratios('GQA', 'decode-to-float', 1)} (MLA-shaped: {ratios('MLA', 'decode-to-float', 1)}), plus one "
+                 f"layer's float K/V as a transient ({mb} MB here)",
+    }
+    names = {"codes": "on the codes", "latent": "latent (MLA)", "float": "decode-to-float"}
+    label = " / ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts)
+    rows = [[names[p], ", ".join(name for name, _ in PATH_EXAMPLES[p]), cells[p]] for p in names]
+    table = common.markdown_table(["path", "architectures (examples)",
+                                   f"one layer's decode step vs mlx-lm's float cache, {label} tokens"], rows, "lll")
+    m = res["meta"]
+    gqa, mla = m["gqa"], m["mla"]
+    where = "the CPU reference path" if m["backend"] == "cpu" else f"MLX's {m['backend']} back end"
+    note = (f"Decode-step figures: `python benchmarks/paths.py` (one layer, {gqa['kv_heads']} kv heads of {gqa['dim']} "
+            f"and {gqa['q_heads']} query heads, or an MLA latent of {mla['dim']} with {mla['q_heads']} query heads; "
+            f"update + attention, {m['dtype']}, {where}; "
+            f"TurboQuantConfig(): {config_words(res['config'])}; {short_meta(m)}; "
+            f"[results]({link(file, readme_dir)})); on a Mac the kernels replace the reference path and nothing "
+            "here is timed.")
+    return f"{table}\n\n{note}\n"
+
+
+# --- the numbers in the README's prose ------------------------------------------------------------------------------
+# Every number a reader meets in README.md outside a generated block and a code block is one of FIGURES, recomputed
+# from the code and benchmarks/results by --check (which names a stale one; --write puts the new value in), or one
+# of the few ALLOWED numbers that are not results (a version, a model's name, a CLI example). uncovered_numbers()
+# finds the rest: a figure typed by hand fails --check and tests/test_readme.py until it is one or the other.
+
+
+class Reword(Exception):
+    """The code no longer fits a figure's words (a preset now decays, a list grew): reword the sentence."""
+
+
+class Figure(NamedTuple):
+    """A README sentence whose numbers are computed. text: the README's words with {} where each number stands
+    (whitespace matches any line break); values(): those numbers as the README spells them, now; names(): words
+    the paragraph must also hold (the architectures a count counts)."""
+
+    name: str
+    text: str
+    values: Callable[[], tuple]
+    names: Callable[[], Iterable[str]] | None = None
+
+
+REFERENCE_MODEL = "Llama-3.1-8B"  # the model (benchmarks/configs, the memory table) the per-model prose figures use
+
+
+@functools.cache
+def _model_config(name: str = REFERENCE_MODEL) -> dict:
+    import plots
+
+    return next(m["config"] for m in plots.user_models() if m["name"] == name)
+
+
+def _bits_per_value(config, ctx: int, name: str = REFERENCE_MODEL) -> float:
+    """Bits per value of a TurboQuantConfig at ctx tokens on a model, float parts in float16 (as long_context.py
+    counts them): 16 x its bytes / float16's."""
+    from tq_mlx.memory import estimate_kv_bytes
+
+    mc = _model_config(name)
+    return 16 * estimate_kv_bytes(mc, ctx, config, dtype="float16") / estimate_kv_bytes(mc, ctx)
+
+
+def _ctx(c: int) -> str:
+    return f"{c // 1024}k" if c % 1024 == 0 else f"{c:,}"
+
+
+def _bits(b) -> str:
+    from tq_mlx.quantizer import format_bits
+
+    return format_bits(b)
+
+
+def _label(c) -> str:
+    from tq_mlx.config import bits_label
+
+    return bits_label(c.key_bits, c.value_bits)
+
+
+def _decayed_label(c) -> str:
+    from tq_mlx.config import bits_label
+
+    return bits_label(*c.decayed_bits)
+
+
+def intro_values() -> tuple:
+    """How many times more tokens fit in float16's memory at 32k, the least over the memory table's models."""
+    from tq_mlx import TurboQuantConfig
+    from tq_mlx.memory import estimate_kv_bytes
+    import plots
+
+    ctx = HEADLINE_CONTEXTS[0]
+    ratio = min(estimate_kv_bytes(m["config"], ctx) / estimate_kv_bytes(m["config"], ctx, TurboQuantConfig())
+                for m in plots.user_models())
+    return f"{ratio:.0f}", _ctx(ctx)
+
+
+def picture_values() -> tuple:
+    """The mlx-lm caches docs/memory_vs_context.png draws (benchmarks/plots.memory_curves), widest first."""
+    import plots
+
+    names = next(iter(plots.memory_curves(plots.user_models()[:1], [HEADLINE_CONTEXTS[0]]).values()))
+    bits = sorted((int(re.fullmatch(r"mlx-lm affine (\d+)-bit", n).group(1)) for n in names
+                   if n.startswith("mlx-lm affine")), reverse=True)
+    if len(bits) != 2:
+        raise Reword(f"the memory picture draws mlx-lm at {bits} bits")
+    return tuple(bits)
+
+
+def python_values() -> tuple:
+    m = re.search(r'requires-python\s*=\s*">=\s*([\d.]+)"', (common.REPO / "pyproject.toml").read_text())
+    return (m.group(1),)
+
+
+def openblas_values() -> tuple:
+    """The speed-up tq_mlx.blas tells users OpenBLAS gives (its warning's own words)."""
+    from tq_mlx.blas import ReferenceBLASWarning
+
+    return (re.search(r"~(\d+)x", ReferenceBLASWarning.__doc__).group(1),)
+
+
+def config_bits_values() -> tuple:
+    """The bits a config takes (tq_mlx.quantizer.MSE_BITS) and TurboQuantConfig()'s bits and decay."""
+    from tq_mlx import TurboQuantConfig
+    from tq_mlx.quantizer import MSE_BITS
+
+    d = TurboQuantConfig()
+    if d.decay_after is None:
+        raise Reword("TurboQuantConfig() no longer decays")
+    return (*map(_bits, MSE_BITS), _bits(d.key_bits), _bits(d.value_bits), d.decay_after,
+            *map(_bits, d.decayed_bits))
+
+
+def config_fields_values() -> tuple:
+    from tq_mlx import TurboQuantConfig
+
+    from tq_mlx.config import DECAY_FLOOR, DECAY_STEP, auto_decay_bits
+    from tq_mlx.quantizer import MSE_BITS
+
+    d = TurboQuantConfig()
+    widest = max(MSE_BITS)
+    if auto_decay_bits("key", widest) is not None or auto_decay_bits("value", widest) is not None:
+        raise Reword(f"{widest}-bit codes now decay")
+    words = {1: "one", 2: "two", 3: "three"}
+    return (words[DECAY_STEP["key"]], DECAY_FLOOR["key"], words[DECAY_STEP["value"]], DECAY_FLOOR["value"],
+            _bits(widest), d.norm_bits, d.window, d.sinks)
+
+
+def kvcache_step_values() -> tuple:
+    """mlx-lm's KVCache grows in steps of this many tokens (the reference every "saved" is against)."""
+    from mlx_lm.models.cache import KVCache
+
+    return (KVCache.step,)
+
+
+def presets_values() -> tuple:
+    """Each preset's bits/value at 32k on REFERENCE_MODEL (float parts in float16), the reference's head_dim, and
+    what each preset keeps: quality no decay, default and compact decaying."""
+    from tq_mlx import TurboQuantConfig
+    from tq_mlx.architectures import attention_layout
+
+    ctx = HEADLINE_CONTEXTS[0]
+    q, d, c = (TurboQuantConfig.preset(p) for p in ("quality", "default", "compact"))
+    if q.decay_after is not None or d.decay_after is None or c.decay_after is None:
+        raise Reword("the quality preset decays now, or default or compact does not")
+    bits = [f"{_bits_per_value(p, ctx):.2f}" for p in (q, d, c)]
+    return (*bits, _ctx(ctx), attention_layout(_model_config()).head_dim, _label(q), _label(d), d.decay_after,
+            _decayed_label(d), _label(c), c.decay_after, _decayed_label(c))
+
+
+def bound_floor_values() -> tuple:
+    """The smallest --max-kv-size the default config holds as it is: sinks + window + compress block - 1."""
+    from tq_mlx import TurboQuantConfig
+
+    d = TurboQuantConfig()
+    return (d.sinks + d.window + d.compress_block_size - 1,)
+
+
+BOUNDS = (4096, 256)  # the --max-kv-size the README prices
+
+
+def bound_values() -> tuple:
+    """What a bounded default cache saves on REFERENCE_MODEL against mlx-lm's RotatingKVCache of the same size, at
+    128k tokens (tq_mlx.memory.planned_saving; the bound fitted as the commands fit it): "2.53x", or "nothing"."""
+    from tq_mlx.config import derive_config
+    from tq_mlx.memory import planned_saving
+
+    out = []
+    for n in BOUNDS:
+        r = planned_saving(_model_config(), HEADLINE_CONTEXTS[-1], derive_config(max_kv_size=n), max_kv_size=n).ratio
+        out += [f"{r:.2f}x" if r >= 1.005 else "nothing", f"{n:,}"]
+    return tuple(out)
+
+
+@functools.cache
+def _long_context() -> dict:
+    return json.loads((common.RESULTS / "long_context.json").read_text())
+
+
+def _lc_row(model: str, setting: str) -> dict:
+    """The long-context row of `model` ("smollm2", "qwen05", ...) that measured long_context.<setting>."""
+    import long_context
+
+    name = getattr(long_context, setting).name
+    rows = [r for r in _long_context()["models"][model]["rows"] if long_context.canonical_name(r) == name]
+    if len(rows) != 1:
+        raise Reword(f"long_context.json has {len(rows)} {setting} rows for {model}")
+    return rows[0]
+
+
+def _lc_cells(model: str, setting: str, contexts) -> list[dict]:
+    row = _lc_row(model, setting)
+    cells = [x for text in row["texts"].values() for c, x in text.items()
+             if isinstance(x, dict) and int(c) in contexts]
+    if not cells:
+        raise Reword(f"no {setting} measurement of {model} at {contexts}")
+    return cells
+
+
+def _kl(x: float) -> str:
+    x = max(x, 0.0)
+    return f"{x:.4f}" if x < 0.01 else f"{x:.3f}"
+
+
+def _kl_range(cells: list[dict]) -> str:
+    lo, hi = _kl(min(x["kl"] for x in cells)), _kl(max(x["kl"] for x in cells))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def quality_values() -> tuple:
+    """The default's KL on Qwen2.5-Coder-0.5B at 8k and at its longest context measured, against SmolLM2 and
+    Qwen2.5-Coder-1.5B at 8k, and the quality preset on both (benchmarks/results/long_context.json)."""
+    import long_context
+    from tq_mlx import TurboQuantConfig
+
+    res = _long_context()["models"]
+    short = max(c for c in res["smollm2"]["contexts"] if c <= long_context.TRAINED_CONTEXT["smollm2"])
+    longest = max(int(c) for x in _lc_row("qwen05", "DEFAULT")["texts"].values() for c in x if c.isdigit())
+    g = res["qwen05"]["geometry"]
+    dppl = max(x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, longest)))
+    q = _lc_row("qwen05", "QUALITY")
+    bits = q["bits_32k"] + long_context.protection_bits(q, g, long_context.LONG)
+    return (g["kv_heads"], g["head_dim"], _bits(TurboQuantConfig().key_bits),
+            _kl_range(_lc_cells("qwen05", "DEFAULT", (short,))), _ctx(short),
+            _kl_range(_lc_cells("qwen05", "DEFAULT", (longest,))), _ctx(longest), f"{dppl:.1f}",
+            _kl_range(_lc_cells("smollm2", "DEFAULT", (short,)) + _lc_cells("qwen15", "DEFAULT", (short,))),
+            _ctx(short),
+            _bits(TurboQuantConfig.preset("quality").key_bits), f"{bits:.2f}", _ctx(long_context.LONG),
+            f"{16 / bits:.1f}", _kl_range(_lc_cells("qwen05", "QUALITY", (short, longest))), _ctx(short),
+            _ctx(longest), _kl_range(_lc_cells("smollm2", "QUALITY", (short,))), _ctx(short))
+
+
+def norm_values() -> tuple:
+    from tq_mlx import TurboQuantConfig
+
+    if TurboQuantConfig().norm_bits == 16:
+        raise Reword("norms are float16 by default, not a log code")
+    return (TurboQuantConfig().norm_bits,)
+
+
+def protect_values() -> tuple:
+    from tq_mlx import TurboQuantConfig
+
+    return (_bits(TurboQuantConfig().protect_bits),)
+
+
+@functools.cache
+def zoo_rows() -> dict[str, list[str]]:
+    """docs/models.md's table (tests/test_zoo.py checks it against what each architecture does): outcome ->
+    architectures; ValueError if its summary line counts otherwise."""
+    text = (common.REPO / "docs" / "models.md").read_text()
+    rows: dict[str, list[str]] = {}
+    for arch, outcome in re.findall(r"^\| `([^`]+)` \| ([^|]+?) \|", text, re.M):
+        rows.setdefault(outcome, []).append(arch)
+    summary = f"{sum(map(len, rows.values()))} architectures: " + ", ".join(
+        f"{len(rows[k])} {k}" for k in sorted(rows)) + "."
+    if summary not in text:
+        raise Reword(f"docs/models.md's summary line is not its table's ({summary!r})")
+    return rows
+
+
+def zoo_values() -> tuple:
+    rows = zoo_rows()
+    return sum(map(len, rows.values())), len(rows["compressed"]), len(rows["refused"])
+
+
+def zoo_unbuildable_values() -> tuple:
+    return (len(zoo_rows()["not buildable"]),)
+
+
+def zoo_refused() -> list[str]:
+    return zoo_rows()["refused"]
+
+
+def zoo_unbuildable() -> list[str]:
+    return zoo_rows()["not buildable"]
+
+
+def mla_values() -> tuple:
+    """The bits tests/test_zoo.py runs every architecture at (its CONFIG, read without importing the test)."""
+    import ast
+
+    tree = ast.parse((common.REPO / "tests" / "test_zoo.py").read_text())
+    call = next(n.value for n in tree.body if isinstance(n, ast.Assign) and any(
+        getattr(t, "id", None) == "CONFIG" for t in n.targets))
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    if kw["key_bits"] != kw["value_bits"]:
+        raise Reword("tests/test_zoo.py's CONFIG has different key and value bits")
+    return (_bits(kw["key_bits"]),)
+
+
+def mla_default_values() -> tuple:
+    """The default key bits (the latent's and the rope key's) and the range they span as tokens decay."""
+    from tq_mlx import TurboQuantConfig
+
+    d = TurboQuantConfig()
+    return _bits(d.key_bits), _bits(d.decayed_bits[0]), _bits(d.key_bits)
+
+
+FIGURES = [
+    Figure("intro", "so a Mac holds about {}x more context in the same memory at {} tokens", intro_values),
+    Figure("memory picture", "float16, mlx-lm affine {}-bit and {}-bit, TurboQuant's defaults", picture_values),
+    Figure("python", "nothing but Python {}+ and pip", python_values),
+    Figure("openblas", "libopenblas0-pthread`; ~{}x faster real-model runs", openblas_values),
+    Figure("config bits", "`key_bits` and `value_bits` ({}, {}, {}, {}, {}, {} or {}; default {} and {}, with tokens "
+           "older than {} re-coded at {} and {}:", config_bits_values),
+    Figure("config fields", "other integer widths decay by the same rule, keys {} bit less down to {} and values {} "
+           "less down to {}, fractional and {}-bit widths never), {}-bit norms, the float `window` of recent "
+           "tokens ({}), `sinks` ({})", config_fields_values),
+    Figure("kvcache step", "a `KVCache` in the model's dtype, {} tokens at a time", kvcache_step_values),
+    Figure("presets", "`--tq-preset quality|default|compact` ({}, {} and {} bits/value at {} on Llama-3.1-8B, "
+           "head_dim {}: quality keeps {}, the default {} re-codes tokens past {} at {}, compact {} past {} at {})",
+           presets_values),
+    Figure("bound floor", "window and a compress block ({} tokens by default)", bound_floor_values),
+    Figure("bound saving", "Llama-3.1-8B saves {} at {} tokens and {} at {}.", bound_values),
+    Figure("quality", "on Qwen2.5-Coder-0.5B ({} kv heads of {} dims, attention spread thin over thousands of tokens) "
+           "its {}-bit keys leave KL {} at {} and {} at {} (ΔPPL up to +{}%), against {} at {} on SmolLM2-135M and "
+           "Qwen2.5-Coder-1.5B. `--tq-preset quality` ({}-bit keys, {} bits/value at {}, {}x smaller than float16) "
+           "takes it to KL {} at {} and {} (and SmolLM2 to {} at {}).", quality_values),
+    Figure("norms", "plus one norm (an {}-bit log code)", norm_values),
+    Figure("protected keys", "keeps its keys at {} bits", protect_values),
+    Figure("zoo", "Of {} architectures, {} are compressed; {} are refused because", zoo_values, zoo_refused),
+    Figure("zoo not buildable", "; {} cannot run here (", zoo_unbuildable_values, zoo_unbuildable),
+    Figure("mla", "at {} bits the latent path matches mlx-lm's float cache on the zoo's random models", mla_values),
+    Figure("mla default", "stored at the key bits ({} by default). What is not known: the quality at {}-{} bits",
+           mla_default_values),
+]
+
+
+# Numbers in README prose that are not results, each with why (keep this short: a figure belongs in FIGURES).
+ALLOWED = [
+    (r"\b[A-Za-z][\w.]*(?:-[\w.]+)*?-\d+(?:\.\d+)?[BbMm]\b(?:-[\w.]+)*", "a model's name with its size"),
+    (r"DeepSeek-V2-Lite, is 16B", "a model's name and size"),
+    (r"Gemma 4", "a model family's name"),
+    (r"1-bit QJL", "QJL is one bit by definition (the paper)"),
+    (r"Algorithms 1 and 2", "the paper's numbering"),
+    (r"--ctx 128k", "a CLI example"),
+    (r"TQ_MLX_OPENBLAS=0", "an environment setting"),
+    (r"exit status 2", "tq-server's exit status (tests/test_cli.py)"),
+    (r"HTTP 400", "an HTTP status (tests/test_cli.py)"),
+]
+# A number: digits not glued to a word before them (Qwen3.5, x86_64 and sha256 are names), "4,096" and "2.53" whole;
+# and bit settings (K4/V3).
+NUMBER = re.compile(r"(?<![\w.])((?:[KV](?=\d))?\d+(?:[.,]\d+)*)(?:[kx%](?!\w))?")  # group 1: what counts
+FENCED = re.compile(r"^```.*?^```[^\n]*$", re.M | re.S)
+COMMENT = re.compile(r"<!--.*?-->", re.S)
+LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
+EXAMPLE = re.compile(r"<!-- generated-example:([\w.-]+):start -->.*?<!-- generated-example:\1:end -->", re.S)
+
+
+def figure_pattern(text: str) -> re.Pattern:
+    """A Figure's text as a regex: each {} a group of non-space characters, any whitespace any whitespace."""
+    def literal(part: str) -> str:
+        words = part.split()
+        if not words:
+            return r"\s+" if part else ""
+        return ((r"\s+" if part[0].isspace() else "") + r"\s+".join(map(re.escape, words))
+                + (r"\s+" if part[-1].isspace() else ""))
+    return re.compile(r"(\S+?)".join(literal(p) for p in text.split("{}")))
+
+
+class ProseCheck(NamedTuple):
+    """What prose_check found in a README's text: problems (each naming its figure), the text with every figure
+    as the code gives it now, and the spans of the numbers the figures cover."""
+
+    problems: list[str]
+    text: str
+    spans: list[tuple[int, int]]
+
+
+def prose_check(text: str, figures: list[Figure] = FIGURES) -> ProseCheck:
+    problems, spans, edits = [], [], []
+    for fig in figures:
+        found = list(figure_pattern(fig.text).finditer(text))
+        if len(found) != 1:
+            problems.append(f"prose figure {fig.name!r}: the README says {fig.text!r} {len(found)} times, not once "
+                            "(reworded? edit readme_tables.FIGURES with it)")
+            continue
+        m = found[0]
+        try:
+            values = [str(v) for v in fig.values()]
+            names = list(fig.names()) if fig.names else []
+        except Reword as e:
+            problems.append(f"prose figure {fig.name!r}: {e}; reword the sentence and readme_tables.FIGURES")
+            continue
+        if len(values) != len(m.groups()):
+            problems.append(f"prose figure {fig.name!r}: the code gives {len(values)} numbers {values}, the README's "
+                            f"words hold {len(m.groups())}: reword it")
+            continue
+        for i, value in enumerate(values, 1):
+            spans.append(m.span(i))
+            if m.group(i) != value:
+                a, b = m.span(i)
+                around = " ".join(text[max(m.start(), a - 50):min(m.end(), b + 50)].split())
+                problems.append(f"prose figure {fig.name!r} is stale: the README says {m.group(i)!r} where the code "
+                                f"and results now give {value!r} (in '...{around}...')")
+                edits.append((m.span(i), value))
+        start, end = text.rfind("\n\n", 0, m.start()), text.find("\n\n", m.end())
+        paragraph = text[start:end if end >= 0 else len(text)]
+        missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", paragraph)]
+        if missing:
+            problems.append(f"prose figure {fig.name!r}: its paragraph does not name {missing}")
+    for (a, b), value in sorted(edits, reverse=True):
+        text = text[:a] + value + text[b:]
+    return ProseCheck(problems, text, spans)
+
+
+def covered_spans(text: str, figure_spans: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """Where a number needs no figure: generated blocks (this script's and docs_assets.py's examples), code (fenced
+    and indented blocks), HTML comments, link targets, the ALLOWED phrases, and the figures' own numbers."""
+    spans = list(figure_spans)
+    for start, end in ((HEADLINE_START, HEADLINE_END), (PATHS_START, PATHS_END)):
+        a = text.find(start)
+        if a >= 0 and text.find(end, a) >= 0:
+            spans.append((a, text.find(end, a) + len(end)))
+    for pattern in (EXAMPLE, FENCED, COMMENT, LINK_TARGET, *(re.compile(p) for p, _ in ALLOWED)):
+        spans += [m.span() for m in pattern.finditer(text)]
+    pos, prev_blank, in_code = 0, True, False
+    for line in text.splitlines(keepends=True):  # indented code: 4 spaces after a blank line, and on
+        in_code = line.startswith("    ") and (prev_blank or in_code)
+        if in_code:
+            spans.append((pos, pos + len(line)))
+        prev_blank, pos = not line.strip(), pos + len(line)
+    return spans
+
+
+def uncovered_numbers(text: str, figure_spans: list[tuple[int, int]] = ()) -> list[str]:
+    """Every number in text outside covered_spans, as "line N: '3.7' in '...'": a figure typed by hand."""
+    spans = covered_spans(text, figure_spans)
+    out = []
+    for m in NUMBER.finditer(text):
+        if any(a <= m.start(1) and m.end(1) <= b for a, b in spans):
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        around = " ".join(text[max(0, m.start() - 40):m.end() + 40].split())
+        out.append(f"line {line}: {m.group(0)!r} in '...{around}...'")
+    return out
+
+
+def readme_problems(text: str) -> tuple[list[str], str]:
+    """Everything --check says of README.md's prose, and the text --write makes of it."""
+    check = prose_check(text)
+    problems = list(check.problems)
+    problems += [f"a number typed by hand, {u}: make it a readme_tables.FIGURES figure (or, if it is not a result, "
+                 "add it to ALLOWED)" for u in uncovered_numbers(text, check.spans)]
+    return problems, check.text
+
+
 def splice(text: str, body: str, start: str = START, end: str = END) -> str:
     if start not in text or end not in text:
         raise ValueError(f"no {start} ... {end} markers")
@@ -235,6 +771,8 @@ def main() -> None:
     ap.add_argument("--readme", default=str(README), help="the file with the headline tables (default README.md)")
     ap.add_argument("--results", default=str(common.RESULTS), help="folder with memory.json, quality.json, speed.json, ...")
     ap.add_argument("--suffix", default="", help="e.g. -quick to render the --quick results")
+    ap.add_argument("--prose", action="store_true", help="check the figures in --readme's prose too (always done "
+                    "for this repository's README.md, whose code and results they describe)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help="replace the sections in the two files")
     g.add_argument("--check", action="store_true", help="exit 1 if either file's section is out of date")
@@ -242,7 +780,8 @@ def main() -> None:
     results = Path(args.results).resolve()
     docs, readme = Path(args.docs), Path(args.readme)
     targets = [(docs, section(results, docs.resolve().parent, args.suffix), START, END),
-               (readme, headline(results, readme.resolve().parent, args.suffix, docs), HEADLINE_START, HEADLINE_END)]
+               (readme, headline(results, readme.resolve().parent, args.suffix, docs), HEADLINE_START, HEADLINE_END),
+               (readme, paths_section(results, readme.resolve().parent, args.suffix), PATHS_START, PATHS_END)]
     if not (args.write or args.check):
         for _, body, _, _ in targets:
             print(body)
@@ -256,18 +795,34 @@ def main() -> None:
             sys.exit(f"{path}: {e}")
         if args.check:
             if new != text:
-                stale.append(path)
+                stale.append((path, start))
         elif new != text:
             path.write_text(new)
             print(f"updated {path}")
         else:
             print(f"{path}: up to date")
+    # The prose figures describe this repository's code and results: checked in its own README only.
+    prose = args.prose or readme.resolve() == README.resolve()
+    problems = []
+    if prose:
+        text = readme.read_text()
+        problems, fixed = readme_problems(text)
+        if args.write and fixed != text:
+            readme.write_text(fixed)
+            print(f"updated the figures in {readme}'s prose")
+            problems = readme_problems(fixed)[0]
+    for p in problems:
+        print(f"{readme}: {p}", file=sys.stderr)
     if args.check:
-        for path in stale:
-            print(f"{path}: generated results are out of date; run python benchmarks/readme_tables.py --write", file=sys.stderr)
-        if stale:
+        for path, start in stale:
+            print(f"{path}: generated results are out of date (after {start}); run python benchmarks/readme_tables.py "
+                  "--write", file=sys.stderr)
+        if stale or problems:
             sys.exit(1)
-        print(f"{docs} and {readme}: generated results are up to date")
+        print(f"{docs} and {readme}: generated results are up to date"
+              + (f"; every number in {readme.name}'s prose is a figure or allowed" if prose else ""))
+    elif problems:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -55,35 +55,53 @@ METAL_FUNC void tq_wht(thread float* v, uint lane) {
   }
 }
 
-// Code j of a vector of D codes packed as tq_mlx/packing.py does: widths 1, 2, 4, 8 hold 32/B codes per word,
-// code j at bits [B*(j % (32/B)), ...); 3 bits are a 2-bit plane (ceil(D/16) words) followed by a 1-bit plane
-// (high bit). `words` may point to device or threadgroup memory.
+// Bit planes of tq_mlx/packing.py: a code of B bits is stored as a low plane of tq_lo_bits(B) bits per code and,
+// for 3, 5 and 6 bits, a high plane of the other tq_hi_bits(B) bits after it (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2);
+// 1, 2, 4 and 8 bits are one plane. A plane of P bits holds 32/P codes per word, code j at bits
+// [P*(j % (32/P)), ...), so no code straddles two words. Compile-time constants: every width is its own variant.
+inline constexpr int tq_lo_bits(int b) {
+  return b == 3 ? 2 : (b == 5 || b == 6 ? 4 : b);
+}
+inline constexpr int tq_hi_bits(int b) {
+  return b - tq_lo_bits(b);
+}
+
+// Code j of a vector of D codes packed in bit planes as above (the high plane starts after the low plane's
+// ceil(D / (32 / tq_lo_bits(B))) words). `words` may point to device or threadgroup memory.
 template <int B, int D, typename P>
 METAL_FUNC uint tq_code(P words, uint j) {
-  if (B == 3) {
-    uint lo = (words[j / 16] >> (2 * (j % 16))) & 3u;
-    uint hi = (words[(D + 15) / 16 + j / 32] >> (j % 32)) & 1u;
-    return lo | (hi << 2);
+  constexpr int LB = tq_lo_bits(B);
+  constexpr int HB = tq_hi_bits(B) > 0 ? tq_hi_bits(B) : 1;  // (no high plane: unused)
+  constexpr uint PL = 32 / LB;  // codes per low-plane word
+  constexpr uint PH = 32 / HB;  // codes per high-plane word
+  const uint lo = (words[j / PL] >> (LB * (j % PL))) & ((1u << LB) - 1u);
+  if (tq_hi_bits(B) == 0) {
+    return lo;
   }
-  const uint per = 32 / B;
-  return (words[j / per] >> (B * (j % per))) & ((1u << B) - 1u);
+  const uint hi = (words[(D + PL - 1) / PL + j / PH] >> (HB * (j % PH))) & ((1u << HB) - 1u);
+  return lo | (hi << LB);
 }
 
 // Σ_j q_r[j]·cent[code_j] over the DG codes (B bits) of one code group packed at `w`, added into s[k] for
 // this SIMD group's RPS query rows r = sg + k·NSG of `q` (rows of DQ floats, already offset to the group's
-// first dim). Word-major: CK codes share one word (3 bits: a 2-bit word and 16 bits of a 1-bit word).
+// first dim). Word-major: CK codes share one low-plane word, and with a high plane (3, 5, 6 bits) CK·HB bits of
+// one high-plane word (3 bits: 16 codes, 16 bits; 5: 8 codes, 8 bits; 6: 8 codes, 16 bits).
 template <int B, int DG, int RPS, int NSG, int DQ>
 METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* q,
                                 uint sg, thread float* s) {
-  constexpr int CK = B == 3 ? 16 : 32 / B;
-  constexpr int LO = (DG + 15) / 16;  // 3 bits: words of the 2-bit plane
+  constexpr int LB = tq_lo_bits(B);
+  constexpr bool HIGH = tq_hi_bits(B) > 0;
+  constexpr int HB = HIGH ? tq_hi_bits(B) : 1;
+  constexpr int CK = 32 / LB;  // codes per low-plane word
+  constexpr int PH = 32 / HB;  // codes per high-plane word (a multiple of CK)
+  constexpr int LO = (DG + CK - 1) / CK;  // words of the low plane
   for (int j0 = 0; j0 < DG; j0 += CK) {
     const uint lo = w[j0 / CK];
-    const uint hi = B == 3 ? w[LO + j0 / 32] >> (j0 % 32) : 0u;
+    const uint hi = HIGH ? w[LO + j0 / PH] >> (HB * (j0 % PH)) : 0u;
     for (int i = 0; i < CK; ++i) {
       if (DG % CK == 0 || j0 + i < DG) {
-        const uint code = B == 3 ? (((lo >> (2 * i)) & 3u) | (((hi >> i) & 1u) << 2))
-                                 : ((lo >> (B * i)) & ((1u << B) - 1u));
+        const uint low = (lo >> (LB * i)) & ((1u << LB) - 1u);
+        const uint code = HIGH ? (low | (((hi >> (HB * i)) & ((1u << HB) - 1u)) << LB)) : low;
         const float c = cent[code];
         for (int k = 0; k < RPS; ++k) {
           s[k] += q[(int(sg) + k * NSG) * DQ + j0 + i] * c;
@@ -187,26 +205,21 @@ METAL_FUNC void tq_value_dims(const threadgroup uint* w, const threadgroup float
   }
 }
 
-// Word w of DG codes of B bits (one code per element of `c`), packed as tq_code reads them.
+// Word w of DG codes of B bits (one code per element of `c`), packed as tq_code reads them: the low plane's
+// words, then the high plane's (3, 5, 6 bits).
 template <int B, int DG, typename P>
 METAL_FUNC uint tq_pack_word(P c, uint w) {
+  constexpr uint LB = tq_lo_bits(B);
+  constexpr uint HB = tq_hi_bits(B) > 0 ? tq_hi_bits(B) : 1;
+  constexpr uint LO = (DG + 32 / LB - 1) / (32 / LB);  // words of the low plane
+  const bool high = tq_hi_bits(B) > 0 && w >= LO;
+  const uint width = high ? HB : LB;
+  const uint per = 32 / width;
+  const uint first = (high ? w - LO : w) * per;
+  const uint shift = high ? LB : 0u;
   uint bits = 0;
-  if (B == 3) {
-    constexpr uint LO = (DG + 15) / 16;
-    if (w < LO) {
-      for (uint i = 0; i < 16 && 16 * w + i < uint(DG); ++i) {
-        bits |= (uint(c[16 * w + i]) & 3u) << (2 * i);
-      }
-    } else {
-      for (uint i = 0; i < 32 && 32 * (w - LO) + i < uint(DG); ++i) {
-        bits |= ((uint(c[32 * (w - LO) + i]) >> 2) & 1u) << i;
-      }
-    }
-    return bits;
-  }
-  constexpr uint P_ = 32 / B;
-  for (uint i = 0; i < P_ && P_ * w + i < uint(DG); ++i) {
-    bits |= (uint(c[P_ * w + i]) & ((1u << B) - 1u)) << (B * i);
+  for (uint i = 0; i < per && first + i < uint(DG); ++i) {
+    bits |= ((uint(c[first + i]) >> shift) & ((1u << width) - 1u)) << (width * i);
   }
   return bits;
 }

@@ -6,7 +6,7 @@
 //   2. scores, lane = token: s = |k|·Σ_j q'_j c[idx_j] (+ √(π/2)/D·γ·Σ_j (Sq)_j z_j); online softmax per row
 //      (m, l), rescaling the accumulators; sparse V drops weights exp(s - m) below ε/n (n = the split's
 //      tokens): each dropped one is < ε/n of the split's final max weight, so together < ε·l of the split
-//      (l counts them still), and |out - exact| <= ε·max_i |v_i - ν| for every row (tq_mlx/kernels.py);
+//      (l counts them still), and |out - exact| <= ε·max_i |v_i - ν| for every row (tq_mlx/kernels/launch.py);
 //   3. stage the value words of tokens some row kept (sparse V also skips their reads);
 //   4. lane = value dims [l*EV, l*EV + EV): acc += p·|v|·c[idx], in the rotated basis.
 // Codes are one group, or two for fractional bits (dims [0, D0) at one bit more, [D0, D) after them, each

@@ -48,12 +48,13 @@ uint code[E];
 for (int e = 0; e < E; ++e) {
   code[e] = tq_index<B>(y[e] * rs, bnd);
 }
+// Bit planes (tq_lo_bits, tq_hi_bits): the low plane's D·LB/32 words, then for 3, 5 and 6 bits the high plane's.
+constexpr int LB = tq_lo_bits(B);
+constexpr int HB = tq_hi_bits(B);
 device uint* out = codes + row * W;
-if (B == 3) {
-  tq_pack_plane<2, E>(code, 0, lane, out);
-  tq_pack_plane<1, E>(code, 2, lane, out + D / 16);
-} else {
-  tq_pack_plane<(B == 3 ? 2 : B), E>(code, 0, lane, out);
+tq_pack_plane<LB, E>(code, 0, lane, out);
+if (HB > 0) {
+  tq_pack_plane<(HB > 0 ? HB : 1), E>(code, LB, lane, out + D * LB / 32);
 }
 const NT nrm_s = tq_store_norm<NT>(nrm);
 if (lane == 0) {

@@ -20,9 +20,11 @@ from tq_chat.plan import format_ctx, format_plan, make_plan, max_context, with_b
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.cli import config_from_args
-from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, format_bytes, load_model_config,
-                           protect_layer_bytes, weight_bytes)
+from tq_mlx.flags import config_from_args
+from tq_mlx.architectures import load_model_config
+from tq_mlx.display import format_bytes
+from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes,
+                           weight_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds any single wait in the app may take
@@ -188,6 +190,80 @@ def test_offline_without_the_model_is_a_clear_message(tmp_path):
     assert proc.returncode == 2
     assert "not in the Hugging Face cache" in proc.stderr and "local model folder" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_plan_works_offline_from_the_config_tq_chat_ships(tmp_path):
+    # the README's headline command, with no model hub and an empty Hugging Face cache
+    from tq_chat.plan import shipped_config
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), TQ_MLX_OPENBLAS="0")
+    proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "Qwen3.5-35B-A3B", "--ctx", "128k", "--plan"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr  # 0 fits, 1 does not
+    shipped = shipped_config("mlx-community/Qwen3.5-35B-A3B-4bit")
+    assert shipped["name"] == "Qwen3.5-35B-A3B" and shipped["file"] == "qwen3.5-35b-a3b.json"
+    out = proc.stdout
+    assert ("source      the config tq-chat ships for Qwen3.5-35B-A3B (configs/qwen3.5-35b-a3b.json; offline); "
+            "weights estimated as 35B parameters x 4.5 bits") in out, out
+    kv = estimate_kv_bytes(shipped["config"], 131072, TurboQuantConfig())
+    assert f"KV cache    {format_bytes(kv)}  TurboQuant K4/V4" in out
+    assert f"weights     {format_bytes(int(35e9 * 4.5 / 8))}" in out
+    # a name that is neither a short name nor a repo id, but one of the README's models
+    proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "Llama-3.1-8B", "--plan"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1) and "the config tq-chat ships for Llama-3.1-8B" in proc.stdout, proc.stderr
+
+
+def test_plan_works_offline_from_a_cached_hub_config(tiny_model_dir, tmp_path):
+    # only config.json of the repo in the Hugging Face cache, no weights: the plan says so and counts the KV cache
+    snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "hub" / "models--someone--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--cached" / "refs" / "main").write_text("abc123")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), TQ_MLX_OPENBLAS="0")
+    proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "someone/cached", "--ctx", "2k", "--plan"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "source      config.json from the Hugging Face cache (someone/cached; offline); weights unknown" in \
+        proc.stdout
+    assert "weights     unknown (not counted below)" in proc.stdout
+    cfg = load_model_config(tiny_model_dir)
+    assert f"KV cache    {format_bytes(estimate_kv_bytes(cfg, 2048, TurboQuantConfig()))}" in proc.stdout
+
+
+def test_the_demo_model_is_prepared_in_the_dtype_it_runs_in(tiny_model_dir, monkeypatch, capsys):
+    # "Loading smollm2-135m-instruct-float16…" with --dtype float32 named the wrong dtype: the folder now is the
+    # dtype it runs in, and so is every line that names it
+    asked = []
+
+    def prepare(spec, dtype="float16", progress=False):
+        asked.append((spec.name, dtype))
+        named = tiny_model_dir.parent / f"{spec.name}-{dtype}"
+        if not named.exists():
+            named.symlink_to(tiny_model_dir, target_is_directory=True)
+        return named
+
+    monkeypatch.setattr("tq_chat.main.prepare_model", prepare)
+    assert cli.main(["smollm2-135m", "--dtype", "float32", "--plan"]) == 0
+    assert cli.main(["smollm2-135m", "--plan"]) == 0
+    assert asked == [("smollm2-135m-instruct", "float32"), ("smollm2-135m-instruct", "float16")]
+    out = capsys.readouterr().out
+    assert "model       smollm2-135m-instruct-float32 (3 layers" in out
+    assert "mlx-lm's own float32 cache for the same" in out
+
+
+def test_plan_fits_the_config_to_a_small_bound(tiny_model_dir):
+    from tq_mlx.config import fit_max_kv_size
+
+    cfg = load_model_config(tiny_model_dir)
+    plan = make_plan("m", cfg, 10**8, 4096, TurboQuantConfig(), 10**10, max_kv_size=256)
+    assert plan.config == fit_max_kv_size(TurboQuantConfig(), 256) and plan.config.window < 768
+    assert plan.kv == estimate_kv_bytes(cfg, 4096, plan.config, max_kv_size=256)
+    text = format_plan(plan)
+    assert (f"note: --max-kv-size 256 is below sinks + window + compress block - 1 = 899 tokens (the float sinks "
+            f"and window are never dropped): keeping 4 sinks, a {plan.config.window}-token window and compress "
+            f"blocks of {plan.config.compress_block_size}") in text
 
 
 # --- the app, headless ---------------------------------------------------------------------------------------
@@ -568,6 +644,54 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
     asyncio.run(run())
 
 
+def test_help_lists_every_command_and_a_bare_screenshot_goes_where_the_app_says(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Issue 35: /help's table had a blank header cell and left out /help; a bare /screenshot wrote into the
+    current folder. Every table the app shows has a header, /help names every command the app knows, and a bare
+    /screenshot goes to tq-mlx's cache folder ($TQ_MLX_CACHE), in a new file each time, at the path it prints."""
+    import re
+
+    from tq_chat.chat import COMMANDS, HELP, KNOWN, screenshot_dir
+
+    monkeypatch.setenv("TQ_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert screenshot_dir() == tmp_path / "cache" / "screenshots"
+    assert set(KNOWN) == {c.split()[0] for c in COMMANDS} and "/help" in KNOWN
+
+    def header_cells(table: str) -> list[str]:
+        return [c.strip() for c in table.strip().splitlines()[0].strip("|").split("|")]
+
+    async def run():
+        app = make_app(tiny_model_dir)
+        async with app.run_test() as pilot:
+            await loaded(pilot)
+            await say(pilot, "/help")
+            help_text = messages(app, "notice")[-1].source
+            assert help_text == HELP
+            table = help_text[help_text.index("| command"):]
+            assert all(header_cells(table)), table
+            listed = re.findall(r"^\| `(/\w+)", table, re.M)
+            assert listed == list(KNOWN), listed
+            for cmd in KNOWN:  # every command listed does something other than "Unknown command"
+                if cmd in ("/screenshot", "/quit"):
+                    continue  # below
+                await say(pilot, cmd)
+                assert not any(f"Unknown command {cmd}" in m.source for m in messages(app, "error")), cmd
+                if cmd == "/stats":
+                    assert all(header_cells(messages(app, "notice")[-1].source))
+            shots = []
+            for _ in range(2):
+                await say(pilot, "/screenshot")
+                said = messages(app, "notice")[-1].source
+                shots.append(Path(re.fullmatch(r"Saved a screenshot to `(.+)`\.", said).group(1)))
+            assert shots[0] != shots[1] and all(p.parent == screenshot_dir() and p.is_file() for p in shots)
+            assert not list(tmp_path.glob("*.svg"))  # nothing in the current folder
+            await say(pilot, "/quit")
+        assert app.return_code in (0, None)
+
+    asyncio.run(run())
+
+
 def test_a_model_that_does_not_load_is_reported(tmp_path):
     bad = save_tiny_model(tmp_path / "bad")
     (bad / "model.safetensors").write_bytes(b"\x00" * 64)
@@ -658,3 +782,89 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
     # the default (K4/V4, decaying after 6144 tokens); the label wraps in the panel
     assert "K4→3/V4→2 after 6144 on its 1 attention layer" in " ".join(text.split())
+
+
+# --- one state, every surface: the panel, tq-generate's summary, cache_bytes and the plan --------------------------
+
+
+def fed_session(path: Path, config: TurboQuantConfig, n: int, ctx: int = 1024):
+    """A ChatSession on the tiny model with n prompt tokens in its cache (one prefill)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from tq_chat.session import ChatSession
+
+    model, tokenizer = load(str(path))
+    session = ChatSession(model, tokenizer, config, ctx)
+    if n:
+        session.model(mx.array([[(7 * i) % 200 + 3 for i in range(n)]]), cache=session.cache)
+        mx.eval([c.state for c in session.cache])
+    return session
+
+
+@pytest.mark.parametrize("config, n", [(TurboQuantConfig(), 42), (TurboQuantConfig(window=16, sinks=2), 300)],
+                         ids=["nothing compressed yet", "compressed"])
+def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_dir, config, n):
+    from tq_chat.widgets import MemoryPanel
+    from tq_mlx.display import saving_text, summary_line, window_text
+    from tq_mlx.memory import Saving, cache_bytes
+
+    session = fed_session(tiny_model_dir, config, n)
+    s = cache_bytes(session.cache)
+    assert s["tokens"] == n and (s["saved_bytes"], s["ratio"]) == (Saving(s["kv_bytes"], s["mlx_lm_bytes"]).saved,
+                                                                    Saving(s["kv_bytes"], s["mlx_lm_bytes"]).ratio)
+    held, reference, saved, window = (format_bytes(s["kv_bytes"]), format_bytes(s["mlx_lm_bytes"]), saving_text(s),
+                                      window_text(s))
+    # tq-generate's summary line
+    summary = summary_line(session.cache)
+    assert (f"KV cache: {held} for {n:,} tokens; mlx-lm's float32 cache would hold {reference}; saved {saved}; "
+            f"{window}") in summary, summary
+    # tq-chat's panel
+    panel = " ".join(panel_text(MemoryPanel(), session.snapshot()).split())
+    assert f"held {held}" in panel and f"mlx-lm float32 cache {reference}" in panel and f"saved {saved}" in panel
+    assert " ".join(window.split()) in panel
+    # --plan for the same state: the same bytes from config.json alone, worded by the same function
+    plan = make_plan("tiny", load_model_config(tiny_model_dir), weight_bytes(tiny_model_dir), n, config, 10**10,
+                     dtype="float32")
+    assert (plan.kv, plan.kv_mlx_lm) == (s["kv_bytes"], s["mlx_lm_bytes"])
+    text = format_plan(plan)
+    assert f"KV cache    {held}  " in text and f"mlx-lm      {reference}  mlx-lm's own float32 cache" in text
+    assert f"saved       {saved} against mlx-lm's own cache" in text
+    if n == 42:  # before compression starts the first screen says so, and what --ctx will reach
+        assert window == "all 42 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"
+
+
+def test_the_first_screen_shows_what_the_cache_reaches_at_ctx(tiny_model_dir):
+    from tq_chat.widgets import MemoryPanel
+    from tq_mlx.display import planned_text
+    from tq_mlx.memory import planned_saving
+
+    cfg = load_model_config(tiny_model_dir)
+    session = fed_session(tiny_model_dir, TurboQuantConfig(), 0, ctx=4096)
+    plan = make_plan("tiny", cfg, weight_bytes(tiny_model_dir), 4096, TurboQuantConfig(), 10**10, dtype="float32")
+    assert plan.saving == planned_saving(cfg, 4096, TurboQuantConfig(), dtype="float32")
+    panel = " ".join(panel_text(MemoryPanel(), {**session.snapshot(), "plan": plan}).split())
+    assert ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): compression starts at "
+            "token 773") in panel, panel
+    assert planned_text(plan.saving, 4096) in panel
+    assert planned_text(plan.saving, 4096).startswith(f"planned at 4,096 tokens (--ctx): {format_bytes(plan.kv)} held, "
+                                                      f"saved {format_bytes(plan.kv_mlx_lm - plan.kv)} (")
+
+
+def test_presets_on_a_short_prompt_show_what_they_hold_now_and_will_save_at_ctx(tiny_model_dir):
+    # At 53 tokens the presets' constants decide what they hold (compact's decay quantizers hold the most): the
+    # panel shows that as it is, and next to it the saving each reaches at --ctx, which orders them as they are.
+    from tq_chat.widgets import MemoryPanel
+    from tq_mlx.display import planned_text
+
+    cfg = load_model_config(tiny_model_dir)
+    planned = {}
+    for name in ("quality", "default", "compact"):
+        config = TurboQuantConfig.preset(name)
+        session = fed_session(tiny_model_dir, config, 53, ctx=4096)
+        plan = make_plan("tiny", cfg, weight_bytes(tiny_model_dir), 4096, config, 10**10, dtype="float32")
+        stats = {**session.snapshot(), "plan": plan}
+        panel = " ".join(panel_text(MemoryPanel(), stats).split())
+        assert f"held {format_bytes(stats['kv_bytes'])}" in panel and planned_text(plan.saving, 4096) in panel
+        planned[name] = plan.saving.ratio
+    assert planned["quality"] < planned["default"] < planned["compact"], planned

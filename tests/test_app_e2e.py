@@ -3,11 +3,19 @@
 Types a question, reads a sensible answer and the memory panel off the screen, checks the panel against
 tq_mlx.memory's estimate for the tokens it shows, saves an SVG screenshot (/screenshot) and quits.
 The terminal is a pseudo-terminal read through pyte (pexpect + pyte, both from PyPI: nothing from apt), and
-tmux as well where it is installed (CI). Set TQ_CHAT_SCREENSHOT=docs/tq-chat.svg to keep the screenshot.
+tmux as well where it is installed (CI). Set TQ_CHAT_SCREENSHOT=/some/file.svg to keep the screenshot
+(docs/tq-chat.png is made by `python benchmarks/docs_assets.py`).
+
+The tests wait on the app's state, not on text appearing: tq-chat appends its state changes (ready, a turn over,
+a command done) to the file $TQ_CHAT_EVENT_LOG names, and a test types the next thing only once the app said it
+is done with the last (on a loaded machine, decoding at 1.3 tok/s, the answer's speed showed up in the panel
+while it was still streaming, and /load typed then was refused). Text on the screen is read only once the app
+is idle, and waited for with the figures the event gives (the context's token count).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -22,7 +30,9 @@ import pyte
 import pytest
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.memory import estimate_kv_bytes, format_bytes, load_model_config
+from tq_mlx.architectures import load_model_config
+from tq_mlx.display import format_bytes
+from tq_mlx.memory import estimate_kv_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 140, 44
@@ -119,16 +129,56 @@ def wait_for(term: PtyTerminal | Tmux, pattern: str, timeout: float) -> re.Match
         time.sleep(0.5)
 
 
+class Events:
+    """The app's state changes, read from its $TQ_CHAT_EVENT_LOG file (tq_chat.chat.ChatApp.log_event)."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen = path, 0
+
+    def wait(self, term, event: str, timeout: float, **match) -> dict:
+        """The next `event` after the last one waited for (with the given fields), once the app logged it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.path.read_text().splitlines() if self.path.exists() else []
+            for i in range(self.seen, len(lines)):
+                e = json.loads(lines[i])
+                if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
+                    self.seen = i + 1
+                    return e
+            if term.dead() or time.monotonic() > deadline:
+                pytest.fail(f"waited {timeout:.0f} s for the event {event} {match or ''}; events: {lines[self.seen:]}; "
+                            f"the screen:\n{term.screen()}")
+            term.screen()  # keep reading the pty: a full pty blocks the app
+            time.sleep(0.3)
+
+    def last(self, event: str) -> dict:
+        """The latest `event` the app logged."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        return [e for e in map(json.loads, lines) if e["event"] == event][-1]
+
+    def turn(self, term, timeout: float = 900) -> dict:
+        """Wait until the answer is over (whatever the speed); its event says how many tokens the context holds."""
+        e = self.wait(term, "turn", timeout)
+        assert not e["error"], e
+        return e
+
+    def command(self, term, typed: str, timeout: float = 60) -> dict:
+        """Type a slash command and wait until the app has done it."""
+        term.type(typed)
+        return self.wait(term, "command", timeout, command=typed.split()[0].lower())
+
+
 def panel(screen: str) -> str:
     """The memory panel's text: the right-hand 42 columns of the screen, borders dropped, one line."""
     lines = [line.ljust(WIDTH)[WIDTH - 42:] for line in screen.splitlines()]
     return " ".join(" ".join(lines).replace("│", " ").replace("╰", " ").replace("╭", " ").split())
 
 
-def start(terminal: str, env: dict[str, str]):
+def start(terminal: str, env: dict[str, str], events: Path, *flags: str):
+    env = {**env, "TQ_CHAT_EVENT_LOG": str(events)}
     exe = shutil.which("tq-chat")
     cmd = [exe] if exe else [sys.executable, "-m", "tq_chat.main"]
-    cmd += ["smollm2-135m", "--dtype", "float32", "--ctx", "4k", "--max-tokens", "40"]
+    cmd += ["smollm2-135m", "--dtype", "float32", "--ctx", "4k", "--max-tokens", "40", *flags]
     # No LD_PRELOAD here: tq-chat brings in OpenBLAS itself where it is installed (tq_mlx.blas).
     if terminal == "pty":
         return PtyTerminal(cmd, env)
@@ -159,15 +209,17 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
     model = smollm2_path()  # the folder `tq-chat smollm2-135m` prepares (and here finds ready)
     env = {"TERM": "xterm-256color"}
     shot = Path(os.environ.get("TQ_CHAT_SCREENSHOT") or tmp_path / "tq-chat.svg").resolve()
-    term = start(terminal, env)
+    events = Events(tmp_path / "events.jsonl")
+    term = start(terminal, env, events.path)
     try:
-        wait_for(term, r"Ready\. Type a message", timeout=180)
+        events.wait(term, "ready", timeout=300)
+        wait_for(term, r"Ready\. Type a message", timeout=30)
         term.type("What is the capital of France?")
-        wait_for(term, r"Paris", timeout=180)
-        # the answer is done when the panel shows a decode speed and the input box is back
-        screen = wait_for(term, r"decode\s+[\d.]+ tok/s", timeout=180).string
-        tokens = int(re.search(r"context\s+([\d,]+) / 4,096", screen).group(1).replace(",", ""))
+        tokens = events.turn(term)["context"]  # the answer is over
         assert 30 < tokens < 120
+        # the panel's final figures: its context line shows the tokens the app reported
+        screen = wait_for(term, rf"context\s+{tokens:,} / 4,096", timeout=30).string
+        assert "Paris" in screen, screen
         # the panel's KV figure is what memory's layout formula gives for that many tokens
         expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig(), dtype="float32")
         text = panel(screen)
@@ -181,9 +233,10 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
                 in text), text
         for label in ("compressed 0 tokens", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in text
+        assert re.search(r"decode\s+[\d.]+ tok/s", text), text
         # the default: K4/V4, decaying to K3/V2 after 6144 tokens (the panel wraps the label)
         assert "K4→3/V4→2 after 6144 on all 30 attention layers" in text, text
-        term.type(f"/screenshot {shot}")
+        events.command(term, f"/screenshot {shot}")
         wait_for(term, r"Saved a screenshot", timeout=30)
         assert shot.exists() and "Paris" in shot.read_text()
         quit_cleanly(term, terminal)
@@ -193,51 +246,64 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
 
 def test_every_command_and_save_load_continue_in_a_terminal(tmp_path):
     """Every slash command as a user types them; /save, /clear, /load, then the conversation goes on (it failed
-    with "There is no Stream(cpu, 0) in current thread" after /load); /save to a missing folder is one line."""
-    term = start("pty", {"TERM": "xterm-256color"})
+    with "There is no Stream(cpu, 0) in current thread" after /load); /save to a missing folder is one line.
+    A 16-token window, so that the saved cache holds compressed tokens (the default window holds the whole
+    conversation in float) and /load brings them back. Each step waits for the app to finish the last one."""
+    from tq_chat.chat import screenshot_dir
+
+    events = Events(tmp_path / "events.jsonl")
+    term = start("pty", {"TERM": "xterm-256color"}, events.path, "--tq-window", "16")
     saved = tmp_path / "conv.safetensors"
+
+    def compressed(screen: str) -> int:
+        return int(re.search(r"compressed ([\d,]+) tokens", panel(screen)).group(1).replace(",", ""))
+
     try:
-        wait_for(term, r"Ready\. Type a message", timeout=180)
-        term.type("/help")
+        events.wait(term, "ready", timeout=300)
+        events.command(term, "/help")
         wait_for(term, r"/load FILE", timeout=30)
         term.type("What is the capital of France?")
-        wait_for(term, r"Paris", timeout=180)
-        wait_for(term, r"decode\s+[\d.]+ tok/s", timeout=180)
-        for _ in range(60):  # /stats is refused until the answer ends
-            term.type("/stats")
-            screen = wait_for(term, r"│ turns\s+│ 1 |has to wait until the answer ends", timeout=30).string
-            if "│ turns" in screen:
-                break
-            time.sleep(2)
+        tokens = events.turn(term)["context"]
+        screen = wait_for(term, rf"context\s+{tokens:,} / 4,096", timeout=30).string
+        assert "Paris" in screen, screen
+        n_compressed = compressed(screen)
+        assert n_compressed > 0
+        events.command(term, "/stats")
+        screen = wait_for(term, r"│ turns\s+│ 1 ", timeout=30).string
         assert re.search(r"│ saved\s+│ [\d.]+ [KM]B \([\d.]+x\)", screen), screen
-        tokens = int(re.search(r"│ context\s+│ ([\d,]+) / 4,096 tokens", screen).group(1).replace(",", ""))
-        term.type("/bits")
+        assert re.search(rf"│ context\s+│ {tokens:,} / 4,096 tokens", screen), screen
+        events.command(term, "/bits")
         wait_for(term, r"Bits per layer", timeout=30)
-        term.type(f"/save {saved}")
-        m = wait_for(term, r"Saved ([\d,]+) tokens \(([\d.]+ [KMG]?B) of KV cache\)", timeout=60)
+        events.command(term, f"/save {saved}")
+        m = wait_for(term, r"Saved ([\d,]+) tokens \(([\d.]+ [KMG]?B) of KV cache\)", timeout=30)
         assert int(m.group(1).replace(",", "")) == tokens and saved.exists()
-        term.type("/save /nonexistent_dir/x.safetensors")
+        events.command(term, "/save /nonexistent_dir/x.safetensors")
         wait_for(term, r"Could not save: cannot save to /nonexistent_dir/x\.safetensors: the folder", timeout=30)
-        term.type("/clear")
+        events.command(term, "/clear")
         wait_for(term, r"New conversation\.", timeout=30)
-        assert re.search(r"context\s+0 / 4,096", term.screen())
-        term.type(f"/load {saved}")
-        wait_for(term, rf"Loaded {tokens} tokens from", timeout=60)
-        screen = term.screen()
-        assert re.search(rf"context\s+{tokens} / 4,096", screen) and "planned peak" in panel(screen), screen
+        wait_for(term, r"context\s+0 / 4,096", timeout=30)
+        events.command(term, f"/load {saved}")
+        wait_for(term, rf"Loaded {tokens} tokens from", timeout=30)
+        screen = wait_for(term, rf"context\s+{tokens:,} / 4,096", timeout=30).string
+        assert "planned peak" in panel(screen), screen
+        assert compressed(screen) == n_compressed > 0, panel(screen)  # the compressed tokens came back
         term.type("And what is the capital of Germany?")
-        screen = wait_for(term, r"Berlin|generation failed", timeout=180).string
-        assert "generation failed" not in screen, screen
-        screen = wait_for(term, r"decode\s+[\d.]+ tok/s", timeout=180).string
-        after = int(re.search(r"context\s+([\d,]+) / 4,096", screen).group(1).replace(",", ""))
+        after = events.turn(term)["context"]
         assert after > tokens + 10  # the second question and its answer joined the loaded conversation
-        term.type("/load /nonexistent_dir/x.safetensors")
+        screen = wait_for(term, rf"context\s+{after:,} / 4,096", timeout=30).string
+        assert "Berlin" in screen and "generation failed" not in screen, screen
+        events.command(term, "/load /nonexistent_dir/x.safetensors")
         wait_for(term, r"Could not load: no such file", timeout=30)
-        term.type("/nonsense")
+        events.command(term, "/nonsense")
         wait_for(term, r"Unknown command /nonsense", timeout=30)
-        term.type(f"/screenshot {tmp_path / 'shot.svg'}")
-        wait_for(term, r"Saved a screenshot", timeout=30)
-        assert "Berlin" in (tmp_path / "shot.svg").read_text()
+        # a bare /screenshot goes into tq-mlx's cache folder, at the path the app prints and logs
+        events.command(term, "/screenshot")
+        shot = Path(events.last("screenshot")["path"])
+        try:
+            wait_for(term, r"Saved a screenshot to", timeout=30)
+            assert shot.parent == screenshot_dir() and "Berlin" in shot.read_text()
+        finally:
+            shot.unlink(missing_ok=True)
         assert "Traceback" not in term.output()
         quit_cleanly(term, "pty")
     finally:

@@ -110,7 +110,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
         ref = reference_attention(q, dequantized(attended(kh, q)), dequantized(vh), D**-0.5, mask)
         assert out.shape == (B, H * R, L, D)
         assert rel_err(out, ref) < 2e-5, (L, rel_err(out, ref))
-    assert cache.n_compressed > 10 and cache.n_sinks == 3 and cache.n_window > 0
+    assert cache.n_coded > 10 and cache.n_sinks == 3 and cache.n_window > 0
 
 
 def test_array_masks_and_per_head_masks():
@@ -184,7 +184,7 @@ def test_before_the_first_compression_a_model_runs_as_with_the_float_cache(dtype
         out = [model(tokens[:, :24], cache=cache)]
         out += [model(tokens[:, i : i + 1], cache=cache) for i in range(24, 40)]
         logits[name] = mx.concatenate(out, axis=1)
-    assert all(c.n_compressed == 0 and c.offset == 40 for c in caches["tq"])
+    assert all(c.n_coded == 0 and c.offset == 40 for c in caches["tq"])
     assert mx.array_equal(logits["tq"], logits["float"])
 
 
@@ -319,7 +319,7 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
         # The sinks change the result (the sink takes some of the mass).
         plain = turboquant_attention(q, kh, vh, D**-0.5, None if L == 1 else "causal")
         assert float(mx.abs(plain - out).max()) > 1e-3
-    assert cache.n_compressed > 10
+    assert cache.n_coded > 10
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
@@ -342,8 +342,8 @@ def test_learned_sinks_without_compressed_tokens_are_fast_sdpa(dtype):
 
 
 def test_learned_sinks_with_array_masks_and_batch_views():
-    # Sinks with every mask kind, and a batch view (row by row, the same sinks per row) through batch_attention.
-    from tq_mlx.attention import BatchView, batched_attention
+    # Sinks with every mask kind, and a batch view (row by row, the same sinks per row) through batch_view_attention.
+    from tq_mlx.batch import BatchView, batch_view_attention
 
     rng = np.random.default_rng(9)
     B, H, R, D = 2, 2, 2, 64
@@ -366,8 +366,8 @@ def test_learned_sinks_with_array_masks_and_batch_views():
     vrows = tuple(vh._replace(**{f: (None if getattr(vh, f) is None else _row(getattr(vh, f), i))
                                  for f in ("codes", "sinks", "window", "mean", "scale")}) for i in range(B))
     spans, ends = ((0, L),) * B, (T,) * B
-    out = batched_attention(q, BatchView(rows, spans, ends), BatchView(vrows, spans, ends), 0.125, "causal",
-                            sinks=sinks)
+    out = batch_view_attention(q, BatchView(rows, spans, ends), BatchView(vrows, spans, ends), 0.125, "causal",
+                               sinks=sinks)
     ref = reference_attention(q, dequantized(kh), dequantized(vh), 0.125, "causal", sinks)
     assert rel_err(out, ref) < 2e-5
 
@@ -393,7 +393,7 @@ def test_keys_that_are_the_values_with_an_additive_mask():
         latent = mx.array(rng.normal(size=(B, 1, 60, D)) + 0.3, dtype=mx.float32)
         cache.update_and_fetch(latent[:, :, :59], latent[:, :, :59])
         kv, _ = cache.update_and_fetch(latent[:, :, 59:], latent[:, :, 59:])
-        assert keys_are_values(kv, kv) and kv.n_compressed > 32
+        assert keys_are_values(kv, kv) and kv.n_coded > 32
         pe = rng.normal(size=(B, R, 1, kv.n_tokens))
         pe[1, ..., :4] = float(mx.finfo(mx.float32).min)
         pe = mx.array(pe, dtype=mx.float32)

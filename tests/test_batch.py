@@ -24,10 +24,9 @@ from tests.support.host_sync import forbid_host_sync
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
-from tq_mlx.attention import BatchView
-from tq_mlx.batch import BatchTurboQuantKVCache
+from tq_mlx.batch import BatchTurboQuantKVCache, BatchView, batch_view_attention
 from tq_mlx.blas import openblas_preloaded
-from tq_mlx.cache import _attention
+from tq_mlx.hook import quantized_scaled_dot_product_attention as hooked_attention
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -136,7 +135,7 @@ def test_merge_copies_and_extract_gives_the_single_cache():
     assert all(c.state[1]["k_codes"][0] is b for c, b in zip(tq, before))
     one = batch.extract(1)
     assert type(one) is TurboQuantKVCache and one.offset == LENGTHS[1] + 1 and one.batch_heads() == (1, 2)
-    assert one.n_compressed > 0 and one is not batch.rows[1]
+    assert one.n_coded > 0 and one is not batch.rows[1]
     batch.update_and_fetch(x, x)
     assert one.offset == LENGTHS[1] + 1  # the extracted copy does not move with the batch
     # Memory: exactly the rows' arrays, no padding and no float copy of compressed tokens.
@@ -182,9 +181,9 @@ def test_each_row_attends_as_it_would_alone_and_padding_gets_zeros(route):
     kb, vb = batch.update_and_fetch(k, 2 * k)
     assert isinstance(kb, BatchView) and [r is None for r in kb.rows] == [False, False, True]
     if route == "hook":
-        out = _attention(q, kb, vb, scale=0.125, mask=mask)
+        out = hooked_attention(q, kb, vb, scale=0.125, mask=mask)
     else:
-        out = turboquant_attention(q, kb, vb, 0.125, mask)
+        out = batch_view_attention(q, kb, vb, 0.125, mask)
     assert out.shape == (3, 4, 7, 64) and bool(mx.all(mx.isfinite(out)))
     for i, n in enumerate(lengths):
         solo = TurboQuantKVCache(CFG, head_dim=64)
@@ -199,7 +198,7 @@ def test_each_row_attends_as_it_would_alone_and_padding_gets_zeros(route):
     batch.finalize()
     windowed = batch.make_mask(1, window_size=4)
     kb, vb = batch.update_and_fetch(x, x)
-    out = _attention(q[:, :, :1], kb, vb, scale=0.125, mask=windowed)
+    out = hooked_attention(q[:, :, :1], kb, vb, scale=0.125, mask=windowed)
     for i in range(3):
         view_k, view_v = kb.rows[i], vb.rows[i]
         n = view_k.n_tokens
@@ -219,7 +218,7 @@ def test_batched_decode_builds_the_graph_without_host_sync(monkeypatch):
             _ = batch.offset
             mask = batch.make_mask(1)
             kb, vb = batch.update_and_fetch(x, x)
-            out = _attention(q, kb, vb, scale=0.125, mask=mask)
+            out = hooked_attention(q, kb, vb, scale=0.125, mask=mask)
         _ = batch.state, batch.nbytes
     assert out.shape == (3, 4, 1, 64)
 
@@ -243,7 +242,7 @@ def test_state_round_trips_through_mlx_lm_files(tmp_path):
     outs = []
     for c in (batch, loaded):
         kb, vb = c.update_and_fetch(x[:, :, :1], x[:, :, :1])
-        outs.append(turboquant_attention(q, kb, vb, 0.125))
+        outs.append(batch_view_attention(q, kb, vb, 0.125))
     assert mx.array_equal(*outs)
 
 
@@ -289,7 +288,7 @@ def test_batch_generate_equals_generating_alone(request, patched, name, prefill_
         want, want_lps = alone(model, p, 12, prefill_step_size=prefill_step_size)
         assert got == want and np.allclose(lps, want_lps, atol=1e-4)
         tq = [c for c in caches if isinstance(c, TurboQuantKVCache)]
-        assert tq and all(c.offset == len(p) + len(got) and c.n_compressed > 0 for c in tq)
+        assert tq and all(c.offset == len(p) + len(got) and c.n_coded > 0 for c in tq)
     assert sum(map(len, r.token_ids)) >= 24
     if name == "hybrid":
         assert [type(c).__name__ for c in r.caches[0]] == ["ArraysCache"] * 3 + ["TurboQuantKVCache"]
@@ -354,7 +353,7 @@ def test_hybrid_models_batch_with_mlx_lm_batch_caches_for_their_other_layers(arc
     for p, got, caches in zip(prompts, r.token_ids, r.caches):
         assert got == alone(model, p, 6)[0]
     flat = [m for c in r.caches[0] for m in getattr(c, "caches", [c])]
-    assert any(isinstance(c, TurboQuantKVCache) and c.n_compressed for c in flat)
+    assert any(isinstance(c, TurboQuantKVCache) and c.n_coded for c in flat)
     assert any(not isinstance(c, TurboQuantKVCache) for c in flat)
 
 
@@ -377,7 +376,7 @@ def test_server_flow_keeps_the_prompt_cache_compressed_and_batches_cache_hits(pa
     gen.close()
     for uid in uids:
         r = done[uid]
-        assert all(type(c) is TurboQuantKVCache and c.n_compressed for c in r.prompt_cache)
+        assert all(type(c) is TurboQuantKVCache and c.n_coded for c in r.prompt_cache)
         lru.insert_cache("m", r.all_tokens, r.prompt_cache)
     assert lru.nbytes == sum(c.nbytes for r in done.values() for c in r.prompt_cache) > 0
     follow = [done[uid].all_tokens + t for uid, t in zip(uids, prompts_of((9, 3), seed=5))]
@@ -424,7 +423,7 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli import server_main; sys.exit(server_main())",
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
            "--model", str(path), "--host", "127.0.0.1", "--port", str(port), "--tq-bits", "4"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -483,7 +482,7 @@ def smollm2_agreement(max_tokens: int = 16) -> dict:
                for q in QUESTIONS]
     r = batch_generate(model, tok, prompts, max_tokens=max_tokens, return_token_ids=True, return_prompt_caches=True)
     out = {"lengths": [len(p) for p in prompts], "sequences": len(prompts), "equal_sequences": 0, "tokens": 0,
-           "equal_tokens": 0, "compressed": all(c.n_compressed > 0 for cs in r.caches for c in cs)}
+           "equal_tokens": 0, "compressed": all(c.n_coded > 0 for cs in r.caches for c in cs)}
     for p, got in zip(prompts, r.token_ids):
         want, _ = alone(model, p, max_tokens, eos=tok.eos_token_ids)
         out["tokens"] += max(len(got), len(want))
@@ -545,7 +544,7 @@ def test_rows_with_decayed_codes_batch_as_they_would_alone(fetch, tmp_path):
             ks, vs = s.update_and_fetch(x[i : i + 1], 2 * x[i : i + 1])
             if fetch == "codes":
                 assert kb.rows[i].n_decayed == ks.n_decayed == s.n_decayed[0]
-                got = turboquant_attention(q, kb, vb, 0.125)[i : i + 1]
+                got = batch_view_attention(q, kb, vb, 0.125)[i : i + 1]
                 assert mx.array_equal(got, turboquant_attention(q[i : i + 1], ks, vs, 0.125))
             else:  # right-aligned at the last column of the padded layout
                 n = ks.shape[2]

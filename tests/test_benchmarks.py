@@ -296,18 +296,47 @@ def test_speed_quick(speed: dict) -> None:
                 assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (ctx, name, k)
 
 
+@pytest.fixture(scope="module")
+def paths(results_dir) -> dict:
+    return run_script("paths", results_dir)
+
+
+def test_paths_quick_measures_the_default_on_each_path(paths: dict) -> None:
+    # paths.py times one layer's decode step on every fetch path, TurboQuantConfig() as it is (the script asserts
+    # that the keys it times on the codes are weighed and centered before RoPE), the float cache of each layer
+    # shape as the base.
+    from tq_mlx import TurboQuantConfig
+
+    _meta_ok(paths["meta"])
+    assert paths["config"] == TurboQuantConfig().to_dict()
+    contexts = paths["meta"]["contexts"]
+    expected = {("GQA", p) for p in ("mlx-lm float cache", "on the codes", "decode-to-float")} | {
+        ("MLA", p) for p in ("mlx-lm float cache", "latent on the codes", "decode-to-float")}
+    assert sorted((r["layer"], r["path"], r["context"]) for r in paths["rows"]) == sorted(
+        (layer, p, c) for layer, p in expected for c in contexts)
+    for r in paths["rows"]:
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["vs_float"] > 0, r
+        shape = paths["meta"]["gqa" if r["layer"] == "GQA" else "mla"]
+        float_bytes = 2 * r["context"] * shape["kv_heads"] * shape["dim"] * 4
+        assert r["transient_bytes"] == (float_bytes if r["path"] == "decode-to-float" else 0), r
+        if r["path"] == "mlx-lm float cache":
+            assert r["vs_float"] == 1.0
+
+
 def _tables_cmd(results_dir: Path, tmp_path: Path) -> tuple[list[str], Path, Path]:
     """readme_tables.py on the --quick results, into a docs/benchmarks.md and a README.md of tmp_path's own."""
     (tmp_path / "docs").mkdir(exist_ok=True)
     docs, readme = tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
     docs.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
-    readme.write_text("# r\n\n<!-- headline-results:start -->\nOLD-HEADLINE\n<!-- headline-results:end -->\n\nend\n")
+    readme.write_text("# r\n\n<!-- headline-results:start -->\nOLD-HEADLINE\n<!-- headline-results:end -->\n\nmiddle\n\n"
+                      "<!-- path-results:start -->\nOLD-PATHS\n<!-- path-results:end -->\n\nend\n")
     cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--docs", str(docs), "--readme", str(readme), "--results",
            str(results_dir), "--suffix=-quick", "--write"]
     return cmd, docs, readme
 
 
-def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, speed: dict, results_dir: Path, tmp_path: Path) -> None:
+def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, speed: dict, paths: dict,
+                              results_dir: Path, tmp_path: Path) -> None:
     cmd, docs, readme = _tables_cmd(results_dir, tmp_path)
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     text = docs.read_text()
@@ -316,7 +345,8 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
     assert text.endswith("<!-- benchmark-results:end -->\n\ntail\n")
     # The README's headline: one small table per area, linking into the full tables
     head = readme.read_text()
-    assert "OLD-HEADLINE" not in head and head.endswith("<!-- headline-results:end -->\n\nend\n")
+    assert "OLD-HEADLINE" not in head and "OLD-PATHS" not in head and "<!-- headline-results:end -->\n\nmiddle\n" in head
+    assert head.endswith("<!-- path-results:end -->\n\nend\n")
     sys.path.insert(0, str(BENCH))
     import long_context as lc
     import speed as sp
@@ -325,8 +355,21 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
                  f"| {sp.preset('default').name} |",
                  "(docs/benchmarks.md#memory)", "(docs/benchmarks.md#quality-at-long-context)", "(docs/benchmarks.md#speed)"):
         assert part in head, part
+    # The per-path table: each path's ratios from paths-quick.json, the contexts it measured in the header
+    ratio = {(r["layer"], r["path"], r["context"]): r["vs_float"] for r in paths["rows"]}
+    contexts = paths["meta"]["contexts"]
+    codes = " / ".join(f"{ratio['GQA', 'on the codes', c]:.2f}x" for c in contexts)
+    latent = " / ".join(f"{ratio['MLA', 'latent on the codes', c]:.2f}x" for c in contexts)
+    assert f"| {codes} the time, no float transient |" in head and f"decode on the codes: {latent};" in head
+    assert f"float cache, {' / '.join(f'{c // 1024}k' for c in contexts)} tokens |" in head
+    assert "(benchmarks/results/paths-quick.json)" not in head and "paths-quick.json)" in head
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+    # a hand-edited number in the per-path table fails the check, as in any generated table
+    readme.write_text(head.replace(f"| {codes} the time", "| 0.50x / 0.50x the time"))
+    check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 1 and "README.md: generated results are out of date (after <!-- path-results" in check.stderr
+    readme.write_text(head)
     docs.write_text(docs.read_text().replace("rotation + affine", "rotation and affine"))
     check = subprocess.run([*cmd[:-1], "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 1 and "benchmarks.md: generated results are out of date" in check.stderr
@@ -482,7 +525,7 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
 
 def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diagonal() -> None:
     # key_error.py's "matrix" mode is the full-matrix form of the cache's weights: on diagonal second moments it
-    # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.stream.query_weights does before its clip.
+    # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.calibration.query_weights does before its clip.
     sys.path.insert(0, str(BENCH))
     import key_error as ke
 

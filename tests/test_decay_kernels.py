@@ -12,8 +12,11 @@ decayed views take the same two passes (prefill_attention.metal holds one codebo
   masks None, "causal" (in prefill reaching into the codes: chunks longer than the window), bool and additive
   arrays; learned sinks; GQA 1..4; batch 1 and 2; head dims 64 and 128; float16 and uint8 norms (norm_bits 8);
   every float dtype; all three lane schedules;
+* 5- and 6-bit fresh codes (quantizer.CODE_BITS, which the config does not take yet) decaying to 4 and 3 bits:
+  a cache at 8 bits decaying to 4 or 3, its fresh codes re-coded at 5 or 6 bits (tests.test_kernels.recode), so
+  one stream holds two code segments of different bit-plane layouts; decode and prefill, keys and values;
 * byte counts: pass 1 reads each decayed and fresh code byte once per kv head and step (decayed tokens fewer
-  bytes each), and writes nothing near a float copy;
+  bytes each; at 5 and 6 bits exactly bits·d/8 code bytes per token), and writes nothing near a float copy;
 * dispatch_attention: the decayed variants pass their self-checks (random views with the same spans) and take
   the kernel path; dequantize per segment; a decay quantizer in another basis is refused with its reason.
 Cost: about 30 s warm, 40 s cold (compiling the new variants) on a 2-core machine.
@@ -22,6 +25,7 @@ Cost: about 30 s warm, 40 s cold (compiling the new variants) on a 2-core machin
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -29,11 +33,11 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
+    SCHEDULES, WIDE_BITS, Emu, _clean_dispatch, assert_close, config_bits, emulator, ids, make_mask, normal, wide,
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import aligned_segments
+from tq_mlx.attention import aligned_segments, keys_are_values
 from tq_mlx.config import PRESETS
 from tq_mlx.quantizer import TurboQuantMSE
 from tq_mlx.stream import decode as stream_decode
@@ -43,14 +47,16 @@ DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64)
 
 def decayed_views(dim=64, kb=4, vb=3, dkb=3, dvb=2, qjl=False, B=1, H=2, n_prompt=300, L=1, dtype=mx.float16,
                   norm_bits=16, seed=0, **config):
-    """Views of a real cache with decay after a prompt of n_prompt tokens and L new ones: (keys, values)."""
+    """Views of a real cache with decay after a prompt of n_prompt tokens and L new ones: (keys, values). A side
+    at 5 or 6 bits comes from a cache at 8 bits decaying to its decay bits, its fresh codes re-coded (`wide`)."""
     rng = np.random.default_rng(seed)
-    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, decay_key_bits=dkb, decay_value_bits=dvb,
-                           norm_bits=norm_bits, **(DECAY | config))
+    cfg = TurboQuantConfig(key_bits=config_bits(kb), value_bits=config_bits(vb), qjl=qjl, decay_key_bits=dkb,
+                           decay_value_bits=dvb, norm_bits=norm_bits, **(DECAY | config))
     cache = TurboQuantKVCache(cfg, head_dim=dim)
     kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
-    return cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
+    keys, values = cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
+    return wide(keys, kb, cfg), wide(values, vb, cfg)
 
 
 def span_counts(keys, values) -> list[int]:
@@ -83,6 +89,13 @@ CASES = [
     ("prefill", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, 16),  # chunk > window: causal in codes
     ("prefill", 128, 4, 3, 3, None, False, mx.bfloat16, 2, 4, 12, "causal", True, 8),  # only keys, GQA 4, sinks
     ("prefill", 64, 4, 3, 3, 2, False, mx.float32, 2, 1, 20, "add-heads-float32", True, 16),  # additive, sinks
+    # 5- and 6-bit fresh codes (bit planes 4+1, 4+2) decaying to 4 and 3 bits (one and two planes)
+    ("decode", 64, 5, 4, 4, 2, False, mx.float16, 1, 2, 1, None, False, 8),  # K5 -> K4
+    ("decode", 128, 6, 3, 3, 2, False, mx.bfloat16, 2, 4, 3, "causal", True, 16),  # K6 -> K3, GQA 4, sinks
+    ("decode", 64, 6, 5, 4, 3, False, mx.float32, 2, 2, 2, "bool-batch", False, 8),  # V5 -> V3 too
+    ("decode", 64, 4, 6, None, 4, True, mx.float16, 1, 2, 4, "add-heads-float16", True, 16),  # QJL keys, V6 -> V4
+    ("prefill", 64, 5, 4, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, 8),  # K5 -> K3, causal in codes
+    ("prefill", 128, 6, 6, 4, 3, False, mx.float32, 2, 1, 20, "add-heads-float32", True, 16),  # K6 -> K4, V6 -> V3
 ]
 
 
@@ -123,7 +136,7 @@ def three_spans(dim=64, B=1, L=1, dtype=mx.float16, **kw):
     quantizer at different tokens, so the compressed tokens are three spans (Kd Vd, Kf Vd... as it falls)."""
     keys, _ = decayed_views(dim, B=B, L=L, dtype=dtype, seed=1, **kw)
     _, values = decayed_views(dim, B=B, L=L, dtype=dtype, seed=2, decay_after=224, **kw)
-    assert keys.n_decayed != values.n_decayed and keys.n_compressed == values.n_compressed
+    assert keys.n_decayed != values.n_decayed and keys.n_coded == values.n_coded
     assert len(span_counts(keys, values)) == 3
     return keys, values
 
@@ -183,15 +196,18 @@ def codes_bytes(kv) -> int:
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("vb, norm_bits", [(3, 16), (4, 8)], ids=["K4-V3-float16-norms", "the-default-K4-V4-uint8-norms"])
-def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, vb, norm_bits):
+@pytest.mark.parametrize("kb, vb, dkb, norm_bits", [(4, 3, 3, 16), (4, 4, 3, 8), (5, 4, 4, 8), (6, 3, 3, 16)],
+                         ids=["K4-V3-float16-norms", "the-default-K4-V4-uint8-norms", "K5-to-K4-V4-uint8-norms",
+                              "K6-to-K3-V3-float16-norms"])
+def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, kb, vb, dkb, norm_bits):
     B, R, dim = 2, 4, 128
-    keys, values = decayed_views(dim, vb=vb, B=B, n_prompt=1000, norm_bits=norm_bits)
+    keys, values = decayed_views(dim, kb=kb, vb=vb, dkb=dkb, B=B, n_prompt=1000, norm_bits=norm_bits)
     assert keys.n_decayed > 500 and keys.n_fresh > 32
     per_token = {name: sum(a.itemsize * math.prod(a.shape[3:]) for a in seg.codes)
                  for name, seg in (("decayed", keys.decayed), ("fresh", keys.segments()[1][1]))}
-    # K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128 (+ 1 with uint8 norms)
-    assert per_token == {"decayed": 48 + norm_bits // 8, "fresh": 64 + norm_bits // 8}
+    # exactly bits·d/8 code bytes per token at every width (K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128;
+    # 1 norm byte with uint8 norms; K5 and K6: 80 and 96 code bytes, a 4-bit plane and a 1- or 2-bit plane)
+    assert per_token == {"decayed": dim * dkb // 8 + norm_bits // 8, "fresh": dim * kb // 8 + norm_bits // 8}
     q = normal(np.random.default_rng(0), (B, 2 * R, 1, dim), mx.float16)
     f = Emu()
     got, want = run("decode", q, keys, values, None, None, f)
@@ -205,13 +221,15 @@ def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, vb, norm_bits):
             assert b.unique_bytes_read == b.nbytes, name  # every byte of every kv head, for all R rows
             assert b.total_bytes_read <= 1.1 * b.nbytes, name
             assert b.total_bytes_written == 0
+        for name in ("kc", "kn"):  # the R rows are one chunk: each key byte held is read exactly once
+            assert st.buffers[name].total_bytes_read == st.buffers[name].nbytes, name
     read = sum(st.buffers[n].total_bytes_read for st in launches for n in names)
     assert read <= 1.1 * (codes_bytes(keys) + codes_bytes(values))
     # less than the same context at the fresh bits would read
     fresh_rate = sum(a.itemsize * math.prod(a.shape[3:]) for kv in (keys, values) for a in kv.codes)
-    assert read < 0.9 * B * 2 * keys.n_compressed * fresh_rate
+    assert read < 0.9 * B * 2 * keys.n_coded * fresh_rate
     # No float copy of the cache: pass 1's partials and pass 2's rows are small against it.
-    float_cache = B * 2 * keys.n_compressed * 2 * dim * 2
+    float_cache = B * 2 * keys.n_coded * 2 * dim * 2
     written = sum(b.nbytes for launch in f.launches for b in launch.stats.buffers.values() if b.kind == "output")
     assert written < 0.1 * float_cache
 
@@ -238,6 +256,31 @@ def test_dispatch_self_checks_decayed_variants(emulator, L, sinks):
     assert not f.stats("tq_prefill_attention")
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("L", [1, 24])
+def test_dispatch_takes_the_kernels_on_5_and_6_bit_codes_that_decay(emulator, L):
+    # K6 -> K3 and V5 -> V4: every variant (pass 1 per span, dequantize per segment) passes its self-check and
+    # runs; nothing takes the reference path.
+    keys, values = decayed_views(64, kb=6, vb=5, dkb=3, dvb=4, L=L, norm_bits=8)
+    K.set_backend("metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    assert span_counts(keys, values) == [keys.n_decayed, keys.n_fresh] and keys.quantizer.bits == 6
+    rng = np.random.default_rng(L)
+    q = normal(rng, (1, 4, L, 64), mx.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every self-check passes
+        got = K.dispatch_attention(q, keys, values, 0.125, "causal")
+        for kv in (keys, values):
+            assert_close(K.dispatch_dequantize(kv, mx.float32), stream_decode(kv, mx.float32), mx.float32)
+    assert_close(got, K.decode_attention_reference(q, keys, values, 0.125, "causal"), mx.float16)
+    status = K.self_check_status()
+    kernel = "decode_attention" if L <= K.MAX_QUERY_TOKENS else "prefill_attention"
+    assert {k for k, _ in status} == {kernel, "dequantize"} and all(why is None for why in status.values())
+    assert len([v for k, v in status if k == "dequantize"]) == 4  # K3, K6, V4, V5
+    assert len(f.stats("tq_decode_partial")) == 2 * 2  # self-check (2 spans), then the call
+
+
 @pytest.mark.parametrize("sides", ["both", "keys", "values", "different", "latent"])
 def test_self_check_views_have_the_same_spans(sides):
     if sides == "different":
@@ -249,7 +292,7 @@ def test_self_check_views_have_the_same_spans(sides):
             values = keys
     k, v = K._random_views(np.random.default_rng(0), keys, values, 2, 45, 3, tail=5)
     assert K._span_codes(k, v) == K._span_codes(keys, values)
-    assert K.keys_are_values(k, v) == K.keys_are_values(keys, values)
+    assert keys_are_values(k, v) == keys_are_values(keys, values)
     counts = span_counts(k, v)
     assert all(n > 0 for n in counts) and sum(counts) == 45 * len(counts) + 5
 
@@ -260,7 +303,7 @@ def test_dequantize_per_segment(emulator):
     for kv in (keys, values):
         assert K.dequantize_unsupported(kv) is None
         want = stream_decode(kv, mx.float32)
-        assert want.shape[2] == kv.n_compressed
+        assert want.shape[2] == kv.n_coded
         assert_close(K.dequantize(kv, mx.float32, metal_kernel=Emu()), want, mx.float32)
     K.set_backend("metal")
     K.set_kernel_factory(Emu())

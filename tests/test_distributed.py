@@ -104,7 +104,7 @@ def run_generation(model_dir: str, mode: str) -> dict:
     mx.synchronize()
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
     caches = [
-        {"layer": c.layer_index, "heads": c.batch_heads()[1], "compressed": c.n_compressed,
+        {"layer": c.layer_index, "heads": c.batch_heads()[1], "compressed": c.n_coded,
          "bits": [c.key_bits, c.value_bits]}
         for c in cache
         if isinstance(c, TurboQuantKVCache)
@@ -215,7 +215,7 @@ def test_pipeline_matches_single_process(qwen2_dir, single, tmp_path):
 
 # As the tq-generate command does: exit without MLX's teardown, which can abort (losing buffered output, and
 # making mlx.launch stop the other rank).
-GENERATE = [sys.executable, "-c", "import sys; from tq_mlx.cli import exit_without_teardown, generate_main; "
+GENERATE = [sys.executable, "-c", "import sys; from tq_mlx.flags import exit_without_teardown; from tq_mlx.generate import generate_main; "
             "exit_without_teardown(generate_main(sys.argv[1:]))"]
 
 
@@ -268,7 +268,7 @@ def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir,
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = [sys.executable, "-c", "import sys; from tq_mlx.cli import server_main; sys.exit(server_main())",
+    server = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
               "--model", str(qwen2_dir), "--port", str(port), "--pipeline", *TQ_FLAGS]
     log = tmp_path / "server.log"
     with open(log, "w") as f:
@@ -296,11 +296,11 @@ def _worker(model_dir: str, mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "worker":
-        from tq_mlx.cli import exit_without_teardown
+        from tq_mlx.flags import exit_without_teardown
 
         _worker(*sys.argv[2:])
         # mlx.launch stops every rank once one exits with an error, and MLX's exit-time teardown can abort
-        # (tq_mlx.cli.exit_without_teardown): a rank done first could take down a peer still writing its result.
+        # (tq_mlx.flags.exit_without_teardown): a rank done first could take down a peer still writing its result.
         exit_without_teardown(0)
     else:
         sys.exit(f"usage: {sys.argv[0]} worker MODEL_DIR tensor|pipeline OUT_PATTERN")

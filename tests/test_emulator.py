@@ -205,6 +205,63 @@ def test_wht128_wrong_lane_shuffle_gives_wrong_result(emulator):
     assert np.abs(bad - ref).max() > 0.1
 
 
+# tq-mlx's bit planes (metal_kernels/common.metal, as the codec and attention kernels use them) against
+# tq_mlx/packing.py at every code width: 1, 2, 4, 8 bits one plane; 3, 5, 6 bits a low plane of 2, 4, 4 bits and
+# a high plane of 1, 1, 2 bits.
+PLANES = """
+    // One SIMD group per vector of D codes: lane l reads codes [l*E, l*E + E) with tq_code and packs them again
+    // with tq_pack_plane, lanes OR-ing shared words with shuffles (encode.metal); every word is also built alone
+    // by tq_pack_word from the reference codes (encode_dense.metal).
+    constexpr int E = D / 32;
+    constexpr int LB = tq_lo_bits(B);
+    constexpr int HB = tq_hi_bits(B);
+    const uint lane = thread_index_in_simdgroup;
+    const uint row = thread_position_in_grid.x / 32;
+    uint code[E];
+    for (int e = 0; e < E; ++e) {
+        code[e] = tq_code<B, D>(words + row * W, lane * E + e);
+        codes[row * D + lane * E + e] = code[e];
+    }
+    device uint* out = planes + row * W;
+    tq_pack_plane<LB, E>(code, 0, lane, out);
+    if (HB > 0) {
+        tq_pack_plane<(HB > 0 ? HB : 1), E>(code, LB, lane, out + D * LB / 32);
+    }
+    for (uint w = lane; w < uint(W); w += 32) {
+        single[row * W + w] = tq_pack_word<B, D>(ref + row * D, w);
+    }
+"""
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim", [64, 512])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+def test_tq_bit_planes_match_packing_all_schedules(emulator, bits, dim):
+    from tq_mlx.kernels import SOURCES
+    from tq_mlx.packing import pack, packed_words, planes
+
+    rows, W = 9, packed_words(dim, bits)  # 9 SIMD groups, 4 per threadgroup: the last threadgroup is partial
+    assert 32 * W == dim * bits  # exactly b bits per code: no padding at these dims
+    ref = np.random.default_rng(bits).integers(0, 1 << bits, (rows, dim)).astype(np.uint32)
+    words = np.asarray(pack(mx.array(ref), bits))
+    k = metal_kernel(f"planes{bits}", ["words", "ref"], ["codes", "planes", "single"], PLANES,
+                     header=SOURCES["common"])
+    for schedule in ("forward", "reverse", "random"):
+        codes, packed, single = k(
+            inputs=[words, ref], output_shapes=[(rows, dim), (rows, W), (rows, W)], output_dtypes=[mx.uint32] * 3,
+            grid=(rows * 32, 1, 1), threadgroup=(128, 1, 1), template=[("B", bits), ("D", dim), ("W", W)],
+            schedule=schedule, seed=bits)
+        np.testing.assert_array_equal(codes, ref, err_msg=schedule)
+        np.testing.assert_array_equal(packed, words, err_msg=schedule)
+        np.testing.assert_array_equal(single, words, err_msg=schedule)
+        st = k.last_stats
+        assert not st.warnings
+        # every packed word read: once per code of its plane (`tq_code` reads a word per code)
+        assert st.buffers["words"].unique_bytes_read == words.nbytes
+        assert st.buffers["planes"].unique_bytes_written == st.buffers["planes"].total_bytes_written == words.nbytes
+    assert len(planes(bits)) == (2 if bits in (3, 5, 6) else 1)
+
+
 REDUCE = """
     // Sum of each row: one threadgroup per row, tree reduction in threadgroup memory.
     uint tid = thread_index_in_threadgroup;

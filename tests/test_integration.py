@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache
 import tq_mlx
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx import integration
-from tq_mlx.cache import install_attention_hook, uninstall_attention_hook
+from tq_mlx.hook import install_attention_hook, uninstall_attention_hook
 from tests.support.blas import ran_on_reference_blas
 from tests.support.tiny_models import TINY_MODELS, tiny_llama, tiny_tokenizer
 
@@ -59,7 +59,7 @@ def test_8bit_logits_track_the_float_cache(models, name):
     cache = tq_mlx.make_prompt_cache(model, dataclasses.replace(PLAIN, key_bits=8, value_bits=8))
     got = teacher_forced(model, cache, TOKENS)
     tq = [c for c in cache if isinstance(c, TurboQuantKVCache)]
-    assert tq and all(c.n_compressed >= 56 for c in tq)
+    assert tq and all(c.n_coded >= 56 for c in tq)
     assert float(rel(got, ref).max()) < 1e-2
 
 
@@ -107,7 +107,7 @@ def test_half_precision_models(dtype):
     ref = teacher_forced(model, mlx_cache.make_prompt_cache(model), tokens)
     cache = tq_mlx.make_prompt_cache(model, dataclasses.replace(PLAIN, key_bits=8, value_bits=8))
     got = teacher_forced(model, cache, tokens)
-    assert cache[0].n_compressed >= 16
+    assert cache[0].n_coded >= 16
     assert float(rel(got, ref).max()) < 3e-2  # 16-bit activations on both sides
 
 
@@ -120,7 +120,7 @@ def test_chunked_prefill_equals_one_shot(models):
         cache = tq_mlx.make_prompt_cache(model, cfg)
         _, logprobs = next(generate_step(prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=1))
         outs.append(logprobs)
-        layouts.append([(c.offset, c.n_compressed) for c in cache])
+        layouts.append([(c.offset, c.n_coded) for c in cache])
     assert layouts[0] == layouts[1]
     assert float(mx.abs(mx.exp(outs[0]) - mx.exp(outs[1])).max()) < 2e-3
     assert float(rel(outs[0], outs[1])) < 1e-2
@@ -179,7 +179,7 @@ def test_models_that_post_process_their_fetch_get_float_tensors_from_compressed_
     keys, values = mx.random.normal((1, 2, 20, D)), mx.random.normal((1, 2, 20, D))
     k, v = cache[0].update_and_fetch(keys, values)
     assert isinstance(k, mx.array) and k.shape == keys.shape and k.dtype == keys.dtype
-    assert cache[0].n_compressed == 12  # stored as codes; the float tensors are the fetch's, not the cache's
+    assert cache[0].n_coded == 12  # stored as codes; the float tensors are the fetch's, not the cache's
     rel = float(mx.linalg.norm(k - keys) / mx.linalg.norm(keys))
     assert 0 < rel < 0.2
     floats = [a for a in cache[0].held_arrays() if a.ndim == 4 and a.dtype == keys.dtype]
@@ -224,7 +224,7 @@ def test_chat_across_turns_reuses_the_cache(models):
         prompt = tok.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True)
         out = list(stream_generate(model, tok, prompt, prompt_cache=cache, max_tokens=6))
         n += len(prompt) + out[-1].generation_tokens
-        assert cache[0].offset - n in (-1, 0) and cache[0].n_compressed > 0
+        assert cache[0].offset - n in (-1, 0) and cache[0].n_coded > 0
 
 
 def test_mlx_lm_quantized_cache_unaffected_by_the_hook(models):
@@ -234,7 +234,7 @@ def test_mlx_lm_quantized_cache_unaffected_by_the_hook(models):
     try:
         before = generate(model, tok, prompt, max_tokens=10, kv_bits=4, quantized_kv_start=0)
     finally:
-        install_attention_hook()
+        install_attention_hook(TurboQuantKVCache)
     after = generate(model, tok, prompt, max_tokens=10, kv_bits=4, quantized_kv_start=0)
     assert before == after
     cache = mlx_cache.make_prompt_cache(model)
@@ -281,7 +281,7 @@ def test_save_load_round_trip_is_bit_exact(models, name, tmp_path):
     assert meta == {"note": "tiny"}
     assert [type(c) for c in loaded] == [type(c) for c in cache]
     tq_loaded = [c for c in loaded if isinstance(c, TurboQuantKVCache)]
-    assert tq_loaded and all(c.config == cfg and c.n_compressed > 0 for c in tq_loaded)
+    assert tq_loaded and all(c.config == cfg and c.n_coded > 0 for c in tq_loaded)
     after = model(mx.array([[5]]), cache=loaded)
     np.testing.assert_array_equal(np.array(before), np.array(after))
     # The file holds codes, not floats of the compressed tokens.
@@ -365,7 +365,7 @@ def test_smollm2_chat_answer_at_4_bits(smollm2):
     cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig.from_bits(4, window=16, sinks=4))
     text = generate(model, tok, prompt, prompt_cache=cache, max_tokens=16)
     assert "Paris" in text
-    assert cache[0].n_compressed > 0
+    assert cache[0].n_coded > 0
 
 
 @pytest.mark.slow
@@ -387,7 +387,7 @@ def test_smollm2_save_load_trim_nbytes_chunked(smollm2, tmp_path):
     # Chunked and one-shot prefill differ by quantization noise only (calibration on a different first chunk,
     # a chunk attending to its own compressed tokens): KL 0.003-0.004 at 4 bits on 192-400 tokens, about as
     # far as either is from the float cache.
-    assert one[0].n_compressed == chunked[0].n_compressed == 112
+    assert one[0].n_coded == chunked[0].n_coded == 112
     assert int(p_one.argmax()) == int(p_chunk.argmax()) and kl(p_one, p_chunk) < 0.01
     # nbytes honesty: every held array counted; well under a float16 KVCache of the same tokens.
     for c in one:
@@ -404,3 +404,32 @@ def test_smollm2_save_load_trim_nbytes_chunked(smollm2, tmp_path):
     assert mlx_cache.trim_prompt_cache(loaded, 25) == 25 and loaded[0].offset == len(ids) - 24
     again = mx.softmax(model(mx.array([ids[-24:]]), cache=loaded)[0, -1], -1)
     assert int(again.argmax()) == int(p_one.argmax()) and kl(p_one, again) < 0.01
+
+
+def test_a_converted_float_cache_says_its_keys_are_unweighed_and_the_planner_agrees():
+    """A float prompt cache holds no queries, so its conversion cannot weigh the keys: the converted caches' config
+    says so (weigh_keys False, which describe_config names), they hold no weights, and the planner's bytes for
+    that config equal what they hold (it counts no weights they do not have)."""
+    from tq_mlx.convert import compress_float_cache, converted_config
+    from tq_mlx.display import describe_config
+    from tq_mlx.memory import turboquant_layer_bytes
+
+    model, _ = tiny_llama()
+    float_cache = mlx_cache.make_prompt_cache(model)
+    model(mx.array(np.random.default_rng(0).integers(0, 64, (1, 300))), cache=float_cache)
+    config = TurboQuantConfig(window=64, sinks=4)
+    assert config.weigh_keys
+    cache, n = compress_float_cache(model, float_cache, config, "float.safetensors", chunk=128)
+    assert n == len(cache) == len(float_cache)
+    assert converted_config(config) == dataclasses.replace(config, weigh_keys=False)
+    assert "keys not weighed" in describe_config(converted_config(config))
+    for i, c in enumerate(cache):
+        assert isinstance(c, TurboQuantKVCache) and c.config == converted_config(config)
+        assert c.offset == 300 and c.n_coded > 0
+        mx.eval(c.held_arrays())
+        ks = c.streams[0]
+        assert ks.weights is None
+        H, D = c.keys_and_values()[0].n_heads, c.key_dim
+        planned = turboquant_layer_bytes(300, H, D, D, c.key_bits, c.value_bits, c.config, float_bytes=4,
+                                         rope_pairs=D // 2 if ks.rope is not None else None)
+        assert planned == c.nbytes, (i, planned, c.nbytes)

@@ -3,7 +3,7 @@
 Nothing here runs on a GPU: the emulator compiles the exact source MLX would build and runs every Metal
 thread as a fiber (tests/emulator). Matrix:
 * forward schedule: decode attention and the rotation on every supported head_dim (64, 128, 256; the rotation
-  also 32 and 512) x bits (1, 2, 3, 4, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
+  also 32 and 512) x bits (1, 2, 3, 4, 5, 6, 8; QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32); encode and
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
 * decode on real TurboQuantKVCache views (μ, ν, scale, channel order, strided capacity buffers), in all three
@@ -12,6 +12,10 @@ thread as a fiber (tests/emulator). Matrix:
   dtypes; K4/V3, K4+qjl/V3 and K3.5/V2.5 at head dims 32, 64, 80, 96, 128, 192, 256, 512 with batch 2; the
   pairs with QJL at 1 bit and head dims above 512 must be refused by decode_unsupported with their reason and
   fall back to the reference; key/value head dims that differ (MLA's 192/128);
+* 5- and 6-bit codes (bit planes 4+1 and 4+2; quantizer.CODE_BITS, which the config does not take yet) on real
+  cache views re-coded at those widths (`recode`): keys and values at 5/6 bits against every other width,
+  fractional and QJL keys included, in all three schedules; decode reads exactly the code bytes held; the
+  dispatchers self-check them and take the kernels;
 * encode_dense (channel groups, a per-head channel order, head dims 80, 96, 192) against the reference codes;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
@@ -27,7 +31,8 @@ thread as a fiber (tests/emulator). Matrix:
 * the self-check/disable logic, the backend setting and environment variable, MLX's own source generator.
 Cost is dominated by compiling ~250 kernel variants (about 0.4 s of CPU each, cached in ~/.cache/tq-mlx): 1.8
 CPU-minutes cold (80 s wall on a 2-core machine at load 2), 30 CPU-seconds warm (28 s wall there); the bit-pair,
-head_dim, schedule and sparse-V bound tests above take 24 s of that cold, 10 s warm.
+head_dim, schedule and sparse-V bound tests above take 24 s of that cold, 10 s warm. The 5- and 6-bit cases
+(131 tests) bring the file to 46 CPU-seconds warm (92 s wall on that machine at load 10).
 """
 
 from __future__ import annotations
@@ -48,14 +53,15 @@ from tests.emulator import metal_kernel as emulator_kernel
 from tests.emulator import require_emulator
 from tq_mlx import kernels as K
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.attention import keys_are_values
 from tq_mlx.stream import encode as stream_encode
-from tq_mlx.packing import unpack
+from tq_mlx.packing import packed_words, unpack
 from tq_mlx.quantizer import MSE_BITS, PROD_BITS, TurboQuantMSE, TurboQuantProd, load_norms
 from tq_mlx.rotation import Rotation
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = (64, 128, 256)
-BITS = (1, 2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 5, 6, 8)  # quantizer.CODE_BITS: the config takes all but 5 and 6 (yet)
 QJL_BITS = (2, 3, 4)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 SCHEDULES = ("forward", "reverse", "random")
@@ -209,6 +215,25 @@ def test_encode_schedules_without_mean(emulator, schedule):
     assert_codes_equal(K.encode(x, q, None, metal_kernel=Emu(schedule)), K.encode_reference(x, q, None), q)
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dim,bits", [(128, 5), (512, 6), (96, 6)], ids=ids)
+def test_encode_and_dequantize_5_and_6_bits_schedules(emulator, schedule, dim, bits):
+    # 33 tokens, a partial threadgroup; words of the 4-bit plane shared by 2 lanes (d = 128) or 2 per lane (512);
+    # d = 96 through encode_dense (dequantize takes one WHT group, at every width).
+    q = quantizer(dim, bits)
+    rng = np.random.default_rng(bits)
+    x = normal(rng, (1, 3, 11, dim), mx.float16) * 2.0
+    mean = normal(rng, (1, 3, dim)) * 0.5
+    f = Emu(schedule, seed=bits)
+    assert_codes_equal(K.encode(x, q, mean, metal_kernel=f), K.encode_reference(x, q, mean), q, schedule)
+    assert f.launches[0].name == ("tq_encode_dense" if dim == 96 else "tq_encode")
+    if dim != 96:
+        h = handle(rng, q, n=21, n_sinks=0, n_window=0)
+        assert_close(K.dequantize(h, mx.float16, metal_kernel=f), K.dequantize_reference(h, mx.float16), mx.float16,
+                     schedule)
+
+
 # Channel groups (2.5 / 3.5 bits, a per-head channel order) and head dims without a power-of-two WHT go through
 # encode_dense.metal (a dense rotation per group).
 DENSE_CASES = [(d, b) for d in (64, 128, 80, 96) for b in (2.5, 3.5)] + [(d, b) for d in (80, 96, 192) for b in BITS]
@@ -319,6 +344,9 @@ def test_decode_attention_matches_reference(emulator, dim, bits, qjl, dtype):
         (64, 64, 3, 2, True, mx.bfloat16, 2, 3, "causal"),  # QJL keys, speculative verify
         (256, 256, 8, 8, False, mx.float32, 4, 8, "causal"),  # 32 rows > 16 per threadgroup: row chunks
         (128, 64, 8, 3, False, mx.float16, 2, 2, "causal"),  # head dims differ, K8/V3
+        (64, 64, 5, 6, False, mx.float16, 2, 3, "causal"),  # 5- and 6-bit planes (4+1, 4+2)
+        (128, 128, 6, 5, False, mx.bfloat16, 8, 8, "causal"),  # 64 rows, 8 per SIMD group, at 6/5 bits
+        (80, 80, 6, 5, False, mx.float32, 3, 1, None),  # no WHT: host-rotated queries and outputs
     ],
     ids=ids,
 )
@@ -512,23 +540,50 @@ def bits_id(p) -> str:
     return f"K{kb}{'+qjl' if qjl else ''}/V{vb}"
 
 
+WIDE_BITS = (5, 6)  # code widths the kernels take and the config does not yet: views re-coded (`recode`)
+
+
+def recode(kv: StreamView, bits: int, norm_dtype: mx.Dtype) -> StreamView:
+    """kv with its fresh codes re-coded at `bits` by a quantizer of the same rotation (seed), as a stream at 5 or 6
+    bits would hold them: the codes' input decoded from kv's codes (from 8-bit codes: within 0.5% of the
+    tokens) and quantized again. Every other part of the view (sinks, window, mean, scale, RoPE centering,
+    key weights, decayed codes) stays; it no longer hands queries to its stream (observe)."""
+    old = kv.quantizer
+    q = TurboQuantMSE(old.dim, bits, seed=old.seed, norm_dtype=norm_dtype)
+    return kv._replace(quantizer=q, codes=q.quantize(old.dequantize(kv.codes)), observe=None)
+
+
+def wide(kv: StreamView, bits, config: TurboQuantConfig) -> StreamView:
+    """kv re-coded at 5 or 6 bits (from the 8-bit codes `config_bits` gave it), else kv itself."""
+    if bits not in WIDE_BITS:
+        return kv
+    return recode(kv, bits, mx.uint8 if config.norm_bits == 8 else mx.float16)
+
+
+def config_bits(bits):
+    """The bits a cache is built at for a side of `bits` bits: 8 for 5 and 6 (then re-coded: `wide`)."""
+    return 8 if bits in WIDE_BITS else bits
+
+
 def cache_step(kb, vb, qjl, dim, B, R, L, dtype, H=2, n_prompt=70, seed=0, **config):
     """A decode step on a real TurboQuantKVCache (mean and scale from its calibration, strided views of its
-    capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens."""
+    capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens. A side
+    at 5 or 6 bits comes from a cache at 8 bits, its codes re-coded (`recode`)."""
     rng = np.random.default_rng(seed)
     cfg = dict(window=16, sinks=4, compress_block=8, step=64) | config
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **cfg))
+    cfg = TurboQuantConfig(key_bits=config_bits(kb), value_bits=config_bits(vb), qjl=qjl, **cfg)
+    cache = TurboQuantKVCache(cfg)
     kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
     keys, values = cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
-    return normal(rng, (B, H * R, L, dim), dtype), keys, values
+    return normal(rng, (B, H * R, L, dim), dtype), wide(keys, kb, cfg), wide(values, vb, cfg)
 
 
 def check_cache_decode(kb, vb, qjl, dim, B, R, L, dtype, schedule="forward", strided=False, **config):
     q, keys, values = cache_step(kb, vb, qjl, dim, B, R, L, dtype, **config)
     assert keys.mean is not None and keys.scale is not None  # as in production
     assert (values.mean is not None) == config.get("center_values", TurboQuantConfig().center_values)
-    assert keys.n_compressed > 32  # two splits of 32, the second partial
+    assert keys.n_coded > 32  # two splits of 32, the second partial
     mask = "causal" if L > 1 else None
     assert K.decode_unsupported(q, keys, values, mask) is None
     f = Emu(schedule, seed=13)
@@ -575,6 +630,52 @@ def assert_falls_back(monkeypatch, q, keys, values) -> None:
     out = K.dispatch_attention(q, keys, values, 0.125, None)
     assert mx.array_equal(out, K.decode_attention_reference(q, keys, values, 0.125))
     assert never.made == 0
+
+
+# 5- and 6-bit codes (quantizer.CODE_BITS; the config takes them later): each against every other kind of width
+# (1, 3, 4, 5, 6, 8 bits, fractional, QJL keys), on real cache views re-coded at those widths (cache_step), the
+# shapes cycling as for the config's pairs; at head dims 128 and 80 (no WHT: host-rotated queries and outputs).
+WIDE_PAIRS = [(5, 4, False), (6, 4, False), (5, 3, False), (6, 3, False), (4, 5, False), (4, 6, False), (5, 5, False),
+              (6, 6, False), (5, 6, False), (6, 5, False), (6, 2.5, False), (3.5, 5, False), (8, 6, False),
+              (5, 1, False), (1, 6, False), (3, 5, True), (4, 6, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pair", WIDE_PAIRS, ids=bits_id)
+def test_decode_5_and_6_bit_codes_on_cache(emulator, pair, schedule):
+    i = WIDE_PAIRS.index(pair)
+    B, R, L, dtype = PAIR_SHAPES[i % len(PAIR_SHAPES)]
+    f = check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1, center_values=i % 3 == 0)
+    (p1,) = f.stats("tq_decode_partial")
+    for name in ("kc", "kn") if pair[0] in WIDE_BITS else ():  # re-coded keys (no capacity): each byte read once
+        assert p1.buffers[name].unique_bytes_read == p1.buffers[name].total_bytes_read == p1.buffers[name].nbytes
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kb,vb,dim,R,L,dtype", [(5, 6, 128, 4, 1, mx.float16), (6, 5, 80, 2, 3, mx.bfloat16),
+                                                 (6, 3.5, 96, 3, 2, mx.float32)], ids=ids)
+def test_decode_5_and_6_bit_codes_on_cache_at_other_head_dims(emulator, schedule, kb, vb, dim, R, L, dtype):
+    check_cache_decode(kb, vb, False, dim, 2, R, L, dtype, schedule, strided=schedule != "forward")
+
+
+def test_recoded_views_hold_every_code_of_their_width():
+    # The 5- and 6-bit views above (cache_step, recode): every code of the width occurs (they are re-coded from
+    # 8-bit codes, not from coarser ones), bits·d/32 words per token (the high plane packs as tightly as the low
+    # one), and the tokens decode within the width's own error (0.0025 and 0.00063 of |x|², quantizer.py) of the
+    # 8-bit codes of the same cache.
+    q, keys, values = cache_step(5, 6, False, 64, 1, 2, 1, mx.float16, n_prompt=200)
+    _, keys8, values8 = cache_step(8, 8, False, 64, 1, 2, 1, mx.float16, n_prompt=200)
+    for kv, kv8, bits, err in ((keys, keys8, 5, 0.0025), (values, values8, 6, 0.00063)):
+        assert kv.quantizer.bits == bits and kv.codes.codes.shape[-1] == packed_words(64, bits) == 2 * bits
+        assert kv.codes.norms.dtype == mx.uint8 and kv.observe is None and kv.n_coded > 150
+        assert set(np.unique(np.asarray(unpack(kv.codes.codes, bits, 64))).tolist()) == set(range(1 << bits))
+        x, x8 = (np.asarray(v.quantizer.dequantize(v.codes)) for v in (kv, kv8))
+        rel = ((x - x8) ** 2).sum(-1) / (x8**2).sum(-1)
+        assert rel.mean() < 1.3 * err + 2e-4, (bits, rel.mean())  # + the uint8 norms' 1.6e-4
+    assert K.decode_unsupported(q, keys, values) is None and K.prefill_unsupported(q, keys, values) is None
 
 
 # (B, R, L, dtype) per head_dim: 512 keeps R·L small (threadgroup memory), 32 takes the most rows. Besides the
@@ -647,6 +748,8 @@ def compressed_bytes(kv: StreamView) -> int:
 @pytest.mark.parametrize("dim,kb,vb,qjl,R,L,split", [
     (128, 4, 4, False, 4, 1, 64), (128, 4, 4, True, 4, 1, None), (128, 4, 4, False, 4, 8, None),
     (96, 3.5, 2.5, False, 4, 1, None), (80, 4, 3, False, 2, 4, None),  # channel groups; a head dim without WHT
+    (128, 5, 4, False, 4, 1, None), (128, 6, 6, False, 4, 8, None), (128, 3, 5, True, 4, 1, None),  # 5/6 bits
+    (80, 6, 5, False, 2, 4, None), (96, 5, 3.5, False, 4, 1, None),
 ], ids=ids)
 def test_decode_reads_each_compressed_byte_once(emulator, dim, kb, vb, qjl, R, L, split):
     f = Emu()
@@ -656,6 +759,9 @@ def test_decode_reads_each_compressed_byte_once(emulator, dim, kb, vb, qjl, R, L
                                          B=2, n=n, n_window=16, split_tokens=split)
     assert_close(got, want, mx.float16)
     (p1,) = f.stats("tq_decode_partial")
+    for kv, bits in ((keys, kb), (values, vb)):  # 5, 6 bits: a 4-bit plane and a 1- or 2-bit plane (d=80: 10 + 3)
+        if bits in WIDE_BITS:
+            assert kv.codes.codes.shape[-1] == packed_words(dim, bits) == -(-dim // 8) + -(-dim * (bits - 4) // 32)
     names = ["kc", "kn", "vc", "vn"] + (["kj", "kg"] if qjl else [])
     for name in names:
         b = p1.buffers[name]
@@ -828,6 +934,34 @@ def test_dispatch_runs_kernels_for_channel_groups_and_other_head_dims(emulator, 
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize("kb,vb,dim", [(5, 4, 128), (6, 6, 64), (6, 5, 80)], ids=ids)
+def test_dispatch_takes_the_kernels_at_5_and_6_bits(emulator, monkeypatch, kb, vb, dim):
+    # Where the kernels run, no 5- or 6-bit view takes the reference path: decode and prefill attention, encode
+    # and dequantize each pass their self-check and run.
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every self-check passes
+        for L in (1, 12):  # decode_attention, then prefill_attention
+            q, keys, values = cache_step(kb, vb, False, dim, 1, 2, L, mx.float16)
+            mask = "causal" if L > 1 else None
+            assert_close(K.dispatch_attention(q, keys, values, 0.1, mask),
+                         K.decode_attention_reference(q, keys, values, 0.1, mask), mx.float16)
+        x = normal(np.random.default_rng(1), (1, 2, 3, dim))
+        for kv in (keys, values):
+            args = (x, kv.quantizer, kv.mean, kv.perm, kv.scale)
+            assert_codes_equal(K.dispatch_encode(*args), K.encode_reference(*args), kv.quantizer)
+            if dim != 80:  # dequantize takes one WHT group (as at every width)
+                assert_close(K.dispatch_dequantize(kv), K.dequantize_reference(kv), mx.float16)
+    status = K.self_check_status()
+    assert all(why is None for why in status.values())
+    assert {k[0] for k in status} == {"decode_attention", "prefill_attention", "encode"} | (
+        set() if dim == 80 else {"dequantize"})
+    assert {"tq_decode_partial", "tq_prefill_attention"} <= {launch.name for launch in f.launches}
+
+
+@pytest.mark.emulator
 @pytest.mark.parametrize(
     "bug",
     [
@@ -899,6 +1033,8 @@ def test_every_kernel_source_matches_mlx_generator(emulator):
     K.encode(x, quantizer(64, 3.5), None, mx.array(np.stack([rng.permutation(64)] * 2).astype(np.int32)),
              metal_kernel=f)
     run_decode(rng, 80, 2.5, 4, False, mx.float16, 1, 1, None, f, split_tokens=32)  # outc, no in-kernel rotation
+    K.encode(x, quantizer(64, 6), None, metal_kernel=f)  # bit planes 4 + 2
+    K.dequantize(handle(rng, quantizer(64, 5), n=4), mx.float16, metal_kernel=f)  # 4 + 1
     names = {launch.name for launch in f.launches}
     assert names == {"tq_wht", "tq_encode", "tq_encode_dense", "tq_dequantize", "tq_decode_partial", "tq_decode_merge"}
     for launch in f.launches:
@@ -1080,7 +1216,7 @@ def test_mla_decode_keys_are_values_with_additive_mask(emulator, schedule, R, D)
     # query heads on one kv head: the kernel takes it (query rows in chunks where threadgroup memory needs) and
     # reads the codes once for keys and values.
     q, kv, pe, _ = mla_step(R, D)
-    assert K.decode_unsupported(q, kv, kv, pe) is None and K.keys_are_values(kv, kv)
+    assert K.decode_unsupported(q, kv, kv, pe) is None and keys_are_values(kv, kv)
     f = Emu(schedule, seed=4)
     got = K.decode_attention(q, kv, kv, 0.1, pe, metal_kernel=f)
     assert_close(got, K.decode_attention_reference(q, kv, kv, 0.1, pe), mx.bfloat16, schedule)

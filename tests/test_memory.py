@@ -13,15 +13,14 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache as mlx_make_prompt_ca
 
 from tests.support.tiny_models import tiny_hybrid, tiny_llama, tiny_qwen3
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
+from tq_mlx.architectures import attention_layout
+from tq_mlx.display import bits_summary, format_bytes
 from tq_mlx.memory import (
     affine_kv_bytes,
-    attention_layout,
     available_memory,
-    bits_summary,
     cache_bytes,
     estimate_kv_bytes,
     float16_kv_bytes,
-    format_bytes,
     weight_bytes,
 )
 
@@ -129,8 +128,10 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     # float16 reference: 1 attention layer, 1 kv head, head_dim 256, keys + values, 2 bytes each
     assert s["fp16_bytes"] == 100 * 1 * 256 * 2 * 2
     assert s["tokens"] == 100 and s["attention_layers"] == 1 and s["turboquant_layers"] == 1
-    assert s["ratio"] == pytest.approx(s["fp16_bytes"] / s["kv_bytes"])
-    assert s["saved_bytes"] == s["fp16_bytes"] - s["kv_bytes"]
+    # saved: against mlx-lm's own cache for the same tokens as it allocates it (one 256-token step, float32)
+    assert s["mlx_lm_bytes"] == 1 * 1 * 256 * 2 * 256 * 4
+    assert s["ratio"] == pytest.approx(s["mlx_lm_bytes"] / s["kv_bytes"])
+    assert s["saved_bytes"] == s["mlx_lm_bytes"] - s["kv_bytes"]
     assert bits_summary(cache) == "K4→3/V4→2 after 6144 on its 1 attention layer"  # the default decays
 
 
@@ -170,8 +171,8 @@ def test_qwen35_hybrid_counts_only_its_attention_layers():
     # mlx-lm-integration.md §7: 20 KB per token in 16-bit, 5.4 GB at 262,144 tokens
     assert estimate_kv_bytes(QWEN35_35B_A3B, 1, None) == 20480
     assert estimate_kv_bytes(QWEN35_35B_A3B, 262144, None) == 20480 * 262144
-    # 3 bits + one float16 norm per 256-vector: about 1.0 GB
-    tq3 = estimate_kv_bytes(QWEN35_35B_A3B, 262144, TurboQuantConfig.from_bits(3))
+    # 3 bits + one float16 norm per 256-vector, without decay: about 1.0 GB
+    tq3 = estimate_kv_bytes(QWEN35_35B_A3B, 262144, TurboQuantConfig.from_bits(3, decay_after=None))
     assert 0.98e9 < tq3 < 1.1e9
 
 
@@ -284,8 +285,8 @@ from pathlib import Path  # noqa: E402
 
 from mlx_lm.models.cache import RotatingKVCache  # noqa: E402
 
+from tq_mlx.layout import buffer_layout  # noqa: E402
 from tq_mlx.memory import (  # noqa: E402
-    bounded_capacity,
     bounded_tokens,
     estimate_peak_bytes,
     fetch_transient_bytes,
@@ -470,7 +471,7 @@ def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
         fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
         mx.eval(cache.held_arrays())
         n = t + 1
-        assert (cache.n_sinks, cache.n_compressed, cache.n_window) == bounded_tokens(n, M, cfg), n
+        assert (cache.n_sinks, cache.n_coded, cache.n_window) == bounded_tokens(n, M, cfg), n
         assert cache.nbytes == estimate_kv_bytes(llama, n, cfg, dtype="float32", max_kv_size=M), n
         assert M - cfg.compress_block_size < sum(bounded_tokens(n, M, cfg)) <= M or n <= M
 
@@ -483,7 +484,7 @@ def test_a_bounded_cache_stops_growing():
     big = [estimate_kv_bytes(llama, n, cfg, max_kv_size=M) for n in range(1000, 1064)]
     assert big == [estimate_kv_bytes(llama, n + 16 * 40, cfg, max_kv_size=M) for n in range(1000, 1064)]
     assert max(big) < estimate_kv_bytes(llama, 1000, cfg)
-    assert bounded_capacity(1000, M, cfg) < bounded_capacity(1000, None, cfg)
+    assert buffer_layout(cfg, 1000, M, decaying=False).fresh < buffer_layout(cfg, 1000, decaying=False).fresh
     # mlx-lm's RotatingKVCache references keep max_kv_size tokens
     assert estimate_kv_bytes(llama, 5000, None, max_kv_size=M) == estimate_kv_bytes(llama, M, None)
     # the peak: right after a prefill chunk of 512, up to M - 1 + 512 tokens are held
@@ -556,13 +557,8 @@ def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
 
 # --- temporal decay (issue 23): decayed tokens at the decay bits, fresh codes in a buffer of fixed size ----------
 
-from tq_mlx.memory import (  # noqa: E402
-    code_capacity,
-    config_label,
-    decay_label,
-    decayed_tokens,
-    window_text,
-)
+from tq_mlx.display import config_label, decay_label, window_text  # noqa: E402
+from tq_mlx.memory import decayed_tokens, protect_layer_bytes  # noqa: E402
 from tq_mlx.quantizer import constant_arrays  # noqa: E402
 from tq_mlx.stream import make_quantizer  # noqa: E402
 
@@ -590,7 +586,7 @@ def test_decay_estimate_equals_real_nbytes_in_one_prefill_and_token_by_token(mod
     # 150 tokens: 2 sinks, 120 compressed, 28 in the window; fresh and window tokens at most 48, in whole blocks
     assert max(cache[1].n_decayed) == decayed_tokens(150, None, cfg) == 104
     s = cache_bytes(cache)
-    assert s["kv_bytes"] == real and s["decayed_tokens"] == 104 and s["compressed_tokens"] == cache[1].n_compressed
+    assert s["kv_bytes"] == real and s["decayed_tokens"] == 104 and s["compressed_tokens"] == cache[1].n_coded
     assert s["compressed_tokens"] == 120 and "120 tokens compressed (104 decayed), 30 in float32" in window_text(s)
     label = decay_label(4, 3, False, tuple(b if d else None for b, d in zip((cfg.decay_key_bits,
                                                                               cfg.decay_value_bits), decays)), 48)
@@ -608,8 +604,10 @@ def test_decay_labels():
     assert config_label(TurboQuantConfig(), 0, 4) == "K4→3/V4→2 after 6144"
     assert config_label(TurboQuantConfig(boundary_layers=1), 3, 4) == "K8/V8"
     assert config_label(TurboQuantConfig(decay_after=None)) == "K4/V4"
-    assert config_label(TurboQuantConfig(value_bits=3)) == "K4/V3"  # other bits: no decay unless asked
-    assert config_label(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == "K4/V3→2 after 6144"
+    assert config_label(TurboQuantConfig(value_bits=3)) == "K4→3/V3→2 after 6144"  # every width decays by one rule
+    assert config_label(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == "K3.5/V3.5"  # ... but fractional ones
+    assert config_label(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == "K4→3/V3→2 after 6144"
+    assert config_label(TurboQuantConfig(value_bits=3, decay_key_bits=None)) == "K4/V3→2 after 6144"
 
 
 @pytest.mark.parametrize("sides", DECAY_SIDES.values(), ids=DECAY_SIDES.keys())
@@ -659,9 +657,9 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
         fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
         mx.eval(cache.held_arrays())
         n = t + 1
-        assert (cache.n_sinks, cache.n_compressed, cache.n_window) == bounded_tokens(n, M, cfg), n
+        assert (cache.n_sinks, cache.n_coded, cache.n_window) == bounded_tokens(n, M, cfg), n
         assert cache.n_decayed == (decayed_tokens(n, M, cfg),) * 2, n
-        fresh, held = code_capacity(n, M, cfg, decaying=True)
+        fresh, held = buffer_layout(cfg, n, M).fresh, buffer_layout(cfg, n, M).decayed
         assert cache.key_stream.capacity == fresh and held == (cache.key_stream.decayed[0].shape[2]
                                                                if cache.key_stream.decayed else 0), n
         assert cache.nbytes == estimate_kv_bytes(llama, n, cfg, dtype="float32", max_kv_size=M), n
@@ -704,7 +702,7 @@ def test_decay_bits_per_value_at_32k_by_hand():
         cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=768, compress_block=128, decay_after=2048,
                                decay_key_bits=3, decay_value_bits=2, norm_bits=norm_bits, weigh_keys=False)
         assert bounded_tokens(ctx, None, cfg) == (4, 32000, 764) and decayed_tokens(ctx, None, cfg) == 30720
-        assert code_capacity(ctx, None, cfg, decaying=True) == (1536, 30720)
+        assert (buffer_layout(cfg, ctx).fresh, buffer_layout(cfg, ctx).decayed) == (1536, 30720)
         norm = norm_bits // 8
         per_token = {b: D * b // 8 + norm for b in (4, 3, 2)}  # packed codes and one norm per token and head
         codes = 1536 * (per_token[4] + per_token[3]) + 30720 * (per_token[3] + per_token[2])
@@ -718,3 +716,195 @@ def test_decay_bits_per_value_at_32k_by_hand():
         weighed = dataclasses.replace(cfg, weigh_keys=True)  # and the keys' query weights: B·H·D float32
         assert estimate_kv_bytes(model, ctx, weighed, dtype="float16") == layer + H * 4 * D
         assert round(layer * 8 / (ctx * H * D * 2), 2) == want
+
+
+# --- tq_mlx.layout: the token counts and bytes of every part, from the bit widths alone (issue 33) ---------------
+
+from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout  # noqa: E402
+from tq_mlx.quantizer import MSE_BITS, PROD_BITS  # noqa: E402
+
+
+def test_layout_code_and_constant_bytes_equal_real_quantizers():
+    # Pricing builds no quantizer: the bytes per token (packed words, norms, QJL bits, channel groups) and the
+    # constants (rotations dense or Hadamard, codebooks, lookup tables, channel lists, QJL projection) come from
+    # the bit widths, and equal what a real quantizer stores and holds.
+    import math
+
+    for dim in (16, 48, 64, 80, 96, 128, 192, 256, 576):
+        for bits in MSE_BITS:
+            for qjl in (False, True) if bits in PROD_BITS else (False,):
+                if bits != int(bits) and (dim % 4 or dim < 64):
+                    continue
+                for norm_bits in (16, 8):
+                    q = make_quantizer(dim, bits, qjl, 3, mx.float16 if norm_bits == 16 else mx.uint8)
+                    probe = q.quantize(mx.zeros((1, 1, 1, dim), mx.float32))
+                    per_token = sum(math.prod(a.shape[3:]) * a.dtype.size for a in probe)
+                    assert code_bytes(dim, bits, qjl, norm_bits) == per_token, (dim, bits, qjl, norm_bits)
+                    assert constant_bytes(dim, bits, qjl) == sum(a.nbytes for a in constant_arrays(q)), (dim, bits)
+
+
+LAYOUT_SWEEP = {
+    "default": dict(window=24, compress_block=8, sinks=3, step=16, decay_after=40),
+    "fractional": dict(key_bits=3.5, value_bits=2.5, window=16, compress_block=4, sinks=2, step=32),
+    "qjl, 16-bit norms": dict(key_bits=3, value_bits=2, qjl=True, window=16, compress_block=16, norm_bits=16,
+                              step=16, weigh_keys=False),
+    "8 bits": dict(key_bits=8, value_bits=8, window=8, compress_block=8, sinks=1, step=8),
+    "no window": dict(key_bits=4, value_bits=3, window=0, sinks=2, step=16, decay_after=None),
+    "values decay": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16, decay_after=32,
+                         decay_value_bits=1, center_values=True),
+}
+
+
+@pytest.mark.parametrize("M", [None, 40, 57])
+@pytest.mark.parametrize("name", LAYOUT_SWEEP)
+def test_layout_equals_a_real_cache_at_every_token(name, M):
+    # configs x token counts x max_kv_size: token_layout says where every token of a real cache fed token by token
+    # is (sinks, decayed, fresh, window, dropped), stream_bytes what each stream holds, turboquant_layer_bytes and
+    # estimate_kv_bytes what the cache holds, byte for byte; and the same after one prefill (unbounded)
+    cfg = TurboQuantConfig(protect_factor=None, **LAYOUT_SWEEP[name])
+    K = cfg.compress_block_size
+    if M is not None and M < cfg.sinks + cfg.window + K - 1:
+        M = cfg.sinks + cfg.window + K - 1  # the least bound the cache takes
+    H, D, n_max = 2, 64, 150
+    model = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D}
+    decays = [b is not None for b in cfg.layer_decay_bits(0, None)]
+    k, v = mx.random.normal((1, H, n_max, D), key=mx.random.key(1)), mx.random.normal((1, H, n_max, D))
+    cache = TurboQuantKVCache(cfg, max_size=M)
+
+    def check(cache, n):
+        lays = [token_layout(cfg, n, M if cache.max_size else None, decaying=d) for d in decays]
+        assert (cache.n_sinks, cache.n_window, cache.n_coded, cache.n_dropped) == (
+            lays[0].sinks, lays[0].window, lays[0].compressed, lays[0].dropped), (name, M, n)
+        assert cache.n_decayed == tuple(lay.decayed for lay in lays), (name, M, n)
+        bound = dict(max_kv_size=cache.max_size, float_bytes=4, heads=H)
+        q = dict(qjl=cfg.layer_qjl(cfg.key_bits), center=bool(cfg.center_keys), weigh=cfg.weigh_keys)
+        kd, vd = cfg.layer_decay_bits(0, None)
+        assert cache.key_stream.nbytes == stream_bytes(cfg, n, D, cfg.key_bits, decay_bits=kd, **q, **bound)
+        assert cache.value_stream.nbytes == stream_bytes(cfg, n, D, cfg.value_bits, decay_bits=vd,
+                                                         center=cfg.center_values, **bound)
+        layer = turboquant_layer_bytes(n, H, D, D, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,
+                                       max_kv_size=cache.max_size)
+        assert cache.nbytes == layer == estimate_kv_bytes(model, n, cfg, dtype="float32",
+                                                          max_kv_size=cache.max_size), (name, M, n)
+
+    for t in range(n_max):
+        fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        mx.eval(cache.held_arrays())
+        check(cache, t + 1)
+    if M is None:
+        for n in (1, cfg.sinks + cfg.window + 1, 77, n_max):
+            one = TurboQuantKVCache(cfg)
+            fed(one, k[:, :, :n], v[:, :, :n])
+            mx.eval(one.held_arrays())
+            check(one, n)
+
+
+def test_pricing_builds_no_quantizer_or_rotation(monkeypatch):
+    from tq_mlx import quantizer, rotation
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pricing a cache built a quantizer or a rotation")
+
+    for cls in (quantizer.TurboQuantMSE, quantizer.TurboQuantProd, rotation.Rotation):
+        monkeypatch.setattr(cls, "__init__", refuse)
+    for cfg in (*CONFIGS.values(), TurboQuantConfig(protect_factor=1.0, boundary_layers=1)):
+        for model in (MLA_TINY, GEMMA4_TINY, real_config("deepseek-v3.json")):
+            assert estimate_kv_bytes(model, 40_000, cfg) > 0
+            assert estimate_peak_bytes(model, 40_000, cfg, weights=0, max_kv_size=20_000) > 0
+            protect_layer_bytes(model, 40_000, cfg)
+
+
+# --- one meaning of "saved": against mlx-lm's own cache for the same tokens, as mlx-lm allocates it ---------------
+
+
+@pytest.mark.parametrize("n", [42, 300])
+def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from tq_mlx.memory import SAVED_AGAINST, Saving, estimate_mlx_lm_bytes, planned_saving
+
+    model, args = models["llama"]
+    cfg = TurboQuantConfig(window=16, sinks=2)
+    cache = make_prompt_cache(model, cfg)
+    fill(model, cache, n)
+    s = cache_bytes(cache)
+    reference = mlx_make_prompt_cache(model)  # what mlx-lm itself holds for the same tokens
+    fill(model, reference, n)
+    assert s["mlx_lm_bytes"] == sum(c.nbytes for c in reference) == estimate_mlx_lm_bytes(config_dict(args), n,
+                                                                                          dtype="float32")
+    saving = Saving(s["kv_bytes"], s["mlx_lm_bytes"])
+    assert (s["saved_bytes"], s["ratio"]) == (saving.saved, saving.ratio)
+    assert s["saved_bytes"] == sum(c.nbytes for c in reference) - sum(c.nbytes for c in cache)
+    # the planner, from config.json alone, gives the same two numbers for the same state
+    assert planned_saving(config_dict(args), n, cfg, dtype="float32") == saving
+    assert "mlx-lm's own cache for the same tokens" in SAVED_AGAINST
+    # bounded: mlx-lm's RotatingKVCache, token by token, against the bounded TurboQuant cache's reference
+    M = 40
+    rotating, bounded = RotatingKVCache(max_size=M, keep=4), TurboQuantKVCache(cfg, max_size=M)
+    k, v = mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64))
+    for t in range(n):
+        rotating.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        fed(bounded, k[:, :, t : t + 1], v[:, :, t : t + 1])
+    mx.eval(rotating.state, bounded.held_arrays())
+    llama1 = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    assert cache_bytes([bounded])["mlx_lm_bytes"] == rotating.nbytes == estimate_mlx_lm_bytes(
+        llama1, n, dtype="float32", max_kv_size=M)
+
+
+def test_an_empty_turboquant_cache_already_says_where_compression_starts(models):
+    from tq_mlx.display import window_text
+
+    model, _ = models["llama"]
+    s = cache_bytes(make_prompt_cache(model, TurboQuantConfig()))
+    assert (s["kv_bytes"], s["sinks"], s["window"]) == (0, 4, 768)
+    s["kv_dtype"] = "float32"  # tq-chat's snapshot names the model's dtype before the first token
+    assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): "
+                              "compression starts at token 773")
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 24, 100, 256, 259, 898, 899, 5000])
+def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
+    from tq_mlx.cache import check_max_size
+    from tq_mlx.config import derive_config, fit_max_kv_size
+
+    for base in (TurboQuantConfig(), TurboQuantConfig.preset("compact"), TurboQuantConfig(window=0, sinks=2),
+                 TurboQuantConfig(window=64, compress_block=16)):
+        fitted = fit_max_kv_size(base, M)
+        least = base.sinks + base.window + base.compress_block_size - 1
+        if least <= M:
+            assert fitted == base
+            continue
+        assert check_max_size(M, fitted) == M  # a cache bounded to M takes the fitted config
+        K = fitted.compress_block_size
+        if base.window and K > 1:  # the largest window that leaves one block of compressed tokens next to it
+            assert fitted.sinks + fitted.window + 2 * K - 1 == M
+        else:  # tiny bounds (or no window): blocks of 1, the bound holds the float parts and nothing more
+            assert fitted.sinks + fitted.window + K - 1 == M
+        assert fitted.sinks == min(base.sinks, M) and fitted.window <= base.window
+        assert fitted.compress_block_size <= max(fitted.window, 1)
+        # nothing else changes
+        assert dataclasses.replace(fitted, sinks=base.sinks, window=base.window,
+                                   compress_block=base.compress_block) == base
+    # derive_config is where the commands fit it; the library's explicit config is refused, naming the way out
+    assert derive_config("default", max_kv_size=M) == fit_max_kv_size(TurboQuantConfig(), M)
+    if M < 899:
+        with pytest.raises(ValueError, match="fit_max_kv_size"):
+            check_max_size(M, TurboQuantConfig())
+
+
+@pytest.mark.parametrize("M", [10, 24, 100])
+def test_a_fitted_bounded_cache_holds_at_most_its_bound_and_the_planner_prices_it(M):
+    from tq_mlx.config import fit_max_kv_size
+
+    cfg = fit_max_kv_size(TurboQuantConfig(step=32), M)
+    llama = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    cache = TurboQuantKVCache(cfg, max_size=M)
+    n = 3 * M + 40
+    k, v = mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64))
+    for t in range(n):
+        fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        mx.eval(cache.held_arrays())
+        assert cache.n_held <= M
+        assert cache.nbytes == estimate_kv_bytes(llama, t + 1, cfg, dtype="float32", max_kv_size=M), t + 1
+        if t + 1 > M:  # compressed tokens remain next to the window after every drop
+            assert cache.n_coded > 0, t + 1

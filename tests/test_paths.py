@@ -12,7 +12,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import CacheList, RotatingKVCache
 
 import tq_mlx
-import tq_mlx.cache as tq_cache
+import tq_mlx.hook as tq_hook
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.stream import StreamView
 from tests.support import zoo
@@ -42,7 +42,7 @@ def tq_caches(cache) -> list[TurboQuantKVCache]:
 def no_float_copy(cache, config=CONFIG) -> None:
     """Float arrays a cache holds are its sinks and window, never the compressed tokens."""
     for c in tq_caches(cache):
-        assert c.n_compressed > 0
+        assert c.n_coded > 0
         for a in c.held_arrays():
             if a.ndim == 4 and a.dtype in (mx.float32, mx.float16, mx.bfloat16) and a.shape[-1] > 1:  # not norms
                 assert a.shape[2] <= max(config.sinks, config.window), (c.layer_index, a.shape)
@@ -52,13 +52,13 @@ def no_float_copy(cache, config=CONFIG) -> None:
 def calls(monkeypatch):
     """Every call of the attention on the codes: (keys, values, mask, sinks)."""
     seen = []
-    original = tq_cache.dispatch_attention
+    original = tq_hook.dispatch_attention
 
     def spy(queries, keys, values, scale, mask=None, sinks=None, **kw):
         seen.append((keys, values, mask, sinks))
         return original(queries, keys, values, scale, mask=mask, sinks=sinks, **kw)
 
-    monkeypatch.setattr(tq_cache, "dispatch_attention", spy)
+    monkeypatch.setattr(tq_hook, "dispatch_attention", spy)
     return seen
 
 
@@ -68,7 +68,7 @@ def test_learned_sinks_reach_attention_on_the_codes(calls):
     calls.clear()
     cache = tq_mlx.make_prompt_cache(model, CONFIG)
     teacher_forced(model, cache)
-    on_codes = [c for c in calls if isinstance(c[0], StreamView) and c[0].n_compressed]
+    on_codes = [c for c in calls if isinstance(c[0], StreamView) and c[0].n_coded]
     assert on_codes and all(c[3] is not None for c in on_codes)  # the sinks came along
     assert all(c.fetch == "codes" for c in tq_caches(cache))
     no_float_copy(cache)
@@ -82,10 +82,10 @@ def test_sinks_change_the_answer():
     kv, vv = c.update_and_fetch(k, v)
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
     sinks = mx.array([2.0, -1.0, 0.5, 3.0])
-    with_sinks = tq_cache._sdpa(q, kv, vv, c, scale=32**-0.5, mask=None, sinks=sinks)
+    with_sinks = tq_hook.scaled_dot_product_attention(q, kv, vv, c, scale=32**-0.5, mask=None, sinks=sinks)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5, sinks=sinks)
     assert rel_err(with_sinks, ref) < 2e-2
-    assert rel_err(tq_cache._sdpa(q, kv, vv, c, scale=32**-0.5, mask=None), ref) > 5e-2
+    assert rel_err(tq_hook.scaled_dot_product_attention(q, kv, vv, c, scale=32**-0.5, mask=None), ref) > 5e-2
 
 
 def gemma4_text(k_eq_v: bool):
@@ -225,7 +225,7 @@ def test_bounded_cache_drops_whole_blocks_and_prices_as_the_planner_says():
         assert kv[0].n_tokens == c.n_held <= 20 - 1 + n  # what this update attends to: at most 19 earlier tokens
         assert c.n_held >= min(held, 20 - config.compress_block_size) + n - 0  # never more dropped than a block's worth
         if n == 1:  # token by token the planner's counts hold exactly
-            assert (c.n_sinks, c.n_compressed, c.n_window) == bounded_tokens(c.offset, 20, config)
+            assert (c.n_sinks, c.n_coded, c.n_window) == bounded_tokens(c.offset, 20, config)
     assert c.n_held <= 20
 
 
@@ -267,4 +267,4 @@ def test_batch_generate_serves_every_path_as_each_sequence_alone(arch):
     for p, got in zip(prompts, r.token_ids):
         assert got == alone(model, p, 6)[0]
     flat = [m for c in r.caches[0] for m in getattr(c, "caches", [c])]
-    assert any(isinstance(c, TurboQuantKVCache) and c.n_compressed for c in flat)
+    assert any(isinstance(c, TurboQuantKVCache) and c.n_coded for c in flat)

@@ -12,7 +12,10 @@ emulator (tests/emulator): nothing here runs on a GPU.
 * reverse and random lane schedules, a planted missing barrier, the self-check and dispatch_attention wiring,
   and MLX's own source generator;
 * learned sinks and bool/additive array masks in all three schedules, one view as keys and values (its codes
-  read once), and MLX's generator on the masked and sinks variants of both attention kernels.
+  read once), and MLX's generator on the masked and sinks variants of both attention kernels;
+* 5- and 6-bit codes (bit planes 4+1 and 4+2; the config takes them later): built from quantizers, and on real
+  cache views re-coded at those widths (tests.test_kernels.recode) in all three schedules, each code byte read
+  at most once per query tile.
 Cost: about 40 s warm, 50 s cold on a 2-core machine at load 10 (the two 512-query chunks take 8 s and 23 s).
 """
 
@@ -27,7 +30,7 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
+    BARRIER, SCHEDULES, WIDE_BITS, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
     make_mask, mla_step, normal, numpy_views, quantizer, run_masked,
 )
 from tq_mlx import kernels as K
@@ -60,6 +63,10 @@ def run_prefill(rng, dk, kb, vb, qjl, dtype, R, L, mask, factory, dv=None, B=1, 
         (64, 64, 1, 8, False, mx.float32, 1, 2, 70, "causal", True),  # K1/V8, 140 rows over 3 query tiles
         (128, 128, 2, 3, True, mx.float16, 1, 2, 20, "causal", True),  # QJL at head_dim 128: 16-row query tiles
         (128, 64, 4, 2, False, mx.bfloat16, 2, 2, 10, "causal", True),  # key and value head dims differ
+        (64, 64, 5, 4, False, mx.float16, 1, 2, 40, "causal", True),  # K5/V4: a 4-bit and a 1-bit plane
+        (128, 128, 6, 6, False, mx.bfloat16, 2, 2, 12, "causal", False),  # K6/V6: 4-bit and 2-bit planes, no μ, ν
+        (64, 64, 3, 5, True, mx.float32, 1, 3, 33, "causal", True),  # QJL keys, V5; 99 rows, a partial tile
+        (128, 64, 6, 5, False, mx.float16, 1, 2, 10, None, True),  # head dims differ, K6/V5
     ],
     ids=ids,
 )
@@ -113,7 +120,7 @@ def test_prefill_on_cache_views(emulator, dtype, center_values):
     keys, values = cache.update_and_fetch(kv(40, 0.7), kv(40, -0.3))
     assert keys.mean is not None and keys.scale is not None and values.scale is not None
     assert (values.mean is not None) == center_values
-    assert keys.n_compressed > 40 + 32 and keys.n_window < 40
+    assert keys.n_coded > 40 + 32 and keys.n_window < 40
     q = normal(rng, (2, 4, 40, 64), dtype)
     got = K.prefill_attention(q, numpy_views(keys), numpy_views(values), 0.125, "causal", metal_kernel=Emu())
     assert_close(got, K.prefill_attention_reference(q, keys, values, 0.125, "causal"), dtype)
@@ -133,10 +140,36 @@ def test_prefill_on_cache_views(emulator, dtype, center_values):
 )
 def test_prefill_channel_groups_and_other_head_dims_on_cache(emulator, schedule, kb, vb, qjl, dim, B, R, L, dtype):
     q, keys, values = cache_step(kb, vb, qjl, dim, B, R, L, dtype)
-    assert keys.n_compressed > 32 and K.prefill_unsupported(q, keys, values, "causal") is None
+    assert keys.n_coded > 32 and K.prefill_unsupported(q, keys, values, "causal") is None
     got = K.prefill_attention(q, numpy_views(keys), numpy_views(values), 0.1, "causal", metal_kernel=Emu(schedule, 5))
     assert got.dtype == dtype
     assert_close(got, K.prefill_attention_reference(q, keys, values, 0.1, "causal"), dtype, schedule)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "kb,vb,qjl,dim,B,R,L,dtype",
+    [
+        (5, 4, False, 64, 2, 2, 40, mx.float16),  # K5/V4, the chunk longer than the window: causal in the codes
+        (6, 3, False, 128, 1, 4, 12, mx.bfloat16),  # K6/V3, GQA 4
+        (4, 6, True, 64, 2, 2, 20, mx.float32),  # QJL keys, V6
+        (6, 5, False, 80, 1, 2, 24, mx.float16),  # no WHT at 80: host-rotated queries and outputs
+        (5, 2.5, False, 96, 2, 2, 12, mx.bfloat16),  # channel groups for values
+    ],
+    ids=ids,
+)
+def test_prefill_5_and_6_bit_codes_on_cache(emulator, schedule, kb, vb, qjl, dim, B, R, L, dtype):
+    q, keys, values = cache_step(kb, vb, qjl, dim, B, R, L, dtype)
+    assert keys.n_coded > 32 and K.prefill_unsupported(q, keys, values, "causal") is None
+    f = Emu(schedule, 5)
+    got = K.prefill_attention(q, numpy_views(keys), numpy_views(values), 0.1, "causal", metal_kernel=f)
+    assert got.dtype == dtype
+    assert_close(got, K.prefill_attention_reference(q, keys, values, 0.1, "causal"), dtype, schedule)
+    (launch,) = [x for x in f.launches if x.name == "tq_prefill_attention"]
+    codes = launch.stats.buffers["kc" if kb in WIDE_BITS else "vc"]  # a re-coded side: contiguous, no capacity
+    assert codes.unique_bytes_read == codes.nbytes  # every code byte held, at most once per query tile
+    assert codes.total_bytes_read <= launch.call["grid"][2] * codes.nbytes
 
 
 # =================================================================== 2. a long chunk, byte counts

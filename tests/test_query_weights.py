@@ -1,4 +1,4 @@
-"""Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.stream.query_weights).
+"""Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.calibration.query_weights).
 
 * query_weights: w² ∝ rms(q)/rms(k) per channel (per RoPE pair), geometric mean 1, bounded; exact scores;
 * the stream takes the queries of its calibration tokens from attention (observe): whether the prompt comes in
@@ -27,7 +27,8 @@ from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import turboquant_attention
 from tq_mlx.rope import probe
-from tq_mlx.stream import WEIGHT_RANGE, decode as stream_decode, query_weights
+from tq_mlx.calibration import WEIGHT_RANGE, query_weights
+from tq_mlx.stream import decode as stream_decode
 
 D = 64
 
@@ -128,12 +129,12 @@ def test_feeding_does_not_change_weights_or_codes():
     caches = {name: run_cache(cfg(), keys, values, queries, chunks)[0]
               for name, chunks in (("one", [T]), ("chunks", [20, 25, 45]), ("tokens", [1] * T))}
     ref = caches["one"].key_stream
-    assert ref.weights is not None and ref.queries is None and ref._redo is None
+    assert ref.weights is not None and ref.query_sums.total is None and ref.query_sums.pending is None
     for name, c in caches.items():
         s = c.key_stream
         assert np.allclose(np.asarray(s.weights), np.asarray(ref.weights), rtol=1e-5), name
-        assert np.array_equal(np.asarray(s.codes.codes[:, :, : s.n_compressed]),
-                              np.asarray(ref.codes.codes[:, :, : ref.n_compressed])), name
+        assert np.array_equal(np.asarray(s.codes.codes[:, :, : s.n_fresh]),
+                              np.asarray(ref.codes.codes[:, :, : ref.n_fresh])), name
 
 
 def test_first_compression_is_coded_again_before_it_is_attended():
@@ -141,9 +142,9 @@ def test_first_compression_is_coded_again_before_it_is_attended():
     cache = TurboQuantKVCache(cfg(), head_dim=D)
     kh, vh = cache.update_and_fetch(keys, values)  # one chunk: its queries come with its attention
     s = cache.key_stream
-    assert kh.observe is not None and kh.weights is None and s._redo is not None
+    assert kh.observe is not None and kh.weights is None and s.query_sums.pending is not None
     out = turboquant_attention(queries, kh, vh, D**-0.5, "causal")
-    assert s._redo is None and s.queries is None and s.weights is not None  # no float copy left behind
+    assert s.query_sums.pending is None and s.query_sums.total is None and s.weights is not None  # no float copy left behind
     k2, _ = cache.keys_and_values()
     assert k2.observe is None and k2.weights is s.weights
     # the output is attention over the codes the stream now holds
@@ -212,19 +213,19 @@ def test_queries_summed_on_a_worker_thread_can_be_saved_from_another(tmp_path):
     worker.start()
     worker.join()
     cache = held["cache"]
-    assert cache.key_stream.queries is not None and cache.key_stream.weights is None  # 14 tokens: calibrating
+    assert cache.key_stream.query_sums.total is not None and cache.key_stream.weights is None  # 14 tokens: calibrating
     save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))[0]
-    assert mx.array_equal(loaded.key_stream.queries, cache.key_stream.queries)
+    assert mx.array_equal(loaded.key_stream.query_sums.total, cache.key_stream.query_sums.total)
 
 
 def test_trim_forgets_what_it_cannot_take_back():
     keys, values, queries = tokens(7, 100)
     cache, _ = run_cache(cfg(), keys, values, queries, [20])
     s = cache.key_stream
-    assert s.queries is not None and s._q_hi == 20
+    assert s.query_sums.total is not None and s.query_sums.end == 20
     cache.trim(5)  # back into the calibration tokens: their queries are summed in and cannot come out
-    assert s.queries is None and s._q_lo == s._q_hi == 15
+    assert s.query_sums.total is None and s.query_sums.start == s.query_sums.end == 15
     cache, _ = run_cache(cfg(), keys, values, queries, [100])
     cache.trim(cache.offset - 2)  # every token but the sinks: the calibration and the weights go
     assert cache.key_stream.weights is None and cache.key_stream.mean is None
@@ -301,7 +302,7 @@ def test_attention_on_weighted_codes_matches_float64(kb, qjl, center):
         K = dequantized(k) if rope is None else None
         if rope is not None:  # centered before RoPE: the reference codec adds R(p) μ0 back
             K = np.concatenate([np.asarray(a.astype(mx.float32)).astype(np.float64) for a in
-                                (k.sinks, stream_decode(k, mx.float32) if k.n_compressed else None, k.window)
+                                (k.sinks, stream_decode(k, mx.float32) if k.n_coded else None, k.window)
                                 if a is not None], axis=2)
         assert rel_err(out, reference_attention(q, K, dequantized(vh), D**-0.5, mask)) < 2e-5, L
-    assert cache.key_stream.weights is not None and cache.n_compressed > 10
+    assert cache.key_stream.weights is not None and cache.n_coded > 10

@@ -3,7 +3,7 @@
 Every `mlx_lm.*` / `tq_mlx.*` name they mention exists; the README's Python runs as written (a tiny model stands in
 for the hub's); what the README says about prompt-cache files holds in a fresh process; every local link and
 anchor resolves; the generated tables match benchmarks/results/*.json; benchmarks/plots.py draws the pictures from
-that JSON.
+that JSON; every picture and command output the docs show is what `python benchmarks/docs_assets.py` makes now.
 """
 
 from __future__ import annotations
@@ -200,6 +200,32 @@ def test_generated_tables_match_the_results() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_per_path_table_is_generated_from_the_default_measured() -> None:
+    # The README's per-path decode table sits between readme_tables' markers, rendered from paths.json, and that
+    # file measured TurboQuantConfig() as it is now (a new default needs python benchmarks/paths.py again).
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import readme_tables
+
+    from tq_mlx import TurboQuantConfig
+
+    res = json.loads((REPO / "benchmarks" / "results" / "paths.json").read_text())
+    assert res["config"] == TurboQuantConfig().to_dict(), "benchmarks/results/paths.json: rerun benchmarks/paths.py"
+    text = README.read_text()
+    body = readme_tables.paths_section()
+    assert readme_tables.splice(text, body, readme_tables.PATHS_START, readme_tables.PATHS_END) == text
+    inside = text.split(readme_tables.PATHS_START, 1)[1].split(readme_tables.PATHS_END, 1)[0]
+    outside = text.replace(inside, "")
+    assert "MLA-shaped" in inside and "MLA-shaped" not in outside and "| on the codes |" not in outside
+    # any ratio edited by hand is out of date
+    ratios = re.findall(r"\d+\.\d+x", inside)
+    assert len(ratios) == 8
+    for r in ratios:
+        edited = text.replace(inside, inside.replace(r, "9.99x", 1))
+        assert readme_tables.splice(edited, body, readme_tables.PATHS_START, readme_tables.PATHS_END) != edited
+
+
 def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     import matplotlib  # noqa: F401  (in the test extra, so this test runs wherever the tests do: no skip)
 
@@ -224,3 +250,178 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     rows = [r for r in lc["models"]["smollm2"]["rows"] if r["kind"] != "float"
             and any("8192" in c for c in r["texts"].values())]
     assert len(names) == len(rows)
+
+
+# --- every generated picture and example: benchmarks/docs_assets.py ---------------------------------------------
+
+
+def _docs_assets():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import docs_assets
+
+    return docs_assets
+
+
+def test_pictures_examples_and_screenshot_are_what_docs_assets_makes_now() -> None:
+    # docs/*.png against their sidecars (the data drawn, never pixels), every command output in docs/ between
+    # generated-example markers run again (tq-chat --plan and tq-generate on the demo model), and the app
+    # screenshot's panel drawn again from its snapshot. The tables have their own test above.
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "docs_assets.py"), "--check", "--only", "pictures",
+                           "--only", "examples", "--only", "screenshot"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_every_picture_in_the_docs_is_generated_and_checked() -> None:
+    # each picture README.md and docs/ show is one docs_assets.py makes (and so --check checks)
+    shot = _docs_assets().SHOT  # (puts benchmarks/ on sys.path)
+    import plots
+
+    made = {f"{name}.png" for name in plots.FIGURES} | {shot.name}
+    shown = {Path(target).name for doc in DOCS for target in LINK.findall(doc.read_text())
+             if target.endswith((".png", ".svg", ".jpg", ".gif"))}
+    assert shown and shown <= made, f"pictures nothing generates: {shown - made}"
+    for name in made:
+        assert (REPO / "docs" / name).with_suffix(".json").exists(), f"docs/{name}: no sidecar"
+
+
+def test_the_picture_check_catches_a_stale_picture(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    _docs_assets()  # (puts benchmarks/ on sys.path)
+    import plots
+
+    lc, models = plots.load_inputs()
+    for name in plots.FIGURES:
+        for ext in (".png", ".json"):
+            shutil.copy(REPO / "docs" / f"{name}{ext}", tmp_path / f"{name}{ext}")
+        assert plots.check(name, lc, models, tmp_path) == [], f"docs/{name}.png is stale"
+        side = json.loads((tmp_path / f"{name}.json").read_text())
+        key = "key" if name == "kl_vs_bits" else "panels"
+        side[key] = side[key][1:]  # a setting or a model less than the results have
+        (tmp_path / f"{name}.json").write_text(json.dumps(side))
+        assert any(repr(key) in p for p in plots.check(name, lc, models, tmp_path))
+        shutil.copy(REPO / "docs" / f"{name}.json", tmp_path / f"{name}.json")
+        (tmp_path / f"{name}.png").write_bytes((REPO / "docs" / f"{name}.png").read_bytes() + b"\0")
+        assert any("not the picture" in p for p in plots.check(name, lc, models, tmp_path))
+
+
+def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The panel's text is drawn again from the screenshot's snapshot, its KV figures derived again from
+    # tq_mlx.memory, the config from today's flags: each, changed, is found.
+    import json
+    import shutil
+
+    da = _docs_assets()
+    shot = tmp_path / "tq-chat.png"
+    shutil.copy(da.SHOT, shot)
+    monkeypatch.setattr(da, "SHOT", shot)
+    side = json.loads((REPO / "docs" / "tq-chat.json").read_text())
+
+    def problems(edit) -> list[str]:
+        changed = json.loads(json.dumps(side))
+        edit(changed)
+        shot.with_suffix(".json").write_text(json.dumps(changed))
+        return da.check_screenshot()
+
+    assert problems(lambda s: None) == []
+    assert any("panel's text" in p for p in problems(lambda s: s["panel"].__setitem__(1, "held 1 byte")))
+    assert any("kv_bytes" in p for p in problems(lambda s: s["stats"].__setitem__("kv_bytes", 1)))
+    assert any("cache config" in p for p in problems(lambda s: s["facts"]["config"].__setitem__("window", 128)))
+    assert any("sha256" in p for p in problems(lambda s: s.__setitem__("png_sha256", "0" * 64)))
+
+
+# --- every number in the README's prose is generated (benchmarks/readme_tables.py: FIGURES, ALLOWED) -------------
+
+
+def _readme_tables():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import readme_tables
+
+    return readme_tables
+
+
+def test_every_number_in_the_readme_is_generated_or_allowed() -> None:
+    # Outside the generated blocks and code, each number README.md shows is a readme_tables.FIGURES figure equal to
+    # what the code and benchmarks/results give now, or one of the few ALLOWED non-results (a version, a model's
+    # name, a CLI example). `python benchmarks/readme_tables.py --check` says the same (the test above runs it).
+    rt = _readme_tables()
+    text = README.read_text()
+    problems, fixed = rt.readme_problems(text)
+    assert problems == [], "\n".join(problems)
+    assert fixed == text
+    numbers = [m for m in rt.NUMBER.finditer(text)]
+    spans = rt.prose_check(text).spans
+    assert len(spans) >= 60 and all(any(a <= m.start(1) and m.end(1) <= b for a, b in rt.covered_spans(text, spans))
+                                    for m in numbers)
+
+
+def test_a_number_typed_by_hand_into_the_readme_fails() -> None:
+    rt = _readme_tables()
+    text = README.read_text()
+    anchor = "## How it works\n"
+    assert text.count(anchor) == 1
+
+    def typed(extra: str) -> list[str]:
+        t = text.replace(anchor, anchor + "\n" + extra, 1)
+        return [u.split(": ", 1)[1].split(" in ")[0] for u in rt.uncovered_numbers(t, rt.prose_check(t).spans)]
+
+    # a new claim in prose: each of its numbers is named, bit settings too
+    assert typed("On a Mac it decodes 3.7x faster, K3/V2 at 12 GB and 4,096 tokens.\n") == [
+        "'3.7x'", "'K3'", "'V2'", "'12'", "'4,096'"]
+    # numbers in code, comments and link targets are not prose
+    for harmless in ("```bash\ntq-chat x --ctx 3.7k\n```\n", "    tq-chat --bits 3.7\n", "<!-- 3.7x -->\n",
+                     "[a page](docs/x-12.md)\n"):
+        assert typed(harmless) == [], harmless
+    # the allowlist stays short, and each entry is still needed
+    assert len(rt.ALLOWED) <= 10
+    for pattern, why in rt.ALLOWED:
+        assert re.search(pattern, text), f"readme_tables.ALLOWED {pattern!r} ({why}) matches nothing in README.md"
+
+
+def test_every_prose_figure_is_checked_and_written_back() -> None:
+    # Each number of each figure, changed by hand, is named stale (with its figure), and the text --write makes
+    # is the README as it is; a list the code no longer matches, or a sentence reworded, is named too.
+    rt = _readme_tables()
+    text = README.read_text()
+    for fig in rt.FIGURES:
+        m = rt.figure_pattern(fig.text).search(text)
+        assert m, fig.name
+        for i in range(1, len(m.groups()) + 1):
+            a, b = m.span(i)
+            check = rt.prose_check(text[:a] + "999" + text[b:])
+            assert len(check.problems) == 1 and f"{fig.name!r} is stale" in check.problems[0], (fig.name, i, check)
+            assert "'999'" in check.problems[0] and check.text == text
+    # the architectures a count counts must be named beside it (docs/models.md's refused rows)
+    assert "rwkv7" in rt.zoo_refused()
+    assert rt.prose_check(text.replace("rwkv7, ", "", 1)).problems == [
+        "prose figure 'zoo': its paragraph does not name ['rwkv7']"]
+    # a sentence reworded: its figure says so rather than passing silently
+    assert text.count("are compressed;") == 1
+    problems = rt.prose_check(text.replace("are compressed;", "are compressed, and", 1)).problems
+    assert len(problems) == 1 and "'zoo'" in problems[0] and "0 times" in problems[0]
+    fig = rt.Figure("two", "nothing but Python {}+ and pip", lambda: ("3.10", "3.11"))
+    assert "gives 2 numbers" in rt.prose_check(text, [fig]).problems[0]
+
+    def reword():
+        raise rt.Reword("the preset decays now")
+
+    assert "the preset decays now" in rt.prose_check(text, [fig._replace(values=reword)]).problems[0]
+
+
+def test_readme_tables_check_names_a_stale_prose_figure(tmp_path: Path) -> None:
+    # end to end: --check on a copy of the README with one figure edited exits 1 naming it; --write fixes it
+    readme = tmp_path / "README.md"
+    rt = _readme_tables()
+    fig = next(f for f in rt.FIGURES if f.name == "bound floor")
+    text = README.read_text()
+    m = rt.figure_pattern(fig.text).search(text)
+    readme.write_text(text[:m.start(1)] + "900" + text[m.end(1):])
+    cmd = [sys.executable, str(REPO / "benchmarks" / "readme_tables.py"), "--readme", str(readme), "--docs",
+           str(tmp_path / "benchmarks.md"), "--prose"]
+    (tmp_path / "benchmarks.md").write_text((REPO / "docs" / "benchmarks.md").read_text())
+    proc = subprocess.run([*cmd, "--check"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "prose figure 'bound floor' is stale: the README says '900'" in proc.stderr
+    subprocess.run([*cmd, "--write"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert rt.figure_pattern(fig.text).search(readme.read_text()).group(1) == m.group(1)

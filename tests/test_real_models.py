@@ -108,7 +108,8 @@ def test_smollm2_britannica_perplexity(smollm2: tuple[nn.Module, object]) -> Non
     assert 15.6 < ppl < 16.1
 
 
-@pytest.mark.qwen  # opt-in (1.1 GB download): python -m pytest -m qwen
+@pytest.mark.qwen  # a 1.1 GB download, once (python -m pytest -m "not qwen" leaves it out)
+@pytest.mark.slow
 def test_qwen25_coder_15b() -> None:
     model, tok = load_qwen25_coder_15b(mx.float32)
     assert tok.encode("The capital of France") == [785, 6722, 315, 9625]  # type: ignore[attr-defined]

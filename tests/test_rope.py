@@ -108,7 +108,7 @@ def test_tokens_decode_to_themselves_and_the_centering_pays():
         keys, _ = cache.update_and_fetch(k, v)
         assert (keys.rope is not None) == (center == "rope") and keys.position == 4
         got = stream_decode(keys, mx.float32)
-        want = k[:, :, 4 : 4 + keys.n_compressed]
+        want = k[:, :, 4 : 4 + keys.n_coded]
         errors[center] = float(mx.sqrt(mx.mean((got - want) ** 2)) / mx.sqrt(mx.mean(want**2)))
         # the centering is μ0 rotated: what is left is the noise, not the bias
         if center == "rope":
@@ -178,7 +178,7 @@ def test_positions_continue_past_a_bound_and_through_state():
     fresh = keys.segments()[-1][1]
     assert fresh.position == keys.position + keys.n_decayed
     # the decoded last compressed token is the key fed at its position
-    t = keys.n_compressed - 1
+    t = keys.n_coded - 1
     pos = keys.position + t
     fed_index = pos - (first - 90)
     got = stream_decode(keys, mx.float32)[:, :, t]

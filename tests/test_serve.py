@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.blas import reference_blas_env
 from tests.test_cli import save_tiny_model
-from tq_mlx.cli import context_bound
+from tq_mlx.server import context_bound
 from tq_mlx.memory import max_context
 from tq_mlx.memory import estimate_peak_bytes
 
@@ -226,9 +226,14 @@ def test_bad_requests_get_openai_errors_with_the_right_status(tmp_path):
 def test_server_help_is_one_usage_block_with_the_turboquant_flags():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", "from tq_mlx.cli import server_command; server_command()",
+    proc = subprocess.run([sys.executable, "-c", "from tq_mlx.server import server_command; server_command()",
                            "--help"], capture_output=True, text=True, timeout=300, env=reference_blas_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("usage:") == 1 and proc.stdout.startswith("usage: tq-server")
     assert "TurboQuant KV cache:" in proc.stdout and "--tq-max-context N" in proc.stdout
     assert "--prompt-cache-size" in proc.stdout  # mlx_lm.server's own flags are all there
+    # it describes tq-server, and its usage line shows the cache flags next to mlx_lm.server's
+    usage, description = proc.stdout.split("\n\n")[:2]
+    assert "MLX Http Server" not in proc.stdout and description.startswith("tq-server: an OpenAI-compatible")
+    for flag in ("[--model MODEL]", "[--tq-preset NAME]", "[--tq-bits B]", "[--tq-window N]", "[--tq-max-context N]"):
+        assert flag in usage, flag

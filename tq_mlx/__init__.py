@@ -1,7 +1,8 @@
 """tq-mlx: TurboQuant KV-cache compression for MLX and mlx-lm.
 
-Importing the package changes nothing in mlx-lm: the attention hook is installed by the first
-TurboQuantKVCache built (make_prompt_cache, patch_model and load_prompt_cache build or load them).
+Importing the package, or constructing a cache, changes nothing in mlx-lm: the attention hook (tq_mlx.hook) is
+installed by make_prompt_cache, patch_model and load_prompt_cache, and by a hand-built cache's first
+update_and_fetch.
 """
 
 from .attention import turboquant_attention

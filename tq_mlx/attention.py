@@ -1,8 +1,8 @@
-"""Attention on TurboQuant codes: the reference path, in pure MLX.
+"""Reference attention on the codes of one cache's stream views, in pure MLX.
 
 `turboquant_attention(queries, keys, values, scale, mask)` has the signature of mlx-lm's
-`quantized_scaled_dot_product_attention` (tq_mlx.integration routes it there) and takes the two
-`StreamView`s a `TurboQuantKVCache` returns (one per side). A kernel path shares the signature.
+`quantized_scaled_dot_product_attention` and takes the two `StreamView`s a `TurboQuantKVCache` returns (one per
+side); tq_mlx.kernels.dispatch_attention shares the signature and falls back to it, and tq_mlx.hook calls that.
 
 For one query q (already times `scale`) and kv head, with compressed tokens t quantized as
 (x_t - μ) / s in the quantizer's input basis (channels in `perm` order, each group rotated by its Π_g; s the
@@ -23,13 +23,13 @@ the context (measured: 125 MB for a 2048-token chunk of SmolLM2's 9 query heads 
 against 320 MB at 4k for mx.fast.scaled_dot_product_attention on a float cache, which grows with the context).
 Keys and values of a tile are worked on two MLX streams, which on a CPU means two cores. Everything is
 float32; the result has queries' dtype. A view with no compressed token (a context shorter than the window) is
-plain float attention: mx.fast.scaled_dot_product_attention in the model's dtype (float_attention).
+plain float attention: mx.fast.scaled_dot_product_attention in the model's dtype (uncompressed_attention).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -107,7 +107,7 @@ def aligned_segments(keys: StreamView, values: StreamView) -> list[tuple[int, in
         return seg._replace(codes=_codes_tile(seg.codes, a - off, b - off), position=seg.position + a - off)
 
     same = keys_are_values(keys, values)
-    n = keys.n_compressed
+    n = keys.n_coded
     cuts = sorted({0, n, *(o for o, _ in keys.segments()), *(() if same else (o for o, _ in values.segments()))})
     out = []
     for a, b in zip(cuts[:-1], cuts[1:]):
@@ -188,69 +188,24 @@ def _mask_fn(mask, B: int, H: int, R: int, L: int, T: int):
     return lambda a, b: m[..., a:b]
 
 
-class BatchView(NamedTuple):
-    """One side of a batch of TurboQuant caches (tq_mlx.batch), as attention reads it: one B=1 StreamView per
-    row, so every row keeps its own calibration and attends only to its own tokens (padding is never stored).
-
-    Row i's real tokens in the update are the query positions [start, start + count) of `spans[i]`; the other
-    positions are padding and get zeros. `ends[i]` is the column, in the padded layout of mlx-lm's
-    BatchKVCache (what the batch cache's make_mask covers), just past row i's last stored token: an array
-    mask is read there. A row with no token in the update has the view None.
-    """
-
-    rows: tuple[StreamView | None, ...]
-    spans: tuple[tuple[int, int], ...]
-    ends: tuple[int, ...]
-
-
-def _row_mask(mask, i: int, start: int, count: int, end: int, n_tokens: int):
-    """Row i's part of a batch mask: None/"causal" become the row's own (what it gets alone: "causal" for
-    more than one query); an array (.., L, T) in the padded layout is cut to the row's queries and tokens."""
-    if mask is None or isinstance(mask, str):
-        return mask if count > 1 else None
-    if mask.shape[-1] < end:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not cover the batch's {end} cached columns")
-    m = mask[i : i + 1] if mask.ndim == 4 and mask.shape[0] > 1 else mask  # (B, ...) or broadcast (1, ...)
-    return m[..., start : start + count, end - n_tokens : end]
-
-
-def batched_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
-                      attend: Callable | None = None, sinks: mx.array | None = None) -> mx.array:
-    """Attention of a batch view, row by row with `attend` (default turboquant_attention) on each row's own
-    views and queries, stacked; padding query positions get zeros. queries (B, n_q_heads, L, D); sinks (learned
-    per-head logits) go to every row."""
-    attend = attend or turboquant_attention
-    B, Hq, L, _ = queries.shape
-    if len(keys.rows) != B:
-        raise ValueError(f"queries have batch {B}, the batch view holds {len(keys.rows)} rows")
-    Dv = next((v.head_dim for v in values.rows if v is not None), queries.shape[3])
-    out = []
-    for i, (k, v, (start, count), end) in enumerate(zip(keys.rows, values.rows, keys.spans, keys.ends)):
-        if k is None or count == 0:
-            out.append(mx.zeros((1, Hq, L, Dv), queries.dtype))
-            continue
-        q = queries[i : i + 1, :, start : start + count] if count < L else queries[i : i + 1]
-        o = attend(q, k, v, scale=scale, mask=_row_mask(mask, i, start, count, end, k.n_tokens), sinks=sinks)
-        pad = [(0, 0), (0, 0), (start, L - start - count), (0, 0)]
-        out.append(mx.pad(o, pad) if count < L else o)
-    return out[0] if B == 1 else mx.concatenate(out, axis=0)
-
-
-def float_attention(queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None,
-                    sinks: mx.array | None = None) -> mx.array:
+def uncompressed_attention(queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None,
+                           sinks: mx.array | None = None) -> mx.array:
     """Attention over a view that holds no compressed token (sinks and window only, as every context shorter
     than the window): mx.fast.scaled_dot_product_attention on the float tokens, as mlx-lm's KVCache does, so
     until its first compression the cache attends exactly like the float cache, with the fused kernel on a Mac.
     Learned `sinks` go to SDPA as they are, in queries' dtype if theirs would not promote to it (SDPA refuses)."""
-    def tokens(kv: StreamView) -> mx.array:
-        parts = [p for p in (kv.sinks, kv.window) if p is not None]
-        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # at most sinks + window tokens
-        return x.astype(queries.dtype)
-
     if sinks is not None and queries.dtype != mx.float32 and sinks.dtype != queries.dtype:
         sinks = sinks.astype(queries.dtype)
-    return mx.fast.scaled_dot_product_attention(queries, tokens(keys), tokens(values), scale=scale, mask=mask,
+    return mx.fast.scaled_dot_product_attention(queries, _float_tokens(keys, queries.dtype),
+                                                _float_tokens(values, queries.dtype), scale=scale, mask=mask,
                                                 sinks=sinks)
+
+
+def _float_tokens(kv: StreamView, dtype: mx.Dtype) -> mx.array:
+    """A view's float tokens (sinks, then window) as one array in `dtype`."""
+    parts = [p for p in (kv.sinks, kv.window) if p is not None]
+    x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # at most sinks + window tokens
+    return x.astype(dtype)
 
 
 def sink_logits(sinks, B: int, H: int, R: int, L: int) -> mx.array:
@@ -262,6 +217,152 @@ def sink_logits(sinks, B: int, H: int, R: int, L: int) -> mx.array:
     return mx.broadcast_to(s, (B, H, R, L)).reshape(B, H, R * L, 1)
 
 
+class Softmax(NamedTuple):
+    """The partial softmax of a span of tokens, float32 per query row (B, H, R·L, ·). Partials of disjoint spans
+    merge exactly by log-sum-exp, in any order (merge)."""
+
+    max: mx.array  # m: the largest score (B, H, R·L, 1)
+    total: mx.array  # l: Σ exp(s - m)
+    compressed: mx.array | None  # the part of `total` over compressed tokens (it weighs the values' mean ν)
+    out: mx.array | None  # Σ exp(s - m)·v over float tokens, model basis (B, H, R·L, Dv)
+    rotated: list[mx.array] | None  # Σ exp(s - m)·ŷ over compressed tokens, per value group, rotated basis
+
+
+def _weighted_sum(x, y, w0, w1):
+    """x·w0 + y·w1, where None is a zero."""
+    if x is None or y is None:
+        return None if x is None and y is None else (y * w1 if x is None else x * w0)
+    return x * w0 + y * w1
+
+
+def merge(state: Softmax | None, part: Softmax) -> Softmax:
+    """Two partial softmaxes (state None: none yet) as one, rescaled to their common max."""
+    if state is None:
+        return part
+    m = mx.maximum(state.max, part.max)
+    w0, w1 = mx.exp(state.max - m), mx.exp(part.max - m)
+    r0, r1 = state.rotated, part.rotated
+    r = r0 or r1
+    if r is not None:
+        n = len(r)
+        r = [_weighted_sum(x, y, w0, w1) for x, y in zip(r0 or [None] * n, r1 or [None] * n)]
+    return Softmax(m, state.total * w0 + part.total * w1, _weighted_sum(state.compressed, part.compressed, w0, w1),
+                   _weighted_sum(state.out, part.out, w0, w1), r)
+
+
+def _exp_scores(s: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """(max, exp(s - max), Σ exp(s - max)) over the tokens (the last axis) of scores s."""
+    mb = mx.max(s, axis=-1, keepdims=True)
+    p = mx.exp(s - mb)
+    return mb, p, mx.sum(p, axis=-1, keepdims=True)
+
+
+def _masked(s: mx.array, mk, B: int, H: int, R: int, L: int) -> mx.array:
+    """Scores (B, H, R·L, n) with the mask of their n token columns applied (None: nothing masked)."""
+    if mk is None:
+        return s
+    n = s.shape[-1]
+    s5 = s.reshape(B, H, R, L, n)
+    s5 = mx.where(mk, s5, _NEG) if mk.dtype == mx.bool_ else s5 + mk.astype(mx.float32)
+    return s5.reshape(B, H, R * L, n)
+
+
+def _tiles(keys: StreamView, values: StreamView, tile: int) -> list[tuple[int, int, StreamView, StreamView, int]]:
+    """(a, b, keys' segment, values' segment, a0): the compressed tokens [a, b) in tiles of at most `tile`
+    tokens, evenly cut within each aligned segment (whose first token is a0)."""
+    spans = []
+    for a0, b0, ks, vs in aligned_segments(keys, values):
+        n_tiles = -(-(b0 - a0) // tile)
+        cuts = [a0 + (b0 - a0) * i // n_tiles for i in range(n_tiles + 1)]
+        spans += [(a, b, ks, vs, a0) for a, b in zip(cuts[:-1], cuts[1:])]
+    return spans
+
+
+def _tile_scores(q_groups, sq, k_units, kc, ks: StreamView) -> mx.array:
+    """A tile's scores before the mean's term: per group the query in the group's basis times the codebook
+    values (times the norms), plus the QJL term."""
+    s = None
+    for qg, (u, n) in zip(q_groups, k_units):
+        sg = qg @ u.swapaxes(-1, -2)
+        sg = sg if n is None else sg * n
+        s = sg if s is None else s + sg
+    if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
+        kq = ks.quantizer
+        z = kq.signs(kc)
+        sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * load_norms(kc.gamma)[:, :, None, :])
+        s = sj if s is None else s + sj
+    return s
+
+
+def _compressed_softmax(state: Softmax | None, q: mx.array, keys: StreamView, values: StreamView, mask_at,
+                        shape: tuple[int, int, int, int, int], tile_tokens: int) -> Softmax | None:
+    """`state` merged with the partial softmax of every tile of compressed tokens. q: the queries times scale,
+    (B, H, R·L, D) float32; shape: (B, H, R, L, Hq)."""
+    B, H, R, L, Hq = shape
+    n_s = keys.n_sinks
+    # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
+    qk = q if keys.scale is None else q * keys.scale[:, :, None, None]
+    if keys.weights is not None:  # ... and (x - μ)·w: the query is divided by w (query_weights)
+        qk = qk / keys.weights[:, :, None, :]
+    queries_in = {}  # per key quantizer (decayed codes have their own): the query in its bases
+    # q·μ per query row, or (keys centered before RoPE) q·R(p) μ0 per row and token, per tile
+    q_mu = (q @ keys.mean[..., None]) if keys.mean is not None and keys.rope is None else None  # (B, H, R·L, 1)
+    tile = tile_size(B, Hq, L, tile_tokens)
+    spans = _tiles(keys, values, tile)
+    # Two MLX streams (two cores on a CPU): a tile's values dequantize on one while its keys are scored on
+    # the other, and the next tile swaps them. Tiles are independent; only the small merges are serial.
+    streams = [mx.default_stream(mx.default_device()), _side_stream()]
+    # A lazy graph would hold every tile's scores at once (memory growing with the context); for large
+    # score blocks (long prefill chunks) each tile's scoring waits for the previous merge, so at most two
+    # tiles' scores exist. Small blocks (decode) keep scoring tiles on both streams at once.
+    serial = B * Hq * L * tile > SERIAL_SCORES
+    same = keys_are_values(keys, values)
+    fold = keys.rope is not None and R * L >= FOLD_ROWS and not same
+    for i, (a, b, ks, vs, a0) in enumerate(spans):
+        if id(ks.quantizer) not in queries_in:
+            queries_in[id(ks.quantizer)] = split_query(qk, ks)
+        q_groups, sq = queries_in[id(ks.quantizer)]
+        kc, vc = _codes_tile(ks.codes, a - a0, b - a0), _codes_tile(vs.codes, a - a0, b - a0)
+        if serial and state is not None:
+            done = [x for x in (state.max, state.total, state.compressed, state.out, *(state.rotated or ()))
+                    if x is not None]
+            kc = type(kc)(*mx.depends(list(kc), done))
+        if not same:
+            with mx.stream(streams[(i + 1) % 2]):
+                v_units = _units(vs, vc)
+        with mx.stream(streams[i % 2]):
+            k_units = _units(ks, kc)
+            if same:  # one view as keys and values (MLA's latent): its codes are unpacked once
+                v_units = k_units
+            folded = fold and bool(k_units)
+            if folded:
+                k_units = _with_centers(k_units, ks, keys, a, b - a)
+            s = _tile_scores(q_groups, sq, k_units, kc, ks)
+            if q_mu is not None:
+                s = s + q_mu
+            elif keys.rope is not None and not folded:
+                s = s + score_bias(q, keys.mean, keys.rope, keys.position + a, b - a)
+            mb, p, lb = _exp_scores(_masked(s, mask_at(n_s + a, n_s + b), B, H, R, L))
+            # decayed and fresh values share one rotated basis: their accumulators add
+            part = Softmax(mb, lb, lb, None, [(p * n) @ u for u, n in v_units])
+        state = merge(state, part)
+    return state
+
+
+def _output(state: Softmax, values: StreamView) -> mx.array:
+    """The attention output (B, H, R·L, Dv) float32 of the merged softmax: the compressed values' accumulators
+    rotated back, scaled and their mean added, plus the float tokens', over the total."""
+    out, acc_r = state.out, state.rotated
+    if acc_r is not None:
+        y = unrotate(values, acc_r)
+        if values.scale is not None:
+            y = y * values.scale[:, :, None, None]
+        out = y if out is None else out + y
+        if values.mean is not None:
+            out = out + state.compressed * values.mean[:, :, None, :]
+    return out / state.total
+
+
 def turboquant_attention(
     queries: mx.array,
     keys: StreamView,
@@ -271,26 +372,25 @@ def turboquant_attention(
     tile_tokens: int = TILE_TOKENS,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """softmax(scale·q·Kᵀ + mask)·V over a TurboQuant cache. queries (B, n_q_heads, L, D) -> (B, n_q_heads, L, Dv).
+    """softmax(scale·q·Kᵀ + mask)·V over the views of one TurboQuant cache. queries (B, n_q_heads, L, D) ->
+    (B, n_q_heads, L, Dv).
 
     mask: None, "causal" (lower-right aligned), or a bool/additive array (L, T) / (B, 1, L, T) /
-    (B, n_q_heads, L, T) over the cache's T tokens in order (sinks, compressed, window). Batch views
-    (tq_mlx.batch) run row by row (batched_attention).
+    (B, n_q_heads, L, T) over the cache's T tokens in order (sinks, compressed, window). Batch views run row by
+    row through tq_mlx.batch.batch_view_attention.
     sinks: learned attention sinks (gpt-oss), one logit per query head (n_q_heads,), any float dtype: a
     virtual token of score sinks[h] and value 0 in the softmax denominator, as
     mx.fast.scaled_dot_product_attention(sinks=). Not the cache's sink tokens (the first tokens kept float).
     """
-    if isinstance(keys, BatchView):
-        return batched_attention(
-            queries, keys, values, scale, mask,
-            lambda q, k, v, scale, mask, sinks: turboquant_attention(q, k, v, scale, mask, tile_tokens, sinks),
-            sinks=sinks)
+    if not isinstance(keys, StreamView):
+        raise TypeError(f"turboquant_attention takes a StreamView, got {type(keys).__name__} (batch views: "
+                        f"tq_mlx.batch.batch_view_attention)")
     if keys.observe is not None:  # the stream sums these queries for its weights first (query_weights)
         keys = keys.observe(queries)
     if values.weights is not None:
         raise ValueError("values view with query weights: only key streams weigh their tokens")
-    if keys.n_compressed == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):
-        return float_attention(queries, keys, values, scale, mask, sinks)
+    if keys.n_coded == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):
+        return uncompressed_attention(queries, keys, values, scale, mask, sinks)
     B, Hq, L, D = queries.shape
     T, H, Dv = keys.n_tokens, keys.n_heads, values.head_dim
     R = Hq // H
@@ -299,126 +399,24 @@ def turboquant_attention(
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     mask_at = _mask_fn(mask, B, H, R, L, T)
 
-    def masked(s, a, b):
-        mk = mask_at(a, b)
-        if mk is None:
-            return s
-        s5 = s.reshape(B, H, R, L, b - a)
-        s5 = mx.where(mk, s5, _NEG) if mk.dtype == mx.bool_ else s5 + mk.astype(mx.float32)
-        return s5.reshape(B, H, R * L, b - a)
-
-    # Each span of tokens gives a partial softmax (m, Σp, Σp·v in the model basis, Σp·ŷ per value group in
-    # the rotated basis); partials merge exactly by log-sum-exp, in any order.
+    # Each span of tokens gives a partial softmax; learned sinks are one of a virtual token, score sinks[h],
+    # weight 1 at its own max, value 0.
     state = None
-
-    def merge(part):
-        nonlocal state
-        if state is None:
-            state = part
-            return
-        m0, l0, c0, a0, r0 = state
-        m1, l1, c1, a1, r1 = part
-        m = mx.maximum(m0, m1)
-        w0, w1 = mx.exp(m0 - m), mx.exp(m1 - m)
-
-        def add(x, y):
-            if x is None or y is None:
-                return None if x is None and y is None else (y * w1 if x is None else x * w0)
-            return x * w0 + y * w1
-
-        r = r0 or r1
-        if r is not None:
-            n = len(r)
-            r = [add(x, y) for x, y in zip(r0 or [None] * n, r1 or [None] * n)]
-        state = (m, l0 * w0 + l1 * w1, add(c0, c1), add(a0, a1), r)
-
-    def softmax(s):
-        mb = mx.max(s, axis=-1, keepdims=True)
-        p = mx.exp(s - mb)
-        return mb, p, mx.sum(p, axis=-1, keepdims=True)
-
-    # Learned sinks: a partial softmax of one virtual token, score sinks[h], weight 1 at its own max, value 0.
     if sinks is not None:
         ms = sink_logits(sinks, B, H, R, L)
-        merge((ms, mx.ones_like(ms), None, None, None))
+        state = merge(state, Softmax(ms, mx.ones_like(ms), None, None, None))
 
     # Float tokens: sinks at [0, n_sinks), window at [n_sinks + n_compressed, T).
-    n_s, n_c = keys.n_sinks, keys.n_compressed
+    n_s, n_c = keys.n_sinks, keys.n_coded
     for kf, vf, a in ((keys.sinks, values.sinks, 0), (keys.window, values.window, n_s + n_c)):
         if kf is None:
             continue
         b = a + kf.shape[2]
-        mb, p, lb = softmax(masked(q @ kf.astype(mx.float32).swapaxes(-1, -2), a, b))
-        merge((mb, lb, None, p @ vf.astype(mx.float32), None))
+        mb, p, lb = _exp_scores(_masked(q @ kf.astype(mx.float32).swapaxes(-1, -2), mask_at(a, b), B, H, R, L))
+        state = merge(state, Softmax(mb, lb, None, p @ vf.astype(mx.float32), None))
 
     if n_c:
-        # Compressed keys hold (x - μ) / scale: scaling the query instead costs one multiply per step.
-        qk = q if keys.scale is None else q * keys.scale[:, :, None, None]
-        if keys.weights is not None:  # ... and (x - μ)·w: the query is divided by w (query_weights)
-            qk = qk / keys.weights[:, :, None, :]
-        queries_in = {}  # per key quantizer (decayed codes have their own): the query in its bases
-        # q·μ per query row, or (keys centered before RoPE) q·R(p) μ0 per row and token, per tile
-        q_mu = (q @ keys.mean[..., None]) if keys.mean is not None and keys.rope is None else None  # (B, H, R·L, 1)
-        tile = tile_size(B, Hq, L, tile_tokens)
-        spans = []
-        for a0, b0, ks, vs in aligned_segments(keys, values):
-            n_tiles = -(-(b0 - a0) // tile)
-            cuts = [a0 + (b0 - a0) * i // n_tiles for i in range(n_tiles + 1)]
-            spans += [(a, b, ks, vs, a0) for a, b in zip(cuts[:-1], cuts[1:])]
-        # Two MLX streams (two cores on a CPU): a tile's values dequantize on one while its keys are scored on
-        # the other, and the next tile swaps them. Tiles are independent; only the small merges are serial.
-        streams = [mx.default_stream(mx.default_device()), _side_stream()]
-        # A lazy graph would hold every tile's scores at once (memory growing with the context); for large
-        # score blocks (long prefill chunks) each tile's scoring waits for the previous merge, so at most two
-        # tiles' scores exist. Small blocks (decode) keep scoring tiles on both streams at once.
-        serial = B * Hq * L * tile > SERIAL_SCORES
-        same = keys_are_values(keys, values)
-        fold = keys.rope is not None and R * L >= FOLD_ROWS and not same
-        for i, (a, b, ks, vs, a0) in enumerate(spans):
-            if id(ks.quantizer) not in queries_in:
-                queries_in[id(ks.quantizer)] = split_query(qk, ks)
-            q_groups, sq = queries_in[id(ks.quantizer)]
-            kc, vc = _codes_tile(ks.codes, a - a0, b - a0), _codes_tile(vs.codes, a - a0, b - a0)
-            if serial and state is not None:
-                done = [x for x in (*state[:4], *(state[4] or ())) if x is not None]
-                kc = type(kc)(*mx.depends(list(kc), done))
-            if not same:
-                with mx.stream(streams[(i + 1) % 2]):
-                    v_units = _units(vs, vc)
-            with mx.stream(streams[i % 2]):
-                k_units = _units(ks, kc)
-                if same:  # one view as keys and values (MLA's latent): its codes are unpacked once
-                    v_units = k_units
-                folded = fold and bool(k_units)
-                if folded:
-                    k_units = _with_centers(k_units, ks, keys, a, b - a)
-                s = None
-                for qg, (u, n) in zip(q_groups, k_units):
-                    sg = qg @ u.swapaxes(-1, -2)
-                    sg = sg if n is None else sg * n
-                    s = sg if s is None else s + sg
-                if sq is not None:  # QJL: √(π/2)/d · γ_t · ⟨S q, z_t⟩, z = ±1
-                    kq = ks.quantizer
-                    z = kq.signs(kc)
-                    sj = (sq @ z.swapaxes(-1, -2)) * (kq.qjl_scale * load_norms(kc.gamma)[:, :, None, :])
-                    s = sj if s is None else s + sj
-                if q_mu is not None:
-                    s = s + q_mu
-                elif keys.rope is not None and not folded:
-                    s = s + score_bias(q, keys.mean, keys.rope, keys.position + a, b - a)
-                mb, p, lb = softmax(masked(s, n_s + a, n_s + b))
-                # decayed and fresh values share one rotated basis: their accumulators add
-                part = (mb, lb, lb, None, [(p * n) @ u for u, n in v_units])
-            merge(part)
+        state = _compressed_softmax(state, q, keys, values, mask_at, (B, H, R, L, Hq), tile_tokens)
     if state is None:
         raise ValueError("attention over an empty cache: no tokens to attend to")
-    m, l, l_c, out, acc_r = state
-    if acc_r is not None:
-        y = unrotate(values, acc_r)
-        if values.scale is not None:
-            y = y * values.scale[:, :, None, None]
-        out = y if out is None else out + y
-        if values.mean is not None:
-            out = out + l_c * values.mean[:, :, None, :]
-    out = out / l
-    return out.reshape(B, Hq, L, Dv).astype(queries.dtype)
+    return _output(state, values).reshape(B, Hq, L, Dv).astype(queries.dtype)

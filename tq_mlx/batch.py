@@ -1,15 +1,16 @@
-"""BatchTurboQuantKVCache: mlx-lm's batch cache protocol (BatchKVCache's) over TurboQuant caches, one per row.
+"""BatchTurboQuantKVCache (mlx-lm's batch cache protocol over one TurboQuant cache per row), its batch views
+and their attention.
 
 mlx-lm batches sequences by merging their single caches (`TurboQuantKVCache.merge`, called by BatchGenerator and
 thus batch_generate and the server) into one cache whose arrays are left-padded to a common length. Padding a
 compressed cache that way would change what each row calibrates on and where its compression blocks fall, and
 store padding as codes. So the batch holds one B=1 TurboQuantKVCache per row and keeps the padded layout only as
 bookkeeping (`_left`, `_idx`, as BatchKVCache's `left_padding` and `_idx`): update_and_fetch hands each row
-only its real tokens (left padding from merge/prepare, right padding before finalize are dropped), and
-attention runs row by row on each row's own views (tq_mlx.attention.batched_attention), padding queries getting
-zeros. Each row therefore stores and computes exactly what it would alone, temporal decay included (a row's
-streams re-code their old tokens as the same cache alone would: its views carry the decayed codes, and its float
-fetches decode them).
+only its real tokens (left padding from merge/prepare, right padding before finalize are dropped) and returns
+a `BatchView` per side, and attention runs row by row on each row's own views (batch_view_attention), padding
+queries getting zeros. Each row therefore stores and computes exactly what it would alone, temporal decay
+included (a row's streams re-code their old tokens as the same cache alone would: its views carry the decayed
+codes, and its float fetches decode them).
 
 What mlx-lm sees is BatchKVCache's: `offset` an mx.array (B,) (RoPE), make_mask an array (B, 1, N, T) over the
 padded layout, prepare/finalize, filter/extend, extract(i) -> a TurboQuantKVCache, size(), nbytes, state.
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .attention import BatchView, batched_attention
-from .kernels import dispatch_attention
-from .stream import unique_arrays
+from .attention import turboquant_attention
+from .stream import StreamView, unique_arrays
 
 BATCH_STATE_VERSION = 1
 NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, for save_prompt_cache)
@@ -38,13 +39,68 @@ NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, f
 _PLAIN_MASKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def batch_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
-                    sinks=None) -> mx.array:
-    """The attention hook's path for batch views: row by row through tq_mlx.kernels.dispatch_attention
-    (sinks: learned per-head sink logits, as mx.fast.scaled_dot_product_attention's)."""
-    if isinstance(mask, mx.array) and _PLAIN_MASKS.get(id(mask)) is mask:
-        mask = "causal"
-    return batched_attention(queries, keys, values, scale, mask, dispatch_attention, sinks=sinks)
+class BatchView(NamedTuple):
+    """One side of a batch of TurboQuant caches, as attention reads it: one B=1 StreamView per row, so every
+    row keeps its own calibration and attends only to its own tokens (padding is never stored).
+
+    Row i's real tokens in the update are the query positions [start, start + count) of `spans[i]`; the other
+    positions are padding and get zeros. `ends[i]` is the column, in the padded layout of mlx-lm's
+    BatchKVCache (what the batch cache's make_mask covers), just past row i's last stored token: an array
+    mask is read there. A row with no token in the update has the view None.
+    """
+
+    rows: tuple[StreamView | None, ...]
+    spans: tuple[tuple[int, int], ...]
+    ends: tuple[int, ...]
+
+
+def _row_mask(mask, i: int, start: int, count: int, end: int, n_tokens: int):
+    """Row i's part of a batch mask: None/"causal" become the row's own (what it gets alone: "causal" for
+    more than one query); an array (.., L, T) in the padded layout is cut to the row's queries and tokens."""
+    if mask is None or isinstance(mask, str):
+        return mask if count > 1 else None
+    if mask.shape[-1] < end:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not cover the batch's {end} cached columns")
+    m = mask[i : i + 1] if mask.ndim == 4 and mask.shape[0] > 1 else mask  # (B, ...) or broadcast (1, ...)
+    return m[..., start : start + count, end - n_tokens : end]
+
+
+def causal_if_plain(mask):
+    """"causal" for a mask this module's make_mask built without a window (plain causal + left padding: every
+    row's own causal mask, which the kernels take without reading an array), else the mask itself."""
+    return "causal" if isinstance(mask, mx.array) and _PLAIN_MASKS.get(id(mask)) is mask else mask
+
+
+def batch_view_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
+                         sinks: mx.array | None = None, attend: Callable = turboquant_attention) -> mx.array:
+    """Attention over batch views, row by row with `attend` (the reference by default; tq_mlx.hook passes
+    tq_mlx.kernels.dispatch_attention) on each row's own views and queries, stacked; padding query positions
+    get zeros. queries (B, n_q_heads, L, D); sinks (learned per-head logits) go to every row."""
+    B, Hq, L, _ = queries.shape
+    if len(keys.rows) != B:
+        raise ValueError(f"queries have batch {B}, the batch view holds {len(keys.rows)} rows")
+    Dv = next((v.head_dim for v in values.rows if v is not None), queries.shape[3])
+    out = []
+    for i, (k, v, (start, count), end) in enumerate(zip(keys.rows, values.rows, keys.spans, keys.ends)):
+        if k is None or count == 0:
+            out.append(mx.zeros((1, Hq, L, Dv), queries.dtype))
+            continue
+        q = queries[i : i + 1, :, start : start + count] if count < L else queries[i : i + 1]
+        o = attend(q, k, v, scale=scale, mask=_row_mask(mask, i, start, count, end, k.n_tokens), sinks=sinks)
+        pad = [(0, 0), (0, 0), (start, L - start - count), (0, 0)]
+        out.append(mx.pad(o, pad) if count < L else o)
+    return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
+def _row_from_state(state) -> Any:
+    """A saved row, rebuilt as mlx-lm's load_prompt_cache builds a TurboQuantKVCache entry: by the class's name
+    in mlx_lm.models.cache, where tq_mlx.hook registers it beside this module's class (tq_mlx.cache sits above
+    this module)."""
+    row_class = getattr(mlx_cache, "TurboQuantKVCache", None)
+    if row_class is None:
+        raise ValueError("BatchTurboQuantKVCache state: TurboQuantKVCache is not registered with mlx-lm; load the "
+                         "file with tq_mlx.load_prompt_cache")
+    return row_class.from_state(state)
 
 
 class BatchTurboQuantKVCache(_BaseCache):
@@ -53,8 +109,6 @@ class BatchTurboQuantKVCache(_BaseCache):
     rows: one single-sequence cache per row (TurboQuantKVCache, batch 1 or empty); left_padding: the padded
     layout's left padding per row, as BatchKVCache(left_padding).
     """
-
-    row_class: Any = None  # TurboQuantKVCache, set by tq_mlx.cache (from_state builds rows with it)
 
     def __init__(self, rows: list[Any], left_padding: list[int] | None = None):
         self.rows = list(rows)
@@ -110,7 +164,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         return mx.array(self._left)
 
     @property
-    def bits(self):  # routes mlx-lm's attention to quantized_scaled_dot_product_attention (the hook)
+    def bits(self):  # routes mlx-lm's attention to quantized_scaled_dot_product_attention (tq_mlx.hook)
         return self.rows[0].bits if self.rows else 0
 
     @property
@@ -275,7 +329,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             if version != BATCH_STATE_VERSION:
                 raise ValueError(f"BatchTurboQuantKVCache state version {version!r}; this tq-mlx reads "
                                  f"{BATCH_STATE_VERSION}")
-            rows = [self.row_class.from_state(s) for s in rows]
+            rows = [_row_from_state(s) for s in rows]
             left, ends, right = (meta[k] for k in ("left_padding", "ends", "right_padding"))
             self.__init__(rows, [int(x) for x in left])
             self._idx = int(meta["idx"])

@@ -2,10 +2,10 @@
 
 It reads like mlx-lm's KVCache with codes instead of floats: update_and_fetch appends to both streams
 (tq_mlx.stream: float16 sinks, TurboQuant codes, a float16 window) and returns their `StreamView`s, which
-mlx-lm's attention routes to `quantized_scaled_dot_product_attention` because the cache has `bits`. That
-entry point is hooked (install_attention_hook) when the first cache is built, never at import, and sends
-views to tq_mlx.kernels.dispatch_attention and anything else to mlx-lm's own function. mlx-lm's batching
-merges caches (`merge`) into a tq_mlx.batch.BatchTurboQuantKVCache, whose batch views the hook sends there.
+mlx-lm's attention routes to `quantized_scaled_dot_product_attention` because the cache has `bits`; the
+attention hook (tq_mlx.hook) takes them from there. tq_mlx.integration installs it when it builds or loads
+caches, and a cache installs it at its first update_and_fetch (a cache built by hand), never at import or
+construction. mlx-lm's batching merges caches (`merge`) into a tq_mlx.batch.BatchTurboQuantKVCache.
 
 Memory: `nbytes` is the sum of every array the two streams hold (their docstring has the formula), and no
 float copy of a compressed token exists anywhere.
@@ -14,22 +14,19 @@ float copy of a compressed token exists anywhere.
 from __future__ import annotations
 
 import copy
-import sys
 import types
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
-import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .attention import BatchView
-from .batch import BatchTurboQuantKVCache, batch_attention
+from .batch import BatchTurboQuantKVCache
 from .codebook import MIN_DIM
 from .config import TurboQuantConfig, check_int
 from .architectures import FETCHES
-from .kernels import dispatch_attention, dispatch_dequantize, dispatch_encode
+from .hook import install_attention_hook
+from .kernels import dispatch_dequantize, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .rope import Rope
 from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer, unique_arrays
@@ -41,7 +38,7 @@ from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make
 STATE_VERSION = 8
 READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
-__all__ = ["TurboQuantConfig", "TurboQuantKVCache", "install_attention_hook", "uninstall_attention_hook"]
+__all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
 
 
 def layer_seed(seed: int, layer_index: int, side: int) -> int:
@@ -104,7 +101,6 @@ class TurboQuantKVCache(_BaseCache):
         derive_keys: Callable[[mx.array], mx.array] | None = None,
         rope: Rope | None = None,
     ):
-        install_attention_hook()
         if fetch not in FETCHES:
             raise ValueError(f"fetch={fetch!r}: expected one of {', '.join(FETCHES)}")
         self.k_eq_v = derive_keys is not None
@@ -125,6 +121,7 @@ class TurboQuantKVCache(_BaseCache):
         self.max_size = None if max_size is None else check_max_size(max_size, self.config)
         self.n_dropped = 0  # tokens dropped by the bound (offset = held tokens + n_dropped)
         self.offset = 0
+        self._hooked = False  # whether this cache installed the attention hook (its first update_and_fetch does)
         self.key_stream: CompressedStream | None = None  # built once the head dims are known
         self.value_stream: CompressedStream | None = None
         if head_dim is not None:
@@ -230,10 +227,10 @@ class TurboQuantKVCache(_BaseCache):
         return self.key_stream.n_sinks if self.key_stream else 0
 
     @property
-    def n_compressed(self) -> int:
+    def n_coded(self) -> int:
         """Compressed tokens, decayed ones included."""
         s = self.key_stream
-        return s.n_compressed + s.n_decayed if s else 0
+        return s.n_coded if s else 0
 
     @property
     def n_decayed(self) -> tuple[int, int]:
@@ -247,7 +244,7 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def calibrated(self) -> bool:
         """Whether μ, ν and the channel orders are fixed (from the first tokens compressed)."""
-        return self.n_compressed > 0
+        return self.n_coded > 0
 
     def batch_heads(self) -> tuple[int, int] | None:
         """(batch, n_kv_heads) of the stored arrays, None before the first update."""
@@ -281,6 +278,9 @@ class TurboQuantKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[StreamView, StreamView]:
         """Store keys/values (B, n_kv_heads, L, head_dim) and return views of everything stored."""
+        if not self._hooked:  # a cache built by hand: its model's attention reaches the hook from this forward on
+            install_attention_hook(TurboQuantKVCache)
+            self._hooked = True
         self._check_input(keys, values)
         self.offset += keys.shape[2]
         if self.max_size is not None:
@@ -313,7 +313,7 @@ class TurboQuantKVCache(_BaseCache):
         if self.max_size is None or before <= self.max_size - 1:
             return 0
         K = self.config.compress_block_size
-        return max(0, min(K * -(-(before - self.max_size + 1) // K) - self.n_dropped, self.n_compressed))
+        return max(0, min(K * -(-(before - self.max_size + 1) // K) - self.n_dropped, self.n_coded))
 
     def _fetched(self, k: StreamView, v: StreamView | None, new: mx.array | None, n_new: int = 0):
         """What the model gets for the views of its streams (see `fetch`): float tensors in the dtype of `new`
@@ -461,7 +461,7 @@ class TurboQuantKVCache(_BaseCache):
             "head_dim": self.expected_head_dim,
             "offset": self.offset,
             "n_sinks": self.n_sinks,
-            "n_compressed": self.n_compressed,
+            "n_compressed": self.n_coded,
             "n_decayed": list(self.n_decayed),
             "n_window": self.n_window,
             "key_dim": self.key_dim,
@@ -565,7 +565,8 @@ def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
         raise ValueError(
             f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "
-            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window"
+            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window "
+            f"(tq_mlx.config.fit_max_kv_size gives the config that fits, as the commands' --max-kv-size does)"
         )
     return max_size
 
@@ -580,88 +581,3 @@ def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = Non
     parts.append(view.window)
     parts = [p.astype(dtype) for p in parts if p is not None]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-
-
-BatchTurboQuantKVCache.row_class = TurboQuantKVCache  # tq_mlx.batch sits below this module
-
-
-# --- the attention hook: installed by the first cache, not at import -----------------------------------------
-
-
-def _fetched_attention(queries, keys, values, scale: float, mask, sinks=None):
-    """Attention over what a TurboQuant cache fetched: views on the codes (batch views row by row), float
-    fetches with mx.fast.scaled_dot_product_attention."""
-    if isinstance(keys, BatchView):
-        return batch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if isinstance(keys, StreamView):
-        return dispatch_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-
-
-def _attention(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 8):
-    """Stands in for mlx_lm.models.base.quantized_scaled_dot_product_attention, which mlx-lm's attention calls
-    for caches that have `bits`. mlx-lm's own quantized keys are tuples; views and float fetches are ours."""
-    if isinstance(keys, (BatchView, StreamView, mx.array)):
-        return _fetched_attention(queries, keys, values, scale, mask)
-    return _attention.original(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
-
-
-def _sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """Stands in for mlx_lm.models.base.scaled_dot_product_attention in the model files that import it by name.
-    It sees what the quantized entry point cannot: learned sinks (which base's version refuses for caches with
-    `bits`), and views attended without their cache (Gemma 4's KV-shared layers pass cache=None)."""
-    if isinstance(keys, (BatchView, StreamView)) or isinstance(cache, (TurboQuantKVCache, BatchTurboQuantKVCache)):
-        return _fetched_attention(queries, keys, values, scale, mask, sinks)
-    return _sdpa.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-_sdpa.original = mlx_base.scaled_dot_product_attention
-_SDPA_MODULES: dict[str, Any] = {}  # model modules whose scaled_dot_product_attention is _sdpa
-_MODULES_SEEN = 0  # len(sys.modules) at the last scan
-
-
-def _hook_model_modules() -> None:
-    """Point every loaded mlx_lm.models module's by-name `scaled_dot_product_attention` at _sdpa. Model files
-    import it by name (mlx-lm-integration.md §2), so base's attribute alone reaches none of them; a model's
-    module is loaded before its first cache is built, which calls this."""
-    global _MODULES_SEEN
-    if len(sys.modules) == _MODULES_SEEN:  # every cache of a model calls this: scan only when modules were loaded
-        return
-    _MODULES_SEEN = len(sys.modules)
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and name not in _SDPA_MODULES and module is not None:
-            if getattr(module, "scaled_dot_product_attention", None) is _sdpa.original:
-                module.scaled_dot_product_attention = _sdpa
-                _SDPA_MODULES[name] = module
-
-
-def install_attention_hook() -> None:
-    """Route mlx-lm's attention entry points to TurboQuant views (anything else still reaches mlx-lm's own
-    functions) and register TurboQuantKVCache for mlx-lm's load_prompt_cache. Idempotent; each call also
-    hooks model modules loaded since the last."""
-    current = mlx_base.quantized_scaled_dot_product_attention
-    if current is not _attention:
-        _attention.original = current
-        mlx_base.quantized_scaled_dot_product_attention = _attention
-    _hook_model_modules()
-    for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
-        setattr(mlx_cache, cls.__name__, cls)
-
-
-def uninstall_attention_hook() -> None:
-    """Leave mlx-lm exactly as it was before install_attention_hook."""
-    global _MODULES_SEEN
-    if mlx_base.quantized_scaled_dot_product_attention is _attention:
-        mlx_base.quantized_scaled_dot_product_attention = _attention.original
-    for module in _SDPA_MODULES.values():
-        if getattr(module, "scaled_dot_product_attention", None) is _sdpa:
-            module.scaled_dot_product_attention = _sdpa.original
-    _SDPA_MODULES.clear()
-    _MODULES_SEEN = 0
-    for cls in (TurboQuantKVCache, BatchTurboQuantKVCache):
-        if getattr(mlx_cache, cls.__name__, None) is cls:
-            delattr(mlx_cache, cls.__name__)
-
-
-def hook_installed() -> bool:
-    return mlx_base.quantized_scaled_dot_product_attention is _attention or bool(_SDPA_MODULES)

@@ -1,4 +1,6 @@
-"""TurboQuantConfig: how a model's KV cache is compressed, validated, with the allowed values in every error."""
+"""TurboQuantConfig (how a model's KV cache is compressed, validated, with the allowed values in every error),
+its presets, and derive_config: the one place a config is derived from a preset or config, bits and flags (and
+fitted to a --max-kv-size bound by fit_max_kv_size beside it)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,19 @@ DECAY_BITS = (1, 2, 3, 4)  # one channel group each, so decayed codes share the 
 # The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, tokens 6144 old are re-coded at K3/V2.
 AUTO = "auto"
 DECAY_AFTER = 6144
-AUTO_DECAY = {"key": (4, 3), "value": (4, 2)}  # side: (its default bits, the bits it decays to)
+DECAY_STEP = {"key": 1, "value": 2}  # bits an integer width loses with age when none are given: values lose more
+DECAY_FLOOR = {"key": 3, "value": 2}  # ... but never below these: keys are the fragile side (DEFAULTS.md)
+
+
+def auto_decay_bits(side: str, bits: float, qjl: bool = False) -> int | None:
+    """The bits old tokens of a side at `bits` decay to when no decay bits are given: keys one bit less down to 3,
+    values two less down to 2 (K4/V4 -> K3/V2, K4/V3 -> K3/V2, K3/V3 -> K3/V2). None (that side keeps its bits at
+    every age) for fractional bits (two channel groups; decayed codes take one), 8-bit codes (asked to be near
+    lossless), widths already at the floor, and QJL keys."""
+    if bits != int(bits) or bits >= 8 or bits <= DECAY_FLOOR[side] or (side == "key" and qjl):
+        return None
+    return max(int(bits) - DECAY_STEP[side], DECAY_FLOOR[side])
+DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -57,11 +71,12 @@ class TurboQuantConfig:
     `window` tokens after the sinks, however the prompt is fed (though the queries of a later layer, and so its
     weights, move a little with the prefill chunks, as every activation past the first compression does).
 
-    Decay fields left at AUTO follow the default setting: with the default bits (K4/V4, no QJL) tokens decay to
-    K3/V2 after DECAY_AFTER tokens; with other bits nothing decays unless decay bits are given (then decay_after
-    AUTO means DECAY_AFTER). An explicit value is always validated as given. The resolved values are the fields:
-    dataclasses.replace(config, key_bits=8) keeps K3/V2 decay from a default config (pass the decay fields as AUTO
-    to resolve them again, or build a new config).
+    Decay fields left at AUTO follow one rule for every width (auto_decay_bits): tokens older than DECAY_AFTER
+    decay to one bit less for keys (not below 3) and two less for values (not below 2): K4/V4 -> K3/V2, K4/V3 ->
+    K3/V2, K3/V3 -> K3/V2; fractional and 8-bit widths, widths at the floor and QJL keys keep their bits at every
+    age. An explicit value is always validated as given. The resolved values are the fields:
+    dataclasses.replace(config, key_bits=8) keeps K3/V2 decay from a default config (derive_config(config, bits=8)
+    derives it again, as the commands' flags do).
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
@@ -123,7 +138,7 @@ class TurboQuantConfig:
     def _resolve_decay(self) -> None:
         """Decay fields left at AUTO, resolved (see the class doc); the resolved config holds no AUTO."""
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        names = ("decay_after", "decay_key_bits", "decay_value_bits")
+        names = DECAY_FIELDS
         for name in names:
             v = getattr(self, name)
             if isinstance(v, str) and v != AUTO:
@@ -133,13 +148,11 @@ class TurboQuantConfig:
                 if getattr(self, name) == AUTO:
                     set_(name, None)
             return
-        default_bits = not self.qjl and all(getattr(self, f"{side}_bits") == bits
-                                            for side, (bits, _) in AUTO_DECAY.items())
-        for side, (_, to) in AUTO_DECAY.items():
+        for side in DECAY_STEP:
             if getattr(self, f"decay_{side}_bits") == AUTO:
-                set_(f"decay_{side}_bits", to if default_bits else None)
+                set_(f"decay_{side}_bits", auto_decay_bits(side, getattr(self, f"{side}_bits"), self.qjl))
         if self.decay_after == AUTO:
-            decays = any(getattr(self, f"decay_{side}_bits") is not None for side in AUTO_DECAY)
+            decays = any(getattr(self, f"decay_{side}_bits") is not None for side in DECAY_STEP)
             # a window that alone reaches DECAY_AFTER moves it: one compress block always stays at full bits
             set_("decay_after", max(DECAY_AFTER, self.window + self.compress_block_size) if decays else None)
 
@@ -156,8 +169,9 @@ class TurboQuantConfig:
             raise ValueError(f"decay_after must be an integer >= {least} (window + compress_block: at least one "
                              f"block stays at full bits), got {a!r}")
         if all(getattr(self, name) is None for name, _ in sides):
-            raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to; only the "
-                             f"default bits, K{AUTO_DECAY['key'][0]}/V{AUTO_DECAY['value'][0]}, decay without them)")
+            raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to; neither "
+                             f"side decays by itself at K{format_bits(self.key_bits)}/V{format_bits(self.value_bits)}"
+                             f"{' with QJL' if self.qjl else ''}: see auto_decay_bits)")
         for name, bits in sides:
             b = getattr(self, name)
             if b is None:
@@ -175,9 +189,7 @@ class TurboQuantConfig:
     @classmethod
     def preset(cls, name: str, **kwargs) -> "TurboQuantConfig":
         """A named setting (PRESETS: quality, default, compact), other fields as given."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **kwargs})
+        return cls(**{**_preset_fields(name), **kwargs})
 
     @classmethod
     def from_bits(cls, bits: float, **kwargs) -> "TurboQuantConfig":
@@ -253,3 +265,71 @@ PRESETS: dict[str, dict] = {
     # K4/V3, 8-bit norms, tokens past 4096 at K2/V2: 2.57 (2.63) bits, KL at 8k <= 0.0123
     "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2),
 }
+
+
+def _preset_fields(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def derive_config(base: str | TurboQuantConfig = "default", bits: float | None = None, *,
+                  max_kv_size: int | None = None, **fields) -> TurboQuantConfig:
+    """The config `fields` make of `base` (a preset's name, or a config), as the --tq-* flags and tq-chat's --bits
+    make it; `bits` sets key_bits and value_bits where fields do not. The one place a config is derived:
+
+    - a base config whose decay is the one its bits give when none is asked for (see TurboQuantConfig; a decay
+      given explicitly but equal to it counts as that) gets the decay the new bits give: --bits 3 does not decay;
+    - a side given new bits that its base decay bits no longer lower (fractional bits, or bits not above the decay
+      bits: decay only ever lowers integer bits, one rotation) keeps its bits at every age, unless fields name its
+      decay bits; and when no side is left to decay, nothing decays (decay_after None).
+
+    Everything else is validated by TurboQuantConfig as given (ValueError naming the conflict). max_kv_size: a
+    bounded cache (--max-kv-size), which fit_max_kv_size fits the config to."""
+    if isinstance(base, TurboQuantConfig):
+        start = base.to_dict()
+        auto = dict.fromkeys(DECAY_FIELDS, AUTO)
+        if dataclasses.replace(base, **auto) == base:
+            start.update(auto)
+    else:
+        start = dict(_preset_fields(base))
+    if bits is not None:
+        fields = {"key_bits": bits, "value_bits": bits, **fields}
+    for side in ("key", "value"):
+        name, new_bits = f"decay_{side}_bits", fields.get(f"{side}_bits")
+        decay_bits = start.get(name, AUTO)
+        if (name not in fields and new_bits is not None and decay_bits not in (None, AUTO)
+                and (decay_bits >= new_bits or new_bits != int(new_bits))):
+            fields[name] = None
+    merged = {**start, **fields}
+    if merged.get("decay_after", AUTO) is not None and all(
+            merged.get(f"decay_{side}_bits", AUTO) is None for side in ("key", "value")):
+        merged["decay_after"] = None  # nothing left to decay to
+    return fit_max_kv_size(TurboQuantConfig(**merged), max_kv_size)
+
+
+def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQuantConfig:
+    """The config a cache bounded to max_kv_size tokens uses, as the commands take --max-kv-size (mlx-lm's own flag
+    takes any size): `config` itself when the bound holds its float sinks and window and a compress block less a
+    token (sinks + window + compress_block - 1: the float parts are never dropped, cache.check_max_size); else the
+    config with the window and the compress block shrunk in their proportion until the bound holds the sinks, the
+    window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
+    holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
+    (below the sinks: as many sinks as the bound, no window). The library's make_prompt_cache keeps an explicit
+    config as given and refuses a bound below it; derive_config(max_kv_size=...) fits."""
+    if max_kv_size is None:
+        return config
+    check_int("max_kv_size", max_kv_size, 1)
+    block = config.compress_block_size
+    if config.sinks + config.window + block - 1 <= max_kv_size:
+        return config
+    sinks = min(config.sinks, max_kv_size)
+    room = max_kv_size - sinks + 1  # window + 2 blocks
+    if config.window == 0:
+        window, block = 0, min(block, room)
+    else:
+        block = max(2, room * block // (config.window + 2 * block))
+        window = room - 2 * block
+        if window < block:  # too small for two blocks next to a window: a window and blocks of 1
+            window, block = room - 1, 1
+    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block)

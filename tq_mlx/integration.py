@@ -13,8 +13,8 @@
 * `tune_malloc()` (Linux, CPU back end): keeps the per-step transient buffers of the reference path in the
   heap; the command-line tools and benchmarks call it.
 
-Importing tq_mlx changes nothing in mlx-lm: the attention hook (tq_mlx.cache.install_attention_hook) is
-installed by the first TurboQuantKVCache built, which each of the functions above builds or loads.
+Importing tq_mlx changes nothing in mlx-lm: make_prompt_cache, patch_model and load_prompt_cache install the
+attention hook (tq_mlx.hook.install_attention_hook), and a cache built by hand installs it at its first update.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from .architectures import FLOAT_FETCH, fetch_for
 from .blas import warn_reference_blas
-from .cache import TurboQuantKVCache, check_max_size, install_attention_hook
+from .cache import TurboQuantKVCache, check_max_size
 from .config import TurboQuantConfig
-from .memory import AttentionLayout, attention_layout
+from .hook import install_attention_hook
+from .architectures import AttentionLayout, attention_layout
 from .rope import Rope, probe
 
 WAY_OUT = "use mlx-lm's own cache for this model (drop the TurboQuant options)"
@@ -118,7 +119,7 @@ def layer_rope(model: nn.Module, i: int) -> Rope | None:
 
 def layer_geometry(model: nn.Module, i: int) -> tuple[int | None, int | None]:
     """(head_dim, n_kv_heads) of model layer i's attention: the module's own attributes, else what the planner
-    reads from the model's config (memory.attention_layout, one reading of a config for both); None where
+    reads from the model's config (architectures.attention_layout, one reading of a config for both); None where
     neither says."""
 
     def first_int(obj, names):
@@ -257,6 +258,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     full-attention KVCache (nothing would be compressed), or if max_kv_size is below what the float sinks and
     window hold (tq_mlx.cache.check_max_size). max_kv_size bounds every compressed layer as mlx-lm's
     --max-kv-size bounds its RotatingKVCache (the oldest compressed tokens are dropped; TurboQuantKVCache).
+    Installs the attention hook (tq_mlx.hook).
     """
     warn_reference_blas()  # once per process: on Linux's reference BLAS everything runs ~20x slower
     config = config or TurboQuantConfig()
@@ -294,6 +296,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
         if type(c) is CacheList and any((i, m) in caches for m in range(len(c.caches))):
             c = CacheList(*(caches.get((i, m), x) for m, x in enumerate(c.caches)))
         out.append(caches.get((i, None), c))
+    install_attention_hook(TurboQuantKVCache)
     return out
 
 
@@ -380,7 +383,7 @@ def load_prompt_cache(file_name: str, model: nn.Module | None = None, config: Tu
     """mlx_lm's load_prompt_cache, with clear errors: a corrupted file or one that does not fit `model`
     raises ValueError naming the file (and the layer), and nothing is modified."""
     warn_reference_blas()
-    install_attention_hook()  # registers TurboQuantKVCache, which mlx-lm's loader looks up by name
+    install_attention_hook(TurboQuantKVCache)  # registers the cache classes, which mlx-lm's loader looks up by name
     try:
         cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
     except ValueError as e:

@@ -14,6 +14,10 @@ at 3 bits and 96 at 2 (2.25 code bits plus two fp16 norms = 2.5 bits per value).
 is data-dependent: pass `outlier_channels` (the cache picks the channels of largest mean |x| in the first
 tokens it sees); without it the first d/4 channels are the outlier group.
 
+Widths: the config takes MSE_BITS; TurboQuantMSE also takes 5 and 6 bits (CODE_BITS: every whole width a
+group of codes is packed at; the Metal kernels take them too: kernels.KERNEL_BITS). The quantizer stores norms in the
+norm_dtype it is given at every width (the streams keep float16 norms for 8-bit codes).
+
 All arithmetic is float32; inputs may be float16, bfloat16 or float32 with any leading shape.
 """
 
@@ -30,14 +34,17 @@ from .codebook import MIN_DIM, lloyd_max
 from .packing import lookup_table, pack, packed_words, unpack_lookup
 from .rotation import Rotation
 
-MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
+MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)  # the widths a config takes (config.py validates with check_bits)
+CODE_BITS = (1, 2, 3, 4, 5, 6, 8)  # the whole widths a group of codes takes (packing.SUPPORTED_BITS)
+QUANTIZER_BITS = tuple(sorted({*MSE_BITS, *CODE_BITS}))  # what TurboQuantMSE takes: (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 PROD_BITS = (1, 2, 3, 4)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Stored norms: a float dtype, or uint8, a log-scale code of LOG_NORM_STEPS steps per octave around 1 (streams
 # scale tokens so that their norms sit near 1): code c in 1..254 is 2^((c - 128) / 16), i.e. 2^-7.94 .. 2^7.88;
 # 0 is zero (anything below half the smallest code) and 255 not a number; larger norms saturate. Its relative
 # error is at most 2^(1/32) - 1 = 2.2% (RMS 1.25%): it adds 1.6e-4·|x|² to a vector's squared error, 0.5% of
-# 3-bit codes' own (0.035·|x|²), for half the bytes of float16. Kernels decode it with tq_norm (common.metal).
+# 3-bit codes' own (0.035·|x|²), for half the bytes of float16; but 6% of 5-bit codes' (0.0025·|x|²) and 25% of
+# 6-bit codes' (0.00063·|x|²). Kernels decode it with tq_norm (common.metal).
 NORM_DTYPES = (*FLOAT_DTYPES, mx.uint8)
 LOG_NORM_STEPS = 16
 _SIGN_TABLE = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1, shared by every TurboQuantProd
@@ -59,10 +66,10 @@ class ProdCodes(NamedTuple):
     gamma: mx.array  # (*S,): ‖r‖, the residual norm
 
 
-def check_bits(bits, name: str = "bits") -> int | float:
-    """bits as the canonical number (4, not 4.0), unless it is not one of MSE_BITS (ValueError naming `name`)."""
-    if isinstance(bits, bool) or not isinstance(bits, (int, float, np.integer, np.floating)) or bits not in MSE_BITS:
-        raise ValueError(f"{name} must be one of {MSE_BITS}, got {bits!r}")
+def check_bits(bits, name: str = "bits", allowed: tuple = MSE_BITS) -> int | float:
+    """bits as the canonical number (4, not 4.0), unless it is not one of `allowed` (ValueError naming `name`)."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, float, np.integer, np.floating)) or bits not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {bits!r}")
     return int(bits) if bits == int(bits) else float(bits)
 
 
@@ -120,8 +127,9 @@ class Group(NamedTuple):
 
 
 def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
-    """[(channels, bits)] per group: one group for integer bits, (d/4 at ⌊b⌋+1, 3d/4 at ⌊b⌋) for x.5 bits."""
-    bits = check_bits(bits)
+    """[(channels, bits)] per group: one group for integer bits, (d/4 at ⌊b⌋+1, 3d/4 at ⌊b⌋) for x.5 bits.
+    bits: one of QUANTIZER_BITS."""
+    bits = check_bits(bits, allowed=QUANTIZER_BITS)
     if bits == int(bits):
         return [(dim, int(bits))]
     if dim % 4 or dim // 4 < MIN_DIM:

@@ -1,0 +1,222 @@
+"""A stream's calibration: the mean, scale, channel order and query weights its first compressed tokens fix, and
+the queries summed for those weights until then (QuerySums).
+
+Every stream fixes, with its first compression, from the calibration tokens (the first `window` tokens after the
+sinks): μ per (batch, kv head) if centered (calibration_mean; μ0 before RoPE with a rope), a power-of-two scale
+per (batch, kv head) (calibration_scale), for fractional bit widths the channel order whose first d/4 channels get
+the extra bit (outlier_order), and with query weights the weights w (query_weights). Keys of a layer whose
+queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor).
+
+Query weights (`weigh`, keys only): attention hands the stream the queries that attend it (CompressedStream.observe,
+called first by every attention entry on a view that carries it), and QuerySums adds the squares of those at the
+calibration positions per channel. With the first compression the stream fixes weights w per (batch, kv head,
+channel) and codes (x - c)·w; attention divides the query by w instead, so every score stays exact while the
+codes' error moves to the channels the queries hardly read. A chunk whose own queries are among the
+calibration's is coded when it is appended and again when its attention brings them (QuerySums.pending, settled
+before anything attends the codes; until then the stream keeps a reference to that chunk's float tokens, which
+the forward pass holds anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .quantizer import TurboQuantMSE
+from .rope import Rope, centers, pair_mean, rotate
+
+WEIGHT_RANGE = 4.0  # query weights stay within [1/4, 4] of their geometric mean
+
+
+def has_channel_order(quantizer) -> bool:
+    """Whether a stream with this quantizer stores a channel order (fractional bits: two channel groups)."""
+    return isinstance(quantizer, TurboQuantMSE) and len(quantizer.groups) == 2
+
+
+def _finite_tokens(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(mask of the tokens of x (B, H, n, D) whose every coordinate is finite, how many per (B, H))."""
+    ok = mx.all(mx.isfinite(x), axis=-1, keepdims=True)
+    return ok, mx.sum(ok, axis=2)
+
+
+def calibration_mean(x: mx.array) -> mx.array:
+    """μ per (batch, kv head) over the finite tokens of x: one NaN or Inf token affects only itself (0 when
+    no token is finite)."""
+    ok, n = _finite_tokens(x)
+    return mx.sum(mx.where(ok, x, 0.0), axis=2) / mx.maximum(n, 1)
+
+
+def calibration_scale(x: mx.array, mean: mx.array | None) -> mx.array:
+    """A power of two per (batch, kv head) near the RMS norm of the finite tokens of x - mean (1 where there
+    is none). Streams divide tokens by it before quantizing (exact: a power of two), so stored float16 norms
+    sit near 1 whatever the model's scale: 1e-8 or 1e5 keys keep float16's full precision and never overflow."""
+    if mean is not None:
+        x = x - mean[:, :, None, :]
+    ok, n = _finite_tokens(x)
+    rms = mx.sqrt(mx.sum(mx.where(ok, x * x, 0.0), axis=(2, 3)) / mx.maximum(n[..., 0], 1))
+    # 2^floor(log2(rms)), exactly: the float's exponent bits alone. 0 (rms subnormal or 0) and inf fall back to 1.
+    power = mx.view(mx.view(rms.astype(mx.float32), mx.uint32) & 0x7F800000, mx.float32)
+    return mx.where((power > 0) & mx.isfinite(power), power, 1.0)
+
+
+def bias_outlier_factor(x: mx.array, mean: mx.array) -> mx.array:
+    """Per (batch, kv head) of calibration tokens x (B, H, n, D) with mean μ: how many times larger the score
+    error of quantized keys is, relative to the spread of scores, for a query along μ than for keys that vary
+    evenly in every direction (1 for those, at any bit width).
+
+    TurboQuant's error is isotropic after the rotation: per direction it is ε·mean‖x - μ‖²/D. A query along μ
+    sees scores that spread by std(u·(x - μ)), u = μ/‖μ‖. Queries of layers with large key offsets (Qwen2's
+    key biases) point there, and in such layers the keys hardly vary along it: Qwen2.5-Coder-0.5B's layer 0
+    scores 9.5, every other layer of it and of SmolLM2 at most 2.7 (benchmarks/DEFAULTS.md)."""
+    d = x - mean[:, :, None, :]
+    ok, n = _finite_tokens(d)
+    d = mx.where(ok, d, 0.0)
+    n = mx.maximum(n[..., 0], 1)
+    u = mean / mx.maximum(mx.linalg.norm(mean, axis=-1, keepdims=True), 1e-30)
+    s = mx.sum(d * u[:, :, None, :], axis=-1)  # (B, H, n): the centered scores of a unit query along μ
+    spread = mx.sqrt(mx.maximum(mx.sum(s * s, axis=-1) / n - (mx.sum(s, axis=-1) / n) ** 2, 0.0))
+    error = mx.sqrt(mx.sum(d * d, axis=(2, 3)) / (n * x.shape[-1]))
+    return error / mx.maximum(spread, 1e-30 * mx.maximum(error, 1e-30))
+
+
+def needs_protection(x: mx.array, factor: float) -> bool:
+    """Whether calibration keys x exceed bias_outlier_factor `factor` in any (batch, kv head): the one value a
+    stream reads back from the device, once per sequence, at its first compression."""
+    return mx.max(bias_outlier_factor(x, calibration_mean(x))).item() > factor
+
+
+def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
+    """Channels per kv head by decreasing mean |x - mean| over batch and finite tokens (the first d/4 get the
+    extra bit of a fractional width); None for quantizers with one channel group."""
+    if not has_channel_order(quantizer):
+        return None
+    if mean is not None:
+        x = x - mean[:, :, None, :]
+    ok, _ = _finite_tokens(x)
+    score = mx.sum(mx.where(ok, mx.abs(x), 0.0), axis=(0, 2))  # a sum ranks channels as the mean does
+    return mx.argsort(-score, axis=-1).astype(mx.int32)
+
+
+def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.array:
+    """Channel weights w (B, H, D) for keys, from the summed squares of the queries q_sq (B, H, D) that attended
+    the calibration tokens and those tokens as they will be quantized, calib (B, H, n, D) (centered).
+
+    A query's score error on TurboQuant keys is q·e with e isotropic after the rotation, its size set by the
+    coded vector's norm. Coding k·w and attending with q/w keeps every score exact and makes the error
+    (q/w)·e with E‖e‖² ∝ Σ w²k², so E(score error²) ∝ Σ q²/w² · Σ w²k², least at w² ∝ rms(q)/rms(k) per channel
+    (Cauchy-Schwarz). Queries and keys of a layer put their energy in different channels, most of all where
+    biases or massive activations sit. That optimum fits the calibration queries, summed over a kv head's query
+    heads; later queries and single heads differ, and where the weights are small the keys' error grows by 1/w.
+    So the weights take half its exponent, w² ∝ (rms(q)/rms(k))^½: on Qwen2.5-Coder-0.5B's keys at 4 bits the
+    relative score error goes from 0.077 to 0.059 (0.054 at the optimum), and KL at 8k is lower than with the
+    full exponent (benchmarks/DEFAULTS.md). Statistics are per RoPE pair (pair_mean); the weights have geometric
+    mean 1 and stay within WEIGHT_RANGE of it."""
+    ok, n = _finite_tokens(calib)
+    k_sq = mx.sum(mx.where(ok, calib * calib, 0.0), axis=2) / mx.maximum(n, 1)
+    if rope is not None:
+        q_sq, k_sq = pair_mean(q_sq, rope), pair_mean(k_sq, rope)
+    tiny = 1e-30
+    q_sq = mx.maximum(q_sq, 1e-12 * mx.max(q_sq, axis=-1, keepdims=True) + tiny)
+    k_sq = mx.maximum(k_sq, 1e-12 * mx.max(k_sq, axis=-1, keepdims=True) + tiny)
+    log_w = (mx.log(q_sq) - mx.log(k_sq)) / 8
+    log_w = log_w - mx.mean(log_w, axis=-1, keepdims=True)
+    bound = math.log(WEIGHT_RANGE)
+    return mx.exp(mx.clip(log_w, -bound, bound)).astype(mx.float32)
+
+
+class Calibration(NamedTuple):
+    """What a stream's first compression fixes; compressed token t is coded as ((x_t - c_t)·weights / scale)
+    with channels in `perm` order, c_t = mean (or R(p) mean with a rope)."""
+
+    mean: mx.array | None  # (B, H, D) float32 if centered: μ, or μ0 before RoPE
+    perm: mx.array | None  # (H, D) int32 for fractional bits
+    scale: mx.array  # (B, H) float32, a power of two
+    weights: mx.array | None  # (B, H, D) float32 with query weights
+
+
+def calibrate(x: mx.array, quantizer, *, center: bool, rope: Rope | None, position: int,
+              queries: mx.array | None) -> Calibration:
+    """The calibration of tokens x (B, H, n, D) float32 at positions position .. position + n - 1, for codes of
+    `quantizer`: μ if center (μ0, the mean of the tokens turned back by their RoPE, with a rope), weights from
+    the summed squared queries if given, then the channel order and the scale of the tokens as they will be
+    quantized."""
+    mean = calibration_mean(x) if center else None
+    shift = mean  # what is subtracted from every token, in the basis the quantizer sees
+    if rope is not None:
+        mean = calibration_mean(rotate(x, rope, position, inverse=True))
+        x = x - centers(mean, rope, position, x.shape[2])
+        shift = None
+    weights = None
+    if queries is not None:
+        weights = query_weights(queries, x if shift is None else x - shift[:, :, None, :], rope)
+        x = x * weights[:, :, None, :]
+        shift = None if shift is None else shift * weights
+    return Calibration(mean, outlier_order(x, shift, quantizer), calibration_scale(x, shift), weights)
+
+
+class PendingCode(NamedTuple):
+    """A first compression coded before the queries of all its calibration tokens came."""
+
+    x: mx.array  # the tokens it compressed and kept in the window, float32 (B, H, n + window_after, D)
+    n: int  # how many it compressed
+    window_after: int  # how many stayed in the window
+    observed: int  # QuerySums.end when it was coded
+
+
+class QuerySums:
+    """The queries that attended a stream's calibration positions, their squares summed per (batch, kv head,
+    channel) until the first compression fixes the key weights (query_weights)."""
+
+    def __init__(self):
+        self.total: mx.array | None = None  # (B, H, D) float32: Σ q² over the positions observed so far
+        self.start = self.end = 0  # the queries of positions [start, end) are in `total`
+        self.pending: PendingCode | None = None
+
+    def covers(self, first: int, n: int) -> bool:
+        """Whether the queries of positions first .. first + n - 1 were all observed."""
+        return self.start <= first and self.end >= first + n
+
+    def add(self, queries: mx.array, n_tokens: int, first: int, last: int, heads: int | None) -> None:
+        """Add the squares of queries (B, n_q_heads, L, D) attending the last L of n_tokens tokens, at the
+        positions in [first, last) not summed yet, per kv head (`heads` of them). Graph construction only."""
+        B, Hq, L, D = queries.shape
+        lo, hi = max(n_tokens - L, self.end, first), min(n_tokens, last)
+        if hi <= lo:
+            return
+        q = queries[:, :, lo - (n_tokens - L) : hi - (n_tokens - L)].astype(mx.float32)
+        q = mx.where(mx.isfinite(q), q, 0.0)
+        sq = mx.sum((q * q).reshape(B, heads, Hq // heads, hi - lo, D), axis=(2, 3))
+        self.total = sq if self.total is None else self.total + sq
+        if lo > self.end:  # the first queries summed, or a gap before these: coverage starts here
+            self.start = lo
+        self.end = hi
+
+    def wait(self, x: mx.array, n: int, window_after: int) -> None:
+        """A first compression was coded before its queries came: code it again once they do (settle)."""
+        self.pending = PendingCode(x, n, window_after, self.end)
+
+    def fix(self) -> None:
+        """The weights are fixed: the sums are dropped."""
+        self.total = None
+
+    def settle(self) -> PendingCode | None:
+        """End a wait: the pending compression if queries came since (to be coded again with them, which drops
+        the sums), else None (the sums are dropped now)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if self.end > pending.observed:
+            return pending
+        self.fix()
+        return None
+
+    def forget_after(self, n_tokens: int) -> None:
+        """A trim left n_tokens tokens: sums that reach past them cannot be taken apart, so they are forgotten."""
+        if self.end > n_tokens:
+            self.total, self.start, self.end = None, n_tokens, n_tokens
+
+    def load(self, total: mx.array | None, n_tokens: int) -> None:
+        """Sums read from a file: those of every token it holds (attention saw them all)."""
+        self.total, self.start, self.end, self.pending = total, 0, (n_tokens if total is not None else 0), None

@@ -1,0 +1,211 @@
+"""Display strings in one place: byte counts, savings, the float window, bit labels of configs and caches.
+
+Every panel, summary and table words its numbers with these (tq-chat's memory panel and plan, tq-generate's
+summary, the benchmarks); the numbers themselves come from tq_mlx.memory. "Saved" always means memory.SAVED_AGAINST
+(mlx-lm's own cache for the same tokens), worded by saving_words from a memory.Saving.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .cache import TurboQuantKVCache
+from .config import TurboQuantConfig, bits_label
+from .memory import Saving, flat_caches
+from .quantizer import format_bits
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KB'; decimal units (as Activity Monitor and MLX's GB figures use)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 999.5:
+            break
+        n /= 1000
+    else:
+        unit = "TB"
+    digits = 0 if unit == "B" or n >= 100 else 1 if n >= 10 else 2
+    return f"{sign}{n:.{digits}f} {unit}"
+
+
+def saving_words(saving: Saving) -> str:
+    """A memory.Saving, never as a negative number: "8.57 MB (3.65x)" (mlx-lm's bytes / the bytes held), "none
+    yet" while TurboQuant's float window and constants outweigh mlx-lm's buffers, "none" for mlx-lm's own cache,
+    "-" for an empty one. The panel, tq-generate's summary and the plan all word their saving with this."""
+    if not saving.held:
+        return "-"
+    if saving.saved == 0:
+        return "none"
+    if saving.saved < 0:
+        return "none yet"
+    return f"{format_bytes(saving.saved)} ({saving.ratio:.2f}x)"
+
+
+def saving_text(s: dict) -> str:
+    """saving_words for cache_bytes(...) (or a dict with its kv_bytes and mlx_lm_bytes)."""
+    return saving_words(Saving(s["kv_bytes"], s["mlx_lm_bytes"]))
+
+
+def planned_text(saving: Saving, ctx: int) -> str:
+    """What a plan says the cache reaches at ctx tokens (--ctx): "planned at 8,192 tokens (--ctx): 77.1 MB held,
+    saved 301 MB (4.90x)" (memory.planned_saving)."""
+    return f"planned at {ctx:,} tokens (--ctx): {format_bytes(saving.held)} held, saved {saving_words(saving)}"
+
+
+def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: int) -> str | None:
+    """One line saying how config.fit_max_kv_size fitted a config to --max-kv-size (None if it did not change
+    it): "--max-kv-size 256 is below sinks + window + compress block - 1 = 899 tokens (the float sinks and window
+    are never dropped): keeping 4 sinks, a 217-token window and compress blocks of 36"."""
+    if fitted == config:
+        return None
+    least = config.sinks + config.window + config.compress_block_size - 1
+    return (f"--max-kv-size {max_kv_size:,} is below sinks + window + compress block - 1 = {least:,} tokens (the "
+            f"float sinks and window are never dropped): keeping {fitted.sinks} sinks, a {fitted.window}-token "
+            f"window and compress blocks of {fitted.compress_block_size}")
+
+
+def window_text(s: dict) -> str | None:
+    """How much of the context cache_bytes(...) found still in TurboQuant's float window (None without
+    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 768-token window): compression starts at token 773",
+    or "3,228 tokens compressed (1,152 decayed), 772 in float16 (4 sinks + 768-token window)"."""
+    if s.get("window") is None:
+        return None
+    kept = f"{s['kv_dtype'] or 'float'} ({s['sinks']} sinks + {s['window']:,}-token window)"
+    if not s["compressed_tokens"]:
+        start = s["sinks"] + s["window"] + 1
+        if not s["float_tokens"]:
+            return f"no tokens yet; the first {start - 1:,} stay in {kept}: compression starts at token {start:,}"
+        return f"all {s['float_tokens']:,} tokens in {kept}: compression starts at token {start:,}"
+    decayed = f" ({s['decayed_tokens']:,} decayed)" if s.get("decayed_tokens") else ""
+    return f"{s['compressed_tokens']:,} tokens compressed{decayed}, {s['float_tokens']:,} in {kept}"
+
+
+def decay_label(key_bits: float, value_bits: float, qjl: bool = False,
+                decay_bits: tuple[int | None, int | None] = (None, None), after: int | None = None) -> str:
+    """config.bits_label with temporal decay: "K4→3/V3→2 after 2048" (keys 4 bits, 3 once decay_after tokens
+    old; values 3, then 2), "K4/V3→2 after 2048" when only the values decay; "K4/V3" without decay."""
+    if after is None or decay_bits == (None, None):
+        return bits_label(key_bits, value_bits, qjl)
+
+    def to(decayed: int | None) -> str:
+        return "" if decayed is None else f"→{format_bits(decayed)}"
+
+    return (f"K{format_bits(key_bits)}{'+qjl' if qjl else ''}{to(decay_bits[0])}/V{format_bits(value_bits)}"
+            f"{to(decay_bits[1])} after {after}")
+
+
+def config_label(config, attention_index: int = 0, n_attention_layers: int | None = None) -> str:
+    """A config's bits as decay_label words them, for one attention layer (by default one that is not a boundary
+    layer): "K4→3/V3→2 after 2048"."""
+    kb, vb = config.key_bits, config.value_bits
+    if n_attention_layers is not None:
+        kb, vb = config.layer_bits(attention_index, n_attention_layers)
+    return decay_label(kb, vb, config.layer_qjl(kb), config.layer_decay_bits(attention_index, n_attention_layers),
+                       config.decay_after)
+
+
+def cache_decay_bits(c: TurboQuantKVCache) -> tuple[int | None, int | None]:
+    """(keys, values): the bits a cache's streams re-code old tokens at (None: that side does not decay), as
+    the streams do it: a protected key stream does not decay, a latent layer's rope key (its values) decays at
+    the key's decay bits, protected or not. Before the first tokens: the cache's decay_bits."""
+    if c.key_stream is None:
+        return c.decay_bits
+    return tuple(s.decay[1].bits if s is not None and s.decaying else None for s in (c.key_stream, c.value_stream))
+
+
+def _layer_caches(prompt_cache: Iterable[Any]) -> list[tuple[int, Any]]:
+    """(model layer, cache) of every cache, the members of a mlx-lm CacheList under their layer. A pipeline
+    stage holds the caches of a slice of the layers: the TurboQuant caches know their model layer, and the
+    others are numbered by the same offset."""
+    caches = [(i, m) for i, c in enumerate(prompt_cache) for m in flat_caches([c])]
+    offset = next((m.layer_index - i for i, m in caches if isinstance(m, TurboQuantKVCache)), 0)
+    return [(i + offset, m) for i, m in caches]
+
+
+def _layer_label(c) -> str | None:
+    """How bits_summary names one cache: its bits (with temporal decay, decay_label's "K4→3/V3→2 after 2048"),
+    "float" (with a sliding window's size), None for caches without keys and values (recurrent state)."""
+    if isinstance(c, TurboQuantKVCache):
+        label = decay_label(c.key_bits, c.value_bits, c.qjl, cache_decay_bits(c), c.config.decay_after)
+        ks = c.key_stream
+        # keys the config weighs, coded before any attention showed the stream its queries (a bare
+        # update_and_fetch): they hold no weights, and the label says so
+        if ks is not None and ks.weigh and ks.n_coded and ks.weights is None:
+            label += " (keys unweighed: no queries seen)"
+        return label
+    if not hasattr(c, "keys"):
+        return None
+    bits = getattr(c, "bits", None)
+    if bits:
+        return f"{bits}-bit affine"
+    window = getattr(c, "max_size", None)  # RotatingKVCache: a bounded float cache, left uncompressed
+    return f"float (sliding window {window})" if isinstance(window, int) else "float"
+
+
+def bits_summary(prompt_cache: Iterable[Any]) -> str:
+    """Which layers hold what, compactly: "K4/V3 on all 28 attention layers", or per run of layers, e.g.
+    "L0-1 K8/V8 · L2-27 K4→3/V3→2 after 2048 · L28-29 K8/V8" (temporal decay: decay_label) or
+    "L0 float (sliding window 512) · L1 K4/V3 · ..." (layers that stay float are named; recurrent-state layers
+    are left out)."""
+    runs: list[tuple[str, list[int]]] = []  # (label, layers), consecutive attention layers with one label
+    labelled = [(i, lab) for i, c in _layer_caches(prompt_cache) if (lab := _layer_label(c)) is not None]
+    for i, label in labelled:
+        if runs and runs[-1][0] == label:
+            runs[-1][1].append(i)
+        else:
+            runs.append((label, [i]))
+    if len(runs) == 1:
+        n = len(labelled)
+        return f"{runs[0][0]} on all {n} attention layers" if n > 1 else f"{runs[0][0]} on its 1 attention layer"
+    return " · ".join(f"L{_layer_list(layers)} {label}" for label, layers in runs)
+
+
+def _layer_list(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    spans: list[list[int]] = []
+    for i in sorted(set(layers)):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def describe_config(config: TurboQuantConfig | None) -> str:
+    """One line: "TurboQuant K4/V3, window 768, sinks 4" (or mlx-lm's cache)."""
+    if config is None:
+        return "mlx-lm cache"
+    parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
+             f"window {config.window}", f"sinks {config.sinks}"]
+    if config.boundary_layers:
+        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
+    if config.protect_factor is None:
+        parts.append("no key protection")
+    if not config.weigh_keys:  # departures from the default's key coding are named, as protection's is
+        parts.append("keys not weighed")
+    if config.center_keys != "rope":
+        parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
+    if config.decay_after is not None:
+        parts.append(f"decaying to {bits_label(*config.decayed_bits)} after {config.decay_after} tokens")
+    return ", ".join(parts)
+
+
+def summary_line(prompt_cache) -> str:
+    """tq-generate's closing line: KV memory held, saved against mlx-lm's own cache for the same tokens
+    (memory.SAVED_AGAINST), and what is still in the float window (memory.cache_bytes, worded as tq-chat's panel
+    words it)."""
+    from .memory import cache_bytes
+
+    s = cache_bytes(prompt_cache)
+    parts = [
+        f"KV cache: {format_bytes(s['kv_bytes'])} for {s['tokens']:,} tokens",
+        f"mlx-lm's {s['kv_dtype'] or 'float'} cache would hold {format_bytes(s['mlx_lm_bytes'])}",
+        f"saved {saving_text(s)}",
+    ]
+    window = window_text(s)
+    if window:
+        parts.append(window)
+    parts.append(bits_summary(prompt_cache))
+    if s["other_bytes"]:
+        parts.append(f"other cache state {format_bytes(s['other_bytes'])}")
+    return "; ".join(parts)

