@@ -319,7 +319,7 @@ def hadamard(d: int) -> mx.array:
 class RotatedAffineCache(KVCache):
     """"Rotation + affine": keys and values rotated by a seeded random Hadamard transform per head
     (H·diag(s), s = ±1 drawn per layer, head and side), then mlx-lm's affine quantization (mx.quantize, group 64),
-    with float sinks and a float window managed like TurboQuant's (tq_mlx.stream.overflow: whole blocks of
+    with float sinks and a float window managed like TurboQuant's (tq_mlx.layout.overflow: whole blocks of
     `block` tokens leave the window once it overflows).
 
     A quality model, not a memory one: it keeps the float buffer of KVCache and overwrites each compressed

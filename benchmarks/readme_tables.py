@@ -613,7 +613,7 @@ FIGURES = [
     Figure("memory picture", "float16, mlx-lm affine {}-bit and {}-bit, TurboQuant's defaults", picture_values),
     Figure("python", "nothing but Python {}+ and pip", python_values),
     Figure("openblas", "libopenblas0-pthread`; ~{}x faster real-model runs", openblas_values),
-    Figure("config bits", "`key_bits` and `value_bits` ({}, {}, {}, {}, {}, {} or {}; default {} and {}, with tokens "
+    Figure("config bits", "`key_bits` and `value_bits` ({}, {}, {}, {}, {}, {}, {}, {} or {}; default {} and {}, with tokens "
            "older than {} re-coded at {} and {}:", config_bits_values),
     Figure("config fields", "other integer widths decay by the same rule, keys {} bit less down to {} and values {} "
            "less down to {}, fractional and {}-bit widths never), {}-bit norms, the float `window` of recent "

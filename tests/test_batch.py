@@ -577,7 +577,7 @@ def test_rows_with_decayed_codes_batch_as_they_would_alone(fetch, tmp_path):
     step()
 
 
-@pytest.mark.parametrize("arch", ["llama", "stablelm", "deepseek_v3"])  # on the codes, decode-to-float, latent
+@pytest.mark.parametrize("arch", ["llama", "plamo", "deepseek_v3"])  # on the codes, decode-to-float, latent
 def test_batch_generate_with_decay_equals_generating_alone(request, arch):
     if ran_on_reference_blas(request):  # rows equal to their sequences alone, bit for bit: see reference_blas_env
         return

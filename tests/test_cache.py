@@ -105,7 +105,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"key_bits": 5}, "key_bits must be one of (1, 2, 2.5, 3, 3.5, 4, 8)"),
+        ({"key_bits": 7}, "key_bits must be one of (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)"),
         ({"value_bits": 0}, "value_bits must be one of"),
         ({"value_bits": True}, "value_bits must be one of"),
         ({"boundary_bits": 16}, "boundary_bits must be one of"),
@@ -129,7 +129,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
         ({"window": 6144, "decay_after": 6144}, "decay_after must be an integer >= 6272"),
         ({"decay_after": 800, "decay_key_bits": 3}, "decay_after must be an integer >= 896"),
         ({"decay_after": 2048, "decay_key_bits": 4}, "decay_key_bits=4 must be an integer below key_bits=4"),
-        ({"decay_after": 2048, "decay_value_bits": 2.5}, "decay_value_bits must be one of (1, 2, 3, 4) or None"),
+        ({"decay_after": 2048, "decay_value_bits": 2.5}, "decay_value_bits must be one of (1, 2, 3, 4, 5) or None"),
         ({"key_bits": 3.5, "decay_after": 2048, "decay_key_bits": 2}, "itself an integer"),
         ({"qjl": True, "decay_after": 2048, "decay_key_bits": 2}, "does not apply to QJL keys"),
     ],
@@ -410,7 +410,7 @@ def test_corrupted_state_raises_clear_errors():
     assert "k_codes.codes" in broken(array_changes={"k_codes": (arrays["k_codes"][0][..., :-1], arrays["k_codes"][1])})
     assert "k_mean" in broken(array_changes={"k_mean": None})
     assert "offset" in broken(meta_changes={"offset": 21})
-    assert "key_bits must be one of" in broken(meta_changes={"config": {**meta["config"], "key_bits": 5}})
+    assert "key_bits must be one of" in broken(meta_changes={"config": {**meta["config"], "key_bits": 7}})
     assert "unknown TurboQuantConfig fields" in broken(meta_changes={"config": {**meta["config"], "bogus": 1}})
     m = dict(meta)
     del m["n_window"]

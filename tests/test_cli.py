@@ -527,3 +527,18 @@ def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
     text = log.read_text()
     assert f"tq-server: smollm2-135m is the demo model, smollm2-135m-instruct in float16: {tiny_model_dir}" in text
     assert "KV cache: TurboQuant K4/V4" in text
+
+
+def test_generate_max_tokens_is_a_count_or_minus_one():
+    """mlx-lm takes any negative --max-tokens as no limit (and fails on 0 only once generating): tq-generate takes
+    1 or more, or -1 for no limit, and refuses anything else before loading a model."""
+    from tq_mlx.generate import generate_parser
+
+    parser = generate_parser()
+    assert parser.parse_args(["--max-tokens", "7"]).max_tokens == 7
+    assert parser.parse_args(["--max-tokens", "-1"]).max_tokens == -1
+    for bad in ("-5", "0", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-tokens", bad])
+    proc = tq_generate("--model", "nowhere", "--max-tokens", "-5")
+    assert proc.returncode == 2 and "--max-tokens/-m: must be >= 1, or -1 for no limit, got -5" in proc.stderr

@@ -752,6 +752,10 @@ LAYOUT_SWEEP = {
     "no window": dict(key_bits=4, value_bits=3, window=0, sinks=2, step=16, decay_after=None),
     "values decay": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16, decay_after=32,
                          decay_value_bits=1, center_values=True),
+    "6 and 5 bits decaying": dict(key_bits=6, value_bits=5, window=16, compress_block=8, sinks=2, step=16,
+                                  decay_after=32),  # K6 (float16 norms) -> K5, V5 -> V3
+    "5 bits, 16-bit norms": dict(key_bits=5, value_bits=6, window=8, compress_block=8, sinks=1, step=16,
+                                 norm_bits=16, decay_after=None),
 }
 
 

@@ -159,7 +159,7 @@ def test_latent_attention_decodes_on_the_codes_and_prefills_from_float(calls):
     no_float_copy(cache)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "stablelm", "plamo"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3small", "plamo"])
 def test_models_that_post_process_their_fetch_decode_to_float(arch, calls):
     model = zoo.build(arch)
     assert best_err(model) < zoo.tolerance(arch)
@@ -250,7 +250,7 @@ def test_max_kv_size_reaches_the_patched_model_and_bad_bounds_are_refused():
 # --- batching ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["stablelm", "deepseek_v3", "gpt_oss", "gemma4_text"])
+@pytest.mark.parametrize("arch", ["plamo", "deepseek_v3", "gpt_oss", "gemma4_text"])
 def test_batch_generate_serves_every_path_as_each_sequence_alone(arch):
     """Float fetches come back as one padded array in BatchKVCache's layout, latent decode as batch views; each
     row generates what it generates alone."""

@@ -58,13 +58,14 @@ def test_5_and_6_bit_codes_are_the_nearest_centroids(bits):
 
 
 def test_check_bits_keeps_the_config_widths():
-    # 5 and 6 bits are quantizer widths (CODE_BITS) the config does not take yet: check_bits still refuses them.
+    # 5 and 6 bits are config widths now that every kernel takes them (kernels.KERNEL_BITS); 7 is not.
     from tq_mlx.quantizer import CODE_BITS, MSE_BITS, QUANTIZER_BITS, check_bits
 
-    assert CODE_BITS == (1, 2, 3, 4, 5, 6, 8) and MSE_BITS == (1, 2, 2.5, 3, 3.5, 4, 8)
+    assert CODE_BITS == (1, 2, 3, 4, 5, 6, 8) and MSE_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
     assert QUANTIZER_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
-    for bits in (5, 6, 5.0):
-        with pytest.raises(ValueError, match=r"key_bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 8\)"):
+    assert check_bits(5.0, "key_bits") == 5 and check_bits(6, "key_bits") == 6
+    for bits in (7, 4.5, 9):
+        with pytest.raises(ValueError, match=r"key_bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 5, 6, 8\)"):
             check_bits(bits, "key_bits")
     assert check_bits(6.0, allowed=QUANTIZER_BITS) == 6 and TurboQuantMSE(64, 5.0).groups[0].bits == 5
 

@@ -406,7 +406,7 @@ def turboquant_attention(
         ms = sink_logits(sinks, B, H, R, L)
         state = merge(state, Softmax(ms, mx.ones_like(ms), None, None, None))
 
-    # Float tokens: sinks at [0, n_sinks), window at [n_sinks + n_compressed, T).
+    # Float tokens: sinks at [0, n_sinks), window at [n_sinks + n_coded, T).
     n_s, n_c = keys.n_sinks, keys.n_coded
     for kf, vf, a in ((keys.sinks, values.sinks, 0), (keys.window, values.window, n_s + n_c)):
         if kf is None:

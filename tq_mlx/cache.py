@@ -461,7 +461,7 @@ class TurboQuantKVCache(_BaseCache):
             "head_dim": self.expected_head_dim,
             "offset": self.offset,
             "n_sinks": self.n_sinks,
-            "n_compressed": self.n_coded,
+            "n_compressed": self.n_coded,  # the file format's name for n_coded (every version carries it)
             "n_decayed": list(self.n_decayed),
             "n_window": self.n_window,
             "key_dim": self.key_dim,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .layout import WIDE_BITS  # protected keys, boundary layers, K8/V8: codes that want their norms exact
+from .layout import WIDE_BITS  # 6 and 8 bits (protected keys, boundary layers, K8): codes that want exact norms
 from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rope import Rope
 

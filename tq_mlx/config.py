@@ -17,7 +17,7 @@ from .quantizer import PROD_BITS, check_bits, format_bits
 # window tokens), and blocks of 64 measured worse than 128 (benchmarks/DEFAULTS.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
-DECAY_BITS = (1, 2, 3, 4)  # one channel group each, so decayed codes share the fresh codes' rotation
+DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 # The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, tokens 6144 old are re-coded at K3/V2.
 AUTO = "auto"
 DECAY_AFTER = 6144
@@ -58,7 +58,7 @@ class TurboQuantConfig:
     (4k-8k tokens) the float window decides quality: 768 recent tokens (compressed 128 at a time) bring KL at 8k
     from 0.0126 (window 512) to 0.0072 nats on SmolLM2. Norms in 8 bits (a log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
-    8-bit codes keep float16 norms whatever norm_bits says (stream.WIDE_BITS). Past 6144
+    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144
     tokens of age, codes are re-coded at K3/V2 (temporal decay): at 32k tokens most of the cache is old, so the
     default holds 3.17 bits/value at head_dim 128 (5.05x less than float16) while the recent 6144 tokens keep
     K4/V4. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
@@ -79,7 +79,7 @@ class TurboQuantConfig:
     derives it again, as the commands' flags do).
     """
 
-    key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4 or 8
+    key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4, 5, 6 or 8 (quantizer.MSE_BITS)
     value_bits: float = 4
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
     window: int = 768  # recent tokens kept in the model's float dtype (0: compress every token at once)
@@ -94,7 +94,7 @@ class TurboQuantConfig:
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
     weigh_keys: bool = True  # code keys times per-channel weights from the queries that attend the calibration
-    # tokens, the queries divided by them (exact; tq_mlx.stream.query_weights), in caches whose attention takes
+    # tokens, the queries divided by them (exact; tq_mlx.calibration.query_weights), in caches whose attention takes
     # views ("codes" fetch); other caches code plain keys. On since 2026-11-26, issue 23 (benchmarks/DEFAULTS.md)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)

@@ -94,6 +94,17 @@ def _prompt_cache_loader(args: argparse.Namespace, loaded: dict):
     return load
 
 
+def max_tokens_arg(text: str) -> int:
+    """--max-tokens: a count of 1 or more, or -1 (no limit, mlx-lm's meaning of any negative number)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, or -1 for no limit, got {text!r}") from None
+    if n == 0 or n < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or -1 for no limit, got {n}")
+    return n
+
+
 def generate_parser() -> argparse.ArgumentParser:
     """mlx_lm.generate's parser plus the TurboQuant flags."""
     gen = _generate_module()
@@ -101,6 +112,9 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.prog = "tq-generate"
     parser.description = "mlx_lm.generate with a TurboQuant-compressed KV cache."
     for action in parser._actions:
+        if action.dest == "max_tokens":  # mlx-lm takes any negative value as no limit and refuses 0 mid-run
+            action.type = max_tokens_arg
+            action.help = "Maximum number of tokens to generate: 1 or more, or -1 for no limit"
         if action.dest == "prompt_cache_file":
             action.help = (
                 "A prompt cache file to continue from: a TurboQuant file (tq_mlx / tq-chat's /save) keeps its "

@@ -20,7 +20,9 @@ from .quantizer import split_dims
 from .rotation import hadamard_base
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
-WIDE_BITS = 8  # codes of this many bits keep float16 norms whatever norm_bits says (stream.make_quantizer)
+# codes of this many bits or more keep float16 norms whatever norm_bits says (codec.make_quantizer): the uint8 log
+# norm's error (1.6e-4·|x|²) would add a quarter to a 6-bit code's (tests/test_quantizer.py)
+WIDE_BITS = 6
 FLOAT32 = 4  # bytes of the float32 and int32 arrays a stream holds (μ, scale, channel order, weights, constants)
 
 
@@ -178,8 +180,9 @@ def code_bytes(dim: int, bits: float, qjl: bool = False, norm_bits: int = 16) ->
 
 
 def _table_bytes(bits: int) -> int:
-    """A packing.lookup_table: 64 rows of 2 codes for 3 bits, else 256 rows (bytes) of ⌈8/bits⌉ codes."""
-    return FLOAT32 * (64 * 2 if bits == 3 else 256 * -(-8 // bits))
+    """A packing.lookup_table: for widths stored as two bit planes (3, 5, 6) 2^(2·bits) rows of 2 codes (a low-plane
+    byte or nibble pair with their high bits), else 256 rows (bytes) of ⌈8/bits⌉ codes."""
+    return FLOAT32 * (2 ** (2 * bits) * 2 if bits in (3, 5, 6) else 256 * -(-8 // bits))
 
 
 def _rotation_bytes(dim: int) -> int:

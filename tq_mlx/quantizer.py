@@ -14,9 +14,9 @@ at 3 bits and 96 at 2 (2.25 code bits plus two fp16 norms = 2.5 bits per value).
 is data-dependent: pass `outlier_channels` (the cache picks the channels of largest mean |x| in the first
 tokens it sees); without it the first d/4 channels are the outlier group.
 
-Widths: the config takes MSE_BITS; TurboQuantMSE also takes 5 and 6 bits (CODE_BITS: every whole width a
-group of codes is packed at; the Metal kernels take them too: kernels.KERNEL_BITS). The quantizer stores norms in the
-norm_dtype it is given at every width (the streams keep float16 norms for 8-bit codes).
+Widths: the config takes MSE_BITS (CODE_BITS: every whole width a group of codes is packed at; the Metal kernels
+take each: kernels.KERNEL_BITS). The quantizer stores norms in the norm_dtype it is given at every width (the
+streams keep float16 norms for codes of 6 bits or more: layout.WIDE_BITS).
 
 All arithmetic is float32; inputs may be float16, bfloat16 or float32 with any leading shape.
 """
@@ -34,7 +34,7 @@ from .codebook import MIN_DIM, lloyd_max
 from .packing import lookup_table, pack, packed_words, unpack_lookup
 from .rotation import Rotation
 
-MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 8)  # the widths a config takes (config.py validates with check_bits)
+MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)  # the widths a config takes (config.py validates with check_bits)
 CODE_BITS = (1, 2, 3, 4, 5, 6, 8)  # the whole widths a group of codes takes (packing.SUPPORTED_BITS)
 QUANTIZER_BITS = tuple(sorted({*MSE_BITS, *CODE_BITS}))  # what TurboQuantMSE takes: (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 PROD_BITS = (1, 2, 3, 4)
@@ -90,7 +90,7 @@ def check_input(x: mx.array, dim: int) -> None:
 
 def saturate(norms: mx.array, dtype: mx.Dtype) -> mx.array:
     """Norms (>= 0 or NaN) stored in `dtype`, the largest finite value where they exceed its range: a stored
-    norm is never inf. Streams scale tokens so that their norms sit near 1 (stream.calibration_scale); only a
+    norm is never inf. Streams scale tokens so that their norms sit near 1 (calibration.calibration_scale); only a
     token far outside its head's range can reach the limit. uint8: the log code of NORM_DTYPES."""
     if dtype == mx.uint8:
         c = mx.clip(mx.round(LOG_NORM_STEPS * mx.log2(norms)) + 128, 1, 254)  # log2(0) = -inf clips to 1

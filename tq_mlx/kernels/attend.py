@@ -91,7 +91,7 @@ def _prepare(queries: mx.array, keys: StreamView, values: StreamView, scale: flo
     q = mx.contiguous((queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * L, DK))
     # Compressed keys hold (k - μ) / s_k: the query is scaled instead, once per call.
     qk = q if keys.scale is None else q * keys.scale.astype(mx.float32)[:, :, None, None]
-    if keys.weights is not None:  # ... and (k - μ)·w: the query is divided by w (stream.query_weights)
+    if keys.weights is not None:  # ... and (k - μ)·w: the query is divided by w (calibration.query_weights)
         qk = qk / keys.weights.astype(mx.float32)[:, :, None, :]
     if kc.wht:
         q_rot = rotate(qk, _mse(kq).groups[0].rotation, metal_kernel=factory)

@@ -133,7 +133,7 @@ def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=
 
 # --------------------------------------------------------------------------------------- dequantize
 def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:
-    """The compressed tokens of a view in the model basis, (B, H, n_compressed, D) `dtype`, mean added."""
+    """The compressed tokens of a view in the model basis, (B, H, n_coded, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
     if kv.rope is not None:  # centered before RoPE: decode the centered tokens, add R(p) μ0 (tq_mlx.rope)

@@ -10,7 +10,7 @@ MLA's latent too). The reference path runs: QJL at 1 bit (no MSE stage for the s
 encode at head dims without a WHT, head dims above 512 (threadgroup memory), other masks (integer dtypes, other
 broadcasts, 2^31 elements or more: int32 offsets), decayed codes in another basis than the fresh ones (never built
 by a cache). Views without compressed tokens need no kernel: they take mx.fast.scaled_dot_product_attention
-(attention.float_attention).
+(attention.uncompressed_attention).
 """
 
 from __future__ import annotations
