@@ -195,8 +195,8 @@ def test_short_aliases():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--tq-bits", "5"], "allowed are 1, 2, 2.5, 3, 3.5, 4, 8"),
-        (["--tq-key-bits", "four"], "allowed are 1, 2, 2.5, 3, 3.5, 4, 8"),
+        (["--tq-bits", "7"], "allowed are 1, 2, 2.5, 3, 3.5, 4, 5, 6, 8"),
+        (["--tq-key-bits", "four"], "allowed are 1, 2, 2.5, 3, 3.5, 4, 5, 6, 8"),
         (["--tq-window", "-1"], "must be an integer >= 0"),
         (["--tq-block", "0"], "must be an integer >= 1"),
     ],

@@ -608,7 +608,8 @@ def test_decode_every_kernel_bit_pair_on_cache(emulator, pair, schedule):
 
 def test_bit_pair_matrix_covers_the_config():
     assert KERNEL_PAIRS[0] == DEFAULT_PAIR
-    assert len(KERNEL_PAIRS) == 7 * 7 + 3 * 7 and len(ALL_PAIRS) == 7 * 7 + 4 * 7
+    n = len(MSE_BITS)  # 1, 2, 2.5, 3, 3.5, 4, 5, 6, 8
+    assert n == 9 and len(KERNEL_PAIRS) == n * n + 3 * n and len(ALL_PAIRS) == n * n + 4 * n
     assert {p for p in ALL_PAIRS if p not in KERNEL_PAIRS} == {(1, vb, True) for vb in MSE_BITS}
     for kb, vb, qjl in ALL_PAIRS:
         TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl)  # every pair here is one the config accepts
