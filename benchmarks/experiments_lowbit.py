@@ -41,7 +41,7 @@ from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.memory import turboquant_layer_bytes  # noqa: E402
 from tq_mlx.quantizer import MSECodes, TurboQuantMSE  # noqa: E402
 from tq_mlx.calibration import bias_outlier_factor, calibration_mean, calibration_scale, outlier_order  # noqa: E402
-from tq_mlx.stream import overflow  # noqa: E402
+from tq_mlx.layout import overflow  # noqa: E402
 
 N_LAYERS = 30
 LONG = 32768

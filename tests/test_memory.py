@@ -560,7 +560,7 @@ def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
 from tq_mlx.display import config_label, decay_label, window_text  # noqa: E402
 from tq_mlx.memory import decayed_tokens, protect_layer_bytes  # noqa: E402
 from tq_mlx.quantizer import constant_arrays  # noqa: E402
-from tq_mlx.stream import make_quantizer  # noqa: E402
+from tq_mlx.codec import make_quantizer  # noqa: E402
 
 # Small window and blocks so that a few hundred tokens decay; no protection (a layer that protects its keys is
 # priced on its own, below).

@@ -29,7 +29,8 @@ from .hook import install_attention_hook
 from .kernels import dispatch_dequantize, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .rope import Rope
-from .stream import STATE_PARTS, CompressedStream, StreamView, batch_heads, make_quantizer, unique_arrays
+from .codec import STATE_PARTS, batch_heads, make_quantizer
+from .stream import CompressedStream, StreamView, unique_arrays
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what

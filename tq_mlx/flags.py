@@ -286,6 +286,14 @@ def check_model_arg(model: str | None) -> None:
         raise ValueError(f"--model {model}: no such model folder, and not a Hugging Face repo id: {allowed}")
 
 
+def model_arg(model: str | None, command: str) -> str | None:
+    """--model as `command` loads it: the demo model's name resolved to its folder (demo_model_path), then checked
+    (check_model_arg). ValueError, in one line, for a model that cannot be."""
+    model = demo_model_path(model, command) or model
+    check_model_arg(model)
+    return model
+
+
 def exit_without_teardown(code: int) -> NoReturn:
     """End the process now, skipping interpreter and C++ teardown. MLX 0.32 can abort in its exit-time destructors
     ("terminate called without an active exception", SIGABRT) once a worker thread has used it: 2 of 10 runs of a

@@ -19,8 +19,7 @@ from typing import Iterator
 from .config import TurboQuantConfig
 from .convert import compress_float_cache, converted_config
 from .display import describe_config, summary_line
-from .flags import (add_cache_args, check_model_arg, config_or_error, demo_model_path, exit_without_teardown,
-                    first_line)
+from .flags import add_cache_args, config_or_error, exit_without_teardown, first_line, model_arg
 
 
 @contextlib.contextmanager
@@ -69,7 +68,7 @@ def _loading_errors_in_one_line(load, default_model: str):
         try:
             return load(path, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 (any failure to load is the user's model argument or network)
-            default = f" (mlx-lm's default when --model is not given)" if path == default_model else ""
+            default = " (mlx-lm's default when --model is not given)" if path == default_model else ""
             raise ValueError(f"cannot load model {path}{default}: {first_line(e)}") from None
 
     return wrapped
@@ -153,8 +152,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if distributed and (args.adapter_path or args.draft_model or getattr(args, "quantize_activations", False)):
         parser.error("--adapter-path, --draft-model and --quantize-activations are not supported in distributed mode")
     try:
-        args.model = demo_model_path(args.model, "tq-generate") or args.model
-        check_model_arg(args.model)
+        args.model = model_arg(args.model, "tq-generate")
     except ValueError as e:
         print(f"tq-generate: error: {e}", file=sys.stderr)
         return 2

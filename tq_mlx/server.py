@@ -22,8 +22,7 @@ from typing import Iterator
 
 from .config import TurboQuantConfig
 from .display import describe_config
-from .flags import (add_cache_args, check_model_arg, config_or_error, count_arg, demo_model_path,
-                    exit_without_teardown, first_line)
+from .flags import add_cache_args, config_or_error, count_arg, exit_without_teardown, first_line, model_arg
 
 DESCRIPTION = ("tq-server: an OpenAI-compatible HTTP server (POST /v1/chat/completions and /v1/completions) whose "
                "KV cache is compressed with TurboQuant (the --tq-* flags), with a context bound per request "
@@ -229,8 +228,7 @@ def server_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # --help prints every flag and exits
     config = config_or_error(parser, args)
     try:
-        args.model = demo_model_path(args.model, "tq-server") or args.model
-        check_model_arg(args.model)
+        args.model = model_arg(args.model, "tq-server")
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2

@@ -50,8 +50,8 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .calibration import QuerySums, calibrate, has_channel_order, needs_protection
-from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, batch_heads, batch_heads_of,  # noqa: F401
-                    check_state, make_quantizer, quantizer_as_written, read_state, state_arrays)
+from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, batch_heads_of, check_state, make_quantizer,
+                    quantizer_as_written, read_state, state_arrays)
 from .layout import decayed_split, fresh_bound, overflow, window_capacity
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from .rope import Rope, centers
