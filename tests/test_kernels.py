@@ -633,7 +633,8 @@ def assert_falls_back(monkeypatch, q, keys, values) -> None:
     assert never.made == 0
 
 
-# 5- and 6-bit codes (quantizer.CODE_BITS; the config takes them later): each against every other kind of width
+# 5- and 6-bit codes re-coded from a real cache (the config's own 5/6-bit pairs are in KERNEL_PAIRS above): each
+# against every other kind of width
 # (1, 3, 4, 5, 6, 8 bits, fractional, QJL keys), on real cache views re-coded at those widths (cache_step), the
 # shapes cycling as for the config's pairs; at head dims 128 and 80 (no WHT: host-rotated queries and outputs).
 WIDE_PAIRS = [(5, 4, False), (6, 4, False), (5, 3, False), (6, 3, False), (4, 5, False), (4, 6, False), (5, 5, False),
