@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.config import derive_config
+from tq_mlx.config import WIDEST_KEY_BITS, derive_config, format_bits
 from tq_mlx import memory
 from tq_mlx.architectures import FLOAT_FETCH
 from tq_mlx.architectures import attention_layout, model_types
@@ -51,6 +51,7 @@ class Plan:
     peak_float: int = 0  # the same with mlx-lm's float cache
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
+    widen_bytes: int = 0  # what one layer adds at ctx if its keys take the most bits key_error gives
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
@@ -130,6 +131,7 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
     if config is not None:
         # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
         plan.protect_bytes = memory.protect_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
+        plan.widen_bytes = memory.widen_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
         plan.decayed = memory.decayed_tokens(ctx, max_kv_size, config)
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
@@ -265,6 +267,10 @@ def format_plan(plan: Plan) -> str:
     if plan.protect_bytes:  # under the KV cache row it adds to (the default decays: a decay row follows)
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
+    if plan.widen_bytes:
+        rows.append(("", f"+{format_bytes(plan.widen_bytes)} at most for each layer whose keys take more bits (up to "
+                         f"K{WIDEST_KEY_BITS} where their logit error exceeds {plan.config.key_error:g} at "
+                         f"K{format_bits(plan.config.key_bits)}; chosen at its first compression; the panel names them)"))
     if plan.config:
         rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
                             f"{plan.ctx:,} tokens"),

@@ -335,6 +335,7 @@ def check_screenshot() -> list[str]:
     """docs/tq-chat.png against what the app would show now, from its sidecar, without running the model."""
     from tq_chat import main as chat
     from tq_chat.plan import make_plan
+    from tq_mlx import TurboQuantConfig
     from tq_mlx.architectures import attention_layout
     from tq_mlx.flags import config_from_args
 
@@ -355,7 +356,9 @@ def check_screenshot() -> list[str]:
     # the settings today's command line gives
     args = chat.build_parser().parse_args(list(SCREEN_ARGV))
     config = config_from_args(args)
-    differs("the cache config of the command", facts["config"], config.to_dict() if config else None)
+    # a field the sidecar predates had its default then (TurboQuantConfig.from_dict): the same config
+    shown = facts["config"] and TurboQuantConfig.from_dict(facts["config"])
+    differs("the cache config of the command", shown, config)
     trained = attention_layout(facts["model_config"]).max_context
     differs("the context", facts["ctx"], args.ctx or chat.default_ctx(trained))
     # the panel, drawn again from the snapshot (and today's plan) by today's code; its KV figures derived again

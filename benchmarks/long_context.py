@@ -111,7 +111,7 @@ EVAL = 512  # tokens scored at the end of each context
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
-            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False)
+            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None)
 DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2,
                 center_keys="rope", weigh_keys=True)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
@@ -137,6 +137,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("keys centered before RoPE")
     if cfg.weigh_keys:
         extra.append("keys weighed by the queries")
+    if cfg.key_error is not None:
+        extra.append(f"keys up to K6 above logit error {cfg.key_error:g}")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -144,13 +146,15 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
-                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?$")
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
+                  r"(?:e(?P<error>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
-    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q],
-    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by the queries), rotation + affine at other bits and windows (rot2w1700: the
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>],
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by the queries; e0.2:
+    key_error 0.2), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -175,6 +179,8 @@ def parse_setting(key: str) -> Setting:
         over["center_keys"] = "rope"
     if m["weigh"]:
         over["weigh_keys"] = True
+    if m["error"]:
+        over["key_error"] = float(m["error"])
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in PRESET_ROWS if p.config == s.config), s)
 
@@ -208,7 +214,7 @@ def canonical_name(row: dict) -> str:
 def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
     full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
-            "weigh_keys": False, **stored}
+            "weigh_keys": False, "key_error": None, **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 
@@ -406,20 +412,32 @@ def protected_layers(cache: list) -> list[int]:
     return [i for i, c in enumerate(cache) if getattr(c, "protected", False)]
 
 
+def widened_layers(cache: list) -> list[list[int]]:
+    """Attention layers (cache positions) whose keys took more bits at calibration (key_error): [layer, bits]."""
+    return [[i, int(c.key_bits)] for i, c in enumerate(cache)
+            if getattr(getattr(c, "key_stream", None), "widened", False)]
+
+
 def protection_bits(r: dict, g: dict, ctx: int) -> float:
-    """What the layers that protected their keys add to a TurboQuant row's bits/value at ctx tokens: their key
-    streams at protect_bits, not decaying (tq_mlx.memory.turboquant_layer_bytes; every protected layer, the most
-    over the row's texts)."""
+    """What the layers that protected their keys or widened them add to a TurboQuant row's bits/value at ctx
+    tokens: their key streams at protect_bits, not decaying, or at the bits they chose, decaying a step
+    (tq_mlx.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
     n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
+    widths: dict[int, int] = {}
+    for c in r["texts"].values():
+        for layer, b in c.get("key_widths", ()):
+            widths[layer] = max(b, widths.get(layer, 0))
     cfg = r.get("config")
-    if not n or not cfg:
+    if not (n or widths) or not cfg:
         return 0.0
     D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
     config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
     args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
     decay = dict(decay_bits=config.layer_decay_bits(n_att // 2, n_att))
-    extra = turboquant_layer_bytes(*args, protected=True, **decay) - turboquant_layer_bytes(*args, **decay)
-    return n * extra * 8 / (ctx * n_att * H * D * 2)
+    base = turboquant_layer_bytes(*args, **decay)
+    extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
+    extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
+    return extra * 8 / (ctx * n_att * H * D * 2)
 
 
 # --- one pass -----------------------------------------------------------------------------------------------------
@@ -571,19 +589,21 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
             ids = text_ids(tok, text, max(contexts) + 1)
             stored = FloatReference(key, text, ids, args.chunk, args.eval_tokens)
             if s.kind == "float" and stored.has(contexts) and not args.no_float_cache:
-                res, protected = stored.row(contexts), []
+                res, protected, widths = stored.row(contexts), [], {}
                 print(f"  {text} float: from {stored.dir}", flush=True)
             else:
                 cache = make_cache(model, s)
                 res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
                                   store=stored if s.kind == "float" else None)
-                protected = protected_layers(cache)
+                protected, widths = protected_layers(cache), widened_layers(cache)
                 del cache
             if s.kind == "float":
                 refs[text] = stored
             cell = {str(c): r for c, r in res.items()}
             if s.kind == "tq":
                 cell["protected_layers"] = protected
+                if widths:
+                    cell["key_widths"] = widths
         except Exception as e:  # a setting that cannot run is a cell with its reason, not a crashed benchmark
             cell = {"error": f"{type(e).__name__}: {e}"[:200]}
         cell["seconds"] = round(time.perf_counter() - t, 1)
@@ -699,7 +719,7 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         else:
             bits_s = common.fmt(bits)
         extra = r["kind"] == "tq" and protection_bits(r, m["geometry"], top)
-        if extra and bits is not None:  # layers whose keys protected themselves: their key codes at protect_bits, marked †
+        if extra and bits is not None:  # layers whose keys protected or widened themselves: their key codes' bits, marked †
             bits_s = f"{bits + extra:.2f}†"
         b32 = r.get("bits_32k")
         line = [canonical_name(r), bits_s,
@@ -789,15 +809,26 @@ def _protection_note(results: dict) -> str:
             layers = tuple(sorted({i for c in r["texts"].values() for i in c.get("protected_layers", ())}))
             if layers:
                 by_model.setdefault(m["model"], Counter())[layers] += 1
-    if not by_model:
-        return ""
+
     def entry(layers: tuple[int, ...], n: int) -> str:
         return f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({n} row{'s' if n > 1 else ''})"
 
+    def widths(m: dict) -> str:
+        by_bits: dict[int, set[int]] = {}
+        for r in m["rows"]:
+            for c in r["texts"].values():
+                for layer, b in c.get("key_widths", ()):
+                    by_bits.setdefault(b, set()).add(layer)
+        return ", ".join(f"K{b} in layers {', '.join(map(str, sorted(ls)))}" for b, ls in sorted(by_bits.items()))
+
+    widened = [f"{m['model']}: {widths(m)}" for m in results["models"].values() if widths(m)]
+    more = (" Layers whose keys took more bits (key_error; † too): " + "; ".join(widened) + ".") if widened else ""
+    if not by_model:
+        return more
     return (" † = with the layers whose keys protected themselves in that run (their key codes at protect_bits): "
             + "; ".join(f"{model}: " + ", ".join(entry(layers, n) for layers, n in counts.items())
                         for model, counts in by_model.items())
-            + "; no layer in the other rows.")
+            + "; no layer in the other rows." + more)
 
 
 def render(results: dict, level: str = "###") -> str:
@@ -912,6 +943,8 @@ def merge(paths: list[str], out: str | None) -> None:
                         for c, r in cell.items():
                             if isinstance(r, dict) and c not in old:
                                 old[c] = r
+                        if cell.get("key_widths"):
+                            old.setdefault("key_widths", cell["key_widths"])
                         layers = set(old.get("protected_layers", ())) | set(cell.get("protected_layers", ()))
                         if layers:
                             old["protected_layers"] = sorted(layers)

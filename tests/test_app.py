@@ -111,6 +111,23 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
         assert plan.protect_bytes == 0 and "protect themselves" not in format_plan(plan)
 
 
+def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
+    from tq_mlx.memory import widen_layer_bytes
+
+    cfg = load_model_config(tiny_model_dir)
+    config = TurboQuantConfig(key_error=0.1)
+    plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
+    # every layer's keys at 6 bits decaying to 5: what a layer adds at most, less the K4 quantizers it keeps
+    all_wide = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=6, decay_key_bits=5, key_error=None))
+    assert plan.widen_bytes == widen_layer_bytes(cfg, 32768, config) > 0
+    assert 0 < plan.widen_bytes - (all_wide - plan.kv) // plan.attention_layers < 10**4
+    text = format_plan(plan)
+    assert "keys up to K6 where their logit error exceeds 0.1" in text
+    assert "at most for each layer whose keys take more bits (up to K6 where their logit error exceeds 0.1 at K4" in text
+    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
+    assert plan.widen_bytes == 0 and "take more bits" not in format_plan(plan)
+
+
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     cfg = load_model_config(tiny_model_dir)
     decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # the default bits, K4/V4

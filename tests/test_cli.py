@@ -83,6 +83,19 @@ def test_key_protection_flags():
         parse("--tq-protect-factor", "0.5")
 
 
+def test_key_error_flag(capsys):
+    assert config_from_args(parse("--tq-key-error", "0.15")).key_error == 0.15
+    assert config_from_args(parse("--tq-key-error", "off")).key_error is None
+    assert cache_flags_given(parse("--tq-key-error", "0.15")) == ["--tq-key-error"]
+    # QJL or fractional keys keep their bits: the flag names the conflict, a default would be dropped
+    with pytest.raises(ValueError, match="key_error needs integer key_bits"):
+        config_from_args(parse("--tq-key-error", "0.15", "--tq-key-bits", "3.5"))
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parse("--tq-key-error", bad)
+        assert "must be a number > 0 or off" in capsys.readouterr().err
+
+
 def test_value_centering_both_ways():
     assert config_from_args(parse("--tq-center-values")).center_values is True
     assert config_from_args(parse("--tq-no-center-values")).center_values is False

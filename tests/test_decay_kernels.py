@@ -12,9 +12,8 @@ decayed views take the same two passes (prefill_attention.metal holds one codebo
   masks None, "causal" (in prefill reaching into the codes: chunks longer than the window), bool and additive
   arrays; learned sinks; GQA 1..4; batch 1 and 2; head dims 64 and 128; float16 and uint8 norms (norm_bits 8);
   every float dtype; all three lane schedules;
-* 5- and 6-bit fresh codes (quantizer.CODE_BITS, which the config does not take yet) decaying to 4 and 3 bits:
-  a cache at 8 bits decaying to 4 or 3, its fresh codes re-coded at 5 or 6 bits (tests.test_kernels.recode), so
-  one stream holds two code segments of different bit-plane layouts; decode and prefill, keys and values;
+* 5- and 6-bit fresh codes decaying to 5, 4 and 3 bits (K6 -> K5, as keys widened by key_error decay), so one
+  stream holds two code segments of different bit-plane layouts; decode and prefill, keys and values;
 * byte counts: pass 1 reads each decayed and fresh code byte once per kv head and step (decayed tokens fewer
   bytes each; at 5 and 6 bits exactly bits·d/8 code bytes per token), and writes nothing near a float copy;
 * dispatch_attention: the decayed variants pass their self-checks (random views with the same spans) and take
@@ -33,7 +32,7 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    SCHEDULES, WIDE_BITS, Emu, _clean_dispatch, assert_close, config_bits, emulator, ids, make_mask, normal, wide,
+    SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
@@ -47,16 +46,15 @@ DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64)
 
 def decayed_views(dim=64, kb=4, vb=3, dkb=3, dvb=2, qjl=False, B=1, H=2, n_prompt=300, L=1, dtype=mx.float16,
                   norm_bits=16, seed=0, **config):
-    """Views of a real cache with decay after a prompt of n_prompt tokens and L new ones: (keys, values). A side
-    at 5 or 6 bits comes from a cache at 8 bits decaying to its decay bits, its fresh codes re-coded (`wide`)."""
+    """Views of a real cache with decay after a prompt of n_prompt tokens and L new ones: (keys, values)."""
     rng = np.random.default_rng(seed)
-    cfg = TurboQuantConfig(key_bits=config_bits(kb), value_bits=config_bits(vb), qjl=qjl, decay_key_bits=dkb,
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, decay_key_bits=dkb,
                            decay_value_bits=dvb, norm_bits=norm_bits, **(DECAY | config))
     cache = TurboQuantKVCache(cfg, head_dim=dim)
     kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
     keys, values = cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
-    return wide(keys, kb, cfg), wide(values, vb, cfg)
+    return keys, values
 
 
 def span_counts(keys, values) -> list[int]:

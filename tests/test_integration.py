@@ -417,12 +417,13 @@ def test_a_converted_float_cache_says_its_keys_are_unweighed_and_the_planner_agr
     model, _ = tiny_llama()
     float_cache = mlx_cache.make_prompt_cache(model)
     model(mx.array(np.random.default_rng(0).integers(0, 64, (1, 300))), cache=float_cache)
-    config = TurboQuantConfig(window=64, sinks=4)
+    config = TurboQuantConfig(window=64, sinks=4, key_error=0.01)  # key widths need queries too
     assert config.weigh_keys
     cache, n = compress_float_cache(model, float_cache, config, "float.safetensors", chunk=128)
     assert n == len(cache) == len(float_cache)
-    assert converted_config(config) == dataclasses.replace(config, weigh_keys=False)
+    assert converted_config(config) == dataclasses.replace(config, weigh_keys=False, key_error=None)
     assert "keys not weighed" in describe_config(converted_config(config))
+    assert "keys up to" not in describe_config(converted_config(config))
     for i, c in enumerate(cache):
         assert isinstance(c, TurboQuantKVCache) and c.config == converted_config(config)
         assert c.offset == 300 and c.n_coded > 0

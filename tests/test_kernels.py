@@ -7,15 +7,13 @@ thread as a fiber (tests/emulator). Matrix:
   dequantize on every head_dim x bits in the dtype the cache uses, and every (head_dim, dtype) and (bits, dtype)
   pair (`covering`: their dtype only changes one load or store); head_dim 32 and 512 smoke tests;
 * decode on real TurboQuantKVCache views (μ, ν, scale, channel order, strided capacity buffers), in all three
-  schedules: every key/value bit pair the kernels take (the default K4/V4 first; 49 pairs of 1, 2, 2.5, 3, 3.5,
-  4, 8 bits and 21 with QJL keys) at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three
+  schedules: every key/value bit pair the kernels take (the default K4/V4 first; 81 pairs of 1, 2, 2.5, 3, 3.5,
+  4, 5, 6, 8 bits and 27 with QJL keys; decode reads each key code byte once) at head_dim 64 with batch 1 and 2, 1..8 query tokens, GQA 1..8 and all three
   dtypes; K4/V3, K4+qjl/V3 and K3.5/V2.5 at head dims 32, 64, 80, 96, 128, 192, 256, 512 with batch 2; the
   pairs with QJL at 1 bit and head dims above 512 must be refused by decode_unsupported with their reason and
   fall back to the reference; key/value head dims that differ (MLA's 192/128);
-* 5- and 6-bit codes (bit planes 4+1 and 4+2; quantizer.CODE_BITS, which the config does not take yet) on real
-  cache views re-coded at those widths (`recode`): keys and values at 5/6 bits against every other width,
-  fractional and QJL keys included, in all three schedules; decode reads exactly the code bytes held; the
-  dispatchers self-check them and take the kernels;
+* 5- and 6-bit codes (bit planes 4+1 and 4+2) at head dims 80, 96 and 128; decode reads exactly the code bytes
+  held; the dispatchers self-check them and take the kernels;
 * encode_dense (channel groups, a per-head channel order, head dims 80, 96, 192) against the reference codes;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL; on the cache with
@@ -540,43 +538,17 @@ def bits_id(p) -> str:
     return f"K{kb}{'+qjl' if qjl else ''}/V{vb}"
 
 
-WIDE_BITS = (5, 6)  # code widths the kernels take and the config does not yet: views re-coded (`recode`)
-
-
-def recode(kv: StreamView, bits: int, norm_dtype: mx.Dtype) -> StreamView:
-    """kv with its fresh codes re-coded at `bits` by a quantizer of the same rotation (seed), as a stream at 5 or 6
-    bits would hold them: the codes' input decoded from kv's codes (from 8-bit codes: within 0.5% of the
-    tokens) and quantized again. Every other part of the view (sinks, window, mean, scale, RoPE centering,
-    key weights, decayed codes) stays; it no longer hands queries to its stream (observe)."""
-    old = kv.quantizer
-    q = TurboQuantMSE(old.dim, bits, seed=old.seed, norm_dtype=norm_dtype)
-    return kv._replace(quantizer=q, codes=q.quantize(old.dequantize(kv.codes)), observe=None)
-
-
-def wide(kv: StreamView, bits, config: TurboQuantConfig) -> StreamView:
-    """kv re-coded at 5 or 6 bits (from the 8-bit codes `config_bits` gave it), else kv itself."""
-    if bits not in WIDE_BITS:
-        return kv
-    return recode(kv, bits, mx.uint8 if config.norm_bits == 8 else mx.float16)
-
-
-def config_bits(bits):
-    """The bits a cache is built at for a side of `bits` bits: 8 for 5 and 6 (then re-coded: `wide`)."""
-    return 8 if bits in WIDE_BITS else bits
-
-
 def cache_step(kb, vb, qjl, dim, B, R, L, dtype, H=2, n_prompt=70, seed=0, **config):
     """A decode step on a real TurboQuantKVCache (mean and scale from its calibration, strided views of its
-    capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens. A side
-    at 5 or 6 bits comes from a cache at 8 bits, its codes re-coded (`recode`)."""
+    capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens."""
     rng = np.random.default_rng(seed)
     cfg = dict(window=16, sinks=4, compress_block=8, step=64) | config
-    cfg = TurboQuantConfig(key_bits=config_bits(kb), value_bits=config_bits(vb), qjl=qjl, **cfg)
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **cfg)
     cache = TurboQuantKVCache(cfg)
     kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))
     keys, values = cache.update_and_fetch(kv(L, 0.7), kv(L, -0.3))
-    return normal(rng, (B, H * R, L, dim), dtype), wide(keys, kb, cfg), wide(values, vb, cfg)
+    return normal(rng, (B, H * R, L, dim), dtype), keys, values
 
 
 def check_cache_decode(kb, vb, qjl, dim, B, R, L, dtype, schedule="forward", strided=False, **config):
@@ -603,7 +575,11 @@ def test_decode_every_kernel_bit_pair_on_cache(emulator, pair, schedule):
     i = KERNEL_PAIRS.index(pair)
     B, R, L, dtype = PAIR_SHAPES[i % len(PAIR_SHAPES)]
     # values as the default leaves them (not centered), and centered (center_values=True) in every third pair
-    check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1, center_values=i % 3 == 0)
+    f = check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1, center_values=i % 3 == 0)
+    (p1,) = f.stats("tq_decode_partial")
+    for name in ("kc", "kn"):  # decode reads each byte of the key codes and norms it holds once
+        if name in p1.buffers:
+            assert p1.buffers[name].unique_bytes_read == p1.buffers[name].total_bytes_read, (pair, name)
 
 
 def test_bit_pair_matrix_covers_the_config():
@@ -633,28 +609,6 @@ def assert_falls_back(monkeypatch, q, keys, values) -> None:
     assert never.made == 0
 
 
-# 5- and 6-bit codes re-coded from a real cache (the config's own 5/6-bit pairs are in KERNEL_PAIRS above): each
-# against every other kind of width
-# (1, 3, 4, 5, 6, 8 bits, fractional, QJL keys), on real cache views re-coded at those widths (cache_step), the
-# shapes cycling as for the config's pairs; at head dims 128 and 80 (no WHT: host-rotated queries and outputs).
-WIDE_PAIRS = [(5, 4, False), (6, 4, False), (5, 3, False), (6, 3, False), (4, 5, False), (4, 6, False), (5, 5, False),
-              (6, 6, False), (5, 6, False), (6, 5, False), (6, 2.5, False), (3.5, 5, False), (8, 6, False),
-              (5, 1, False), (1, 6, False), (3, 5, True), (4, 6, True)]
-
-
-@pytest.mark.slow
-@pytest.mark.emulator
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("pair", WIDE_PAIRS, ids=bits_id)
-def test_decode_5_and_6_bit_codes_on_cache(emulator, pair, schedule):
-    i = WIDE_PAIRS.index(pair)
-    B, R, L, dtype = PAIR_SHAPES[i % len(PAIR_SHAPES)]
-    f = check_cache_decode(*pair, 64, B, R, L, dtype, schedule, strided=i % 2 == 1, center_values=i % 3 == 0)
-    (p1,) = f.stats("tq_decode_partial")
-    for name in ("kc", "kn") if pair[0] in WIDE_BITS else ():  # re-coded keys (no capacity): each byte read once
-        assert p1.buffers[name].unique_bytes_read == p1.buffers[name].total_bytes_read == p1.buffers[name].nbytes
-
-
 @pytest.mark.emulator
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kb,vb,dim,R,L,dtype", [(5, 6, 128, 4, 1, mx.float16), (6, 5, 80, 2, 3, mx.bfloat16),
@@ -663,16 +617,15 @@ def test_decode_5_and_6_bit_codes_on_cache_at_other_head_dims(emulator, schedule
     check_cache_decode(kb, vb, False, dim, 2, R, L, dtype, schedule, strided=schedule != "forward")
 
 
-def test_recoded_views_hold_every_code_of_their_width():
-    # The 5- and 6-bit views above (cache_step, recode): every code of the width occurs (they are re-coded from
-    # 8-bit codes, not from coarser ones), bits·d/32 words per token (the high plane packs as tightly as the low
-    # one), and the tokens decode within the width's own error (0.0025 and 0.00063 of |x|², quantizer.py) of the
-    # 8-bit codes of the same cache.
+def test_5_and_6_bit_views_hold_every_code_of_their_width():
+    # 5- and 6-bit caches (cache_step): every code of the width occurs, bits·d/32 words per token (the high plane
+    # packs as tightly as the low one), and the tokens decode within the width's own error (0.0025 and 0.00063
+    # of |x|², quantizer.py) of the 8-bit codes of the same tokens.
     q, keys, values = cache_step(5, 6, False, 64, 1, 2, 1, mx.float16, n_prompt=200)
     _, keys8, values8 = cache_step(8, 8, False, 64, 1, 2, 1, mx.float16, n_prompt=200)
     for kv, kv8, bits, err in ((keys, keys8, 5, 0.0025), (values, values8, 6, 0.00063)):
         assert kv.quantizer.bits == bits and kv.codes.codes.shape[-1] == packed_words(64, bits) == 2 * bits
-        assert kv.codes.norms.dtype == mx.uint8 and kv.observe is None and kv.n_coded > 150
+        assert kv.codes.norms.dtype == (mx.uint8 if bits < 6 else mx.float16) and kv.n_coded > 150
         assert set(np.unique(np.asarray(unpack(kv.codes.codes, bits, 64))).tolist()) == set(range(1 << bits))
         x, x8 = (np.asarray(v.quantizer.dequantize(v.codes)) for v in (kv, kv8))
         rel = ((x - x8) ** 2).sum(-1) / (x8**2).sum(-1)
@@ -762,7 +715,7 @@ def test_decode_reads_each_compressed_byte_once(emulator, dim, kb, vb, qjl, R, L
     assert_close(got, want, mx.float16)
     (p1,) = f.stats("tq_decode_partial")
     for kv, bits in ((keys, kb), (values, vb)):  # 5, 6 bits: a 4-bit plane and a 1- or 2-bit plane (d=80: 10 + 3)
-        if bits in WIDE_BITS:
+        if bits in (5, 6):
             assert kv.codes.codes.shape[-1] == packed_words(dim, bits) == -(-dim // 8) + -(-dim * (bits - 4) // 32)
     names = ["kc", "kn", "vc", "vn"] + (["kj", "kg"] if qjl else [])
     for name in names:

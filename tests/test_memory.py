@@ -722,6 +722,8 @@ def test_decay_bits_per_value_at_32k_by_hand():
 
 from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout  # noqa: E402
 from tq_mlx.quantizer import MSE_BITS, PROD_BITS  # noqa: E402
+from tq_mlx.config import WIDEST_KEY_BITS  # noqa: E402
+from tq_mlx.memory import widen_layer_bytes  # noqa: E402
 
 
 def test_layout_code_and_constant_bytes_equal_real_quantizers():
@@ -756,6 +758,10 @@ LAYOUT_SWEEP = {
                                   decay_after=32),  # K6 (float16 norms) -> K5, V5 -> V3
     "5 bits, 16-bit norms": dict(key_bits=5, value_bits=6, window=8, compress_block=8, sinks=1, step=16,
                                  norm_bits=16, decay_after=None),
+    # fed()'s random keys and queries give a logit error of about 0.1 at K4, 0.05 at K5, 0.026 at K6
+    "keys widened to 6": dict(window=24, compress_block=8, sinks=3, step=16, decay_after=40, key_error=0.03),
+    "keys widened to 5": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16,
+                              decay_after=None, key_error=0.07),
 }
 
 
@@ -783,13 +789,22 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
         bound = dict(max_kv_size=cache.max_size, float_bytes=4, heads=H)
         q = dict(qjl=cfg.layer_qjl(cfg.key_bits), center=bool(cfg.center_keys), weigh=cfg.weigh_keys)
         kd, vd = cfg.layer_decay_bits(0, None)
-        assert cache.key_stream.nbytes == stream_bytes(cfg, n, D, cfg.key_bits, decay_bits=kd, **q, **bound)
+        width = cache.key_bits if cache.key_stream.widened else None  # the keys' choice (key_error)
+        assert cache.key_stream.nbytes == stream_bytes(cfg, n, D, cfg.key_bits, decay_bits=kd, widened=width, **q,
+                                                       **bound)
         assert cache.value_stream.nbytes == stream_bytes(cfg, n, D, cfg.value_bits, decay_bits=vd,
                                                          center=cfg.center_values, **bound)
         layer = turboquant_layer_bytes(n, H, D, D, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,
-                                       max_kv_size=cache.max_size)
-        assert cache.nbytes == layer == estimate_kv_bytes(model, n, cfg, dtype="float32",
-                                                          max_kv_size=cache.max_size), (name, M, n)
+                                       max_kv_size=cache.max_size, key_width=width)
+        planned = estimate_kv_bytes(model, n, cfg, dtype="float32", max_kv_size=cache.max_size)
+        assert cache.nbytes == layer, (name, M, n)
+        if width is not None:  # the plan prices the widest choice per layer on top (widen_layer_bytes)
+            most = planned + widen_layer_bytes(model, n, cfg, dtype="float32", max_kv_size=cache.max_size)
+            assert planned < layer <= most and (layer == most) == (width == WIDEST_KEY_BITS), (name, M, n)
+        else:
+            assert layer == planned, (name, M, n)
+        if cfg.key_error is not None and cache.n_coded:
+            assert cache.key_stream.widened and cache.key_bits == (6 if cfg.key_error < 0.05 else 5), (name, n)
 
     for t in range(n_max):
         fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])

@@ -30,7 +30,7 @@ import pytest
 import mlx.core as mx
 
 from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
-    BARRIER, SCHEDULES, WIDE_BITS, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
+    BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
     make_mask, mla_step, normal, numpy_views, quantizer, run_masked,
 )
 from tq_mlx import kernels as K
@@ -167,9 +167,10 @@ def test_prefill_5_and_6_bit_codes_on_cache(emulator, schedule, kb, vb, qjl, dim
     assert got.dtype == dtype
     assert_close(got, K.prefill_attention_reference(q, keys, values, 0.1, "causal"), dtype, schedule)
     (launch,) = [x for x in f.launches if x.name == "tq_prefill_attention"]
-    codes = launch.stats.buffers["kc" if kb in WIDE_BITS else "vc"]  # a re-coded side: contiguous, no capacity
-    assert codes.unique_bytes_read == codes.nbytes  # every code byte held, at most once per query tile
-    assert codes.total_bytes_read <= launch.call["grid"][2] * codes.nbytes
+    side = keys if kb in (5, 6) else values  # the 5- or 6-bit side (a strided view of its capacity buffer)
+    codes, held = launch.stats.buffers["kc" if kb in (5, 6) else "vc"], side.codes.codes.nbytes
+    assert codes.unique_bytes_read == held  # every code byte held, at most once per query tile
+    assert codes.total_bytes_read <= launch.call["grid"][2] * held
 
 
 # =================================================================== 2. a long chunk, byte counts

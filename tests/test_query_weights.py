@@ -176,7 +176,7 @@ def test_state_round_trip_before_and_after_calibration():
     # saved after 20 tokens: queries summed, no weights yet; the loaded cache goes on as the whole one did
     first, _ = run_cache(cfg(), keys, values, queries, [20])
     meta, arrays = first.state
-    assert arrays["k_queries"] is not None and arrays["k_weights"] is None and meta["version"] == 8
+    assert arrays["k_queries"] is not None and arrays["k_weights"] is None and meta["version"] == 9
     loaded = TurboQuantKVCache()
     loaded.state = (meta, arrays)
     kh, vh = loaded.update_and_fetch(keys[:, :, 20:], values[:, :, 20:])
@@ -306,3 +306,119 @@ def test_attention_on_weighted_codes_matches_float64(kb, qjl, center):
                                 if a is not None], axis=2)
         assert rel_err(out, reference_attention(q, K, dequantized(vh), D**-0.5, mask)) < 2e-5, L
     assert cache.key_stream.weights is not None and cache.n_coded > 10
+
+
+# ===================================================================================== key widths by error
+from tq_mlx.calibration import key_width, logit_error  # noqa: E402
+from tq_mlx.codebook import lloyd_max  # noqa: E402
+from tq_mlx.display import bits_summary, describe_config  # noqa: E402
+from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_logit_error_predicts_the_error_the_codes_give(bits):
+    # anisotropic keys and queries, weighed: logit_error x sqrt(D_mse(b)) is the RMS of scale·(q/w)·(k̃ - k) that
+    # real codes at b bits give those queries, to the rounding of a sample (and the codes' norm error)
+    rng = np.random.default_rng(3)
+    ks, qs = spreads(3)
+    x = anisotropic(rng, 1, 2, 2000, ks)
+    q = anisotropic(rng, 1, 2, 3000, qs)
+    w = query_weights(mx.sum(q * q, axis=2), x, None)
+    xw = x * w[:, :, None]
+    unit = logit_error(xw, w, mx.sum(q * q, axis=2), 3000, scale=0.3)
+    quant = TurboQuantMSE(D, bits, seed=0)
+    err = (quant.dequantize(quant.quantize(xw)) - xw) / w[:, :, None]  # the key error in the model basis
+    measured = np.sqrt(np.mean(np.asarray(0.3 * (q[:, :, :500] @ err.swapaxes(-1, -2))) ** 2, axis=(2, 3)))
+    predicted = np.asarray(unit) * math.sqrt(lloyd_max(D, bits).mse)
+    assert np.allclose(predicted, measured, rtol=0.12), (predicted, measured)
+    # the default scale is 1/sqrt(D)
+    assert np.allclose(np.asarray(logit_error(xw, w, mx.sum(q * q, axis=2), 3000)),
+                       np.asarray(unit) / 0.3 * D**-0.5, rtol=1e-6)
+
+
+def test_key_width_is_the_fewest_bits_whose_error_is_under_the_target():
+    e = {b: math.sqrt(lloyd_max(D, b).mse) for b in (3, 4, 5, 6)}
+    assert key_width(1.0, 4, 6, e[4] * 1.01, D) == 4
+    assert key_width(1.0, 4, 6, e[4] * 0.99, D) == 5
+    assert key_width(1.0, 4, 6, e[5] * 0.99, D) == 6
+    assert key_width(1.0, 4, 6, e[6] * 0.5, D) == 6  # none is: the most
+    assert key_width(1.0, 3, 6, e[3] * 1.01, D) == 3
+    assert key_width(1.0, 6, 6, 1e-9, D) == 6
+
+
+def widened(key_error, chunks=(300,), **kw):
+    keys, values, queries = tokens(11, sum(chunks), q_gain=0.1)
+    config = cfg(key_bits=4, value_bits=4, decay_after=96, decay_key_bits=3, decay_value_bits=2,
+                 key_error=key_error, protect_factor=None, **kw)
+    return run_cache(config, keys, values, queries, list(chunks))[0]
+
+
+def test_keys_take_the_bits_their_error_asks_for_and_decay_a_step():
+    # these keys and queries give a logit error of 0.101 / 0.052 / 0.026 at K4 / K5 / K6
+    for target, bits, decay in [(None, 4, 3), (1.0, 4, 3), (0.07, 5, 4), (0.03, 6, 5), (1e-4, 6, 5)]:
+        c = widened(target)
+        assert (c.key_bits, c.decay_bits, c.key_stream.widened) == (bits, (decay, 2), bits != 4), target
+        assert c.key_stream.decayed is not None and c.key_stream.view().decayed.quantizer.bits == decay
+        assert c.n_decayed[0] > 0 and c.value_bits == 4
+        assert bits_summary([c]) == f"K{bits}→{decay}/V4→2 after 96 on its 1 attention layer"
+    assert "keys up to K6 where their logit error exceeds 0.03" in describe_config(cfg(key_error=0.03))
+    assert "keys up to" not in describe_config(cfg())
+
+
+def test_the_width_does_not_depend_on_how_the_prompt_is_fed():
+    # the first compression of a prompt fed in one piece comes before its calibration queries: it codes at
+    # the configured bits and again at the chosen ones when they come
+    one, chunks, tokens_ = widened(0.07), widened(0.07, (40, 1, 1, 100, 158)), widened(0.07, (1,) * 60 + (240,))
+    assert one.key_bits == chunks.key_bits == tokens_.key_bits == 5
+    assert np.array_equal(np.asarray(one.key_stream.view().codes.codes), np.asarray(chunks.key_stream.view().codes.codes))
+
+
+def test_unweighed_keys_keep_their_bits_and_a_trim_chooses_again():
+    c = widened(1e-4, weigh_keys=False)
+    assert c.key_bits == 4 and c.key_stream.widen is None
+    c = widened(1e-4)
+    assert c.key_bits == 6
+    c.trim(c.offset)  # no compressed token left: calibration, weights and width go
+    assert c.key_bits == 4 and c.decay_bits == (3, 2)
+
+
+def test_widened_state_round_trips_before_and_after_the_choice():
+    keys, values, queries = tokens(11, 300, q_gain=0.1)
+    config = cfg(key_bits=4, value_bits=4, decay_after=96, decay_key_bits=3, decay_value_bits=2, key_error=0.07,
+                 protect_factor=None)
+    whole, _ = run_cache(config, keys, values, queries, [20, 280])
+    # after the choice: the file says K5 and its codes are K5's
+    meta, arrays = whole.state
+    assert meta["key_bits"] == 5
+    again = TurboQuantKVCache()
+    again.state = (meta, arrays)
+    assert (again.key_bits, again.decay_bits, again.nbytes) == (5, (4, 2), whole.nbytes)
+    with pytest.raises(ValueError, match="keys at 7 bits"):
+        TurboQuantKVCache().state = (dict(meta, key_bits=7), arrays)
+    with pytest.raises(ValueError, match="widen only with key_error"):
+        TurboQuantKVCache().state = (dict(meta, config=dict(meta["config"], key_error=None)), arrays)
+    # before it: the queries summed and how many they were; the loaded cache chooses as the whole one did
+    first, _ = run_cache(config, keys, values, queries, [20])
+    meta, arrays = first.state
+    assert meta["query_count"] == 18 * 2  # 18 calibration positions x 2 query heads per kv head
+    loaded = TurboQuantKVCache()
+    loaded.state = (meta, arrays)
+    kh, vh = loaded.update_and_fetch(keys[:, :, 20:], values[:, :, 20:])
+    turboquant_attention(queries[:, :, 20:], kh, vh, D**-0.5, "causal")
+    assert loaded.key_bits == 5 and loaded.nbytes == whole.nbytes
+
+
+def test_key_error_is_validated_and_derived():
+    from tq_mlx.config import derive_config
+
+    for bad in (0, -1, True, "0.1"):
+        with pytest.raises(ValueError, match="key_error must be a number > 0"):
+            TurboQuantConfig(key_error=bad)
+    with pytest.raises(ValueError, match="key_error needs integer key_bits without QJL"):
+        TurboQuantConfig(key_bits=3.5, key_error=0.1)
+    with pytest.raises(ValueError, match="key_error needs integer key_bits without QJL"):
+        TurboQuantConfig(key_bits=3, qjl=True, key_error=0.1)
+    base = TurboQuantConfig(key_error=0.1)
+    assert derive_config(base, key_bits=3.5).key_error is None and derive_config(base, qjl=True, key_bits=3).key_error is None
+    assert derive_config(base, key_bits=5).key_error == 0.1
+    assert TurboQuantConfig.from_dict(TurboQuantConfig().to_dict() | {"key_error": 0.2}).key_error == 0.2

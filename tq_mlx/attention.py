@@ -35,7 +35,8 @@ import mlx.core as mx
 
 from .quantizer import MSECodes, TurboQuantProd, load_norms
 from .rope import centers, score_bias
-from .stream import StreamView, code_order
+from .codec import code_order
+from .stream import StreamView
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
 # Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.
@@ -386,7 +387,7 @@ def turboquant_attention(
         raise TypeError(f"turboquant_attention takes a StreamView, got {type(keys).__name__} (batch views: "
                         f"tq_mlx.batch.batch_view_attention)")
     if keys.observe is not None:  # the stream sums these queries for its weights first (query_weights)
-        keys = keys.observe(queries)
+        keys = keys.observe(queries, scale)
     if values.weights is not None:
         raise ValueError("values view with query weights: only key streams weigh their tokens")
     if keys.n_coded == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):

@@ -28,7 +28,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from .attention import turboquant_attention
-from .stream import StreamView, unique_arrays
+from .codec import unique_arrays
+from .stream import StreamView
 
 BATCH_STATE_VERSION = 1
 NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, for save_prompt_cache)

@@ -23,21 +23,21 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .batch import BatchTurboQuantKVCache
 from .codebook import MIN_DIM
-from .config import TurboQuantConfig, check_int
+from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int
 from .architectures import FETCHES
 from .hook import install_attention_hook
 from .kernels import dispatch_dequantize, dispatch_encode
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .rope import Rope
-from .codec import STATE_PARTS, batch_heads, make_quantizer
-from .stream import CompressedStream, StreamView, unique_arrays
+from .codec import STATE_PARTS, batch_heads, make_quantizer, unique_arrays
+from .stream import CompressedStream, StreamView
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
 # update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
 # codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope). Earlier files still load.
-STATE_VERSION = 8
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+STATE_VERSION = 9
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
 
@@ -136,8 +136,8 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def key_bits(self) -> float:
-        """Bits of the keys' codes: the layer's configured bits, or protect_bits once the key stream protected
-        itself at calibration (TurboQuantConfig.protect_factor)."""
+        """Bits of the keys' codes: the layer's configured bits, protect_bits once the key stream protected
+        itself at calibration (TurboQuantConfig.protect_factor), or the width it chose (key_error)."""
         return self.key_stream.quantizer.bits if self.key_stream else self.config_bits[0]
 
     @property
@@ -178,9 +178,12 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def decay_bits(self) -> tuple[int | None, int | None]:
         """(keys, values): the bits compressed tokens decay to (config.decay_after), None where they do not. A
-        latent layer's rope key (its value stream) decays like keys; a protected key stream does not decay."""
+        latent layer's rope key (its value stream) decays like keys; a protected key stream does not decay, a
+        widened one (key_error) by the same step."""
         kb, vb = self.config.layer_decay_bits(self.attention_index, self.n_attention_layers)
         vb = kb if self.fetch == "latent" else vb  # the rope key decays even where the latent protected itself
+        if self.key_stream is not None and self.key_stream.widened:
+            kb = self.config.widened_decay_bits(self.key_bits, kb)
         return (None if self.protected else kb), vb
 
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
@@ -191,6 +194,8 @@ class TurboQuantKVCache(_BaseCache):
         seeds = [layer_seed(c.seed, self.layer_index, side) for side in (0, 1)]
         kb = self.config_bits[0]
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
+        # widths by error for keys at the layer's configured bits (a boundary layer keeps its boundary_bits)
+        widen = None if c.key_error is None or kb != c.key_bits else (c.key_error, WIDEST_KEY_BITS)
         decay = self.decay_bits
 
         def decay_of(dim, side):
@@ -202,7 +207,8 @@ class TurboQuantKVCache(_BaseCache):
                                            name="k", center=bool(c.center_keys), protect=protect,
                                            decay=decay_of(key_dim, 0),
                                            rope=self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim
-                                           else None, weigh=c.weigh_keys and self.fetch == "codes", **common)
+                                           else None, weigh=c.weigh_keys and self.fetch == "codes", widen=widen,
+                                           **common)
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
             name="v", center=bool(c.center_keys) if self.fetch == "latent" else c.center_values,
@@ -469,6 +475,8 @@ class TurboQuantKVCache(_BaseCache):
             "value_dim": self.value_dim,
             "calibrated": self.calibrated,
             "key_protected": self.protected,
+            "key_bits": self.key_bits,  # the width the keys chose (key_error)
+            "query_count": self.key_stream.query_sums.count if self.key_stream else 0,
             "fetch": self.fetch,
             "max_size": self.max_size,
             "n_dropped": self.n_dropped,
@@ -507,6 +515,9 @@ class TurboQuantKVCache(_BaseCache):
                                                              "key_dim", "value_dim")}
             calibrated = bool(meta["calibrated"])
             protected = bool(meta.get("key_protected", False))  # absent before version 4
+            key_bits = meta.get("key_bits")  # absent before version 9: the configured (or protected) bits
+            query_count = meta.get("query_count")  # absent before version 9
+            query_count = None if query_count is None else check_int("query_count", query_count, 0)
             fetch = meta.get("fetch", "codes")  # absent before version 5
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
@@ -549,12 +560,17 @@ class TurboQuantKVCache(_BaseCache):
         self._make_streams(counts["key_dim"], counts["value_dim"])
         if protected:
             self.key_stream.set_protected(True)
+        elif key_bits is not None and key_bits != self.key_bits:
+            if self.key_stream.widen is None or not n_c or key_bits not in range(int(self.key_bits), WIDEST_KEY_BITS + 1):
+                raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error and compressed "
+                          f"tokens, up to {WIDEST_KEY_BITS} bits")
+            self.key_stream.set_bits(int(key_bits))
         bh = batch_heads(arrays, "k")
         try:
             for s, d in zip(self.streams, n_decayed):
                 if d > n_c:
                     raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
-                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped)
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count)
         except ValueError as e:
             raise bad(str(e)) from None
 

@@ -5,7 +5,8 @@ Every stream fixes, with its first compression, from the calibration tokens (the
 sinks): μ per (batch, kv head) if centered (calibration_mean; μ0 before RoPE with a rope), a power-of-two scale
 per (batch, kv head) (calibration_scale), for fractional bit widths the channel order whose first d/4 channels get
 the extra bit (outlier_order), and with query weights the weights w (query_weights). Keys of a layer whose
-queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor).
+queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor), and with a
+key error target keys may take more bits (logit_error, key_width).
 
 Query weights (`weigh`, keys only): attention hands the stream the queries that attend it (CompressedStream.observe,
 called first by every attention entry on a view that carries it), and QuerySums adds the squares of those at the
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from .codebook import lloyd_max
 from .quantizer import TurboQuantMSE
 from .rope import Rope, centers, pair_mean, rotate
 
@@ -126,6 +128,32 @@ def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.arra
     return mx.exp(mx.clip(log_w, -bound, bound)).astype(mx.float32)
 
 
+def logit_error(x: mx.array, weights: mx.array, queries: mx.array, count: int, scale: float | None = None
+                ) -> mx.array:
+    """Per (batch, kv head): the RMS error of the attention logits q·k/√D that keys coded with a unit distortion
+    (E‖e‖² = ‖x‖², spread evenly by the rotation) would give the calibration queries; times √D_mse(b) it is the
+    error at b bits (key_width). x (B, H, n, D): the calibration keys as they are coded (centered and weighed),
+    weights w (B, H, D), queries: their squares summed over `count` query vectors per kv head, which attention
+    scales by `scale` (None: 1/√D, mlx-lm's usual).
+
+    The code's error e is isotropic in the coded basis, E e_c² = ‖x‖²/D per channel; attention reads it as
+    (q/w)·e, so E (q·e/w)² = Σ_c q_c²/w_c² · ‖x‖²/D, averaged over the queries and the tokens."""
+    ok, n = _finite_tokens(x)
+    norm_sq = mx.sum(mx.where(ok, x * x, 0.0), axis=(2, 3)) / mx.maximum(n[..., 0], 1)  # mean ‖x‖² (B, H)
+    D = x.shape[-1]
+    read = mx.sum(queries / max(count, 1) / (weights * weights), axis=-1)  # mean Σ_c q_c²/w_c² (B, H)
+    return mx.sqrt(norm_sq * read / D) * (D**-0.5 if scale is None else scale)
+
+
+def key_width(unit_error: float, bits: int, max_bits: int, target: float, dim: int) -> int:
+    """The fewest bits from `bits` to `max_bits` whose logit error (unit_error · √D_mse(b), logit_error) is at
+    most `target`; max_bits if none is."""
+    for b in range(int(bits), int(max_bits)):
+        if unit_error * math.sqrt(lloyd_max(dim, b).mse) <= target:
+            return b
+    return int(max_bits)
+
+
 class Calibration(NamedTuple):
     """What a stream's first compression fixes; compressed token t is coded as ((x_t - c_t)·weights / scale)
     with channels in `perm` order, c_t = mean (or R(p) mean with a rope)."""
@@ -134,26 +162,29 @@ class Calibration(NamedTuple):
     perm: mx.array | None  # (H, D) int32 for fractional bits
     scale: mx.array  # (B, H) float32, a power of two
     weights: mx.array | None  # (B, H, D) float32 with query weights
+    error: mx.array | None = None  # (B, H) float32 with query weights: logit_error of the calibration keys
 
 
 def calibrate(x: mx.array, quantizer, *, center: bool, rope: Rope | None, position: int,
-              queries: mx.array | None) -> Calibration:
+              queries: mx.array | None, query_count: int = 0, query_scale: float | None = None) -> Calibration:
     """The calibration of tokens x (B, H, n, D) float32 at positions position .. position + n - 1, for codes of
     `quantizer`: μ if center (μ0, the mean of the tokens turned back by their RoPE, with a rope), weights from
-    the summed squared queries if given, then the channel order and the scale of the tokens as they will be
-    quantized."""
+    the summed squared queries if given (and the keys' logit_error for those `query_count` queries), then the
+    channel order and the scale of the tokens as they will be quantized."""
     mean = calibration_mean(x) if center else None
     shift = mean  # what is subtracted from every token, in the basis the quantizer sees
     if rope is not None:
         mean = calibration_mean(rotate(x, rope, position, inverse=True))
         x = x - centers(mean, rope, position, x.shape[2])
         shift = None
-    weights = None
+    weights = error = None
     if queries is not None:
         weights = query_weights(queries, x if shift is None else x - shift[:, :, None, :], rope)
         x = x * weights[:, :, None, :]
         shift = None if shift is None else shift * weights
-    return Calibration(mean, outlier_order(x, shift, quantizer), calibration_scale(x, shift), weights)
+        error = logit_error(x if shift is None else x - shift[:, :, None, :], weights, queries, query_count,
+                            query_scale)
+    return Calibration(mean, outlier_order(x, shift, quantizer), calibration_scale(x, shift), weights, error)
 
 
 class PendingCode(NamedTuple):
@@ -171,6 +202,8 @@ class QuerySums:
 
     def __init__(self):
         self.total: mx.array | None = None  # (B, H, D) float32: Σ q² over the positions observed so far
+        self.count = 0  # query vectors per kv head in `total` (positions x query heads per kv head)
+        self.scale: float | None = None  # attention's scale of those queries (None: not seen)
         self.start = self.end = 0  # the queries of positions [start, end) are in `total`
         self.pending: PendingCode | None = None
 
@@ -178,10 +211,13 @@ class QuerySums:
         """Whether the queries of positions first .. first + n - 1 were all observed."""
         return self.start <= first and self.end >= first + n
 
-    def add(self, queries: mx.array, n_tokens: int, first: int, last: int, heads: int | None) -> None:
+    def add(self, queries: mx.array, n_tokens: int, first: int, last: int, heads: int | None,
+            scale: float | None = None) -> None:
         """Add the squares of queries (B, n_q_heads, L, D) attending the last L of n_tokens tokens, at the
-        positions in [first, last) not summed yet, per kv head (`heads` of them). Graph construction only."""
+        positions in [first, last) not summed yet, per kv head (`heads` of them), which attention scales by
+        `scale`. Graph construction only."""
         B, Hq, L, D = queries.shape
+        self.scale = self.scale if scale is None else float(scale)
         lo, hi = max(n_tokens - L, self.end, first), min(n_tokens, last)
         if hi <= lo:
             return
@@ -189,6 +225,7 @@ class QuerySums:
         q = mx.where(mx.isfinite(q), q, 0.0)
         sq = mx.sum((q * q).reshape(B, heads, Hq // heads, hi - lo, D), axis=(2, 3))
         self.total = sq if self.total is None else self.total + sq
+        self.count += (hi - lo) * (Hq // heads)
         if lo > self.end:  # the first queries summed, or a gap before these: coverage starts here
             self.start = lo
         self.end = hi
@@ -199,7 +236,7 @@ class QuerySums:
 
     def fix(self) -> None:
         """The weights are fixed: the sums are dropped."""
-        self.total = None
+        self.total, self.count = None, 0
 
     def settle(self) -> PendingCode | None:
         """End a wait: the pending compression if queries came since (to be coded again with them, which drops
@@ -215,8 +252,11 @@ class QuerySums:
     def forget_after(self, n_tokens: int) -> None:
         """A trim left n_tokens tokens: sums that reach past them cannot be taken apart, so they are forgotten."""
         if self.end > n_tokens:
-            self.total, self.start, self.end = None, n_tokens, n_tokens
+            self.total, self.count, self.start, self.end = None, 0, n_tokens, n_tokens
 
-    def load(self, total: mx.array | None, n_tokens: int) -> None:
-        """Sums read from a file: those of every token it holds (attention saw them all)."""
+    def load(self, total: mx.array | None, n_tokens: int, count: int | None) -> None:
+        """Sums read from a file: those of every token it holds (attention saw them all), `count` query vectors
+        per kv head (None, a file from before it was written: one per token, which overstates the queries' size
+        by the query heads per kv head, so keys err towards more bits)."""
         self.total, self.start, self.end, self.pending = total, 0, (n_tokens if total is not None else 0), None
+        self.count = 0 if total is None else n_tokens if count is None else count

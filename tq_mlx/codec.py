@@ -1,6 +1,6 @@
-"""A stream's stored form: the quantizer that codes its tokens (make_quantizer), and its state, the arrays under
-"<name>_<part>" in a cache's state (state_arrays), read back with every shape and dtype checked (read_state,
-check_state).
+"""A stream's stored form: the quantizer that codes its tokens (make_quantizer), its buffers (appended, moved), and
+its state, the arrays under "<name>_<part>" in a cache's state (state_arrays), read back with every shape and dtype
+checked (read_state, check_state).
 
 The token counts are the cache's (tq_mlx.cache); a stream's parts are STATE_PARTS, each None while empty. Parts
 came with state versions: `scale` with 3 (None: 1), `decayed` with 6, `rope` (keys centered before RoPE) with 7,
@@ -200,3 +200,45 @@ def _check_rope(name: str, rope: Rope, D: int, center: bool) -> None:
         raise ValueError(f"{name}: keys centered before RoPE, but the config does not center them")
     if sorted(order.tolist()) != list(range(D)):
         raise ValueError(f"{name}.order must be a permutation of the {D} channels")
+
+
+def unique_arrays(holders) -> list[mx.array]:
+    """The arrays of every holder's held_arrays(), each once (holders may share constants)."""
+    seen: dict[int, mx.array] = {}
+    for h in holders:
+        for a in h.held_arrays():
+            seen.setdefault(id(a), a)
+    return list(seen.values())
+
+
+def code_order(quantizer: TurboQuantMSE, perm: mx.array | None) -> mx.array | None:
+    """The model channel at each code position, (H, D) or (D,) int: code position j holds quantizer channel
+    channels[j] (the groups' channels side by side), which is model channel perm[channels[j]]. None: model
+    order (one group, no stream order)."""
+    groups = quantizer.groups
+    order = None if len(groups) == 1 else mx.concatenate([g.channels for g in groups])
+    if perm is not None:
+        order = perm if order is None else mx.take(perm, order, axis=-1)
+    return order
+
+
+def moved(buf, start: int, end: int, capacity: int):
+    """New buffers (a NamedTuple of arrays, token axis 2) of `capacity` tokens holding tokens start .. end - 1 of
+    buf at their front: no slice of the old ones keeps them alive."""
+    return type(buf)(*(mx.concatenate([a[:, :, start:end], mx.zeros((*a.shape[:2], capacity - end + start,
+                                                                     *a.shape[3:]), a.dtype)], axis=2) for a in buf))
+
+
+def appended(buf, held: int, new, step: int, capacity: int | None = None):
+    """Buffers holding their `held` tokens, then the tokens of `new` (same NamedTuple type); full ones grow to
+    a multiple of step (or to `capacity`, when given and enough)."""
+    n = new[0].shape[2]
+    if buf is None or held + n > buf[0].shape[2]:
+        grown = capacity if capacity is not None and capacity >= held + n else -(-(held + n) // step) * step
+        if buf is None:
+            buf = type(new)(*(mx.zeros((*t.shape[:2], grown, *t.shape[3:]), t.dtype) for t in new))
+        else:
+            buf = moved(buf, 0, held, grown)
+    for b, a in zip(buf, new):
+        b[:, :, held : held + n] = a
+    return buf

@@ -34,6 +34,7 @@ def auto_decay_bits(side: str, bits: float, qjl: bool = False) -> int | None:
         return None
     return max(int(bits) - DECAY_STEP[side], DECAY_FLOOR[side])
 DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
+WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -90,6 +91,11 @@ class TurboQuantConfig:
     boundary_bits: float = 8
     protect_factor: float | None = 5.0  # keys whose calibration bias_outlier_factor exceeds this: protect_bits
     protect_bits: float = 8
+    # The largest RMS error of the attention logits a layer's keys may give the queries of its calibration tokens
+    # (calibration.logit_error): a layer whose keys exceed it at key_bits takes the fewest bits up to
+    # WIDEST_KEY_BITS that do not, chosen at its first compression; its keys decay by the same step (K6 -> K5).
+    # Needs query weights (weigh_keys) and integer MSE key bits. None: every layer keeps key_bits.
+    key_error: float | None = None
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
@@ -122,6 +128,13 @@ class TurboQuantConfig:
         f = self.protect_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
+        e = self.key_error
+        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0):
+            raise ValueError(f"key_error must be a number > 0 or None (keys keep key_bits), got {e!r}")
+        if e is not None and (self.qjl or self.key_bits != int(self.key_bits)):
+            raise ValueError(f"key_error needs integer key_bits without QJL (the widths it chooses from are "
+                             f"{format_bits(self.key_bits)} .. {WIDEST_KEY_BITS}), got key_bits="
+                             f"{format_bits(self.key_bits)}{' with qjl' if self.qjl else ''}")
         if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
@@ -227,6 +240,11 @@ class TurboQuantConfig:
             return None, None
         return self.decay_key_bits, self.decay_value_bits
 
+    def widened_decay_bits(self, bits: int, decay_bits: int | None) -> int | None:
+        """The bits keys widened to `bits` (key_error) decay to: the layer's decay_bits lowered by as many bits as
+        the keys were widened (K4 -> K3 becomes K6 -> K5); None where the layer does not decay."""
+        return None if decay_bits is None else int(decay_bits) + int(bits) - int(self.key_bits)
+
     def layer_qjl(self, key_bits: float) -> bool:
         """Whether keys at key_bits use QJL: TurboQuant_prod needs integer bits 1-4, so an 8-bit boundary
         layer keeps plain MSE codes."""
@@ -283,6 +301,7 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     - a side given new bits that its base decay bits no longer lower (fractional bits, or bits not above the decay
       bits: decay only ever lowers integer bits, one rotation) keeps its bits at every age, unless fields name its
       decay bits; and when no side is left to decay, nothing decays (decay_after None).
+    - QJL or fractional key bits drop the base's key_error unless fields name it (it chooses integer MSE widths).
 
     Everything else is validated by TurboQuantConfig as given (ValueError naming the conflict). max_kv_size: a
     bounded cache (--max-kv-size), which fit_max_kv_size fits the config to."""
@@ -305,6 +324,9 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     if merged.get("decay_after", AUTO) is not None and all(
             merged.get(f"decay_{side}_bits", AUTO) is None for side in ("key", "value")):
         merged["decay_after"] = None  # nothing left to decay to
+    kb = merged.get("key_bits", 4)
+    if "key_error" not in fields and (merged.get("qjl") or kb != int(kb)):
+        merged["key_error"] = None  # widths by error choose among integer MSE widths: QJL or 2.5/3.5 keep theirs
     return fit_max_kv_size(TurboQuantConfig(**merged), max_kv_size)
 
 

@@ -13,9 +13,10 @@ from .integration import make_prompt_cache
 
 
 def converted_config(config: TurboQuantConfig) -> TurboQuantConfig:
-    """The config a converted cache has: `config` with keys not weighed, since a float cache holds no queries to
-    weigh them by (so the cache, its description and the planner agree on what it holds)."""
-    return dataclasses.replace(config, weigh_keys=False)
+    """The config a converted cache has: `config` with keys not weighed and at their configured bits, since a float
+    cache holds no queries to weigh them by or to measure their error on (key_error), so the cache, its
+    description and the planner agree on what it holds."""
+    return dataclasses.replace(config, weigh_keys=False, key_error=None)
 
 
 def compress_float_cache(model, cache: list, config: TurboQuantConfig, file_name: str,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .cache import TurboQuantKVCache
-from .config import TurboQuantConfig, bits_label
+from .config import WIDEST_KEY_BITS, TurboQuantConfig, bits_label
 from .memory import Saving, flat_caches
 from .quantizer import format_bits
 
@@ -181,6 +181,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
     if config.protect_factor is None:
         parts.append("no key protection")
+    if config.key_error is not None:
+        parts.append(f"keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {config.key_error:g}")
     if not config.weigh_keys:  # departures from the default's key coding are named, as protection's is
         parts.append("keys not weighed")
     if config.center_keys != "rope":

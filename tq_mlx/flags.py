@@ -40,7 +40,7 @@ _FIELDS = {
     "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
-          "tq_no_decay", *_FIELDS)
+          "tq_no_decay", "tq_key_error", *_FIELDS)
 
 
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
@@ -62,6 +62,19 @@ def _factor_arg(text: str) -> float:
         value = float("nan")
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"invalid factor {text!r}: must be a number >= 1")
+    return value
+
+
+def key_error_arg(text: str) -> float | str:
+    """argparse type for --tq-key-error: a number > 0, or "off" (every layer keeps the key bits)."""
+    if text == "off":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"invalid key error {text!r}: must be a number > 0 or off")
     return value
 
 
@@ -122,6 +135,11 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"evenly spread keys stores its keys at --tq-protect-bits (default {d.protect_factor:g})")
     g.add_argument("--tq-protect-bits", dest="tq_protect_bits", type=bits_arg, metavar="B",
                    help=f"bits of self-protected keys (default {format_bits(d.protect_bits)})")
+    g.add_argument("--tq-key-error", dest="tq_key_error", type=key_error_arg, metavar="E",
+                   help="a layer whose keys would give the attention logits of its first window's queries an RMS "
+                        "error above E at the key bits takes more bits, up to 6, chosen at its first compression "
+                        "(off: every layer keeps the key bits) (default "
+                        f"{'off' if d.key_error is None else format(d.key_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: every layer keeps the configured bits")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
@@ -202,6 +220,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         if getattr(args, "tq_protect_factor", None) is not None:
             raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")
         kw["protect_factor"] = None
+    if getattr(args, "tq_key_error", None) is not None:
+        kw["key_error"] = None if args.tq_key_error == "off" else args.tq_key_error
     if getattr(args, "tq_center_values", False):
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):

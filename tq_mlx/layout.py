@@ -224,7 +224,8 @@ def part_bytes(config, tokens: int, dim: int, bits: float, qjl: bool = False, de
 
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
                  protected: bool = False, center: bool = False, rope_pairs: int | None = None, weigh: bool = False,
-                 max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1) -> int:
+                 max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1,
+                 widened: int | None = None) -> int:
     """CompressedStream.nbytes after `tokens` tokens, for a stream built as the cache builds it: quantizer
     (dim, bits, qjl), decay quantizer at decay_bits (None: no decay), center, rope (the channel pairs its RoPE
     rotates, None: no RoPE centering), weigh; batch x heads kv heads.
@@ -235,12 +236,20 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     frequencies (float32) from the start; the query weights (float32 per channel) once a token after the sinks
     came. protected: the stream protected its keys at calibration: codes at config.protect_bits (plain MSE)
     that do not decay, and it keeps its configured quantizer (and decay quantizer) next to the protecting one.
+    widened: the bits the keys chose at calibration (config.key_error): codes at those bits decaying by the
+    same step, and the configured quantizers kept next to theirs.
     """
     if tokens <= 0:
         return 0
     total = constant_bytes(dim, bits, qjl) + (constant_bytes(dim, decay_bits) if decay_bits is not None else 0)
     if protected:
         bits, qjl = config.protect_bits, False
+        total += constant_bytes(dim, bits)
+    elif widened is not None and widened != bits:
+        if decay_bits is not None:
+            decay_bits += widened - bits
+            total += constant_bytes(dim, decay_bits)
+        bits = widened
         total += constant_bytes(dim, bits)
     parts = part_bytes(config, tokens, dim, bits, qjl, None if protected else decay_bits, max_kv_size, float_bytes)
     total += batch * heads * sum(parts)

@@ -32,6 +32,7 @@ import mlx.core as mx
 from .architectures import attention_layout, text_config
 from .attention import tile_size
 from .cache import TurboQuantKVCache, check_max_size
+from .config import WIDEST_KEY_BITS
 from .layout import stream_bytes, token_layout
 
 FLOAT16_BYTES = 2
@@ -105,7 +106,7 @@ def turboquant_layer_bytes(
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
-    weighted: bool | None = None,
+    weighted: bool | None = None, key_width: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token): its streams as the cache builds them, each priced by layout.stream_bytes.
@@ -120,14 +121,15 @@ def turboquant_layer_bytes(
     in boundary layers); None: the config's own. rope_pairs: keys centered before RoPE (config.center_keys "rope"
     on a layer whose RoPE rotates that many channel pairs); None: not. weighted: the keys are weighed by the
     queries (config.weigh_keys on a per-head layer whose attention sees the cache's views; None:
-    config.weigh_keys unless latent or K=V). max_kv_size: a bounded cache.
+    config.weigh_keys unless latent or K=V). max_kv_size: a bounded cache. key_width: the bits the keys chose
+    at calibration (config.key_error; None: key_bits).
     """
     k_decay, v_decay = config.layer_decay_bits(0, None) if decay_bits is None else decay_bits
     if weighted is None:
         weighted = config.weigh_keys and not latent and not k_eq_v
     common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
     total = stream_bytes(config, tokens, key_dim, key_bits, qjl=config.layer_qjl(key_bits), decay_bits=k_decay,
-                         protected=protected, center=bool(config.center_keys), weigh=weighted,
+                         protected=protected, widened=key_width, center=bool(config.center_keys), weigh=weighted,
                          rope_pairs=rope_pairs if config.center_keys == "rope" else None, **common)
     if value_dim and not k_eq_v:
         if latent:
@@ -239,15 +241,33 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     bits."""
     if config.protect_factor is None or config.protect_bits <= config.key_bits:
         return 0
+    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, protected=True)
+
+
+def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
+                      max_kv_size: int | None = None) -> int:
+    """What one attention layer adds at ctx if its keys take the most bits key_error gives (WIDEST_KEY_BITS,
+    chosen by the layer's own calibration tokens and queries, so a plan can only price one): its key codes at
+    those bits, decaying by the configured step, and the widened quantizers' constants. 0 without key_error or
+    on layers that do not weigh their keys (latent, K=V)."""
+    lay = attention_layout(model_config)
+    if config.key_error is None or not config.weigh_keys or lay.latent or lay.k_eq_v:
+        return 0
+    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, key_width=WIDEST_KEY_BITS)
+
+
+def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv_size, **change) -> int:
+    """The bytes a middle attention layer (boundary layers have their own bits) adds with `change` (a keyword of
+    turboquant_layer_bytes) at ctx."""
     lay = attention_layout(model_config)
     n_att = len(lay.full_layers)
     if not n_att:
         return 0
-    kb, vb = config.layer_bits(n_att // 2, n_att)  # a middle layer: boundary layers have their own bits
+    kb, vb = config.layer_bits(n_att // 2, n_att)
     args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim, kb, vb, config, batch,
             kv_float_bytes(model_config, dtype), max_kv_size)
     flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v, decay_bits=config.layer_decay_bits(n_att // 2, n_att))
-    return turboquant_layer_bytes(*args, protected=True, **flags) - turboquant_layer_bytes(*args, **flags)
+    return turboquant_layer_bytes(*args, **change, **flags) - turboquant_layer_bytes(*args, **flags)
 
 
 # --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------

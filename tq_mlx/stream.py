@@ -49,21 +49,12 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .calibration import QuerySums, calibrate, has_channel_order, needs_protection
-from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, batch_heads_of, check_state, make_quantizer,
-                    quantizer_as_written, read_state, state_arrays)
+from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
+from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer,
+                    moved, quantizer_as_written, read_state, state_arrays)
 from .layout import decayed_split, fresh_bound, overflow, window_capacity
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from .rope import Rope, centers
-
-
-def unique_arrays(holders) -> list[mx.array]:
-    """The arrays of every holder's held_arrays(), each once (holders may share constants)."""
-    seen: dict[int, mx.array] = {}
-    for h in holders:
-        for a in h.held_arrays():
-            seen.setdefault(id(a), a)
-    return list(seen.values())
 
 
 class Decay(NamedTuple):
@@ -78,6 +69,14 @@ class Protect(NamedTuple):
 
     factor: float
     bits: float
+
+
+class Widen(NamedTuple):
+    """Key widths by error (config.key_error): the fewest bits up to `max_bits` whose logit error on the
+    calibration queries is at most `target` (calibration.key_width)."""
+
+    target: float
+    max_bits: int
 
 
 class Segment(NamedTuple):
@@ -215,39 +214,6 @@ def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
     return x.astype(dtype)
 
 
-def code_order(quantizer: TurboQuantMSE, perm: mx.array | None) -> mx.array | None:
-    """The model channel at each code position, (H, D) or (D,) int: code position j holds quantizer channel
-    channels[j] (the groups' channels side by side), which is model channel perm[channels[j]]. None: model
-    order (one group, no stream order)."""
-    groups = quantizer.groups
-    order = None if len(groups) == 1 else mx.concatenate([g.channels for g in groups])
-    if perm is not None:
-        order = perm if order is None else mx.take(perm, order, axis=-1)
-    return order
-
-
-def _moved(buf, start: int, end: int, capacity: int):
-    """New buffers (a NamedTuple of arrays, token axis 2) of `capacity` tokens holding tokens start .. end - 1 of
-    buf at their front: no slice of the old ones keeps them alive."""
-    return type(buf)(*(mx.concatenate([a[:, :, start:end], mx.zeros((*a.shape[:2], capacity - end + start,
-                                                                     *a.shape[3:]), a.dtype)], axis=2) for a in buf))
-
-
-def _appended(buf, held: int, new, step: int, capacity: int | None = None):
-    """Buffers holding their `held` tokens, then the tokens of `new` (same NamedTuple type); full ones grow to
-    a multiple of step (or to `capacity`, when given and enough)."""
-    n = new[0].shape[2]
-    if buf is None or held + n > buf[0].shape[2]:
-        grown = capacity if capacity is not None and capacity >= held + n else -(-(held + n) // step) * step
-        if buf is None:
-            buf = type(new)(*(mx.zeros((*t.shape[:2], grown, *t.shape[3:]), t.dtype) for t in new))
-        else:
-            buf = _moved(buf, 0, held, grown)
-    for b, a in zip(buf, new):
-        b[:, :, held : held + n] = a
-    return buf
-
-
 # --- the stream --------------------------------------------------------------------------------------------
 
 
@@ -261,22 +227,27 @@ class CompressedStream:
 
     protect (Protect): deciding reads one number back from the device, once per stream and sequence, at its
     first compression; every later append is graph construction. decay (Decay): temporal decay (the module
-    docstring). A protected stream does not decay: what made it protect its keys holds at every age.
+    docstring). A protected stream does not decay: what made it protect its keys holds at every age. widen
+    (Widen): with query weights, the first compression also chooses the keys' width from their logit error on
+    the calibration queries (one more number read back, once the queries came); a widened stream decays by
+    the same step (K6 -> K5 where K4 -> K3).
     """
 
     def __init__(self, quantizer: TurboQuantMSE | TurboQuantProd, *, name: str, sinks: int, window: int,
                  compress_block: int, step: int, center: bool, encoder: Callable = encode, decoder: Callable = decode,
                  protect: tuple[float, float] | None = None, decay: tuple[int, TurboQuantMSE] | None = None,
-                 rope: Rope | None = None, weigh: bool = False):
+                 rope: Rope | None = None, weigh: bool = False, widen: tuple[float, int] | None = None):
         decay = None if decay is None else Decay(*decay)
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
                                   or isinstance(quantizer, TurboQuantProd) or decay.quantizer.dim != quantizer.dim
                                   or decay.quantizer.seed != quantizer.seed):
             raise ValueError(f"stream {name}: decay needs one-group MSE quantizers of one dim and seed")
         self.quantizer, self.name, self.encoder, self.decoder = quantizer, name, encoder, decoder
-        self.decay = decay
+        self.decay = self.base_decay = decay  # decay: that of the width the stream codes at (widen)
         self.decayed = None  # MSECodes buffers (B, H, capacity, ...) of the decay quantizer
         self.base_quantizer, self.protect = quantizer, None if protect is None else Protect(*protect)
+        self.widen = None if widen is None or not weigh else Widen(*widen)  # the error needs the queries
+        self._protected = False
         # the most tokens the sinks and the window hold (the config's sinks and window; self.sinks and
         # self.window are their buffers)
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
@@ -378,9 +349,18 @@ class CompressedStream:
             # protection: one value read back; a settle keeps the first compression's decision
             if not final and self.protect is not None and self.protect.bits > self.base_quantizer.bits:
                 self.set_protected(needs_protection(calib, self.protect.factor))
-            self.mean, self.perm, self.scale, self.weights = calibrate(
-                calib, self.quantizer, center=self.center, rope=self.rope, position=self._position(0),
-                queries=sums.total if self.weigh else None)
+            cal = calibrate(calib, self.quantizer, center=self.center, rope=self.rope, position=self._position(0),
+                            queries=sums.total if self.weigh else None, query_count=sums.count,
+                            query_scale=sums.scale)
+            self.mean, self.perm, self.scale, self.weights = cal.mean, cal.perm, cal.scale, cal.weights
+            if self.widen is not None and not self.protected:
+                # the width: one value read back once the queries came (a first compression that waits for
+                # them codes at the configured bits and is coded again at the chosen ones when they come)
+                bits = self.base_quantizer.bits
+                if sums.pending is None and cal.error is not None:
+                    bits = key_width(mx.max(cal.error).item(), bits, self.widen.max_bits, self.widen.target,
+                                     self.dim)
+                self.set_bits(bits)
             if sums.pending is None:
                 sums.fix()  # the weights are fixed
         new = x[:, :, :n]
@@ -402,7 +382,7 @@ class CompressedStream:
             self._decay_fresh(d)
         if n == 0:
             return
-        self.codes = _appended(self.codes, self.n_fresh, new, self.step, self._fresh_capacity())
+        self.codes = appended(self.codes, self.n_fresh, new, self.step, self._fresh_capacity())
         self.n_fresh += n
 
     @property
@@ -410,7 +390,7 @@ class CompressedStream:
         """Whether attention should hand this stream its queries (observe): weights not fixed yet."""
         return self.weigh and (self.query_sums.pending is not None or self.scale is None)
 
-    def observe(self, queries: mx.array) -> StreamView:
+    def observe(self, queries: mx.array, scale: float | None = None) -> StreamView:
         """Take the queries (B, n_q_heads, L, D) that attend this stream's last L tokens, adding the squares of
         those at calibration positions (the first `window` after the sinks) to the query sums; then finish a
         first compression that waited for them. Returns the view to attend (no further observe): graph
@@ -418,7 +398,7 @@ class CompressedStream:
         if queries.shape[3] == self.dim:
             bh = self.batch_heads()
             end = self.max_sinks + self.max_window if self.max_window else self.n_tokens
-            self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads)
+            self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
         self._settle()
         view = self.view()._replace(observe=None)
         if self.query_sums.total is not None:
@@ -468,7 +448,7 @@ class CompressedStream:
         order stay as they are) and append them to the decayed codes."""
         x = self.decoder(StreamView(self.quantizer, codes, None, None, None, None, None), mx.float32)
         new = self.encoder(x, self.decay.quantizer)
-        self.decayed = _appended(self.decayed, self.n_decayed, new, self.step)
+        self.decayed = appended(self.decayed, self.n_decayed, new, self.step)
         self.n_decayed += new[0].shape[2]
 
     def drop_oldest(self, n: int, room: int) -> None:
@@ -487,16 +467,35 @@ class CompressedStream:
                                                      self._fresh_capacity()), self.n_fresh - n
 
     def _dropped(self, buf, held: int, n: int, room: int, capacity: int | None = None):
-        return _moved(buf, n, held, capacity or -(-(held - n + room) // self.step) * self.step)
+        return moved(buf, n, held, capacity or -(-(held - n + room) // self.step) * self.step)
 
     @property
     def protected(self) -> bool:
-        return self.quantizer is not self.base_quantizer
+        return self._protected
+
+    @property
+    def widened(self) -> bool:
+        """Whether the keys chose more bits than configured (widen), the protection's aside."""
+        return not self._protected and self.quantizer.bits != self.base_quantizer.bits
 
     def set_protected(self, protected: bool) -> None:
         """Quantize at the protection bits (plain MSE codes, same seed), or at the configured quantizer."""
         q = self.base_quantizer
+        self._protected = protected
         self.quantizer = make_quantizer(q.dim, self.protect.bits, False, q.seed, q.norm_dtype) if protected else q
+        self.decay = self.base_decay
+
+    def set_bits(self, bits: int) -> None:
+        """Code at `bits` (widen's choice: plain MSE codes, same seed), decaying by the configured step."""
+        q, d = self.base_quantizer, self.base_decay
+        self._protected = False
+        if bits == q.bits:
+            self.quantizer, self.decay = q, d
+            return
+        self.quantizer = make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype)
+        if d is not None:
+            dq = d.quantizer
+            self.decay = Decay(d.age, make_quantizer(dq.dim, dq.bits + bits - q.bits, False, dq.seed, dq.norm_dtype))
 
     def view(self) -> StreamView:
         s, f, w, d = self.n_sinks, self.n_fresh, self.n_window, self.n_decayed
@@ -533,7 +532,7 @@ class CompressedStream:
             n -= d
         if self.n_coded == 0:
             self.mean = self.perm = self.scale = self.weights = None
-            self.quantizer = self.base_quantizer
+            self.quantizer, self.decay, self._protected = self.base_quantizer, self.base_decay, False
             self.query_sums.forget_after(self.n_tokens)
 
     def batch_heads(self) -> BatchHeads | None:
@@ -549,8 +548,9 @@ class CompressedStream:
         p = self._parts()
         parts = [*(p.codes or ()), *(p.decayed or ()), *(p.rope or ()), p.sinks, p.window, p.mean, p.perm, p.scale,
                  p.weights, p.queries]
-        quantizers = (self.quantizer, self.base_quantizer) if self.protected else (self.quantizer,)
-        quantizers += (self.decay.quantizer,) if self.decay is not None else ()
+        quantizers = (self.quantizer,) + ((self.base_quantizer,) if self.quantizer is not self.base_quantizer else ())
+        if self.decay is not None:  # a widened stream keeps the configured decay quantizer too
+            quantizers += tuple(dict.fromkeys((self.decay.quantizer, self.base_decay.quantizer)))
         return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
 
     @property
@@ -577,7 +577,7 @@ class CompressedStream:
         return state_arrays(self.name, self._parts())
 
     def load_state(self, arrays: dict, n_sinks: int, n_fresh: int, n_window: int, bh: BatchHeads | None,
-                   n_decayed: int = 0, n_dropped: int = 0) -> None:
+                   n_decayed: int = 0, n_dropped: int = 0, query_count: int | None = None) -> None:
         """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
         this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens)."""
         parts = read_state(arrays, self.name, ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes)
@@ -595,6 +595,6 @@ class CompressedStream:
         self.n_sinks, self.n_fresh, self.n_window, self.n_decayed = n_sinks, n_fresh, n_window, n_decayed
         self.n_dropped = n_dropped
         # queries summed before the file was written are those of every token it holds (attention saw them all)
-        self.query_sums.load(parts.queries, self.n_tokens)
+        self.query_sums.load(parts.queries, self.n_tokens, query_count)
         if not self.weigh:
             self.query_sums.fix()

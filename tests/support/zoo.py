@@ -422,7 +422,7 @@ def decoded_attention(mp) -> None:
         def attend(queries, keys, values, scale, mask=None, sinks=None, **_kwargs):
             same = keys is values
             if getattr(keys, "observe", None) is not None:
-                keys = keys.observe(queries)
+                keys = keys.observe(queries, scale)
             k = floats(keys, mx.float32)
             v = k if same else floats(values, mx.float32)
             out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask,

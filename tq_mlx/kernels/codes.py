@@ -30,7 +30,8 @@ import mlx.core as mx
 from ..packing import packed_words
 from ..quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..rotation import Rotation
-from ..stream import StreamView, code_order, decode, encode as stream_encode
+from ..codec import code_order
+from ..stream import StreamView, decode, encode as stream_encode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
 from .support import _require, dequantize_unsupported, encode_unsupported, rotation_unsupported
 

@@ -173,7 +173,7 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
     everything else."""
     if isinstance(keys, StreamView) and keys.observe is not None:  # its stream sums these queries first
-        keys = keys.observe(queries)
+        keys = keys.observe(queries, scale)
     factory = metal_kernel or _factory or _default_factory()
     kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
