@@ -150,8 +150,9 @@ def short_meta(meta: dict) -> str:
     return f"{meta['date']} · {meta['machine']} · {meta['backend']}{blas}"
 
 
-def memory_headline(full: str) -> str:
-    """KV bytes at 32k and 128k for plots.USER_MODELS: float16, mlx-lm 4-bit, TurboQuant's defaults."""
+def memory_headline(full: str, results: Path | None = None, suffix: str = "") -> str:
+    """KV bytes at 32k and 128k for plots.USER_MODELS: float16, mlx-lm 4-bit, TurboQuant's defaults; and up to
+    which context the defaults' quality was measured, on which models (long_context<suffix>.json)."""
     import memory
     import plots
 
@@ -181,7 +182,31 @@ def memory_headline(full: str) -> str:
             f"V{d.value_bits:g}, {d.norm_bits}-bit norms{decay}, window {d.window}, {d.sinks} sinks); mlx-lm 4-bit: `--kv-bits 4`, groups of 64; 'vs float16' "
             f"at {labels[-1]}. From tq_mlx.memory.estimate_kv_bytes, which `benchmarks/memory.py` checks byte for byte "
             f"against real caches. Every bit width, 8k to 256k, and the smallest Mac that fits: [{full}#memory]({full}#memory).")
-    return f"### Memory\n\n{common.markdown_table(headers, rows)}\n\n{note}"
+    return f"### Memory\n\n{common.markdown_table(headers, rows)}\n\n{note}{measured_contexts(results, suffix)}"
+
+
+def measured_contexts(results: Path | None, suffix: str) -> str:
+    """" The defaults' quality was measured up to ...": the longest context each model's default row reached, and
+    its KL there (long_context<suffix>.json), so the memory figures name the context their quality stands at."""
+    import long_context
+
+    path = None if results is None else results / f"long_context{suffix}.json"
+    if path is None or not path.exists():
+        return ""
+    said = []
+    for m in json.loads(path.read_text())["models"].values():
+        rows = [r for r in m["rows"] if long_context.canonical_name(r) == long_context.DEFAULT.name]
+        cells = {int(c): x for r in rows for t in r["texts"].values() for c, x in t.items() if isinstance(x, dict)}
+        if cells:
+            top = max(cells)
+            kls = [x["kl"] for r in rows for t in r["texts"].values() for c, x in t.items()
+                   if isinstance(x, dict) and int(c) == top]
+            kl = _kl(max(kls)) if len(kls) == 1 else f"{_kl(min(kls))}-{_kl(max(kls))}"
+            said.append((top, f"{m['model']} to {long_context.ctx_label(top)} (KL {kl} there)"))
+    if not said:
+        return ""
+    return (f" The defaults' quality is measured up to {long_context.ctx_label(max(said)[0])} tokens so far: "
+            + ", ".join(text for _, text in said) + " ([Quality at long context](#quality-at-long-context)).")
 
 
 def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) -> str:
@@ -204,8 +229,34 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
             f"and sinks counted (* = the peer's bytes as measured). {short_meta(res['meta'])}. Every setting, two more models, ΔPPL and needles: "
             f"[{full}#quality-at-long-context]({full}#quality-at-long-context).")
     picture = link(common.REPO / "docs" / "kl_vs_bits.png", readme_dir)
-    return (f"### Quality at long context\n\n{common.markdown_table([headers[i] for i in cols], [[r[i] for i in cols] for r in picked])}"
+    return (f"### Quality at long context\n\n{longest_table(res, full)}\n\n"
+            f"{common.markdown_table([headers[i] for i in cols], [[r[i] for i in cols] for r in picked])}"
             f"\n\n{note}\n\n![KL against bits per value at {long_context.ctx_label(ctx)} tokens, every setting and peer]({picture})")
+
+
+def longest_table(res: dict, full: str) -> str:
+    """The presets and the key_error settings at 16k and past it, on the models measured there, before the 8k
+    table: what the memory headline's contexts cost in quality."""
+    import long_context
+
+    parts = []
+    for key, m in res["models"].items():
+        headers, rows = long_context.model_table(m)
+        ctx = [h.rsplit(" ", 1)[-1] for h in headers]  # "16k" in "KL Brit 16k"
+        cols = [i for i, h in enumerate(headers) if h.split(" ")[0] in ("KL", "ΔPPL") and ctx[i].endswith("k")
+                and int(ctx[i][:-1]) >= 16]
+        named = {long_context.canonical_name(r): r for r in m["rows"]}
+        keep = [r for r in rows if r[0] in named and named[r[0]]["kind"] == "tq"
+                and (r[0] in long_context.HEADLINE_PRESETS or (named[r[0]].get("config") or {}).get("key_error"))]
+        cols = [i for i in cols if any(r[i] != "–" for r in keep)]
+        keep = [r for r in keep if any(r[i] != "–" for i in cols)]
+        if not cols or not keep:
+            continue
+        parts.append(common.markdown_table([headers[i] for i in [0, 2, *cols]], [[r[i] for i in [0, 2, *cols]] for r in keep]))
+        parts.append(f"{m['model']} ({m['geometry']['head_dim']}-dim heads) past 16k tokens: KL(float ‖ cache) and ΔPPL over the "
+                     "last 512 tokens of each context, bits per value at 32k († with the layers whose keys protected "
+                     f"themselves or took more bits). The target is KL 0.01: [{full}#quality-at-long-context]({full}#quality-at-long-context).")
+    return "\n\n".join(parts)
 
 
 def speed_headline(results: Path, suffix: str, full: str) -> str:
@@ -234,7 +285,8 @@ def headline(results: Path = common.RESULTS, readme_dir: Path = README.parent, s
     """The markdown between the README's headline-results markers."""
     full = link(docs, readme_dir)
     parts = [f"<!-- generated by `python benchmarks/readme_tables.py --write` from {shown(results)}/ -->",
-             memory_headline(full), quality_headline(results, suffix, full, readme_dir), speed_headline(results, suffix, full)]
+             memory_headline(full, results, suffix), quality_headline(results, suffix, full, readme_dir),
+             speed_headline(results, suffix, full)]
     return "\n\n".join(parts) + "\n"
 
 
@@ -519,26 +571,51 @@ def _kl_range(cells: list[dict]) -> str:
 
 
 def quality_values() -> tuple:
-    """The default's KL on Qwen2.5-Coder-0.5B at 8k and at its longest context measured, against SmolLM2 and
-    Qwen2.5-Coder-1.5B at 8k, and the quality preset on both (benchmarks/results/long_context.json)."""
+    """The default's KL on Qwen2.5-Coder-0.5B at 8k, 16k and its longest context measured, against SmolLM2 and
+    Qwen2.5-Coder-1.5B at 8k, and the quality preset at 8k and its longest context (results/long_context.json)."""
     import long_context
     from tq_mlx import TurboQuantConfig
 
     res = _long_context()["models"]
     short = max(c for c in res["smollm2"]["contexts"] if c <= long_context.TRAINED_CONTEXT["smollm2"])
-    longest = max(int(c) for x in _lc_row("qwen05", "DEFAULT")["texts"].values() for c in x if c.isdigit())
+    measured = lambda setting: {int(c) for x in _lc_row("qwen05", setting)["texts"].values() for c in x  # noqa: E731
+                                if c.isdigit()}
+    longest, mid = max(measured("DEFAULT")), 2 * short
+    q_longest = max(measured("QUALITY"))
     g = res["qwen05"]["geometry"]
-    dppl = max(x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, longest)))
+    dppl = max(x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, mid, longest)))
     q = _lc_row("qwen05", "QUALITY")
     bits = q["bits_32k"] + long_context.protection_bits(q, g, long_context.LONG)
-    return (g["kv_heads"], g["head_dim"], _bits(TurboQuantConfig().key_bits),
+    return (g["kv_heads"], g["head_dim"],
             _kl_range(_lc_cells("qwen05", "DEFAULT", (short,))), _ctx(short),
+            _kl_range(_lc_cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
             _kl_range(_lc_cells("qwen05", "DEFAULT", (longest,))), _ctx(longest), f"{dppl:.1f}",
             _kl_range(_lc_cells("smollm2", "DEFAULT", (short,)) + _lc_cells("qwen15", "DEFAULT", (short,))),
             _ctx(short),
             _bits(TurboQuantConfig.preset("quality").key_bits), f"{bits:.2f}", _ctx(long_context.LONG),
-            f"{16 / bits:.1f}", _kl_range(_lc_cells("qwen05", "QUALITY", (short, longest))), _ctx(short),
-            _ctx(longest), _kl_range(_lc_cells("smollm2", "QUALITY", (short,))), _ctx(short))
+            f"{16 / bits:.1f}", _kl_range(_lc_cells("qwen05", "QUALITY", (short, q_longest))), _ctx(short),
+            _ctx(q_longest), _kl_range(_lc_cells("smollm2", "QUALITY", (short,))), _ctx(short))
+
+
+KEY_ERROR_SETTING = "k4v4w768b128d6144k3v4n8rqe0.1"  # --tq-key-error 0.1 --tq-decay-value-bits off
+
+
+def key_error_values() -> tuple:
+    """Keys by their error with values at 4 bits at every age on Qwen2.5-Coder-0.5B: its key_error, KL at 8k and
+    at the longest context measured, bits/value at 32k with the widths its layers took (long_context.json)."""
+    import long_context
+
+    m = _long_context()["models"]["qwen05"]
+    want = long_context.parse_setting(KEY_ERROR_SETTING).config.to_dict()
+    rows = [r for r in m["rows"] if r.get("config") and long_context._same_config(r["config"], want)]
+    if len(rows) != 1:
+        raise Reword(f"long_context.json has {len(rows)} rows of {KEY_ERROR_SETTING} for qwen05")
+    r = rows[0]
+    cells = {int(c): x for t in r["texts"].values() for c, x in t.items() if isinstance(x, dict)}
+    short, longest = min(c for c in cells if c >= 8192), max(cells)
+    bits = r["bits_32k"] + long_context.protection_bits(r, m["geometry"], long_context.LONG)
+    return (_bits(want["value_bits"]), f"{want['key_error']:g}", _kl(cells[short]["kl"]), _ctx(short),
+            _kl(cells[longest]["kl"]), _ctx(longest), f"{bits:.2f}", _ctx(long_context.LONG))
 
 
 def norm_values() -> tuple:
@@ -625,10 +702,12 @@ FIGURES = [
     Figure("bound floor", "window and a compress block ({} tokens by default)", bound_floor_values),
     Figure("bound saving", "Llama-3.1-8B saves {} at {} tokens and {} at {}.", bound_values),
     Figure("quality", "on Qwen2.5-Coder-0.5B ({} kv heads of {} dims, attention spread thin over thousands of tokens) "
-           "its {}-bit keys leave KL {} at {} and {} at {} (ΔPPL up to +{}%), against {} at {} on SmolLM2-135M and "
-           "Qwen2.5-Coder-1.5B. `--tq-preset quality` ({}-bit keys, {} bits/value at {}, {}x smaller than float16) "
-           "takes it to KL {} at {} and {} (and SmolLM2 to {} at {}).", quality_values),
+           "the default leaves KL {} at {}, {} at {} and {} at {} (ΔPPL up to +{}%), against {} at {} on SmolLM2-135M "
+           "and Qwen2.5-Coder-1.5B. `--tq-preset quality` ({}-bit keys, {} bits/value at {}, {}x smaller than "
+           "float16) takes it to KL {} at {} and {} (and SmolLM2 to {} at {}).", quality_values),
     Figure("norms", "plus one norm (an {}-bit log code)", norm_values),
+    Figure("key error", "with values at {} bits at every age (`--tq-key-error {} --tq-decay-value-bits off`) take it "
+           "to KL {} at {} and {} at {}, at {} bits/value at {};", key_error_values),
     Figure("protected keys", "keeps its keys at {} bits", protect_values),
     Figure("zoo", "Of {} architectures, {} are compressed; {} are refused because", zoo_values, zoo_refused),
     Figure("zoo not buildable", "; {} cannot run here (", zoo_unbuildable_values, zoo_unbuildable),

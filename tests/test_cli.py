@@ -96,6 +96,17 @@ def test_key_error_flag(capsys):
         assert "must be a number > 0 or off" in capsys.readouterr().err
 
 
+def test_decay_bits_off_keeps_a_side_at_its_bits():
+    # keys widened by error with values that keep 4 bits at every age: the setting that holds KL 0.01 at 16k on
+    # Qwen2.5-Coder-0.5B (benchmarks/DEFAULTS.md)
+    c = config_from_args(parse("--tq-key-error", "0.1", "--tq-decay-value-bits", "off"))
+    assert (c.decay_after, c.decay_key_bits, c.decay_value_bits, c.key_error) == (6144, 3, None, 0.1)
+    c = config_from_args(parse("--tq-decay-value-bits", "off", "--tq-decay-key-bits", "off"))
+    assert (c.decay_after, c.decay_key_bits, c.decay_value_bits) == (None, None, None)
+    with pytest.raises(SystemExit):
+        parse("--tq-decay-key-bits", "of")
+
+
 def test_value_centering_both_ways():
     assert config_from_args(parse("--tq-center-values")).center_values is True
     assert config_from_args(parse("--tq-no-center-values")).center_values is False

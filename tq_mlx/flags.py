@@ -65,6 +65,12 @@ def _factor_arg(text: str) -> float:
     return value
 
 
+def decay_bits_arg(text: str) -> float | str:
+    """argparse type for --tq-decay-key-bits / --tq-decay-value-bits: a bit width, or "off" (that side keeps its
+    bits at every age)."""
+    return text if text == "off" else bits_arg(text)
+
+
 def key_error_arg(text: str) -> float | str:
     """argparse type for --tq-key-error: a number > 0, or "off" (every layer keeps the key bits)."""
     if text == "off":
@@ -164,12 +170,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
                         f"(default {d.decay_after}; keys decay one bit, down to 3, values two, down to 2, unless "
                         "--tq-decay-*-bits say otherwise; fractional and 8-bit widths never decay)")
-    g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=bits_arg, metavar="B",
-                   help="bits keys decay to: an integer below the key bits (default "
+    g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=decay_bits_arg, metavar="B",
+                   help="bits keys decay to: an integer below the key bits, or off (default "
                         f"{format_bits(d.decay_key_bits)} at key bits {format_bits(d.key_bits)}: one bit less, not below 3; "
                         "none for fractional or 8-bit keys)")
-    g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=bits_arg, metavar="B",
-                   help="bits values decay to: an integer below the value bits (default "
+    g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=decay_bits_arg, metavar="B",
+                   help="bits values decay to: an integer below the value bits, or off (default "
                         f"{format_bits(d.decay_value_bits)} at value bits {format_bits(d.value_bits)}: two less, not below 2; "
                         "none for fractional or 8-bit values)")
     g.add_argument("--tq-no-decay", dest="tq_no_decay", action="store_true",
@@ -199,7 +205,7 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
     for dest, name in _FIELDS.items():
         value = getattr(args, dest, None)
         if value is not None:
-            kw[name] = value
+            kw[name] = None if value == "off" else value  # --tq-decay-*-bits off: that side keeps its bits
     if getattr(args, "tq_qjl", False):
         kw["qjl"] = True
     if getattr(args, "tq_weigh_keys", False) and getattr(args, "tq_no_weigh_keys", False):
