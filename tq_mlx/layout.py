@@ -247,7 +247,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         total += constant_bytes(dim, bits)
     elif widened is not None and widened != bits:
         if decay_bits is not None:
-            decay_bits += widened - bits
+            decay_bits = config.widened_decay_bits(widened, decay_bits)
             total += constant_bytes(dim, decay_bits)
         bits = widened
         total += constant_bytes(dim, bits)
