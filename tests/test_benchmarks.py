@@ -137,6 +137,7 @@ def test_long_context_quick(long_context: dict) -> None:
                     assert x["kl"] == 0 and x["ppl_delta_pct"] == 0
                 else:
                     assert x["kl"] < 1, (name, text, c, x)
+                    assert x["kl"] <= x["kl_max"] < 512 * x["kl"] + 1e-6, (name, text, c, x)  # one token of the mean
         if r["kind"] != "peer":
             assert 0 < r["bits"]["1152"] <= 17 and 2 < r["bits_32k"] <= 16, (name, r["bits"], r["bits_32k"])
     default = rows[lc.DEFAULT.name]
@@ -604,3 +605,34 @@ def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> N
     for bad in ("0,0.5", "1", "x", ""):
         with pytest.raises(SystemExit, match="strictly between 0 and 1"):
             lc.needle_depths(bad)
+
+
+def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
+    # attribution.py says which side and which tokens a layer's error comes from: "all" must be what the cache
+    # attends, a part with no tokens must cost nothing, and each part must be the error of its own tokens.
+    sys.path.insert(0, str(BENCH))
+    import attribution as at
+
+    from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+
+    H, Hq, T, L, D = 2, 4, 400, 24, 64
+    rng = np.random.default_rng(0)
+    kf = mx.array(rng.normal(size=(1, H, T, D)) + rng.normal(size=(1, H, 1, D)), dtype=mx.float32)
+    vf = mx.array(rng.normal(size=(1, H, T, D)), dtype=mx.float32)
+    q = mx.array(rng.normal(size=(1, Hq, L, D)), dtype=mx.float32)
+    config = TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3,
+                             decay_value_bits=None)
+    cache = TurboQuantKVCache(config, layer_index=2, head_dim=D)  # values keep their bits: none decay
+    cache.update_and_fetch(kf[:, :, : T - L], vf[:, :, : T - L])
+    keys, values = cache.update_and_fetch(kf[:, :, T - L:], vf[:, :, T - L:])
+    assert keys.n_decayed > 0 and values.n_decayed == 0
+    actual = turboquant_attention(q, keys, values, scale=0.125, mask="causal")
+    e = at.layer_errors(q, keys, values, kf, vf, 0.125, actual)
+    assert abs(e["all"][0] - e["actual"][0]) < 1e-3 * e["all"][0] + 1e-6, e
+    assert e["values decayed"] == (0.0, [0.0, 0.0]) and e["values fresh"][0] == e["values"][0]
+    assert e["keys decayed"][0] > 0 and e["keys fresh"][0] > 0 and e["keys"][0] > max(e["keys fresh"][0], 0.5 * e["keys decayed"][0])
+    # fewer bits, more error per token: the 3-bit decayed keys' part is above its share of the tokens
+    assert e["keys decayed"][0] / keys.n_decayed > e["keys fresh"][0] / keys.n_fresh
+    assert len(e["all"][1]) == H and all(x > 0 for x in e["all"][1])
+    with pytest.raises(RuntimeError, match="dropped tokens"):
+        at.layer_errors(q, keys, values, kf[:, :, 1:], vf[:, :, 1:], 0.125, actual)
