@@ -586,10 +586,15 @@ def quality_values() -> tuple:
     dppl = max(x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, mid, longest)))
     q = _lc_row("qwen05", "QUALITY")
     bits = q["bits_32k"] + long_context.protection_bits(q, g, long_context.LONG)
+    l15 = max(int(c) for x in _lc_row("qwen15", "DEFAULT")["texts"].values() for c in x if c.isdigit())
+    if l15 <= short:
+        raise Reword("Qwen2.5-Coder-1.5B's default is measured no further than SmolLM2's: drop its longer figure")
+    d15 = max((x["ppl_delta_pct"] for x in _lc_cells("qwen15", "DEFAULT", (l15,))), key=abs)
     return (g["kv_heads"], g["head_dim"],
             _kl_range(_lc_cells("qwen05", "DEFAULT", (short,))), _ctx(short),
             _kl_range(_lc_cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
             _kl_range(_lc_cells("qwen05", "DEFAULT", (longest,))), _ctx(longest), f"{dppl:.1f}",
+            _kl_range(_lc_cells("qwen15", "DEFAULT", (l15,))), _ctx(l15), f"{d15:+.1f}",
             _kl_range(_lc_cells("smollm2", "DEFAULT", (short,)) + _lc_cells("qwen15", "DEFAULT", (short,))),
             _ctx(short),
             _bits(TurboQuantConfig.preset("quality").key_bits), f"{bits:.2f}", _ctx(long_context.LONG),
@@ -600,22 +605,34 @@ def quality_values() -> tuple:
 KEY_ERROR_SETTING = "k4v4w768b128d6144k3v4n8rqe0.1"  # --tq-key-error 0.1 --tq-decay-value-bits off
 
 
-def key_error_values() -> tuple:
-    """Keys by their error with values at 4 bits at every age on Qwen2.5-Coder-0.5B: its key_error, KL at 8k and
-    at the longest context measured, bits/value at 32k with the widths its layers took (long_context.json)."""
+def _key_error_row(key: str) -> tuple[dict, float]:
+    """KEY_ERROR_SETTING's cells {context: cell} on a model and its bits/value at 32k with the widths its layers
+    took (long_context.json)."""
     import long_context
 
-    m = _long_context()["models"]["qwen05"]
+    m = _long_context()["models"][key]
     want = long_context.parse_setting(KEY_ERROR_SETTING).config.to_dict()
     rows = [r for r in m["rows"] if r.get("config") and long_context._same_config(r["config"], want)]
     if len(rows) != 1:
-        raise Reword(f"long_context.json has {len(rows)} rows of {KEY_ERROR_SETTING} for qwen05")
+        raise Reword(f"long_context.json has {len(rows)} rows of {KEY_ERROR_SETTING} for {key}")
     r = rows[0]
     cells = {int(c): x for t in r["texts"].values() for c, x in t.items() if isinstance(x, dict)}
+    return cells, r["bits_32k"] + long_context.protection_bits(r, m["geometry"], long_context.LONG)
+
+
+def key_error_values() -> tuple:
+    """Keys by their error with values at 4 bits at every age: its key_error; on Qwen2.5-Coder-0.5B the KL at 8k
+    and at the longest context measured, and on Qwen2.5-Coder-1.5B at its longest; bits/value at 32k of each."""
+    import long_context
+
+    want = long_context.parse_setting(KEY_ERROR_SETTING).config
+    cells, bits = _key_error_row("qwen05")
     short, longest = min(c for c in cells if c >= 8192), max(cells)
-    bits = r["bits_32k"] + long_context.protection_bits(r, m["geometry"], long_context.LONG)
-    return (_bits(want["value_bits"]), f"{want['key_error']:g}", _kl(cells[short]["kl"]), _ctx(short),
-            _kl(cells[longest]["kl"]), _ctx(longest), f"{bits:.2f}", _ctx(long_context.LONG))
+    cells15, bits15 = _key_error_row("qwen15")
+    l15 = max(cells15)
+    return (_bits(want.value_bits), f"{want.key_error:g}", _kl(cells[short]["kl"]), _ctx(short),
+            _kl(cells[longest]["kl"]), _ctx(longest), f"{bits:.2f}", _ctx(long_context.LONG),
+            _kl(cells15[l15]["kl"]), _ctx(l15), f"{bits15:.2f}")
 
 
 def norm_values() -> tuple:
@@ -702,12 +719,14 @@ FIGURES = [
     Figure("bound floor", "window and a compress block ({} tokens by default)", bound_floor_values),
     Figure("bound saving", "Llama-3.1-8B saves {} at {} tokens and {} at {}.", bound_values),
     Figure("quality", "on Qwen2.5-Coder-0.5B ({} kv heads of {} dims, attention spread thin over thousands of tokens) "
-           "the default leaves KL {} at {}, {} at {} and {} at {} (ΔPPL up to +{}%), against {} at {} on SmolLM2-135M "
-           "and Qwen2.5-Coder-1.5B. `--tq-preset quality` ({}-bit keys, {} bits/value at {}, {}x smaller than "
-           "float16) takes it to KL {} at {} and {} (and SmolLM2 to {} at {}).", quality_values),
+           "the default leaves KL {} at {}, {} at {} and {} at {} (ΔPPL up to +{}%); on Qwen2.5-Coder-1.5B {} at {} "
+           "(ΔPPL {}%), against {} at {} on SmolLM2-135M and Qwen2.5-Coder-1.5B. `--tq-preset quality` ({}-bit keys, "
+           "{} bits/value at {}, {}x smaller than float16) takes Qwen2.5-Coder-0.5B to KL {} at {} and {} (and "
+           "SmolLM2 to {} at {}).", quality_values),
     Figure("norms", "plus one norm (an {}-bit log code)", norm_values),
-    Figure("key error", "with values at {} bits at every age (`--tq-key-error {} --tq-decay-value-bits off`) take it "
-           "to KL {} at {} and {} at {}, at {} bits/value at {};", key_error_values),
+    Figure("key error", "with values at {} bits at every age (`--tq-key-error {} --tq-decay-value-bits off`) take "
+           "Qwen2.5-Coder-0.5B to KL {} at {} and {} at {}, at {} bits/value at {}, and Qwen2.5-Coder-1.5B to {} at "
+           "{}, at {};", key_error_values),
     Figure("protected keys", "keeps its keys at {} bits", protect_values),
     Figure("zoo", "Of {} architectures, {} are compressed; {} are refused because", zoo_values, zoo_refused),
     Figure("zoo not buildable", "; {} cannot run here (", zoo_unbuildable_values, zoo_unbuildable),
