@@ -578,15 +578,15 @@ def quality_values() -> tuple:
 
     res = _long_context()["models"]
     short = max(c for c in res["smollm2"]["contexts"] if c <= long_context.TRAINED_CONTEXT["smollm2"])
-    measured = lambda setting: {int(c) for x in _lc_row("qwen05", setting)["texts"].values() for c in x  # noqa: E731
-                                if c.isdigit()}
+    measured = lambda setting, key="qwen05": {int(c) for x in _lc_row(key, setting)["texts"].values()  # noqa: E731
+                                              for c in x if c.isdigit()}
     longest, mid = max(measured("DEFAULT")), 2 * short
     q_longest = max(measured("QUALITY"))
     g = res["qwen05"]["geometry"]
     dppl = max(x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, mid, longest)))
     q = _lc_row("qwen05", "QUALITY")
     bits = q["bits_32k"] + long_context.protection_bits(q, g, long_context.LONG)
-    l15 = max(int(c) for x in _lc_row("qwen15", "DEFAULT")["texts"].values() for c in x if c.isdigit())
+    l15 = max(measured("DEFAULT", "qwen15"))
     if l15 <= short:
         raise Reword("Qwen2.5-Coder-1.5B's default is measured no further than SmolLM2's: drop its longer figure")
     d15 = max((x["ppl_delta_pct"] for x in _lc_cells("qwen15", "DEFAULT", (l15,))), key=abs)
