@@ -51,7 +51,7 @@ class Plan:
     peak_float: int = 0  # the same with mlx-lm's float cache
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
-    widen_bytes: int = 0  # what one layer adds at ctx if its keys take the most bits key_error gives
+    widen_bytes: int = 0  # what one layer's keys at the most bits key_error gives hold beyond key_bits
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
@@ -268,9 +268,10 @@ def format_plan(plan: Plan) -> str:
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
     if plan.widen_bytes:
-        rows.append(("", f"+{format_bytes(plan.widen_bytes)} at most for each layer whose keys take more bits (up to "
-                         f"K{WIDEST_KEY_BITS} where their logit error exceeds {plan.config.key_error:g} at "
-                         f"K{format_bits(plan.config.key_bits)}; chosen at its first compression; the panel names them)"))
+        rows.append(("", f"at most: every layer's keys at K{WIDEST_KEY_BITS} (each takes the fewest bits from "
+                         f"K{format_bits(plan.config.key_bits)} whose logit error is at most {plan.config.key_error:g}, "
+                         f"at its first compression; the panel names them); -{format_bytes(plan.widen_bytes)} for "
+                         f"each layer that keeps K{format_bits(plan.config.key_bits)}"))
     if plan.config:
         rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
                             f"{plan.ctx:,} tokens"),

@@ -306,6 +306,25 @@ def protected_layers(bits: str) -> int:
     return n
 
 
+def shown_key_widths(bits: str, n_layers: int, config) -> list[int | None]:
+    """Each attention layer's key width as a bits summary names it ("L0 K4→3/V4 after 6144 · L1-4 K5→4/..."):
+    estimate_kv_bytes's key_widths. A protected (K8) layer is priced at the most the keys take where they widen,
+    as protect_layer_bytes counts beyond it; a layer at the configured bits keeps None."""
+    from tq_mlx.config import WIDEST_KEY_BITS
+
+    widths: list[int | None] = [None] * n_layers
+    for layers, label in re.findall(r"L([\d,-]+) (\S+)", bits):
+        w = int(re.match(r"K(\d+)", label).group(1))
+        if w == config.key_bits:
+            continue
+        if label.startswith("K8"):
+            w = WIDEST_KEY_BITS if config.layer_widens(config.key_bits) else None
+        for span in layers.split(","):
+            first, _, last = span.partition("-")
+            widths[int(first) : int(last or first) + 1] = [w] * (int(last or first) - int(first) + 1)
+    return widths
+
+
 def expected_stats(facts: dict, stats: dict) -> dict:
     """The panel's KV figures for the screenshot's context, from tq_mlx.memory's and tq_mlx.layout's formulas:
     what the live snapshot (the caches' own nbytes) must have shown."""
@@ -319,7 +338,8 @@ def expected_stats(facts: dict, stats: dict) -> dict:
     lay = attention_layout(mc)
     parts = token_layout(config, tokens)
     return {
-        "kv_bytes": estimate_kv_bytes(mc, tokens, config, dtype=dtype)
+        "kv_bytes": estimate_kv_bytes(mc, tokens, config, dtype=dtype,
+                                      key_widths=shown_key_widths(stats["bits"], len(lay.full_layers), config))
         + protected_layers(stats["bits"]) * protect_layer_bytes(mc, tokens, config, dtype=dtype),
         "mlx_lm_bytes": len(lay.full_layers) * mlx_lm_kv_bytes(tokens, lay.n_kv_heads, lay.head_dim, lay.v_head_dim,
                                                                FLOAT_BYTES[dtype]),

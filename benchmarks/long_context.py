@@ -112,8 +112,8 @@ EVAL = 512  # tokens scored at the end of each context
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None)
-DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=2,
-                center_keys="rope", weigh_keys=True)
+DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=None,
+                center_keys="rope", weigh_keys=True, key_error=0.1)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
@@ -182,7 +182,7 @@ def parse_setting(key: str) -> Setting:
     if m["error"]:
         over["key_error"] = float(m["error"])
     s = tq(num(m["kb"]), num(m["vb"]), **over)
-    return next((p for p in PRESET_ROWS if p.config == s.config), s)
+    return next((p for p in (*PRESET_ROWS, DECAY_V2) if p.config == s.config), s)
 
 
 def centering_tag(center_values: bool) -> str:
@@ -196,7 +196,7 @@ def canonical_name(row: dict) -> str:
     cfg, name = row.get("config"), row["setting"]
     if row.get("kind") != "tq" or not cfg:
         return name
-    for preset in PRESET_ROWS:
+    for preset in (*PRESET_ROWS, DECAY_V2):  # (a spelled-out row of the default before: its row too)
         if _same_config(cfg, preset.config.to_dict()):
             return preset.name
     for tag in PRESET_TAGS:  # a preset's row from before the preset changed: what it measured, spelled out
@@ -232,7 +232,9 @@ def config_text(cfg: TurboQuantConfig) -> str:
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
             + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
             + (f", decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
-            + (", keys weighed by the queries" if cfg.weigh_keys else "") + f", seed {cfg.seed}")
+            + (", keys weighed by the queries" if cfg.weigh_keys else "")
+            + (f", keys up to K6 above logit error {cfg.key_error:g}" if cfg.key_error is not None else "")
+            + f", seed {cfg.seed}")
 
 
 def rot(bits: int, window: int) -> Setting:
@@ -246,16 +248,19 @@ FLOAT = Setting("float (mlx-lm KVCache)", "float")
 _DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
 K4V3 = tq(4, 3, UNTIL)
+# the default until 2026-11-28: keys not widened by their error, values decayed to V2 with the keys
+DECAY_V2 = tq(4, 4, "the default until 2026-11-27", **dict(_DEFAULT, decay_value_bits=2, key_error=None))
 # the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed (2026-11-26)
-DEFAULT_ROPE = tq(4, 4, **dict(_DEFAULT, weigh_keys=False))
+DEFAULT_ROPE = tq(4, 4, **dict(_DEFAULT, weigh_keys=False, decay_value_bits=2, key_error=None))
 # ... with the key mean taken after RoPE: the default for a few hours of 2026-11-26
-DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False))
+DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False, decay_value_bits=2, key_error=None))
 # the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2; and its rows from before keys were weighed
-_COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2)
+_COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None)
 COMPACT = tq(4, 3, "compact", **_COMPACT)
 COMPACT_ROPE = tq(4, 3, **dict(_COMPACT, weigh_keys=False))
 # the quality preset: 8-bit keys, no decay (K4/V4 with a 1696-token window until 2026-11-27: K4V4_N8 below)
-QUALITY = tq(8, 4, "quality", **dict(_DEFAULT, decay_after=None, decay_key_bits=None, decay_value_bits=None))
+QUALITY = tq(8, 4, "quality", **dict(_DEFAULT, decay_after=None, decay_key_bits=None, decay_value_bits=None,
+                                     key_error=None))
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
 NO_PROTECT = tq(4, 3, protect_factor=None)
 K4V4 = tq(4, 4)
@@ -281,7 +286,7 @@ PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one 
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
 PRESET_TAGS = ("the default", "compact", "quality")
 # the README's headline: the default, the defaults before it, compact, quality
-HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name, QUALITY.name]
+HEADLINE_PRESETS = [DEFAULT.name, DECAY_V2.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name, QUALITY.name]
 ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -291,11 +296,11 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
-FIRST = 10  # ALL[:FIRST] on every text before the rest on any
+FIRST = 11  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "quality": QUALITY, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "quality": QUALITY, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
@@ -388,10 +393,11 @@ def make_cache(model: nn.Module, s: Setting) -> list:
 
 
 def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
-    """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure)."""
+    """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure); TurboQuant's
+    with every layer's keys at the configured bits (protection_bits adds what the layers chose: the † figures)."""
     n_att, H, D = quality.kv_geometry(model_config)
     if s.kind == "tq":
-        b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16")
+        b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16", key_widths=[None] * n_att)
     elif s.kind == "mlx":
         b = estimate_kv_bytes(model_config, ctx, kv_bits=int(s.bits))
     elif s.kind == "float":

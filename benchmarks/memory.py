@@ -107,6 +107,9 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
             mx.eval(cache.held_arrays())
         assert cache.offset == T
         out[T] = cache.nbytes
+    # the width the keys chose by their error (key_error; None: they kept their bits), which estimate_kv_bytes
+    # takes to price this cache exactly (without it, it prices the most a layer may take)
+    out["key_width"] = int(cache.key_bits) if cache.key_stream is not None and cache.key_stream.widened else None
     return out
 
 
@@ -199,7 +202,8 @@ def run(args) -> dict:
     for ((H, dk, dv, kb, vb, kind), _), (nbytes, secs) in zip(jobs, done):
         fills[(H, dk, dv, kb, vb, kind)] = nbytes
         fill_rows.append({"kv_heads": H, "head_dim": dk, "value_dim": dv, "key_bits": kb, "value_bits": vb,
-                          "kind": kind, "nbytes": {str(c): v for c, v in nbytes.items()}, "seconds": round(secs, 1)})
+                          "kind": kind, "nbytes": {str(c): v for c, v in nbytes.items() if c != "key_width"},
+                          "key_width": nbytes["key_width"], "seconds": round(secs, 1)})
         print(f"filled one layer ({H} kv heads x {dk}/{dv}{shown[kind]}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
               f"{nbytes[max(contexts)] / 1e6:.1f} MB ({secs:.1f} s)", flush=True)
 
@@ -220,17 +224,19 @@ def run(args) -> dict:
         caches = [("float16", {}), ("mlx-lm affine 8-bit", {"kv_bits": 8}), ("mlx-lm affine 4-bit", {"kv_bits": 4})]
         caches += [(f"TurboQuant {b}-bit", {"config": configs[b]}) for b in TQ_BITS]
         for label, spec in caches:
-            kv, real = {}, {}
+            kv, real, exact = {}, {}, {}
             for ctx in contexts:
                 est = estimate_kv_bytes(cfg_json, ctx, spec.get("config"), kv_bits=spec.get("kv_bits"))
                 kv[ctx] = est
                 if "config" in spec:
                     cfg = spec["config"]
-                    total = sum(fills[(*geometry(lay), *cfg.layer_bits(a, n_att), layer_kind(lay))][ctx]
-                                for a in range(n_att))
-                    total += sliding_float16_bytes(lay, ctx)
+                    layers = [fills[(*geometry(lay), *cfg.layer_bits(a, n_att), layer_kind(lay))] for a in range(n_att)]
+                    total = sum(f[ctx] for f in layers) + sliding_float16_bytes(lay, ctx)
                     real[ctx] = total
-                    assert total == est, f"{m['name']} {label} at {ctx}: real caches hold {total} B, formula says {est} B"
+                    exact[ctx] = estimate_kv_bytes(cfg_json, ctx, cfg, key_widths=[f["key_width"] for f in layers])
+                    assert total == exact[ctx] <= est, (f"{m['name']} {label} at {ctx}: real caches hold {total} B, "
+                                                        f"formula says {exact[ctx]} B with their key widths, {est} B at "
+                                                        f"the most")
                     checks += 1
             fp16 = estimate_kv_bytes(cfg_json, max(contexts))
             rows.append({
@@ -241,6 +247,8 @@ def run(args) -> dict:
                 "shared_layers": len(lay.shared_layers), "max_context": lay.max_context,
                 "kv_bytes": {str(c): v for c, v in kv.items()},
                 "kv_bytes_real": {str(c): v for c, v in real.items()} or None,
+                # estimate_kv_bytes with the key widths the real caches chose (kv_bytes: at the most they take)
+                "kv_bytes_exact": {str(c): v for c, v in exact.items()} or None,
                 "bits_per_value": kv[max(contexts)] * 8 / values_per_context(lay, max(contexts)),
                 "ratio_vs_fp16": fp16 / kv[max(contexts)],
                 "weights_4bit_bytes": weights,
@@ -387,9 +395,12 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "tokens in every column (float16, by the formula, not a filled cache).",
         f"TurboQuant columns: TurboQuantConfig defaults (window {cfg['window']} float16 tokens, {cfg['sinks']} sinks, "
         f"centering {cfg['center_keys']}/{cfg['center_values']}, boundary layers {cfg['boundary_layers']}); "
-        f"figures are the nbytes of real TurboQuantKVCache objects (one layer per geometry and bit width, filled to "
-        f"each context, times the attention layers), asserted equal to tq_mlx.memory.estimate_kv_bytes in all "
-        f"{res['formula_checks']} cells. float16 and affine figures: the same module's formulas, checked against real "
+        f"figures are tq_mlx.memory.estimate_kv_bytes, which prices keys that widen by their error "
+        f"(key_error {cfg.get('key_error')}) at the most they take (K6): what a plan says. Real TurboQuantKVCache "
+        f"objects (one layer per geometry and bit width, filled to each context with random keys and the queries "
+        f"that weigh them, times the attention layers) hold exactly what it gives with the widths they chose, never "
+        f"more than the figure, asserted in all {res['formula_checks']} cells. float16 and affine figures: the same "
+        f"module's formulas, checked against real "
         f"mlx-lm KVCache / QuantizedKVCache at {ctx_label(min(res['contexts']))}.",
         f"Smallest Mac: weights at 4 bits (params x {res['meta']['weight_bits']} bits, an estimate) plus the KV cache "
         f"within {res['meta']['usable_fraction']:.0%} of RAM (about macOS's default GPU working set; `sysctl "

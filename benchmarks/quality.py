@@ -50,7 +50,7 @@ from tq_mlx.kernels import dequantize_reference  # noqa: E402
 from tq_mlx.quantizer import format_bits  # noqa: E402
 from tq_mlx.stream import StreamView  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
+from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
 NEEDLE_ANSWER = "7314926"
@@ -250,10 +250,12 @@ def _is_peer(c) -> bool:
     return _PEER.module is not None and isinstance(c, _PEER.module.TurboQuantKVCache)
 
 
-def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ctx: int = LONG_CONTEXT) -> float | None:
+def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ctx: int = LONG_CONTEXT,
+              key_widths: list | None = None) -> float | None:
+    """Bits/value at ctx tokens; TurboQuant's with the key widths its layers chose in the run (key_error)."""
     n_att, H, D = geometry
     if s.kind == "tq":
-        b = estimate_kv_bytes(model_config, ctx, s.config)
+        b = estimate_kv_bytes(model_config, ctx, s.config, key_widths=key_widths)
     elif s.kind == "mlx":
         b = estimate_kv_bytes(model_config, ctx, kv_bits=int(s.bits))
     elif s.kind == "float":
@@ -452,8 +454,9 @@ def run_model(label: str, model, tok, model_dir: Path, settings: list[Setting], 
             cache = make_cache(model, s)
             row["ppl"] = perplexity(model, cache, ids, args.chunk)
             row["bits_measured"] = bits_per_value(cache, n_tokens, geo)
+            widths = chosen_key_widths(cache) if s.kind == "tq" else None
             del cache
-            row["bits_32k"] = long_bits(s, cfg, geo)
+            row["bits_32k"] = long_bits(s, cfg, geo, key_widths=widths)
             row.update(fidelity(captured, scale, s, min(FIDELITY_QUERIES, len(fid_ids) // 2)))
         except Exception as e:  # a setting that cannot run is a row with its reason, not a crashed benchmark
             row["error"] = f"{type(e).__name__}: {e}"[:200]

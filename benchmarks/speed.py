@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 import quality  # noqa: E402  (settings, cache construction, the peer hook)
 from quality import FLOAT, MLX4, MLX8, PEER4, Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.config import PRESETS, bits_label  # noqa: E402
+from tq_mlx.config import PRESETS, WIDEST_KEY_BITS, bits_label  # noqa: E402
 
 CONTEXTS = (1024, 4096, 8192)
 QUICK_CONTEXTS = (256, 1024)
@@ -47,6 +47,8 @@ def preset(name: str) -> Setting:
         what += f" → {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}"
     else:
         what += f", window {cfg.window}"
+    if cfg.key_error is not None:
+        what += f", keys up to K{WIDEST_KEY_BITS} by their error"
     return Setting(f"TQ {name} ({what})", "tq", config=cfg)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,9 +23,9 @@ from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (sessi
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.flags import config_from_args
 from tq_mlx.architectures import load_model_config
-from tq_mlx.display import format_bytes
-from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes,
-                           weight_bytes)
+from tq_mlx.display import bits_summary, format_bytes, saving_words
+from tq_mlx.memory import (chosen_key_widths, decayed_tokens, estimate_kv_bytes, estimate_peak_bytes,
+                           protect_layer_bytes, weight_bytes)
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds any single wait in the app may take
@@ -96,8 +97,9 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
         plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
         n = plan.attention_layers
         # every layer's keys at protect_bits, never decaying; the values as configured (decaying or not)
-        all_protected = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=config.protect_bits,
-                                                               decay_key_bits=None))
+        all_protected = estimate_kv_bytes(cfg, 32768, replace(
+            config, key_bits=config.protect_bits, decay_key_bits=None, key_error=None,
+            decay_after=config.decay_after if config.decay_value_bits else None))
         assert plan.protect_bytes == protect_layer_bytes(cfg, 32768, config) > 0
         # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own
         assert 0 < plan.protect_bytes - (all_protected - plan.kv) // n < 10**4
@@ -116,16 +118,24 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
 
     cfg = load_model_config(tiny_model_dir)
     config = TurboQuantConfig(key_error=0.1)
+    assert config == TurboQuantConfig()  # the default
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
-    # every layer's keys at 6 bits decaying to 5: what a layer adds at most, less the K4 quantizers it keeps
+    n = plan.attention_layers
+    # the plan prices every layer's keys at the most they take: 6 bits decaying to 5, plus the K4 quantizers a
+    # widened stream keeps; a layer that keeps K4 holds widen_bytes less
     all_wide = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=6, decay_key_bits=5, key_error=None))
+    floor = estimate_kv_bytes(cfg, 32768, replace(config, key_error=None))
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == floor + n * plan.widen_bytes
     assert plan.widen_bytes == widen_layer_bytes(cfg, 32768, config) > 0
-    assert 0 < plan.widen_bytes - (all_wide - plan.kv) // plan.attention_layers < 10**4
+    assert 0 < plan.kv - all_wide < n * 10**4
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, config, key_widths=[6] * n)  # what it would hold at the most
     text = format_plan(plan)
     assert "keys up to K6 where their logit error exceeds 0.1" in text
-    assert "at most for each layer whose keys take more bits (up to K6 where their logit error exceeds 0.1 at K4" in text
-    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
-    assert plan.widen_bytes == 0 and "take more bits" not in format_plan(plan)
+    assert ("at most: every layer's keys at K6 (each takes the fewest bits from K4 whose logit error is at most "
+            "0.1") in text
+    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(key_error=None), 10**10)
+    assert plan.widen_bytes == 0 and "at most: every layer's keys" not in format_plan(plan)
+    assert plan.kv == floor
 
 
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
@@ -139,12 +149,13 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     assert "decay       K4→3/V4→2 after 2048: 30,720 of 32,768 tokens at the decay bits" in text
     assert "decaying to K3/V2 after 2048 tokens" in text  # the KV cache row's description
     assert "decay " not in format_plan(make_plan("m", cfg, 10**8, 32768, no_decay, 10**10))
-    # the default decays: tokens 6144 old are at K3/V2 (6144 and 32768 are whole compress blocks of 128)
+    # the default decays: tokens 6144 old are at K3/V4 (6144 and 32768 are whole compress blocks of 128)
     default = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
     assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 32768 - 6144
     text = format_plan(default)
-    assert f"decay       K4→3/V4→2 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in text
-    assert "TurboQuant K4/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens" in text
+    assert f"decay       K4→3/V4 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in text
+    assert ("TurboQuant K4/V4, window 768, sinks 4, keys up to K6 where their logit error exceeds 0.1, decaying to "
+            "K3/V4 after 6144 tokens") in " ".join(text.split())
     # only the values decay (keys left at AUTO would decay to K3 with the default bits)
     boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(boundary_layers=1, decay_after=2048,
                                                                    decay_key_bits=None, decay_value_bits=2), 10**10)
@@ -381,7 +392,9 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             assert "mlx-lm float32 cache" in text and f"({stats['mlx_lm_bytes'] / stats['kv_bytes']:.2f}x)" in text
             # the default decays (after 6144 tokens, more than this context holds); the label wraps in the panel
             assert f"{len(session.tokens):,} / 1,024" in text
-            assert "K4→3/V4→2 after 6144 on all 3 attention layers" in " ".join(text.split())
+            # each layer's keys at the width their error chose (random weights: any of K4-K6)
+            assert bits_summary(session.cache) in " ".join(text.split())
+            assert re.search(r"K[456]→[345]/V4 after 6144", bits_summary(session.cache))
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
@@ -431,14 +444,15 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
             assert "planned peak" in rendered(app)
 
     # the default: K4/V4, decaying to K3/V2 after 6144 tokens
-    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
-    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
+    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
+    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
     # the tiny model's weights are float32
-    asyncio.run(run(None, "tiny · float32 · TurboQuant K4→3/V4→2 after 6144 · ctx 1k"))
+    asyncio.run(run(None, "tiny · float32 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
 
 
 def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
-    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2)  # K4/V4
+    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2,
+                              key_error=None)  # K4/V4, every layer's keys at K4
 
     async def run():
         app = make_app(tiny_model_dir, config=config)
@@ -621,8 +635,9 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
             await loaded(pilot)
             await say(pilot, "/bits")
             bits = messages(app, "notice")[-1].source  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
-            assert "**Cache**: TurboQuant K4/V4, window 16, sinks 2, decaying to K3/V2 after 6144 tokens" in bits
-            assert "**Bits per layer**: K4→3/V4→2 after 6144 on all 3 attention layers" in bits
+            assert ("**Cache**: TurboQuant K4/V4, window 16, sinks 2, keys up to K6 where their logit error exceeds "
+                    "0.1, decaying to K3/V4 after 6144 tokens") in bits
+            assert "**Bits per layer**: K4→3/V4 after 6144 on all 3 attention layers" in bits
             await say(pilot, "/stats")
             assert "KV cache held" in messages(app, "notice")[-1].source
             await say(pilot, "/help")
@@ -798,7 +813,7 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     text = panel_text(MemoryPanel(), stats)
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
     # the default (K4/V4, decaying after 6144 tokens); the label wraps in the panel
-    assert "K4→3/V4→2 after 6144 on its 1 attention layer" in " ".join(text.split())
+    assert "K4→3/V4 after 6144 on its 1 attention layer" in " ".join(text.split())
 
 
 # --- one state, every surface: the panel, tq-generate's summary, cache_bytes and the plan --------------------------
@@ -843,10 +858,14 @@ def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_di
     # --plan for the same state: the same bytes from config.json alone, worded by the same function
     plan = make_plan("tiny", load_model_config(tiny_model_dir), weight_bytes(tiny_model_dir), n, config, 10**10,
                      dtype="float32")
-    assert (plan.kv, plan.kv_mlx_lm) == (s["kv_bytes"], s["mlx_lm_bytes"])
+    # (each layer's keys at the most they take: the widths this cache's layers chose give its bytes exactly)
+    widths = chosen_key_widths(session.cache)
+    exact = estimate_kv_bytes(load_model_config(tiny_model_dir), n, config, dtype="float32", key_widths=widths)
+    assert (exact, plan.kv_mlx_lm) == (s["kv_bytes"], s["mlx_lm_bytes"]) and exact <= plan.kv
     text = format_plan(plan)
-    assert f"KV cache    {held}  " in text and f"mlx-lm      {reference}  mlx-lm's own float32 cache" in text
-    assert f"saved       {saved} against mlx-lm's own cache" in text
+    assert f"KV cache    {format_bytes(plan.kv)}  " in text
+    assert f"mlx-lm      {reference}  mlx-lm's own float32 cache" in text
+    assert f"saved       {saving_words(plan.saving)} against mlx-lm's own cache" in text
     if n == 42:  # before compression starts the first screen says so, and what --ctx will reach
         assert window == "all 42 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"
 

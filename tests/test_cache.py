@@ -61,17 +61,18 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
 
     fields = {f.name: f.default for f in dataclasses.fields(TurboQuantConfig)}
     assert (fields["decay_after"], fields["decay_key_bits"], fields["decay_value_bits"]) == (AUTO,) * 3
-    # The default bits (K4/V4, no QJL) decay to K3/V2 after 6144 tokens; the resolved config holds no AUTO.
-    assert decay_of(TurboQuantConfig()) == (6144, 3, 2)
-    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32)) == (6144, 3, 2)
+    # The default bits (K4/V4, no QJL) decay their keys to K3 after 6144 tokens (values keep V4); the resolved
+    # config holds no AUTO.
+    assert decay_of(TurboQuantConfig()) == (6144, 3, None)
+    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32)) == (6144, 3, None)
     # A window that alone reaches 6144 moves decay_after: one compress block always stays at full bits.
-    assert decay_of(TurboQuantConfig(window=6144)) == (6144 + 128, 3, 2)
-    # Every integer width by one rule: keys one bit less down to 3, values two less down to 2; 8-bit, fractional
-    # and floor widths, and QJL keys, keep their bits at every age (nothing decays when no side does).
-    for kw, want in ((dict(key_bits=3), (6144, None, 2)), (dict(value_bits=3), (6144, 3, 2)),
-                     (dict(key_bits=3, value_bits=3), (6144, None, 2)), (dict(key_bits=2, value_bits=2), (None,) * 3),
-                     (dict(key_bits=8, value_bits=8), (None,) * 3), (dict(qjl=True), (6144, None, 2)),
-                     (dict(key_bits=8, value_bits=4), (6144, None, 2)), (dict(value_bits=8), (6144, 3, None))):
+    assert decay_of(TurboQuantConfig(window=6144)) == (6144 + 128, 3, None)
+    # Every integer width by one rule: keys one bit less down to 3, values keep theirs; 8-bit, fractional and
+    # floor widths, and QJL keys, keep their bits at every age (nothing decays when no side does).
+    for kw, want in ((dict(key_bits=3), (None,) * 3), (dict(value_bits=3), (6144, 3, None)),
+                     (dict(key_bits=5, value_bits=5), (6144, 4, None)), (dict(key_bits=2, value_bits=2), (None,) * 3),
+                     (dict(key_bits=8, value_bits=8), (None,) * 3), (dict(qjl=True), (None,) * 3),
+                     (dict(key_bits=8, value_bits=4), (None,) * 3), (dict(value_bits=8), (6144, 3, None))):
         assert decay_of(TurboQuantConfig(**kw)) == want, kw
     assert decay_of(TurboQuantConfig.from_bits(2.5)) == (None, None, None)
     assert decay_of(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == (None, None, None)
@@ -80,12 +81,13 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
     # Decay bits given, decay_after left at AUTO: 6144 (or window + compress_block if larger); the other side's
     # AUTO bits follow the rule.
     assert decay_of(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == (6144, 3, 2)
-    assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, 2)
-    assert decay_of(TurboQuantConfig(decay_key_bits=2)) == (6144, 2, 2)
+    assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, None)
+    assert decay_of(TurboQuantConfig(decay_key_bits=2)) == (6144, 2, None)
+    assert decay_of(TurboQuantConfig(key_bits=3, decay_value_bits=2)) == (6144, None, 2)
     assert decay_of(TurboQuantConfig(value_bits=3, window=7000, compress_block=100, decay_value_bits=2)) == (
         7100, 3, 2)
     # An explicit decay_after with the default bits keeps the default decay bits.
-    assert decay_of(TurboQuantConfig(decay_after=2048)) == (2048, 3, 2)
+    assert decay_of(TurboQuantConfig(decay_after=2048)) == (2048, 3, None)
     # Files written before norm_bits and decay existed meant float16 norms and no decay.
     old = {k: v for k, v in TurboQuantConfig().to_dict().items()
            if k not in ("norm_bits", "decay_after", "decay_key_bits", "decay_value_bits")}
@@ -663,7 +665,8 @@ def test_a_layer_with_biased_keys_protects_its_keys():
     assert (off.key_bits, off.protected) == (4, False)
     from tq_mlx.display import bits_summary
 
-    assert bits_summary([on]) == "K8/V3→2 after 6144 on its 1 attention layer"  # protected keys do not decay
+    # protected keys do not decay, and the values keep their bits at every age by default
+    assert bits_summary([on]) == "K8/V3 on its 1 attention layer"
     # The protected keys are 8-bit codes (no float copy): more bytes than 4-bit codes, far fewer than float.
     k_on, k_off = on.key_stream.codes.codes, off.key_stream.codes.codes
     assert k_on.shape[-1] == 2 * k_off.shape[-1] and k_on.dtype == mx.uint32

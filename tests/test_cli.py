@@ -149,23 +149,25 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
 
     assert set(PRESETS) == {"quality", "default", "compact"}
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
-    # the default: K4/V4, 8-bit norms, tokens past 6144 re-coded at K3/V2
+    # the default: K4/V4, keys up to K6 by their error, 8-bit norms, keys of tokens past 6144 re-coded a bit narrower
     default = config_from_args(parse())
     assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 768, 8)
-    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits) == (6144, 3, 2)
-    assert describe_config(default) == "TurboQuant K4/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens"
-    # other bits decay by the same rule: keys one bit less down to 3 (3-bit keys keep theirs), values two less
+    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error) == (6144, 3, None,
+                                                                                                         0.1)
+    assert describe_config(default) == ("TurboQuant K4/V4, window 768, sinks 4, keys up to K6 where their logit error "
+                                        "exceeds 0.1, decaying to K3/V4 after 6144 tokens")
+    # other bits decay by the same rule: keys one bit less down to 3 (3-bit keys keep theirs), values keep theirs
     k3 = config_from_args(parse("--tq-key-bits", "3"))
-    assert (k3.key_bits, k3.value_bits, k3.norm_bits) == (3, 4, 8)
-    assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (6144, None, 2)
-    assert describe_config(k3) == "TurboQuant K3/V4, window 768, sinks 4, decaying to K3/V2 after 6144 tokens"
+    assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error) == (3, 4, 8, None)  # a width you set is kept
+    assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (None, None, None)
     v3 = config_from_args(parse("--tq-value-bits", "3"))
-    assert (v3.decay_after, v3.decay_key_bits, v3.decay_value_bits) == (6144, 3, 2)
+    assert (v3.decay_after, v3.decay_key_bits, v3.decay_value_bits) == (6144, 3, None)
+    assert config_from_args(parse("--tq-decay-value-bits", "2")).decay_value_bits == 2
     # --tq-decay-after alone moves the default's decay
     later = config_from_args(parse("--tq-decay-after", "8192"))
     assert (later.key_bits, later.value_bits) == (4, 4)
-    assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, 2)
-    assert "decaying to K3/V2 after 8192 tokens" in describe_config(later)
+    assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, None)
+    assert "decaying to K3/V4 after 8192 tokens" in describe_config(later)
     # ... but bits with none to go to (fractional, 8-bit, the floor): the error names them
     with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
         config_from_args(parse("--tq-key-bits", "3.5", "--tq-value-bits", "2.5", "--tq-decay-after", "8192"))
@@ -247,7 +249,8 @@ def test_generate_uses_turboquant_and_prints_the_memory_summary(tiny_model_dir, 
     assert rc == 0
     assert "Generation:" in out  # mlx_lm.generate's own verbose output
     summary = out.strip().splitlines()[-1]
-    assert summary.startswith("KV cache:") and "K3/V3→2 after 6144 on all 3 attention layers" in summary
+    # K3/V3 does not decay (3-bit keys are at the floor), and keys at a width you set keep it
+    assert summary.startswith("KV cache:") and summary.endswith("K3/V3 on all 3 attention layers"), summary
     # against mlx-lm's own float32 cache (256-token steps), never a negative saving; the window is named
     assert "mlx-lm's float32 cache would hold" in summary, summary
     assert re.search(r"saved [\d.]+ KB \([\d.]+x\)", summary), summary
@@ -258,7 +261,7 @@ def test_generate_quiet_prints_only_the_answer_and_summary_to_stderr(tiny_model_
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4", "--verbose", "F"])
     captured = capsys.readouterr()
     assert rc == 0 and "KV cache:" not in captured.out
-    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in captured.err  # the default's bits
+    assert "K4→3/V4 after 6144 on all 3 attention layers" in captured.err  # the default's bits
 
 
 def test_generate_kv_bits_alone_is_mlx_lm_cache(tiny_model_dir, capsys):
@@ -281,7 +284,7 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
                         "--max-tokens", "5", "--num-draft-tokens", "2", "--tq-bits", "4"])
     assert rc == 0
     # --tq-bits 4 is the default's K4/V4, which decays to K3/V2 after 6144 tokens
-    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in capsys.readouterr().out
+    assert "K4→3/V4 after 6144 on all 3 attention layers" in capsys.readouterr().out
 
 
 def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -329,7 +332,8 @@ def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, 
     assert held > n  # the file's tokens, then the new prompt and the answer
     # the file's config (the default bits, decaying) came back with it
     assert "in float32 (2 sinks + 16-token window)" in summary
-    assert "K4→3/V4→2 after 6144 on all 3 attention layers" in summary
+    assert re.search(r"(K4→3/V4 after 6144 on all 3 attention layers|(L[\d-]+ K[4-6]→[3-5]/V4 after 6144( · )?)+)$",
+                     summary), summary
 
 
 def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_dir, tmp_path):
@@ -344,7 +348,7 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed, decaying to K3/V2 after "
+                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed, decaying to K3/V4 after "
                   rf"6144 tokens for this run \(the file is unchanged; it holds no queries to weigh the keys by\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr

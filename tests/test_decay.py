@@ -57,17 +57,20 @@ def test_config_round_trips_and_boundary_layers_do_not_decay():
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and isinstance(c.decay_key_bits, int)
     assert c.layer_decay_bits(0, 4) == (None, None) and c.layer_decay_bits(3, 4) == (None, None)
     assert c.layer_decay_bits(1, 4) == (3, 2)
-    # The default decays (K4/V4 to K3/V2), but not in its boundary layers, nor with decay_after=None. Every integer
-    # width decays by one rule (keys one bit less down to 3, values two less down to 2); fractional, 8-bit and
-    # floor widths keep theirs.
-    assert TurboQuantConfig().layer_decay_bits(1, 4) == (3, 2)
+    # The default decays its keys (K4 to K3; values keep V4), but not in its boundary layers, nor with
+    # decay_after=None. Every integer width decays by one rule (keys one bit less down to 3, values not unless
+    # asked); fractional, 8-bit and floor widths keep theirs, and with nothing to decay nothing does.
+    assert TurboQuantConfig().layer_decay_bits(1, 4) == (3, None)
     assert TurboQuantConfig(boundary_layers=1).layer_decay_bits(0, 4) == (None, None)
     assert TurboQuantConfig(decay_after=None).layer_decay_bits(1, 4) == (None, None)
-    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (3, 2)
-    assert TurboQuantConfig(key_bits=3, value_bits=3).layer_decay_bits(1, 4) == (None, 2)
+    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (3, None)
+    assert TurboQuantConfig(key_bits=5, value_bits=5).layer_decay_bits(1, 4) == (4, None)
+    assert TurboQuantConfig(key_bits=3, value_bits=3).decay_after is None
     assert TurboQuantConfig(key_bits=8, value_bits=8).decay_after is None
     assert TurboQuantConfig(key_bits=3.5, value_bits=2.5).decay_after is None
-    assert TurboQuantConfig(key_bits=4, value_bits=4, qjl=True).layer_decay_bits(1, 4) == (None, 2)
+    assert TurboQuantConfig(key_bits=4, value_bits=4, qjl=True).decay_after is None
+    # values decay when asked, by the same validation as keys
+    assert TurboQuantConfig(decay_value_bits=2).layer_decay_bits(1, 4) == (3, 2)
     d = TurboQuantConfig()
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
 
@@ -161,7 +164,9 @@ def test_attention_reads_both_segments_like_their_decoded_tokens(sides, L, mask)
 
 
 def test_attention_with_decay_builds_no_host_sync(monkeypatch):
-    c = cache(protect_factor=None)
+    # key protection and key widths by error read one number per stream at the first compression (the tests
+    # of each count it); decay itself never reads back
+    c = cache(protect_factor=None, key_error=None)
     k, v = tokens(400)
     with forbid_host_sync(monkeypatch):
         for a, b in ((0, 250), (250, 251), (251, 252), (252, 400)):

@@ -19,6 +19,7 @@ from tq_mlx.memory import (
     affine_kv_bytes,
     available_memory,
     cache_bytes,
+    chosen_key_widths,
     estimate_kv_bytes,
     float16_kv_bytes,
     weight_bytes,
@@ -32,6 +33,12 @@ def fed(cache, keys: mx.array, values: mx.array) -> None:
     if getattr(kh, "observe", None) is not None:
         B, H, L, _ = keys.shape
         kh.observe(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)))
+
+
+def held_estimate(model_config: dict, n: int, cfg, caches, **kw) -> int:
+    """estimate_kv_bytes with the key widths `caches` chose by their error (key_error): what they hold, exactly.
+    Without a cache the estimate prices the most each layer may take (test_estimate_bounds_widened_keys)."""
+    return estimate_kv_bytes(model_config, n, cfg, key_widths=chosen_key_widths(caches), **kw)
 
 
 def config_dict(args) -> dict:
@@ -76,7 +83,7 @@ def test_estimate_equals_real_nbytes_after_a_prefill(models, name, cfg):
         fill(model, cache, n)
         real = sum(c.nbytes for c in cache if hasattr(c, "key_bits"))
         assert cache_bytes(cache)["kv_bytes"] == real
-        assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") == real, (name, n)
+        assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real, (name, n)
 
 
 def test_estimate_equals_real_nbytes_token_by_token(models):
@@ -84,7 +91,7 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
     cfg = CONFIGS["block"]
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, 90, one_shot=False)
-    assert estimate_kv_bytes(config_dict(args), 90, cfg, dtype="float32") == sum(c.nbytes for c in cache)
+    assert held_estimate(config_dict(args), 90, cfg, cache, dtype="float32") == sum(c.nbytes for c in cache)
 
 
 @pytest.mark.parametrize("n", [5, 37, 140])
@@ -97,7 +104,7 @@ def test_short_contexts_hold_only_the_window_they_use(models, n):
         fill(model, cache, n, one_shot=one_shot)
         want = {5: 32, 37: 64, 140: 128}[n]
         assert all(c.key_stream.window.shape[2] == c.value_stream.window.shape[2] == want for c in cache)
-        assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") == sum(c.nbytes for c in cache)
+        assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == sum(c.nbytes for c in cache)
 
 
 def test_float16_and_affine_estimates_equal_mlx_lm_caches(models):
@@ -132,7 +139,7 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     assert s["mlx_lm_bytes"] == 1 * 1 * 256 * 2 * 256 * 4
     assert s["ratio"] == pytest.approx(s["mlx_lm_bytes"] / s["kv_bytes"])
     assert s["saved_bytes"] == s["mlx_lm_bytes"] - s["kv_bytes"]
-    assert bits_summary(cache) == "K4→3/V4→2 after 6144 on its 1 attention layer"  # the default decays
+    assert bits_summary(cache) == "K4→3/V4 after 6144 on its 1 attention layer"  # the default decays
 
 
 def test_empty_cache():
@@ -172,7 +179,7 @@ def test_qwen35_hybrid_counts_only_its_attention_layers():
     assert estimate_kv_bytes(QWEN35_35B_A3B, 1, None) == 20480
     assert estimate_kv_bytes(QWEN35_35B_A3B, 262144, None) == 20480 * 262144
     # 3 bits + one float16 norm per 256-vector, without decay: about 1.0 GB
-    tq3 = estimate_kv_bytes(QWEN35_35B_A3B, 262144, TurboQuantConfig.from_bits(3, decay_after=None))
+    tq3 = estimate_kv_bytes(QWEN35_35B_A3B, 262144, TurboQuantConfig.from_bits(3, decay_after=None, key_error=None))
     assert 0.98e9 < tq3 < 1.1e9
 
 
@@ -243,7 +250,7 @@ def test_bits_summary_names_the_layers_that_stay_float():
     from tests.support import zoo
 
     sliding = make_prompt_cache(zoo.build("gemma3"), TurboQuantConfig())  # global layer every second layer
-    tq = "K4→3/V4→2 after 6144"  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
+    tq = "K4→3/V4 after 6144"  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
     assert bits_summary(sliding) == f"L0 float (sliding window 16) · L1 {tq} · L2 float (sliding window 16) · L3 {tq}"
     nested = make_prompt_cache(zoo.build("falcon_h1"), TurboQuantConfig(boundary_layers=1))  # KVCache in CacheList
     assert bits_summary(nested) == f"L0 K8/V8 · L1-2 {tq} · L3 K8/V8"  # boundary layers do not decay
@@ -405,7 +412,7 @@ def test_gpt_oss_estimate_equals_real_caches():
         fed(c, mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         mx.eval(c.held_arrays())
     real = sum(c.nbytes for c in full) + sum(sliding_cache(n, 2, 64).nbytes for _ in range(2))
-    assert estimate_kv_bytes(GPT_OSS_TINY, n, cfg, dtype="float32") == real
+    assert held_estimate(GPT_OSS_TINY, n, cfg, full, dtype="float32") == real
 
 
 def test_layouts_of_real_configs():
@@ -472,7 +479,7 @@ def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
         mx.eval(cache.held_arrays())
         n = t + 1
         assert (cache.n_sinks, cache.n_coded, cache.n_window) == bounded_tokens(n, M, cfg), n
-        assert cache.nbytes == estimate_kv_bytes(llama, n, cfg, dtype="float32", max_kv_size=M), n
+        assert cache.nbytes == held_estimate(llama, n, cfg, [cache], dtype="float32", max_kv_size=M), n
         assert M - cfg.compress_block_size < sum(bounded_tokens(n, M, cfg)) <= M or n <= M
 
 
@@ -580,7 +587,7 @@ def test_decay_estimate_equals_real_nbytes_in_one_prefill_and_token_by_token(mod
             cache = make_prompt_cache(model, cfg)
             fill(model, cache, n, one_shot)
             real = sum(c.nbytes for c in cache)
-            assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") == real, (one_shot, n)
+            assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real, (one_shot, n)
             assert cache[1].n_decayed == tuple(decayed_tokens(n, None, cfg) if d else 0 for d in decays), n
             assert cache[0].n_decayed == cache[2].n_decayed == (0, 0)
     # 150 tokens: 2 sinks, 120 compressed, 28 in the window; fresh and window tokens at most 48, in whole blocks
@@ -600,14 +607,15 @@ def test_decay_labels():
     assert decay_label(4, 3, False, (None, None), 2048) == decay_label(4, 3) == "K4/V3"
     cfg = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2, boundary_layers=1)
     assert config_label(cfg) == "K4→3/V4→2 after 2048" and config_label(cfg, 0, 4) == "K8/V8"
-    assert config_label(TurboQuantConfig()) == "K4→3/V4→2 after 6144"
-    assert config_label(TurboQuantConfig(), 0, 4) == "K4→3/V4→2 after 6144"
+    assert config_label(TurboQuantConfig()) == "K4→3/V4 after 6144"
+    assert config_label(TurboQuantConfig(), 0, 4) == "K4→3/V4 after 6144"
     assert config_label(TurboQuantConfig(boundary_layers=1), 3, 4) == "K8/V8"
     assert config_label(TurboQuantConfig(decay_after=None)) == "K4/V4"
-    assert config_label(TurboQuantConfig(value_bits=3)) == "K4→3/V3→2 after 6144"  # every width decays by one rule
+    assert config_label(TurboQuantConfig(value_bits=3)) == "K4→3/V3 after 6144"  # every width decays by one rule (values keep theirs)
     assert config_label(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == "K3.5/V3.5"  # ... but fractional ones
     assert config_label(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == "K4→3/V3→2 after 6144"
-    assert config_label(TurboQuantConfig(value_bits=3, decay_key_bits=None)) == "K4/V3→2 after 6144"
+    assert config_label(TurboQuantConfig(value_bits=3, decay_key_bits=None)) == "K4/V3"  # nothing left to decay
+    assert config_label(TurboQuantConfig(value_bits=3, decay_key_bits=None, decay_value_bits=2)) == "K4/V3→2 after 6144"
 
 
 @pytest.mark.parametrize("sides", DECAY_SIDES.values(), ids=DECAY_SIDES.keys())
@@ -662,7 +670,7 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
         fresh, held = buffer_layout(cfg, n, M).fresh, buffer_layout(cfg, n, M).decayed
         assert cache.key_stream.capacity == fresh and held == (cache.key_stream.decayed[0].shape[2]
                                                                if cache.key_stream.decayed else 0), n
-        assert cache.nbytes == estimate_kv_bytes(llama, n, cfg, dtype="float32", max_kv_size=M), n
+        assert cache.nbytes == held_estimate(llama, n, cfg, [cache], dtype="float32", max_kv_size=M), n
         decayed.add(cache.n_decayed[0])
     assert (max(decayed) == 0) == (M <= cfg.sinks + cfg.decay_after)
 
@@ -796,14 +804,17 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
                                                          center=cfg.center_values, **bound)
         layer = turboquant_layer_bytes(n, H, D, D, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,
                                        max_kv_size=cache.max_size, key_width=width)
-        planned = estimate_kv_bytes(model, n, cfg, dtype="float32", max_kv_size=cache.max_size)
-        assert cache.nbytes == layer, (name, M, n)
-        if width is not None:  # the plan prices the widest choice per layer on top (widen_layer_bytes)
-            most = planned + widen_layer_bytes(model, n, cfg, dtype="float32", max_kv_size=cache.max_size)
-            assert planned < layer <= most and (layer == most) == (width == WIDEST_KEY_BITS), (name, M, n)
+        bound = dict(dtype="float32", max_kv_size=cache.max_size)
+        assert cache.nbytes == layer == estimate_kv_bytes(model, n, cfg, key_widths=[width], **bound), (name, M, n)
+        # without the cache, the plan prices the most the keys may take (the least: widen_layer_bytes less)
+        most = estimate_kv_bytes(model, n, cfg, **bound)
+        extra = widen_layer_bytes(model, n, cfg, **bound)
+        assert (extra > 0) == (cfg.key_error is not None and cfg.key_bits < WIDEST_KEY_BITS), (name, n)
+        if width is None:
+            assert most == layer + extra, (name, M, n)
         else:
-            assert layer == planned, (name, M, n)
-        if cfg.key_error is not None and cache.n_coded:
+            assert layer <= most and (layer == most) == (width == WIDEST_KEY_BITS), (name, M, n)
+        if name.startswith("keys widened") and cache.n_coded:
             assert cache.key_stream.widened and cache.key_bits == (6 if cfg.key_error < 0.05 else 5), (name, n)
 
     for t in range(n_max):
@@ -855,7 +866,9 @@ def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
     assert (s["saved_bytes"], s["ratio"]) == (saving.saved, saving.ratio)
     assert s["saved_bytes"] == sum(c.nbytes for c in reference) - sum(c.nbytes for c in cache)
     # the planner, from config.json alone, gives the same two numbers for the same state
-    assert planned_saving(config_dict(args), n, cfg, dtype="float32") == saving
+    widths = chosen_key_widths(cache)
+    assert planned_saving(config_dict(args), n, cfg, dtype="float32", key_widths=widths) == saving
+    assert planned_saving(config_dict(args), n, cfg, dtype="float32").held >= saving.held  # the most keys take
     assert "mlx-lm's own cache for the same tokens" in SAVED_AGAINST
     # bounded: mlx-lm's RotatingKVCache, token by token, against the bounded TurboQuant cache's reference
     M = 40
@@ -919,11 +932,11 @@ def test_a_fitted_bounded_cache_holds_at_most_its_bound_and_the_planner_prices_i
     llama = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     cache = TurboQuantKVCache(cfg, max_size=M)
     n = 3 * M + 40
-    k, v = mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64))
+    k, v = (mx.random.normal((1, 2, n, 64), key=mx.random.key(M + s)) for s in (0, 1))
     for t in range(n):
         fed(cache, k[:, :, t : t + 1], v[:, :, t : t + 1])
         mx.eval(cache.held_arrays())
         assert cache.n_held <= M
-        assert cache.nbytes == estimate_kv_bytes(llama, t + 1, cfg, dtype="float32", max_kv_size=M), t + 1
+        assert cache.nbytes == held_estimate(llama, t + 1, cfg, [cache], dtype="float32", max_kv_size=M), t + 1
         if t + 1 > M:  # compressed tokens remain next to the window after every drop
             assert cache.n_coded > 0, t + 1

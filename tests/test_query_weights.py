@@ -139,7 +139,7 @@ def test_feeding_does_not_change_weights_or_codes():
 
 def test_first_compression_is_coded_again_before_it_is_attended():
     keys, values, queries = tokens(4, 80)
-    cache = TurboQuantKVCache(cfg(), head_dim=D)
+    cache = TurboQuantKVCache(cfg(key_error=None), head_dim=D)  # widths by error: their own tests below
     kh, vh = cache.update_and_fetch(keys, values)  # one chunk: its queries come with its attention
     s = cache.key_stream
     assert kh.observe is not None and kh.weights is None and s.query_sums.pending is not None
@@ -151,7 +151,7 @@ def test_first_compression_is_coded_again_before_it_is_attended():
     again = turboquant_attention(queries, k2, vh, D**-0.5, "causal")
     assert float(mx.max(mx.abs(out - again))) < 1e-5
     # and nbytes holds the weights: B·H·D float32
-    off = TurboQuantKVCache(cfg(weigh_keys=False), head_dim=D)
+    off = TurboQuantKVCache(cfg(weigh_keys=False, key_error=None), head_dim=D)
     off.update_and_fetch(keys, values)
     assert cache.nbytes - off.nbytes == 4 * 2 * D
 
@@ -362,7 +362,12 @@ def test_keys_take_the_bits_their_error_asks_for_and_decay_a_step():
         assert c.n_decayed[0] > 0 and c.value_bits == 4
         assert bits_summary([c]) == f"K{bits}→{decay}/V4→2 after 96 on its 1 attention layer"
     assert "keys up to K6 where their logit error exceeds 0.03" in describe_config(cfg(key_error=0.03))
-    assert "keys up to" not in describe_config(cfg())
+    assert "keys up to" not in describe_config(cfg(key_error=None))
+    # the default: where the keys are weighed integer MSE codes below K6, and nowhere else
+    assert cfg(key_bits=4).key_error == TurboQuantConfig().key_error == 0.1
+    assert cfg(key_bits=4, weigh_keys=False).key_error is None and cfg(key_bits=4, qjl=True).key_error is None
+    assert cfg().key_error is None and cfg(key_bits=5).key_error is None  # a width you set is kept
+    assert cfg(key_error=0.2).key_error == 0.2  # ... unless you ask
 
 
 def test_the_width_does_not_depend_on_how_the_prompt_is_fed():
@@ -418,7 +423,39 @@ def test_key_error_is_validated_and_derived():
         TurboQuantConfig(key_bits=3.5, key_error=0.1)
     with pytest.raises(ValueError, match="key_error needs integer key_bits without QJL"):
         TurboQuantConfig(key_bits=3, qjl=True, key_error=0.1)
-    base = TurboQuantConfig(key_error=0.1)
+    base = TurboQuantConfig(key_error=0.2)  # asked for: kept at any integer MSE width
     assert derive_config(base, key_bits=3.5).key_error is None and derive_config(base, qjl=True, key_bits=3).key_error is None
-    assert derive_config(base, key_bits=5).key_error == 0.1
+    assert derive_config(base, key_bits=5).key_error == 0.2
+    # the default's (0.1 at K4) follows the width: a width you set is kept
+    assert derive_config(TurboQuantConfig(), key_bits=5).key_error is None
+    assert derive_config(derive_config(TurboQuantConfig(), key_bits=5), key_bits=4).key_error == 0.1
     assert TurboQuantConfig.from_dict(TurboQuantConfig().to_dict() | {"key_error": 0.2}).key_error == 0.2
+
+
+def test_the_width_reads_one_number_per_stream_and_decode_then_reads_none(monkeypatch):
+    # The default chooses widths (key_error at K4): the first compression reads its logit error back once, as key
+    # protection reads its factor; every later update and attention builds its graph without a host sync.
+    import tq_mlx.stream as stream
+    from tests.support.host_sync import forbid_host_sync
+
+    reads = []
+    real = stream.key_width
+
+    def counted(*a):
+        reads.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(stream, "key_width", counted)
+    config = cfg(key_bits=4, protect_factor=None, decay_after=64, decay_key_bits=3)
+    assert config.key_error == TurboQuantConfig().key_error == 0.1  # the default's: auto at K4
+    keys, values, queries = tokens(11, 140, q_gain=0.1)
+    cache, _ = run_cache(config, keys[:, :, :40], values[:, :, :40], queries[:, :, :40], [40])
+    assert len(reads) == 1 and cache.key_stream.widened  # these keys err 0.101 at K4 (widened above)
+    with forbid_host_sync(monkeypatch):
+        at = 40
+        for L in (1, 1, 9, 1, 40, 1):  # decode steps, window flushes, a chunk, tokens decaying past 64
+            kh, vh = cache.update_and_fetch(keys[:, :, at : at + L], values[:, :, at : at + L])
+            turboquant_attention(queries[:, :, at : at + L], kh, vh, D**-0.5, "causal" if L > 1 else None)
+            at += L
+        _ = cache.state, cache.nbytes
+    assert len(reads) == 1 and cache.n_decayed[0] > 0

@@ -5,7 +5,7 @@ reason and the way out. A crash mid-forward or a silently float model fails.
 
 The fetch path each model takes (on the codes, latent, decode-to-float) is the one that ran: tq_mlx's attention
 on the codes and its float decode are wrapped and counted (tests/support/zoo.watch_paths), and what ran must be
-what tq_mlx.architectures says. The default config (query-weighed keys centered before RoPE, decaying to K3/V2)
+what tq_mlx.architectures says. The default config (query-weighed keys centered before RoPE, decaying their keys to K3)
 runs at its low bits too, its attention on the codes checked against the same codes decoded. Sparse attention
 (deepseek_v32, glm_moe_dsa) picks its tokens below the context and is compared on the float run's picks.
 
@@ -38,7 +38,8 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 DRAWS = [TOKENS] + [np.random.default_rng(s).integers(0, 256, 24).tolist() for s in (1, 2)]
 PREFILL = 16
 # The default config at the zoo's window: K4/V4 with 8-bit norms, keys weighed by the queries and centered before
-# RoPE, tokens older than 12 decayed to K3/V2 (the default's decay_after is 6144).
+# RoPE, widened by their error, the keys of tokens older than 12 decayed a bit narrower (the default's decay_after
+# is 6144).
 LOW = TurboQuantConfig(window=8, compress_block=4, sinks=2, decay_after=12)
 PATH_WORDS = {"codes": "on the codes", "latent": "latent (MLA): decode on the codes, prefill decoded to float",
               "float": "decode-to-float"}

@@ -195,7 +195,7 @@ class TurboQuantKVCache(_BaseCache):
         kb = self.config_bits[0]
         protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
         # widths by error for keys at the layer's configured bits (a boundary layer keeps its boundary_bits)
-        widen = None if c.key_error is None or kb != c.key_bits else (c.key_error, WIDEST_KEY_BITS)
+        widen = (c.key_error, WIDEST_KEY_BITS) if c.layer_widens(kb) else None
         decay = self.decay_bits
 
         def decay_of(dim, side):

@@ -18,23 +18,40 @@ from .quantizer import PROD_BITS, check_bits, format_bits
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
-# The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, tokens 6144 old are re-coded at K3/V2.
+# The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, the keys of tokens 6144 old are re-coded at K3.
 AUTO = "auto"
+DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
+WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
 DECAY_AFTER = 6144
-DECAY_STEP = {"key": 1, "value": 2}  # bits an integer width loses with age when none are given: values lose more
-DECAY_FLOOR = {"key": 3, "value": 2}  # ... but never below these: keys are the fragile side (DEFAULTS.md)
+# Bits an integer width loses with age when none are given (0: that side keeps its bits at every age), never
+# below the floor. Values decayed to 2 bits were half the default's error at 16k on both Qwen models: they keep
+# theirs since 2026-11-28 (benchmarks/DEFAULTS.md).
+DECAY_STEP = {"key": 1, "value": 0}
+DECAY_FLOOR = {"key": 3, "value": 2}
+# Keys by their error (TurboQuantConfig.key_error) when none is given: the target that holds KL 0.01 at 16k and 32k
+# on Qwen2.5-Coder-0.5B and -1.5B (benchmarks/DEFAULTS.md), for keys at the default's width; keys at a width a user
+# sets keep it (a target widens K3 keys to K5-K6 on most layers, undoing what --bits 3 asks for).
+KEY_ERROR = 0.1
+KEY_ERROR_BITS = 4
 
 
 def auto_decay_bits(side: str, bits: float, qjl: bool = False) -> int | None:
-    """The bits old tokens of a side at `bits` decay to when no decay bits are given: keys one bit less down to 3,
-    values two less down to 2 (K4/V4 -> K3/V2, K4/V3 -> K3/V2, K3/V3 -> K3/V2). None (that side keeps its bits at
-    every age) for fractional bits (two channel groups; decayed codes take one), 8-bit codes (asked to be near
-    lossless), widths already at the floor, and QJL keys."""
-    if bits != int(bits) or bits >= 8 or bits <= DECAY_FLOOR[side] or (side == "key" and qjl):
+    """The bits old tokens of a side at `bits` decay to when no decay bits are given: keys one bit less down to 3
+    (K4 -> K3, K5 -> K4), values keep theirs (DECAY_STEP). None (that side keeps its bits at every age) for values,
+    fractional bits (two channel groups; decayed codes take one), 8-bit codes (asked to be near lossless), widths
+    already at the floor, and QJL keys."""
+    step = DECAY_STEP[side]
+    if not step or bits != int(bits) or bits >= 8 or bits <= DECAY_FLOOR[side] or (side == "key" and qjl):
         return None
-    return max(int(bits) - DECAY_STEP[side], DECAY_FLOOR[side])
-DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
-WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
+    return max(int(bits) - step, DECAY_FLOOR[side])
+
+
+def auto_key_error(key_bits: float, qjl: bool, weigh_keys: bool) -> float | None:
+    """The key_error a config takes when none is given: KEY_ERROR for MSE keys at KEY_ERROR_BITS (the default's
+    width) weighed by their queries (the error is measured on them); None (keys keep key_bits) otherwise."""
+    if qjl or not weigh_keys or key_bits != KEY_ERROR_BITS:
+        return None
+    return KEY_ERROR
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -59,10 +76,12 @@ class TurboQuantConfig:
     (4k-8k tokens) the float window decides quality: 768 recent tokens (compressed 128 at a time) bring KL at 8k
     from 0.0126 (window 512) to 0.0072 nats on SmolLM2. Norms in 8 bits (a log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
-    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144
-    tokens of age, codes are re-coded at K3/V2 (temporal decay): at 32k tokens most of the cache is old, so the
-    default holds 3.17 bits/value at head_dim 128 (5.05x less than float16) while the recent 6144 tokens keep
-    K4/V4. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
+    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144 tokens of
+    age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
+    the error at 16k), and each layer's keys take the fewest bits from K4 up to K6 whose attention-logit error on
+    its first window's queries is at most KEY_ERROR (key_error): KL at 16k 0.0604 -> 0.0079 on Qwen2.5-Coder-0.5B,
+    0.0211 -> 0.0031 on Qwen2.5-Coder-1.5B, for 4.91 and 4.61 bits/value at 32k where decayed K3/V2 held 3.33 and
+    3.25. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
@@ -72,12 +91,13 @@ class TurboQuantConfig:
     `window` tokens after the sinks, however the prompt is fed (though the queries of a later layer, and so its
     weights, move a little with the prefill chunks, as every activation past the first compression does).
 
-    Decay fields left at AUTO follow one rule for every width (auto_decay_bits): tokens older than DECAY_AFTER
-    decay to one bit less for keys (not below 3) and two less for values (not below 2): K4/V4 -> K3/V2, K4/V3 ->
-    K3/V2, K3/V3 -> K3/V2; fractional and 8-bit widths, widths at the floor and QJL keys keep their bits at every
-    age. An explicit value is always validated as given. The resolved values are the fields:
-    dataclasses.replace(config, key_bits=8) keeps K3/V2 decay from a default config (derive_config(config, bits=8)
-    derives it again, as the commands' flags do).
+    Decay fields left at AUTO follow one rule for every width (auto_decay_bits): keys of tokens older than
+    DECAY_AFTER decay to one bit less (not below 3), values keep their bits: K4/V4 -> K3/V4, K5 -> K4 (a widened
+    layer); fractional and 8-bit widths, widths at the floor and QJL keys keep their bits at every age. key_error
+    left at AUTO is KEY_ERROR for weighed MSE keys at K4 (auto_key_error), None otherwise. An explicit
+    value is always validated as given. The resolved values are the fields: dataclasses.replace(config,
+    key_bits=8) keeps K3 decay from a default config (derive_config(config, bits=8) derives both again, as the
+    commands' flags do).
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4, 5, 6 or 8 (quantizer.MSE_BITS)
@@ -94,8 +114,9 @@ class TurboQuantConfig:
     # The largest RMS error of the attention logits a layer's keys may give the queries of its calibration tokens
     # (calibration.logit_error): a layer whose keys exceed it at key_bits takes the fewest bits up to
     # WIDEST_KEY_BITS that do not, chosen at its first compression; its keys decay by the same step (K6 -> K5).
-    # Needs query weights (weigh_keys) and integer MSE key bits. None: every layer keeps key_bits.
-    key_error: float | None = None
+    # Needs query weights (weigh_keys) and integer MSE key bits. None: every layer keeps key_bits. AUTO: KEY_ERROR
+    # where it applies (auto_key_error), None elsewhere.
+    key_error: float | None | str = AUTO
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
@@ -129,8 +150,11 @@ class TurboQuantConfig:
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
         e = self.key_error
+        if e == AUTO:
+            e = auto_key_error(self.key_bits, self.qjl, self.weigh_keys)
+            set_("key_error", e)
         if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0):
-            raise ValueError(f"key_error must be a number > 0 or None (keys keep key_bits), got {e!r}")
+            raise ValueError(f"key_error must be a number > 0, None (keys keep key_bits) or {AUTO!r}, got {e!r}")
         if e is not None and (self.qjl or self.key_bits != int(self.key_bits)):
             raise ValueError(f"key_error needs integer key_bits without QJL (the widths it chooses from are "
                              f"{format_bits(self.key_bits)} .. {WIDEST_KEY_BITS}), got key_bits="
@@ -240,6 +264,11 @@ class TurboQuantConfig:
             return None, None
         return self.decay_key_bits, self.decay_value_bits
 
+    def layer_widens(self, key_bits: float) -> bool:
+        """Whether keys at a layer's key_bits choose their width by their error (key_error): at the config's own
+        bits (a boundary layer keeps its boundary_bits) below WIDEST_KEY_BITS."""
+        return self.key_error is not None and key_bits == self.key_bits and key_bits < WIDEST_KEY_BITS
+
     def widened_decay_bits(self, bits: int, decay_bits: int | None) -> int | None:
         """The bits keys widened to `bits` (key_error) decay to: the layer's decay_bits lowered by as many bits as
         the keys were widened (K4 -> K3 becomes K6 -> K5); None where the layer does not decay."""
@@ -262,6 +291,10 @@ class TurboQuantConfig:
         # norms, no decay, no key weights (the defaults changed since).
         d.setdefault("norm_bits", 16)
         d.setdefault("weigh_keys", False)
+        d.setdefault("key_error", None)
+        for name in ("key_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
+            if isinstance(d.get(name), float):
+                d[name] = float(f"{d[name]:.7g}")
         for name in ("decay_after", "decay_key_bits", "decay_value_bits"):
             d.setdefault(name, None)
         names = {f.name for f in dataclasses.fields(cls)}
@@ -271,17 +304,15 @@ class TurboQuantConfig:
         return cls(**d)
 
 
-# Named settings, by what they trade (the commands' --tq-preset). Bits per value at 32k tokens with float parts in
-# float16, head_dim 128 (64); KL at 8k on SmolLM2 over three texts (benchmarks/DEFAULTS.md, README "Quality at
-# long context"). default and compact decay: old tokens are re-coded at fewer bits.
+# Named settings, by what they trade (the commands' --tq-preset); their bytes: --plan, estimate_kv_bytes; their
+# measurements: benchmarks/DEFAULTS.md and the README's quality tables.
 PRESETS: dict[str, dict] = {
-    # K8/V4, window 768, 8-bit norms, no decay: 6.34 (6.43) bits, KL <= 0.0012 at 8k and 16k on Qwen2.5-Coder-0.5B,
-    # whose 4-bit keys miss 0.01 at 8k (K4/V4 with window 1696, the preset until 2026-11-27: 4.71 bits)
+    # K8/V4, window 768, 8-bit norms, no decay: KL <= 0.0012 at 8k and 16k on Qwen2.5-Coder-0.5B
     "quality": dict(key_bits=8, decay_after=None),
-    # K4/V4, window 768, 8-bit norms, tokens past 6144 at K3/V2: 3.17 (3.23) bits, KL at 8k <= 0.0043
+    # K4/V4 with keys by their error (up to K6), window 768, 8-bit norms, keys past 6144 one bit narrower
     "default": {},
-    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2: 2.57 (2.63) bits, KL at 8k <= 0.0123
-    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2),
+    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes
+    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None),
 }
 
 
@@ -301,7 +332,9 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     - a side given new bits that its base decay bits no longer lower (fractional bits, or bits not above the decay
       bits: decay only ever lowers integer bits, one rotation) keeps its bits at every age, unless fields name its
       decay bits; and when no side is left to decay, nothing decays (decay_after None).
-    - QJL or fractional key bits drop the base's key_error unless fields name it (it chooses integer MSE widths).
+    - a base config whose key_error is the one its keys give when none is asked for (auto_key_error) gets the one
+      the new keys give; QJL or fractional key bits drop an explicit key_error unless fields name it (it chooses
+      integer MSE widths).
 
     Everything else is validated by TurboQuantConfig as given (ValueError naming the conflict). max_kv_size: a
     bounded cache (--max-kv-size), which fit_max_kv_size fits the config to."""
@@ -310,6 +343,8 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
         auto = dict.fromkeys(DECAY_FIELDS, AUTO)
         if dataclasses.replace(base, **auto) == base:
             start.update(auto)
+        if dataclasses.replace(base, key_error=AUTO) == base:
+            start["key_error"] = AUTO
     else:
         start = dict(_preset_fields(base))
     if bits is not None:
@@ -325,7 +360,7 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
             merged.get(f"decay_{side}_bits", AUTO) is None for side in ("key", "value")):
         merged["decay_after"] = None  # nothing left to decay to
     kb = merged.get("key_bits", 4)
-    if "key_error" not in fields and (merged.get("qjl") or kb != int(kb)):
+    if "key_error" not in fields and merged.get("key_error", AUTO) != AUTO and (merged.get("qjl") or kb != int(kb)):
         merged["key_error"] = None  # widths by error choose among integer MSE widths: QJL or 2.5/3.5 keep theirs
     return fit_max_kv_size(TurboQuantConfig(**merged), max_kv_size)
 

@@ -110,12 +110,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
         return [long, short] if short_aliases else [long]
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
-                   help="a named setting the other --tq-* flags then adjust (bits/value at 32k, head_dim 128): "
-                        "quality (K8/V4, window 768, no decay: 6.34), default (K4/V4, window 768, tokens past 6144 "
-                        "decaying to K3/V2: 3.17; other integer bits decay by the same rule, keys one bit less down to 3, "
-                        "values two less down to 2, fractional and 8-bit ones never), compact "
-                        "(K4/V3, tokens past 4096 decaying to K2/V2: 2.58); all with 8-bit norms; their "
-                        "measurements are in benchmarks/DEFAULTS.md")
+                   help="a named setting the other --tq-* flags then adjust: quality (K8/V4, no decay), default "
+                        "(K4/V4; each layer's keys take up to K6 where their logit error exceeds "
+                        f"{format(d.key_error, 'g')}; keys of tokens past {d.decay_after} one bit narrower, values "
+                        "keep their bits), compact (K4/V3, tokens past 4096 decaying to K2/V2, keys not widened); all "
+                        "with window 768 and 8-bit norms; --plan gives their bytes, benchmarks/DEFAULTS.md their "
+                        "measurements")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
                    help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
                         f"{format_bits(d.value_bits)}, i.e. {bits_label(d.key_bits, d.value_bits, d.qjl)})")
@@ -145,7 +145,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="a layer whose keys would give the attention logits of its first window's queries an RMS "
                         "error above E at the key bits takes more bits, up to 6, chosen at its first compression "
                         "(off: every layer keeps the key bits) (default "
-                        f"{'off' if d.key_error is None else format(d.key_error, 'g')})")
+                        f"{'off' if d.key_error is None else format(d.key_error, 'g')} for {format_bits(d.key_bits)}-bit "
+                        "keys without --tq-qjl, off for keys at bits you set)")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: every layer keeps the configured bits")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
@@ -168,16 +169,15 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
-                        f"(default {d.decay_after}; keys decay one bit, down to 3, values two, down to 2, unless "
+                        f"(default {d.decay_after}; keys decay one bit, down to 3, values keep their bits, unless "
                         "--tq-decay-*-bits say otherwise; fractional and 8-bit widths never decay)")
     g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=decay_bits_arg, metavar="B",
                    help="bits keys decay to: an integer below the key bits, or off (default "
                         f"{format_bits(d.decay_key_bits)} at key bits {format_bits(d.key_bits)}: one bit less, not below 3; "
                         "none for fractional or 8-bit keys)")
     g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=decay_bits_arg, metavar="B",
-                   help="bits values decay to: an integer below the value bits, or off (default "
-                        f"{format_bits(d.decay_value_bits)} at value bits {format_bits(d.value_bits)}: two less, not below 2; "
-                        "none for fractional or 8-bit values)")
+                   help="bits values decay to: an integer below the value bits, or off (default off: values keep "
+                        "their bits at every age)")
     g.add_argument("--tq-no-decay", dest="tq_no_decay", action="store_true",
                    help="keep every compressed token at its bits (no temporal decay)")
     g.add_argument("--tq-seed", dest="tq_seed", type=count_arg(0), metavar="N",

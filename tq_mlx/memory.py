@@ -25,7 +25,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import mlx.core as mx
 
@@ -162,6 +162,7 @@ def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
     batch: int = 1, dtype: str | None = None, max_kv_size: int | None = None,
+    key_widths: Sequence[int | None] | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
@@ -176,6 +177,11 @@ def estimate_kv_bytes(
 
     max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
     RotatingKVCache, decoding); TurboQuant follows layout.token_layout (decoding token by token).
+
+    Keys by their error (config.key_error) choose their bits at calibration, from their own tokens and queries:
+    key_widths gives each attention layer's choice (chosen_key_widths of a live cache; None: the layer kept its
+    bits), and without it every layer that may widen is priced at WIDEST_KEY_BITS, so the estimate bounds the
+    cache (it equals it when every layer took the most).
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
@@ -192,18 +198,37 @@ def estimate_kv_bytes(
     total = total * sliding_bytes // FLOAT16_BYTES
     n_att = len(lay.full_layers)
     ref_tokens = ctx if max_kv_size is None else min(ctx, max_kv_size)
+    if key_widths is not None and len(key_widths) != n_att:
+        raise ValueError(f"key_widths has {len(key_widths)} entries, the model {n_att} attention layers")
     for a in range(n_att):
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
+            weighted = config.weigh_keys and lay.fetch == "codes"
+            width = None
+            if widens(config, kb, weighted, lay):
+                width = WIDEST_KEY_BITS if key_widths is None else key_widths[a]
             total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
                                             latent=lay.latent, k_eq_v=lay.k_eq_v,
                                             decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs,
-                                            weighted=config.weigh_keys and lay.fetch == "codes")
+                                            weighted=weighted, key_width=width)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
             total += float16_kv_bytes(ref_tokens, H, dk, dv, batch)
     return total
+
+
+def widens(config, key_bits: float, weighted: bool, lay) -> bool:
+    """Whether a layer's keys at key_bits may take more bits by their error (config.layer_widens): weighed keys
+    (their error is measured on their queries) in a per-head layer (not latent, K=V)."""
+    return config.layer_widens(key_bits) and weighted and not lay.latent and not lay.k_eq_v
+
+
+def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
+    """Each TurboQuant attention layer's key width chosen by its error (None: it kept its bits, or has not
+    calibrated yet), in layer order: estimate_kv_bytes's key_widths for this cache."""
+    return [int(c.key_bits) if c.key_stream is not None and c.key_stream.widened else None
+            for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
 
 
 def estimate_mlx_lm_bytes(model_config: dict, ctx: int, *, dtype: str | None = None, batch: int = 1,
@@ -221,14 +246,14 @@ def estimate_mlx_lm_bytes(model_config: dict, ctx: int, *, dtype: str | None = N
 
 
 def planned_saving(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
-                   max_kv_size: int | None = None) -> Saving:
+                   max_kv_size: int | None = None, key_widths: Sequence[int | None] | None = None) -> Saving:
     """The Saving a plan shows at ctx: estimate_kv_bytes with `config` (a TurboQuantConfig; None: mlx-lm's float
-    cache, which saves nothing) against estimate_mlx_lm_bytes."""
+    cache, which saves nothing; key_widths as estimate_kv_bytes takes them) against estimate_mlx_lm_bytes."""
     reference = estimate_mlx_lm_bytes(model_config, ctx, dtype=dtype, batch=batch, max_kv_size=max_kv_size)
     if config is None:
         return Saving(reference, reference)
-    return Saving(estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size),
-                  reference)
+    return Saving(estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size,
+                                    key_widths=key_widths), reference)
 
 
 def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
@@ -241,24 +266,29 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     bits."""
     if config.protect_factor is None or config.protect_bits <= config.key_bits:
         return 0
-    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, protected=True)
+    # beyond what the estimate priced the layer at: the most its keys may widen to, where they may
+    base = {"key_width": WIDEST_KEY_BITS} if widen_layer_bytes(model_config, ctx, config) else {}
+    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, base, protected=True)
 
 
 def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
                       max_kv_size: int | None = None) -> int:
-    """What one attention layer adds at ctx if its keys take the most bits key_error gives (WIDEST_KEY_BITS,
-    chosen by the layer's own calibration tokens and queries, so a plan can only price one): its key codes at
-    those bits, decaying by the configured step, and the widened quantizers' constants. 0 without key_error or
-    on layers that do not weigh their keys (latent, K=V)."""
+    """What one attention layer's keys hold at ctx at the most bits key_error gives (WIDEST_KEY_BITS) beyond their
+    key_bits: the widened codes, decaying by the configured step, and the widened quantizers' constants. Each
+    layer chooses by its own calibration tokens and queries, so estimate_kv_bytes prices the most and overstates
+    a layer that keeps its bits by this. 0 where keys do not widen (no key_error, unweighed, latent, K=V)."""
     lay = attention_layout(model_config)
-    if config.key_error is None or not config.weigh_keys or lay.latent or lay.k_eq_v:
+    n_att = len(lay.full_layers)
+    if not n_att or not widens(config, config.layer_bits(n_att // 2, n_att)[0],
+                               config.weigh_keys and lay.fetch == "codes", lay):
         return 0
-    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, key_width=WIDEST_KEY_BITS)
+    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {}, key_width=WIDEST_KEY_BITS)
 
 
-def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv_size, **change) -> int:
-    """The bytes a middle attention layer (boundary layers have their own bits) adds with `change` (a keyword of
-    turboquant_layer_bytes) at ctx."""
+def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv_size, base: dict,
+                 **change) -> int:
+    """The bytes a middle attention layer (boundary layers have their own bits) adds at ctx with `change` (a
+    keyword of turboquant_layer_bytes) over `base` (keywords too)."""
     lay = attention_layout(model_config)
     n_att = len(lay.full_layers)
     if not n_att:
@@ -267,7 +297,7 @@ def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv
     args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim, kb, vb, config, batch,
             kv_float_bytes(model_config, dtype), max_kv_size)
     flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v, decay_bits=config.layer_decay_bits(n_att // 2, n_att))
-    return turboquant_layer_bytes(*args, **change, **flags) - turboquant_layer_bytes(*args, **flags)
+    return turboquant_layer_bytes(*args, **change, **flags) - turboquant_layer_bytes(*args, **base, **flags)
 
 
 # --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------
