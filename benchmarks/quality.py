@@ -61,7 +61,8 @@ LONG_CONTEXT = 32768
 # Every TurboQuant setting spells out all its fields, so a change of the library's defaults does not change
 # what a row measures. BASE is the reference the labels describe deviations from.
 BASE = dict(window=128, sinks=4, center_keys=True, center_values=True, boundary_layers=0, boundary_bits=8, qjl=False,
-            norm_bits=16, decay_after=None)  # the settings these rows measured (the defaults then)
+            norm_bits=16, decay_after=None, key_error=None)  # the settings these rows measured (the defaults then;
+# a row's label is its keys' width, which key_error would change per layer)
 
 
 @dataclass

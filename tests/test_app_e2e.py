@@ -221,7 +221,9 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         screen = wait_for(term, rf"context\s+{tokens:,} / 4,096", timeout=30).string
         assert "Paris" in screen, screen
         # the panel's KV figure is what memory's layout formula gives for that many tokens
-        expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig(), dtype="float32")
+        # (nothing is compressed yet, so no layer has chosen a wider key: every layer as configured)
+        expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig(), dtype="float32",
+                                     key_widths=[None] * 30)
         text = panel(screen)
         assert f"held {format_bytes(expected)}" in text, text
         # against mlx-lm's own float32 cache as it allocates: 256-token steps of 30 layers x 3 kv heads x 64 x (k, v)
