@@ -24,8 +24,8 @@ DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
 WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
 DECAY_AFTER = 6144
 # Bits an integer width loses with age when none are given (0: that side keeps its bits at every age), never
-# below the floor. Values decayed to 2 bits were half the default's error at 16k on both Qwen models: they keep
-# theirs since 2026-11-28 (benchmarks/DEFAULTS.md).
+# below the floor. Values decayed to 2 bits were half the default's error at 16k on both Qwen models, so they keep
+# theirs (benchmarks/DEFAULTS.md).
 DECAY_STEP = {"key": 1, "value": 0}
 DECAY_FLOOR = {"key": 3, "value": 2}
 # Keys by their error (TurboQuantConfig.key_error) when none is given: the target that holds KL 0.01 at 16k and 32k
@@ -79,9 +79,9 @@ class TurboQuantConfig:
     codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144 tokens of
     age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
     the error at 16k), and each layer's keys take the fewest bits from K4 up to K6 whose attention-logit error on
-    its first window's queries is at most KEY_ERROR (key_error): KL at 16k 0.0604 -> 0.0079 on Qwen2.5-Coder-0.5B,
-    0.0211 -> 0.0031 on Qwen2.5-Coder-1.5B, for 4.91 and 4.61 bits/value at 32k where decayed K3/V2 held 3.33 and
-    3.25. A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
+    its first window's queries is at most KEY_ERROR (key_error): that is what holds both Qwen2.5-Coder models under
+    KL 0.01 at 16k and 32k, for about 1.5 bits/value more at 32k than decayed K3/V2 values (DEFAULTS.md). A key
+    stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
