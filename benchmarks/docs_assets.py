@@ -297,13 +297,8 @@ def make_screenshot() -> None:
 
 def protected_layers(bits: str) -> int:
     """How many layers a bits summary names with protected (K8) keys: "L0 K8/V4→2 after 6144 · L1-29 K4→3/..."."""
-    n = 0
-    for layers, label in re.findall(r"L([\d,-]+) (\S+)", bits):
-        if label.startswith("K8"):
-            for span in layers.split(","):  # "0-2,5"
-                first, _, last = span.partition("-")
-                n += int(last or first) - int(first) + 1
-    return n
+    return sum(len(layer_indices(layers)) for layers, label in re.findall(r"L([\d,-]+) (\S+)", bits)
+               if label.startswith("K8"))
 
 
 def shown_key_widths(bits: str, n_layers: int, config) -> list[int | None]:
@@ -319,10 +314,18 @@ def shown_key_widths(bits: str, n_layers: int, config) -> list[int | None]:
             continue
         if label.startswith("K8"):
             w = WIDEST_KEY_BITS if config.layer_widens(config.key_bits) else None
-        for span in layers.split(","):
-            first, _, last = span.partition("-")
-            widths[int(first) : int(last or first) + 1] = [w] * (int(last or first) - int(first) + 1)
+        for i in layer_indices(layers):
+            widths[i] = w
     return widths
+
+
+def layer_indices(spec: str) -> list[int]:
+    """The layers a bits summary's "L0-2,5" names: [0, 1, 2, 5]."""
+    out = []
+    for span in spec.split(","):
+        first, _, last = span.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
 
 
 def expected_stats(facts: dict, stats: dict) -> dict:

@@ -194,8 +194,8 @@ def default_words(d) -> str:
         words.append(f"each layer's keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {d.key_error:g}")
     words.append(f"{d.norm_bits}-bit norms")
     if d.decay_after:
-        words.append(f"tokens past {d.decay_after} at {bits_label(*d.decayed_bits)} (widened keys one bit narrower)"
-                     if d.key_error is not None else f"tokens past {d.decay_after} at {bits_label(*d.decayed_bits)}")
+        words.append(f"tokens past {d.decay_after} at {bits_label(*d.decayed_bits)}"
+                     + (" (widened keys one bit narrower)" if d.key_error is not None else ""))
     return ", ".join(words)
 
 

@@ -267,7 +267,7 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     if config.protect_factor is None or config.protect_bits <= config.key_bits:
         return 0
     # beyond what the estimate priced the layer at: the most its keys may widen to, where they may
-    base = {"key_width": WIDEST_KEY_BITS} if widen_layer_bytes(model_config, ctx, config) else {}
+    base = {"key_width": WIDEST_KEY_BITS} if _middle_layer_widens(model_config, config) else {}
     return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, base, protected=True)
 
 
@@ -277,12 +277,17 @@ def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None
     key_bits: the widened codes, decaying by the configured step, and the widened quantizers' constants. Each
     layer chooses by its own calibration tokens and queries, so estimate_kv_bytes prices the most and overstates
     a layer that keeps its bits by this. 0 where keys do not widen (no key_error, unweighed, latent, K=V)."""
-    lay = attention_layout(model_config)
-    n_att = len(lay.full_layers)
-    if not n_att or not widens(config, config.layer_bits(n_att // 2, n_att)[0],
-                               config.weigh_keys and lay.fetch == "codes", lay):
+    if not _middle_layer_widens(model_config, config):
         return 0
     return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {}, key_width=WIDEST_KEY_BITS)
+
+
+def _middle_layer_widens(model_config: dict, config) -> bool:
+    """Whether the keys of the middle attention layer (the one _layer_extra prices) may widen by their error."""
+    lay = attention_layout(model_config)
+    n_att = len(lay.full_layers)
+    return bool(n_att) and widens(config, config.layer_bits(n_att // 2, n_att)[0],
+                                  config.weigh_keys and lay.fetch == "codes", lay)
 
 
 def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv_size, base: dict,
