@@ -2,7 +2,8 @@
 the attention logits that keys coded at 4, 5 and 6 bits give, as the cache predicts it at its first compression
 (tq_mlx.calibration.logit_error on the calibration tokens and their queries) and as real codes give it to later
 queries, with the attention-weighted error those queries' softmax sees (½·Var_p(δ), the KL of one head's
-attention to first order); then the widths TurboQuantConfig(key_error=E) takes per layer for each --targets E.
+attention to first order); then the widths TurboQuantConfig(key_error=E) takes per layer for each --targets E, and beside them the widths
+each kv head alone would take (a forecast of widths per kv head, which the cache does not have).
 
 Keys are centered before RoPE and weighed by the calibration queries, as the default cache codes them; queries
 are the last 256 of a --context-token Britannica prefix, keys all of it. Not a quality figure: long_context.py
@@ -47,7 +48,7 @@ def layer_row(i: int, q: mx.array, k: mx.array, scale: float, rope, base: float,
     mean = centered_means(k, "rope", calib, base)
     w = query_weights(q_sq, (k - mean)[:, :, calib], rope)
     unit = logit_error((k - mean)[:, :, calib] * w[:, :, None], w, q_sq, qc.shape[2], scale)
-    row = {"layer": i, "unit": float(mx.max(unit))}
+    row = {"layer": i, "unit": float(mx.max(unit)), "unit_heads": [float(u) for u in unit[0]]}
     ql = q[:, :, -QUERIES:].reshape(B, H, G * QUERIES, D) * scale
     pos = mx.array(np.tile(np.arange(N - QUERIES, N), G))[None, None, :, None]
     seen = mx.arange(N)[None, None, None, :] <= pos
@@ -82,7 +83,9 @@ def run_model(key: str, context: int, targets: list[float]) -> dict:
               f"attention {r['attention_4']:.2e} / {r['attention_5']:.2e} / {r['attention_6']:.2e} at K4/5/6", flush=True)
     D = captured[0][1].shape[-1]
     widths = {f"{t:g}": [key_width(r["unit"], 4, 6, t, D) for r in layers] for t in targets}
-    return {"model": label, "context": context, "layers": layers, "widths": widths}
+    # what a width per kv head (each head its own fewest bits) would take instead of the layer's widest head's
+    head_widths = {f"{t:g}": [[key_width(u, 4, 6, t, D) for u in r["unit_heads"]] for r in layers] for t in targets}
+    return {"model": label, "context": context, "layers": layers, "widths": widths, "head_widths": head_widths}
 
 
 def main() -> None:
@@ -103,7 +106,8 @@ def main() -> None:
         results["models"][key] = run_model(key, args.context, targets)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     headers = ["model", "logit error K4 (median, max)", "predicted / measured", "Σ attention error K4 / K5 / K6"] + [
-        f"widths at key_error {t:g} (K4/K5/K6)" for t in targets]
+        f"widths at key_error {t:g} (K4/K5/K6)" for t in targets] + [
+        f"mean key bits at key_error {t:g}: per layer / per kv head" for t in targets]
     rows = []
     for m in results["models"].values():
         L = m["layers"]
@@ -111,7 +115,8 @@ def main() -> None:
         ratio = np.median([r["predicted_4"] / r["measured_4"] for r in L])
         att = " / ".join(f"{sum(r[f'attention_{b}'] for r in L):.3f}" for b in BITS)
         rows.append([m["model"], f"{np.median(p4):.3f}, {max(p4):.3f}", f"{ratio:.2f}", att]
-                    + ["/".join(str(w.count(b)) for b in BITS) for w in m["widths"].values()])
+                    + ["/".join(str(w.count(b)) for b in BITS) for w in m["widths"].values()]
+                    + [f"{np.mean(m['widths'][t]):.2f} / {np.mean(m['head_widths'][t]):.2f}" for t in m["widths"]])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "key_widths.json").write_text(json.dumps(results, indent=1))

@@ -24,8 +24,8 @@ both in blocks of 64; K2/V2 window 1408 and K2/V1 window 2496 with 8-bit norms, 
 layers; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit g64 (no window), "rotation + affine"
 (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head of keys and values, then mlx-lm
 affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128 tokens), and mlx-vlm's
-TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run). Needles (SmolLM2): the
-default and float at --needles haystack lengths, --needle-depths 0.1/0.5/0.9.
+TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run). Needles (on --needle-models,
+SmolLM2 unless told): the default and float at --needles haystack lengths, --needle-depths 0.1/0.5/0.9.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
@@ -860,7 +860,8 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help=f"comma list of {','.join(BY_KEY)} (default: all, in that "
                     "order; float is always run first, as the reference)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
-    ap.add_argument("--needles", default="4096,8192", help="SmolLM2 needle haystack lengths ('' for none)")
+    ap.add_argument("--needles", default="4096,8192", help="needle haystack lengths ('' for none)")
+    ap.add_argument("--needle-models", default="smollm2", help="models probed with needles (of --models; default smollm2)")
     ap.add_argument("--needle-settings", default="float,default",
                     help="settings probed with needles (keys as --settings; default float,default)")
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9",
@@ -887,6 +888,11 @@ def main() -> None:
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
     args.needle_depths = needle_depths(args.needle_depths)
     args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]
+    args.needle_models = [k for k in args.needle_models.split(",") if k]
+    if unknown := [k for k in args.needle_models + args.models.split(",") if k not in MODELS]:
+        raise SystemExit(f"unknown model {unknown[0]!r}: --models and --needle-models take {','.join(MODELS)}")
+    if args.needle_lengths and (idle := [k for k in args.needle_models if k not in args.models.split(",")]):
+        raise SystemExit(f"--needle-models {idle[0]} is not in --models {args.models}: needles probe a model that runs")
     for c in sm + qw + qw15:
         if c % args.chunk:
             raise SystemExit(f"context {c} is not a multiple of the chunk {args.chunk}")
@@ -910,7 +916,7 @@ def main() -> None:
 
     for key in args.models.split(","):
         run_model(key, args, budget, results, save)
-        if key == "smollm2":
+        if key in args.needle_models:
             run_needles(key, args, budget, results, save)
     save()
     print()

@@ -619,6 +619,18 @@ def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> N
             lc.needle_depths(bad)
 
 
+def test_needle_models_must_be_known_and_run(monkeypatch) -> None:
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    for argv, said in ((["--needle-models", "qwen7"], "unknown model 'qwen7'"),
+                       (["--models", "qwen05", "--needle-models", "qwen15"], "--needle-models qwen15 is not in --models")):
+        monkeypatch.setattr(sys, "argv", ["long_context.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            lc.main()
+        assert said in str(e.value)
+
+
 def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
     # attribution.py says which side and which tokens a layer's error comes from: "all" must be what the cache
     # attends, a part with no tokens must cost nothing, and each part must be the error of its own tokens.
