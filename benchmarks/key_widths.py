@@ -2,8 +2,8 @@
 the attention logits that keys coded at 4, 5 and 6 bits give, as the cache predicts it at its first compression
 (tq_mlx.calibration.logit_error on the calibration tokens and their queries) and as real codes give it to later
 queries, with the attention-weighted error those queries' softmax sees (½·Var_p(δ), the KL of one head's
-attention to first order); then the widths TurboQuantConfig(key_error=E) takes per layer for each --targets E, and beside them the widths
-each kv head alone would take (a forecast of widths per kv head, which the cache does not have).
+attention to first order); then the widths TurboQuantConfig(key_error=E) takes per layer for each --targets E,
+and beside them the widths each kv head alone would take (a forecast: the cache chooses one width per layer).
 
 Keys are centered before RoPE and weighed by the calibration queries, as the default cache codes them; queries
 are the last 256 of a --context-token Britannica prefix, keys all of it. Not a quality figure: long_context.py

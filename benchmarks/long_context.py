@@ -888,10 +888,11 @@ def main() -> None:
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
     args.needle_depths = needle_depths(args.needle_depths)
     args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]
+    models = args.models.split(",")
     args.needle_models = [k for k in args.needle_models.split(",") if k]
-    if unknown := [k for k in args.needle_models + args.models.split(",") if k not in MODELS]:
+    if unknown := [k for k in args.needle_models + models if k not in MODELS]:
         raise SystemExit(f"unknown model {unknown[0]!r}: --models and --needle-models take {','.join(MODELS)}")
-    if args.needle_lengths and (idle := [k for k in args.needle_models if k not in args.models.split(",")]):
+    if args.needle_lengths and (idle := [k for k in args.needle_models if k not in models]):
         raise SystemExit(f"--needle-models {idle[0]} is not in --models {args.models}: needles probe a model that runs")
     for c in sm + qw + qw15:
         if c % args.chunk:
@@ -914,7 +915,7 @@ def main() -> None:
         results["seconds"] = round(time.perf_counter() - t0, 1)
         write(results, name, args.out)
 
-    for key in args.models.split(","):
+    for key in models:
         run_model(key, args, budget, results, save)
         if key in args.needle_models:
             run_needles(key, args, budget, results, save)

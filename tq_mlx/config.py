@@ -80,8 +80,8 @@ class TurboQuantConfig:
     age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
     the error at 16k), and each layer's keys take the fewest bits from K4 up to K6 whose attention-logit error on
     its first window's queries is at most KEY_ERROR (key_error): that is what holds both Qwen2.5-Coder models under
-    KL 0.01 at 16k and 32k, for about 1.5 bits/value more at 32k than decayed K3/V2 values (DEFAULTS.md). A key
-    stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
+    KL 0.01 at 16k (and Qwen2.5-Coder-0.5B at 32k), for about 1.5 bits/value more at 32k than decayed K3/V2 values
+    (DEFAULTS.md). A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
