@@ -30,6 +30,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import long_context  # noqa: E402
+
+import long_context_settings as lc_settings  # noqa: E402
+
 from tq_mlx import TurboQuantConfig  # noqa: E402
 
 CHUNK = 512
@@ -58,7 +61,7 @@ def coded_mass(q: mx.array, k: mx.array, scale: float, lo: int, hi: int) -> dict
 def run(key: str, text: str, context: int) -> dict:
     from tests.support import real_models
 
-    label, loader, _ = long_context.MODELS[key]
+    label, loader, _ = lc_settings.MODELS[key]
     model, tok = getattr(real_models, loader)(mx.float32)
     ids = long_context.text_ids(tok, text, context)
     d = TurboQuantConfig()
@@ -91,7 +94,7 @@ def run(key: str, text: str, context: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(long_context.MODELS)}")
+    ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(lc_settings.MODELS)}")
     ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--out", default=str(common.RESULTS), help="results folder")

@@ -32,6 +32,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import long_context  # noqa: E402
+
+import long_context_settings as lc_settings  # noqa: E402
+
 from tq_mlx.stream import StreamView, decode  # noqa: E402
 
 CHUNK = 512
@@ -77,10 +80,10 @@ def layer_errors(q: mx.array, keys: StreamView, values: StreamView, kf: mx.array
 def run(key: str, text: str, context: int, setting: str) -> dict:
     from tests.support import real_models
 
-    label, loader, _ = long_context.MODELS[key]
+    label, loader, _ = lc_settings.MODELS[key]
     model, tok = getattr(real_models, loader)(mx.float32)
     ids = long_context.text_ids(tok, text, context)
-    s = long_context.parse_setting(setting)
+    s = lc_settings.parse_setting(setting)
     cache = long_context.make_cache(model, s)  # installs the attention hook into the model's module
     fed: list[list[tuple[mx.array, mx.array]]] = [[] for _ in cache]
     for i, c in enumerate(cache):
@@ -128,7 +131,7 @@ def worst_head(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="qwen05", help=f"comma list of {','.join(long_context.MODELS)}")
+    ap.add_argument("--models", default="qwen05", help=f"comma list of {','.join(lc_settings.MODELS)}")
     ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--setting", default="default", help="a long_context.py --settings key (default: default)")

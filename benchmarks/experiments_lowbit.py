@@ -34,6 +34,9 @@ import mlx_lm.models.llama as mlx_llama  # noqa: E402
 from mlx_lm.models.cache import _BaseCache, create_attention_mask  # noqa: E402
 
 import long_context as lc  # noqa: E402
+
+import long_context_settings as lc_settings  # noqa: E402
+
 import quality  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.cache import layer_seed  # noqa: E402
@@ -325,7 +328,7 @@ def run(args):
             ref = {c: z[f"lp{c}"] for c in contexts}
             ref_res = {c: {"ppl": z[f"ppl{c}"].item()} for c in contexts}
         else:
-            ref_res, ref = lc.run_pass(model, lc.make_cache(model, lc.FLOAT), ids, contexts, 512, 512, None)
+            ref_res, ref = lc.run_pass(model, lc.make_cache(model, lc_settings.FLOAT), ids, contexts, 512, 512, None)
             mx.savez(str(rp), **{f"lp{c}": ref[c] for c in contexts},
                      **{f"ppl{c}": mx.array(ref_res[c]["ppl"]) for c in contexts})
         print(f"{text} float: {[round(r['ppl'], 3) for r in ref_res.values()]} ({time.perf_counter() - t:.0f} s)",

@@ -56,9 +56,9 @@ def _family(r: dict) -> str:
         return "mlx-lm affine"
     if r["kind"] == "rot":
         return "rotation + affine"
-    import long_context
+    import long_context_settings as lc_settings
 
-    return "default" if long_context.canonical_name(r) == long_context.DEFAULT.name else "TurboQuant"
+    return "default" if lc_settings.canonical_name(r) == lc_settings.DEFAULT.name else "TurboQuant"
 
 
 STYLE = {  # family: colour, marker size, legend label
@@ -73,7 +73,7 @@ TEXT_MARKER = {"britannica": "o", "hamlet": "^", "kjv": "s"}
 
 def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[dict]:
     """One entry per setting measured at ctx: name, family, bits/value at ctx, KL per text."""
-    import long_context
+    import long_context_settings as lc_settings
 
     m = lc["models"][model]
     out = []
@@ -89,8 +89,8 @@ def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[d
         if bits is None:
             continue
         if r["kind"] == "tq":
-            bits += long_context.protection_bits(r, m["geometry"], ctx)
-        out.append(dict(name=long_context.canonical_name(r), family=_family(r), bits=bits, kl=kl))
+            bits += lc_settings.protection_bits(r, m["geometry"], ctx)
+        out.append(dict(name=lc_settings.canonical_name(r), family=_family(r), bits=bits, kl=kl))
     return sorted(out, key=lambda p: (p["bits"], p["name"]))
 
 
@@ -112,17 +112,17 @@ def key_lines(entry: str) -> list[str]:
 def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> dict:
     """Everything the KL picture draws, as data: the points (number, name, family, bits, KL per text) and every
     label. docs/kl_vs_bits.json keeps this next to the PNG; `docs_assets.py --check` compares it with now."""
-    import long_context
+    import long_context_table as lc_table
 
     pts = kl_points(lc, model, ctx)
     m = lc["models"][model]
-    at = long_context.ctx_label(ctx)
+    at = lc_table.ctx_label(ctx)
     texts = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
     return {
         "title": f"{m['model']}: quality against size at {at} tokens",
         "xlabel": f"bits per value at {at} tokens (16 = float16 cache)",
         "ylabel": "KL(float ‖ cache), nats (lower is better)",
-        "legend": [lab for _, _, lab in STYLE.values()] + [long_context.TEXT_LABEL.get(t, t) + " text" for t in texts],
+        "legend": [lab for _, _, lab in STYLE.values()] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in texts],
         "key_title": f"settings (bits/val @{at}, number as on the plot)",
         "key": [f"{i:>2}  {p['bits']:5.2f}  {p['name']}" for i, p in enumerate(pts, 1)],
         "footnote": f"From benchmarks/results/long_context.json ({lc['meta']['date']}). Bar: the spread over the "

@@ -124,7 +124,7 @@ def test_quality_quick(quality: dict) -> None:
 
 def test_long_context_quick(long_context: dict) -> None:
     sys.path.insert(0, str(BENCH))
-    import long_context as lc
+    import long_context_settings as lc
 
     _meta_ok(long_context["meta"])
     m = long_context["models"]["smollm2"]
@@ -164,7 +164,7 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     # A second run of some rows to a longer context: the merged table has the new column for those rows, keeps
     # every earlier cell as it was, and prices bits at the longest context every measured row reached.
     sys.path.insert(0, str(BENCH))
-    import long_context as lc
+    import long_context_table as lc_table
 
     longer = json.loads(json.dumps(long_context))
     m = longer["models"]["smollm2"]
@@ -179,7 +179,7 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     for i, run in enumerate((long_context, longer)):
         paths.append(tmp_path / f"run{i}.json")
         paths[-1].write_text(json.dumps(run))
-    lc.merge([str(x) for x in paths], str(tmp_path / "merged"))
+    lc_table.merge([str(x) for x in paths], str(tmp_path / "merged"))
     merged = json.loads((tmp_path / "merged" / "long_context.json").read_text())["models"]["smollm2"]
     assert merged["contexts"] == [1024, 1152, 2048]
     before = {r["setting"]: r for r in long_context["models"]["smollm2"]["rows"]}
@@ -187,7 +187,7 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
         for text, cell in r["texts"].items():
             assert cell["1024"] == before[r["setting"]]["texts"][text]["1024"]
             assert ("2048" in cell) == (r["setting"] in {x["setting"] for x in m["rows"]})
-    headers, rows = lc.model_table(merged)
+    headers, rows = lc_table.model_table(merged)
     assert headers[1] == "bits/val @1152" and "KL Brit 2k" in headers
     assert sum(row[headers.index("KL Brit 2k")] != "–" for row in rows) == 2
     # a run of other rows at a context no earlier row reached: no context in common, so bits at one the
@@ -201,10 +201,10 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
         r["texts"] = {t: {"4096": dict(c["1152"])} for t, c in r["texts"].items()}
     paths.append(tmp_path / "run2.json")
     paths[-1].write_text(json.dumps(other))
-    lc.merge([str(x) for x in paths], str(tmp_path / "merged2"))
+    lc_table.merge([str(x) for x in paths], str(tmp_path / "merged2"))
     merged = json.loads((tmp_path / "merged2" / "long_context.json").read_text())["models"]["smollm2"]
     assert merged["contexts"] == [1024, 1152, 2048, 4096]
-    headers, _ = lc.model_table(merged)
+    headers, _ = lc_table.model_table(merged)
     assert headers[1] == "bits/val @1152" and "KL Brit 4k" in headers
 
 
@@ -212,7 +212,7 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     # The default stopped centering values: rows stored before keep what they measured under a name that says so
     # (and never merge with a row of the new default), and sort beside the setting they came from.
     sys.path.insert(0, str(BENCH))
-    import long_context as lc
+    import long_context_settings as lc
 
     old = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": dict(lc.K4V3.config.to_dict(), center_values=True)}
     new = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": lc.K4V3.config.to_dict()}
@@ -273,25 +273,25 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
 
 def test_long_context_counts_protected_layers_in_the_bits() -> None:
     sys.path.insert(0, str(BENCH))
-    import long_context
+    import long_context_settings as lc
 
     g = {"attention_layers": 24, "kv_heads": 2, "head_dim": 64}
-    row = {"kind": "tq", "config": long_context.K4V3.config.to_dict(),
+    row = {"kind": "tq", "config": lc.K4V3.config.to_dict(),
            "texts": {"britannica": {"protected_layers": [0]}, "hamlet": {"protected_layers": []}}}
     # K4/V3 without decay: one layer of 24 with its keys at 8 instead of 4 bits: +4 bits on 1/48 of the values,
     # times the compressed share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after
     # the 4 sinks), plus the protecting quantizer's constants (its 8-bit codebook and lookup tables)
     compressed = 250 * 128
-    plain = long_context.protection_bits(row, g, 32768)
+    plain = lc.protection_bits(row, g, 32768)
     assert 4 / 48 * compressed / 32768 < plain < 1.01 * 4 / 48 * compressed / 32768
     # With decay the protected keys also stay out of it: 8 bits instead of the 3 the others decay to
     row["config"] = dict(row["config"], decay_after=2048, decay_key_bits=3, decay_value_bits=2)
-    assert long_context.protection_bits(row, g, 32768) > 1.2 * plain
+    assert lc.protection_bits(row, g, 32768) > 1.2 * plain
     # The default's protected keys: 8 bits with float16 norms, against K4/K3 codes with uint8 norms
-    row["config"] = long_context.DEFAULT.config.to_dict()
-    assert long_context.protection_bits(row, g, 32768) > 1.2 * plain
+    row["config"] = lc.DEFAULT.config.to_dict()
+    assert lc.protection_bits(row, g, 32768) > 1.2 * plain
     row["texts"]["britannica"]["protected_layers"] = []
-    assert long_context.protection_bits(row, g, 32768) == 0
+    assert lc.protection_bits(row, g, 32768) == 0
 
 
 def test_speed_quick(speed: dict) -> None:
@@ -360,7 +360,7 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
     assert "OLD-HEADLINE" not in head and "OLD-PATHS" not in head and "<!-- headline-results:end -->\n\nmiddle\n" in head
     assert head.endswith("<!-- path-results:end -->\n\nend\n")
     sys.path.insert(0, str(BENCH))
-    import long_context as lc
+    import long_context_settings as lc
     import speed as sp
 
     for part in ("### Memory", "### Quality at long context", "### Speed", f"| {lc.DEFAULT.name} |",
@@ -399,19 +399,19 @@ def test_peak_quick_planner_tracks_the_measured_peak(results_dir: Path) -> None:
 def test_long_context_default_row_is_the_library_default() -> None:
     # The row labelled "the default" spells its config out; it must be what TurboQuantConfig() gives.
     sys.path.insert(0, str(BENCH))
-    import long_context
+    import long_context_settings as lc
 
     from tq_mlx import TurboQuantConfig
 
     library = TurboQuantConfig()
-    assert long_context.DEFAULT.config == dataclasses.replace(library, compress_block=library.compress_block_size)
+    assert lc.DEFAULT.config == dataclasses.replace(library, compress_block=library.compress_block_size)
 
 
 def test_long_context_spec_q_weighs_the_keys_and_stored_rows_did_not() -> None:
     # `q` spells weigh_keys=True; a stored row from before the field existed measured keys without weights, so it
     # is not the default's row (the default weighs them), whatever name it was stored under.
     sys.path.insert(0, str(BENCH))
-    import long_context as lc
+    import long_context_settings as lc
 
     weighed = lc.parse_setting("k4v4w768b128d6144k3v2n8rq")
     assert weighed.config.weigh_keys and "keys weighed by the queries" in weighed.name
@@ -603,13 +603,14 @@ def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> N
     # Two settings whose short names agree are named in full; a miss quotes the end of the answer (the number).
     sys.path.insert(0, str(BENCH))
     import long_context as lc
+    import long_context_table as lc_table
 
     a, b = "TQ K4/V4 (8-bit norms)", "TQ K4/V4 (8-bit norms, keys weighed by the queries)"
     probe = lambda name, depth, hit, answer: dict(setting=name, length=8192, depth=depth, hit=hit,  # noqa: E731
                                                   answer=f"The special magic number for the archive is {answer}.")
     m = {"model": "M", "needles": [probe("float (mlx-lm KVCache)", 0.5, True, "7314926"),
                                    probe(a, 0.5, False, "1661-1663"), probe(b, 0.5, True, "7314926")]}
-    line = lc.needle_line(m)
+    line = lc_table.needle_line(m)
     assert line.startswith("Needles on M (the magic number at depths 0.5 of")
     assert f"{a} 0/1 (missed: 0.5: 'he archive is 1661-1663.')" in line and f"{b} 1/1" in line
     assert "float 1/1" in line

@@ -240,13 +240,15 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import json
 
-    import long_context
+
+    import long_context_settings as lc_settings
+
     import plots
 
     # every setting and peer of the long-context JSON measured at 8k is a point, the default among them
     lc = json.loads((REPO / "benchmarks" / "results" / "long_context.json").read_text())
     names = {p["name"] for p in plots.kl_points(lc)}
-    assert long_context.DEFAULT.name in names and long_context.DEFAULT_MEAN.name in names
+    assert lc_settings.DEFAULT.name in names and lc_settings.DEFAULT_MEAN.name in names
     assert "TQ K4/V3 (the default until 2026-11-26)" in names and "peer: mlx-vlm TurboQuant 4-bit" in names
     rows = [r for r in lc["models"]["smollm2"]["rows"] if r["kind"] != "float"
             and any("8192" in c for c in r["texts"].values())]
@@ -333,21 +335,21 @@ def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch:
     assert any("sha256" in p for p in problems(lambda s: s.__setitem__("png_sha256", "0" * 64)))
 
 
-# --- every number in the README's prose is generated (benchmarks/readme_tables.py: FIGURES, ALLOWED) -------------
+# --- every number in the README's prose is generated (benchmarks/readme_prose.py: FIGURES, ALLOWED) --------------
 
 
-def _readme_tables():
+def _readme_prose():
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import readme_tables
+    import readme_prose
 
-    return readme_tables
+    return readme_prose
 
 
 def test_every_number_in_the_readme_is_generated_or_allowed() -> None:
-    # Outside the generated blocks and code, each number README.md shows is a readme_tables.FIGURES figure equal to
+    # Outside the generated blocks and code, each number README.md shows is a readme_prose.FIGURES figure equal to
     # what the code and benchmarks/results give now, or one of the few ALLOWED non-results (a version, a model's
     # name, a CLI example). `python benchmarks/readme_tables.py --check` says the same (the test above runs it).
-    rt = _readme_tables()
+    rt = _readme_prose()
     text = README.read_text()
     problems, fixed = rt.readme_problems(text)
     assert problems == [], "\n".join(problems)
@@ -359,7 +361,7 @@ def test_every_number_in_the_readme_is_generated_or_allowed() -> None:
 
 
 def test_a_number_typed_by_hand_into_the_readme_fails() -> None:
-    rt = _readme_tables()
+    rt = _readme_prose()
     text = README.read_text()
     anchor = "## How it works\n"
     assert text.count(anchor) == 1
@@ -378,13 +380,13 @@ def test_a_number_typed_by_hand_into_the_readme_fails() -> None:
     # the allowlist stays short, and each entry is still needed
     assert len(rt.ALLOWED) <= 10
     for pattern, why in rt.ALLOWED:
-        assert re.search(pattern, text), f"readme_tables.ALLOWED {pattern!r} ({why}) matches nothing in README.md"
+        assert re.search(pattern, text), f"readme_prose.ALLOWED {pattern!r} ({why}) matches nothing in README.md"
 
 
 def test_every_prose_figure_is_checked_and_written_back() -> None:
     # Each number of each figure, changed by hand, is named stale (with its figure), and the text --write makes
     # is the README as it is; a list the code no longer matches, or a sentence reworded, is named too.
-    rt = _readme_tables()
+    rt = _readme_prose()
     text = README.read_text()
     for fig in rt.FIGURES:
         m = rt.figure_pattern(fig.text).search(text)
@@ -414,7 +416,7 @@ def test_every_prose_figure_is_checked_and_written_back() -> None:
 def test_readme_tables_check_names_a_stale_prose_figure(tmp_path: Path) -> None:
     # end to end: --check on a copy of the README with one figure edited exits 1 naming it; --write fixes it
     readme = tmp_path / "README.md"
-    rt = _readme_tables()
+    rt = _readme_prose()
     fig = next(f for f in rt.FIGURES if f.name == "bound floor")
     text = README.read_text()
     m = rt.figure_pattern(fig.text).search(text)

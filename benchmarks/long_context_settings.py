@@ -1,0 +1,277 @@
+"""The settings long_context.py measures, by name, and their bits/value on one accounting.
+
+Each row spells its TurboQuantConfig out from BASE, the library defaults until 2026-11-26, so a later change of the
+defaults never changes what a stored row measures; canonical_name maps a stored row to its name under today's
+defaults, and parse_setting reads a --settings key (a name in BY_KEY or a spelled-out spec)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402,F401  (puts the repo on sys.path)
+import quality  # noqa: E402
+from quality import Setting  # noqa: E402
+from tq_mlx import TurboQuantConfig  # noqa: E402
+from tq_mlx.config import bits_label  # noqa: E402
+from tq_mlx.layout import overflow  # noqa: E402
+from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
+
+LONG = 32768
+EVAL = 512  # tokens scored at the end of each context
+
+# Settings are spelled out from BASE, the library defaults until 2026-11-26 (K4/V3, 16-bit norms, no decay), so a
+# later change of the defaults never changes what a row measures; DEFAULTS spells today's default out
+# (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
+BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
+            protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
+            decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None)
+DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=None,
+                center_keys="rope", weigh_keys=True, key_error=0.1)
+UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
+
+
+def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
+    fields = {**BASE, "key_bits": key_bits, "value_bits": value_bits, **over}
+    cfg = TurboQuantConfig(**fields)
+    extra = []
+    if cfg.window != BASE["window"] or cfg.compress_block != BASE["compress_block"]:
+        extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
+    if cfg.boundary_layers:
+        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
+    if cfg.protect_factor is None:
+        extra.append("no key protection")
+    if cfg.norm_bits != BASE["norm_bits"]:
+        extra.append(f"{cfg.norm_bits}-bit norms")
+    if cfg.decay_after is not None:
+        extra.append(f"decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}")
+    if cfg.center_values != BASE["center_values"]:
+        extra.append(centering_tag(cfg.center_values))
+    if cfg.center_keys == "rope":
+        extra.append("keys centered before RoPE")
+    if cfg.weigh_keys:
+        extra.append("keys weighed by the queries")
+    if cfg.key_error is not None:
+        extra.append(f"keys up to K6 above logit error {cfg.key_error:g}")
+    if note:
+        extra.append(note)
+    label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
+    return Setting(label, "tq", config=cfg)
+
+
+SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
+                  r"(?:e(?P<error>[\d.]+))?$")
+
+
+def parse_setting(key: str) -> Setting:
+    """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>],
+    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by the queries; e0.2:
+    key_error 0.2), rotation + affine at other bits and windows (rot2w1700: the
+    peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
+    if key in BY_KEY:
+        return BY_KEY[key]
+    peer = re.fullmatch(r"(rot|peer)([\d.]+)(?:w(\d+))?", key)
+    if peer and peer[1] == "rot" and peer[3] and peer[2] in ("2", "3", "4", "8"):
+        return rot(int(peer[2]), int(peer[3]))  # rotation + affine at other bits, with a window of that size
+    if peer and peer[1] == "peer" and not peer[3]:
+        return Setting(f"peer: mlx-vlm TurboQuant {peer[2]}-bit", "peer", bits=float(peer[2]))
+    m = SPEC.match(key)
+    if not m:
+        raise SystemExit(f"unknown setting {key!r}: expected one of {', '.join(BY_KEY)}, a spec like "
+                         f"k4v3w768b128d2048k3v2n8, rot<2|3|4|8>w<window> or peer<bits>")
+    num = lambda x: float(x) if "." in x else int(x)  # noqa: E731
+    over = dict(window=int(m["window"]), compress_block=int(m["block"]))
+    if m["after"]:
+        dk, dv = int(m["dk"]), int(m["dv"])
+        over.update(decay_after=int(m["after"]), decay_key_bits=dk if dk < num(m["kb"]) else None,
+                    decay_value_bits=dv if dv < num(m["vb"]) else None)
+    if m["n8"]:
+        over["norm_bits"] = 8
+    if m["rope"]:
+        over["center_keys"] = "rope"
+    if m["weigh"]:
+        over["weigh_keys"] = True
+    if m["error"]:
+        over["key_error"] = float(m["error"])
+    s = tq(num(m["kb"]), num(m["vb"]), **over)
+    return next((p for p in (*PRESET_ROWS, DECAY_V2) if p.config == s.config), s)
+
+
+def centering_tag(center_values: bool) -> str:
+    return "values centered" if center_values else "values not centered"
+
+
+def canonical_name(row: dict) -> str:
+    """A stored TurboQuant row's name under the current defaults. The default was K4/V3 with 16-bit norms and no
+    decay until 2026-11-26, and centered values too until 2026-11-25: a row of an earlier default says which, and
+    a spelled-out row of today's default is the default's row, so rows of either kind never merge into one."""
+    cfg, name = row.get("config"), row["setting"]
+    if row.get("kind") != "tq" or not cfg:
+        return name
+    for preset in (*PRESET_ROWS, DECAY_V2):  # (a spelled-out row of the default before: its row too)
+        if _same_config(cfg, preset.config.to_dict()):
+            return preset.name
+    for tag in PRESET_TAGS:  # a preset's row from before the preset changed: what it measured, spelled out
+        name = name.replace(f", {tag})", ")")
+    name = name.replace("(the default)", f"({UNTIL})")
+    if cfg.get("center_values", True) == BASE["center_values"]:
+        return name
+    tag = centering_tag(cfg.get("center_values", True))
+    if tag in name:
+        return name
+    name = name.replace(UNTIL, "the default until 2026-11-25")
+    return f"{name[:-1]}, {tag})" if name.endswith(")") else f"{name} ({tag})"
+
+
+def _same_config(stored: dict, cfg: dict) -> bool:
+    """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
+    full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
+            "weigh_keys": False, "key_error": None, **stored}
+    return all(full.get(k) == v for k, v in cfg.items())
+
+
+def base_name(name: str) -> str:
+    """canonical_name undone: the setting's name under the defaults it was measured with (rows sort by it)."""
+    for tag in (centering_tag(True), centering_tag(False)):
+        name = name.replace(f", {tag})", ")").replace(f" ({tag})", "")
+    return name.replace("(the default until 2026-11-25)", f"({UNTIL})")
+
+
+def config_text(cfg: TurboQuantConfig) -> str:
+    return (f"K{cfg.key_bits:g}/V{cfg.value_bits:g}, window {cfg.window}, compress_block {cfg.compress_block_size}, "
+            f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, key protection "
+            + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
+            + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
+            + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
+            + (f", decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
+            + (", keys weighed by the queries" if cfg.weigh_keys else "")
+            + (f", keys up to K6 above logit error {cfg.key_error:g}" if cfg.key_error is not None else "")
+            + f", seed {cfg.seed}")
+
+
+def rot(bits: int, window: int) -> Setting:
+    """"Rotation + affine" at `bits` with TurboQuant's 4 sinks and a `window`-token float window."""
+    ROT_WINDOW[name := f"rotation + affine {bits}-bit g64 (window {window}, sinks 4)"] = window
+    return Setting(name, "rot", bits=bits)
+
+
+ROT_WINDOW: dict[str, int] = {}
+FLOAT = Setting("float (mlx-lm KVCache)", "float")
+_DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
+DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
+K4V3 = tq(4, 3, UNTIL)
+# the default until 2026-11-28: keys not widened by their error, values decayed to V2 with the keys
+DECAY_V2 = tq(4, 4, "the default until 2026-11-27", **dict(_DEFAULT, decay_value_bits=2, key_error=None))
+# the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed (2026-11-26)
+DEFAULT_ROPE = tq(4, 4, **dict(_DEFAULT, weigh_keys=False, decay_value_bits=2, key_error=None))
+# ... with the key mean taken after RoPE: the default for a few hours of 2026-11-26
+DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False, decay_value_bits=2, key_error=None))
+# the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2; and its rows from before keys were weighed
+_COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None)
+COMPACT = tq(4, 3, "compact", **_COMPACT)
+COMPACT_ROPE = tq(4, 3, **dict(_COMPACT, weigh_keys=False))
+# the quality preset: 8-bit keys, no decay (K4/V4 with a 1696-token window until 2026-11-27: K4V4_N8 below)
+QUALITY = tq(8, 4, "quality", **dict(_DEFAULT, decay_after=None, decay_key_bits=None, decay_value_bits=None,
+                                     key_error=None))
+PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
+NO_PROTECT = tq(4, 3, protect_factor=None)
+K4V4 = tq(4, 4)
+K4V2 = tq(4, 2, window=512, compress_block=128)
+K3V3 = tq(3, 3, window=512, compress_block=128)
+K25V2 = tq(2.5, 2, window=256, compress_block=128)
+K2V2 = tq(2, 2, window=512, compress_block=128)
+# Keys decide where attention goes, values are only averaged: 1-bit values buy a 1024-token window.
+K4V1 = tq(4, 1, window=1024, compress_block=128)
+K3V1 = tq(3, 1, window=1024, compress_block=128)
+K2V2_1024 = tq(2, 2, window=1024, compress_block=128)
+# 8-bit (log-coded) norms pay for a bigger window: 0.125 bits/value at head_dim 64 is 256 window tokens at 32k.
+K3V3_N8 = tq(3, 3, window=896, compress_block=64, norm_bits=8)  # 3.49 bits/value at 32k
+K4V4_N8 = tq(4, 4, window=1696, compress_block=64, norm_bits=8)  # 4.77: rotation + affine 4-bit's bits
+# Fewer code bits for a large window, compressed 64 at a time (the window buffer counts in full either way): 45% /
+# 55% of a 4k context stays float, 6-7% of 32k.
+K3V2_W1824 = tq(3, 2, window=1824, compress_block=64)  # 3.50 bits/value at 32k
+K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
+# 8-bit norms pay for the window at 2.74 bits: 2-bit values and a 1408-token window, or 1-bit values and 2496
+K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
+K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
+PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one of these is that row
+PRESET_NAMES = {p.name for p in PRESET_ROWS}
+PRESET_TAGS = ("the default", "compact", "quality")
+# the README's headline: the default, the defaults before it, compact, quality
+HEADLINE_PRESETS = [DEFAULT.name, DECAY_V2.name, DEFAULT_ROPE.name, K4V3.name, COMPACT.name, COMPACT_ROPE.name, QUALITY.name]
+ROT4 = rot(4, DEFAULTS["window"])
+ROT4_128 = rot(4, 128)
+K8V8 = tq(8, 8)
+BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8, window=128, compress_block=None)
+MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
+MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
+PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
+
+# Most important first.
+ALL = [FLOAT, DEFAULT, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+       K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
+FIRST = 11  # ALL[:FIRST] on every text before the rest on any
+QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "quality": QUALITY, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+          "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
+          "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
+          "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
+          "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
+
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
+    "qwen05": ("Qwen2.5-Coder-0.5B-Instruct", "load_qwen25_coder_05b", "qwen25_coder_05b_path"),
+    "qwen15": ("Qwen2.5-Coder-1.5B-Instruct", "load_qwen25_coder_15b", "qwen25_coder_15b_path"),
+}
+# max_position_embeddings of each model's config: contexts past it are measured, but are no quality target
+TRAINED_CONTEXT = {"smollm2": 8192, "qwen05": 32768, "qwen15": 32768}
+
+# --- bits/value on one accounting ---------------------------------------------------------------------------------
+
+
+def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
+    """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure); TurboQuant's
+    with every layer's keys at the configured bits (protection_bits adds what the layers chose: the † figures)."""
+    n_att, H, D = quality.kv_geometry(model_config)
+    if s.kind == "tq":
+        b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16", key_widths=[None] * n_att)
+    elif s.kind == "mlx":
+        b = estimate_kv_bytes(model_config, ctx, kv_bits=int(s.bits))
+    elif s.kind == "float":
+        b = estimate_kv_bytes(model_config, ctx)
+    elif s.kind == "rot":
+        sinks, window = DEFAULTS["sinks"], ROT_WINDOW[s.name]
+        recent = max(0, ctx - sinks)
+        n_q = overflow(recent, window, min(window, DEFAULTS["compress_block"]))
+        per_layer = float16_kv_bytes(ctx - n_q, H, D) + affine_kv_bytes(n_q, H, D, bits=int(s.bits))
+        b = n_att * per_layer
+    else:
+        return None
+    return b * 8 / (ctx * n_att * H * D * 2)
+
+
+def protection_bits(r: dict, g: dict, ctx: int) -> float:
+    """What the layers that protected their keys or widened them add to a TurboQuant row's bits/value at ctx
+    tokens: their key streams at protect_bits, not decaying, or at the bits they chose, decaying a step
+    (tq_mlx.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
+    n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
+    widths: dict[int, int] = {}
+    for c in r["texts"].values():
+        for layer, b in c.get("key_widths", ()):
+            widths[layer] = max(b, widths.get(layer, 0))
+    cfg = r.get("config")
+    if not (n or widths) or not cfg:
+        return 0.0
+    D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
+    config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
+    args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
+    decay = dict(decay_bits=config.layer_decay_bits(n_att // 2, n_att))
+    base = turboquant_layer_bytes(*args, **decay)
+    extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
+    extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
+    return extra * 8 / (ctx * n_att * H * D * 2)
