@@ -95,7 +95,7 @@ def run(key: str, text: str, context: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(lc_settings.MODELS)}")
-    ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv")
+    ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv,code")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
     args = ap.parse_args()

