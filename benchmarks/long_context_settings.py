@@ -1,8 +1,6 @@
-"""The settings long_context.py measures, by name, and their bits/value on one accounting.
-
-Each row spells its TurboQuantConfig out from BASE, the library defaults until 2026-11-26, so a later change of the
-defaults never changes what a stored row measures; canonical_name maps a stored row to its name under today's
-defaults, and parse_setting reads a --settings key (a name in BY_KEY or a spelled-out spec)."""
+"""The settings long_context.py measures, by name (BY_KEY, or a spelled-out spec: parse_setting), the name of a
+stored row under today's defaults (canonical_name), and their bits/value on one accounting (bits_at,
+protection_bits)."""
 
 from __future__ import annotations
 
