@@ -30,7 +30,6 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import long_context  # noqa: E402
-
 import long_context_settings as lc_settings  # noqa: E402
 
 from tq_mlx import TurboQuantConfig  # noqa: E402
@@ -93,12 +92,15 @@ def run(key: str, text: str, context: int) -> dict:
 
 
 def main() -> None:
+    from tests.support.texts import TEXTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(lc_settings.MODELS)}")
-    ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv,code")
+    ap.add_argument("--texts", default="britannica", help=f"comma list of {','.join(TEXTS)}")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
     args = ap.parse_args()
+    texts = long_context.text_names(args.texts)
     d = TurboQuantConfig()
     if args.context % CHUNK or args.context <= CHUNK + d.window + d.sinks:
         raise SystemExit(f"--context must be a multiple of {CHUNK} above {CHUNK + d.window + d.sinks}, "
@@ -106,7 +108,7 @@ def main() -> None:
     t0 = time.perf_counter()
     runs = []
     for key in args.models.split(","):
-        for text in args.texts.split(","):
+        for text in texts:
             r = run(key, text, args.context)
             runs.append(r)
             for i, row in enumerate(r["layers"]):

@@ -32,7 +32,6 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import long_context  # noqa: E402
-
 import long_context_settings as lc_settings  # noqa: E402
 
 from tq_mlx.stream import StreamView, decode  # noqa: E402
@@ -130,20 +129,23 @@ def worst_head(r: dict) -> str:
 
 
 def main() -> None:
+    from tests.support.texts import TEXTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen05", help=f"comma list of {','.join(lc_settings.MODELS)}")
-    ap.add_argument("--texts", default="britannica", help="comma list of britannica,hamlet,kjv,code")
+    ap.add_argument("--texts", default="britannica", help=f"comma list of {','.join(TEXTS)}")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--setting", default="default", help="a long_context.py --settings key (default: default)")
     ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
     args = ap.parse_args()
+    texts = long_context.text_names(args.texts)
     if args.context % CHUNK or args.context < 4 * CHUNK:
         raise SystemExit(f"--context must be a multiple of {CHUNK}, at least {4 * CHUNK}; got {args.context}")
     t0 = time.perf_counter()
     runs = []
     headers = ["layer", "coded (decayed K/V)", *PARTS, "worst kv head"]
     for key in args.models.split(","):
-        for text in args.texts.split(","):
+        for text in texts:
             r = run(key, text, args.context, args.setting)
             runs.append(r)
             rows = [[x["layer"], f"{x['coded']} ({x['decayed'][0]}/{x['decayed'][1]})",

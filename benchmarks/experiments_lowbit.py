@@ -34,7 +34,6 @@ import mlx_lm.models.llama as mlx_llama  # noqa: E402
 from mlx_lm.models.cache import _BaseCache, create_attention_mask  # noqa: E402
 
 import long_context as lc  # noqa: E402
-
 import long_context_settings as lc_settings  # noqa: E402
 
 import quality  # noqa: E402

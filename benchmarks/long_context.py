@@ -187,6 +187,16 @@ def widened_layers(cache: list) -> list[list[int]]:
 # --- one pass -----------------------------------------------------------------------------------------------------
 
 
+def text_names(arg: str) -> list[str]:
+    """A --texts argument: names of tests/support/texts.py's TEXTS, comma-separated; an unknown one is refused."""
+    from tests.support.texts import TEXTS
+
+    names = arg.split(",")
+    if unknown := [t for t in names if t not in TEXTS]:
+        raise SystemExit(f"unknown text {unknown[0]!r}: --texts takes {','.join(TEXTS)}")
+    return names
+
+
 def text_ids(tokenizer, text: str, n: int) -> list[int]:
     from tests.support.texts import TEXTS
 
@@ -409,10 +419,12 @@ def _deltas(m: dict) -> None:
 
 
 def main() -> None:
+    from tests.support.texts import TEXTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI size: SmolLM2, contexts 1024/1152, 128-token chunks, 5 settings, no needles")
     ap.add_argument("--models", default="smollm2,qwen05,qwen15", help="comma list of smollm2,qwen05,qwen15")
-    ap.add_argument("--texts", default="britannica,hamlet", help="comma list of britannica,hamlet,kjv,code (kjv: apt-get "
+    ap.add_argument("--texts", default="britannica,hamlet", help=f"comma list of {','.join(TEXTS)} (kjv: apt-get "
                     "install bible-kjv)")
     ap.add_argument("--contexts", default=None, help="SmolLM2 contexts (default 1024,2048,4096,8192)")
     ap.add_argument("--qwen-contexts", default=None, help="Qwen2.5-Coder-0.5B contexts (default 1024,2048,4096)")
@@ -444,11 +456,7 @@ def main() -> None:
     qw = [int(x) for x in (args.qwen_contexts or "1024,2048,4096").split(",")]
     qw15 = [int(x) for x in args.qwen15_contexts.split(",")]
     args.contexts_for = lambda key: {"smollm2": sm, "qwen15": qw15}.get(key, qw)
-    args.texts = args.texts.split(",")
-    from tests.support.texts import TEXTS
-
-    if unknown := [t for t in args.texts if t not in TEXTS]:
-        raise SystemExit(f"unknown text {unknown[0]!r}: --texts takes {','.join(TEXTS)}")
+    args.texts = text_names(args.texts)
     args.needle_lengths = [] if q else [int(x) for x in args.needles.split(",") if x]
     args.needle_depths = needle_depths(args.needle_depths)
     args.needle_settings = [parse_setting(k) for k in args.needle_settings.split(",") if k]

@@ -240,9 +240,7 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import json
 
-
     import long_context_settings as lc_settings
-
     import plots
 
     # every setting and peer of the long-context JSON measured at 8k is a point, the default among them
