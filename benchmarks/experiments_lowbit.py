@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field, asdict
@@ -29,14 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import mlx_lm.models.llama as mlx_llama  # noqa: E402
 from mlx_lm.models.cache import _BaseCache, create_attention_mask  # noqa: E402
 
 import long_context as lc  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
-import quality  # noqa: E402
+import caches  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.cache import layer_seed  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
@@ -223,7 +221,6 @@ class FakeTQCache(_BaseCache):
             for thr, kb2, vb2 in self.spec.decay:
                 if age >= thr and (kb2 < kb or vb2 < vb):
                     dt = self.keys.dtype
-                    parts_k, parts_v = [self.keys[:, :, :a]], [self.values[:, :, :a]]
                     if kb2 < kb:
                         k = self._fq(self.keys[:, :, a:b], quantizer(D, kb2, self.layer, 0), self.mu, self.ks,
                                      self.kscl, outlier_order(self.keys[:, :, a:b].astype(mx.float32), self.mu,
@@ -267,14 +264,14 @@ def make_caches(model, spec: Spec, H: int, D: int):
     if spec.real:
         cfg = TurboQuantConfig(key_bits=spec.kb, value_bits=spec.vb, window=spec.window,
                                compress_block=spec.block, sinks=spec.sinks, norm_bits=16, decay_after=None)
-        return quality.make_cache(model, quality.Setting(spec.name, "tq", config=cfg))
+        return caches.make_cache(model, caches.Setting(spec.name, "tq", config=cfg))
     install_wrapper()
     return [FakeTQCache(spec, i, wo_colnorms(model, i, H, D) if spec.vscale == "wo" else None)
             for i in range(len(model.layers))]
 
 
 def bits_at(spec: Spec, mcfg: dict, ctx: int = LONG) -> float:
-    n_att, H, D = quality.kv_geometry(mcfg)
+    n_att, H, D = caches.kv_geometry(mcfg)
     cfg = TurboQuantConfig(key_bits=4, value_bits=4, window=spec.window, compress_block=spec.block, sinks=spec.sinks,
                            norm_bits=16, decay_after=None)
     total = 0
@@ -315,7 +312,7 @@ def run(args):
     model, tok = real_models.load_smollm2(mx.float32)
     mcfg = load_model_config(real_models.smollm2_path())
     lc._MODEL_CONFIG[0] = mcfg
-    n_att, H, D = quality.kv_geometry(mcfg)
+    n_att, H, D = caches.kv_geometry(mcfg)
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [SPECS[k] for k in args.settings.split(",")]
     for text in args.texts.split(","):

@@ -89,11 +89,12 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+import caches  # noqa: E402
 import quality  # noqa: E402
 from long_context_settings import (  # noqa: E402
     ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting)
 from long_context_table import merge, render, write  # noqa: E402
-from quality import Setting  # noqa: E402
+from caches import Setting  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 
@@ -169,7 +170,7 @@ def make_cache(model: nn.Module, s: Setting) -> list:
     if s.kind == "rot":
         return [RotatedAffineCache(i, int(s.bits), window=ROT_WINDOW[s.name], block=DEFAULTS["compress_block"])
                 for i in range(len(model.layers))]
-    return quality.make_cache(model, s)
+    return caches.make_cache(model, s)
 
 
 def protected_layers(cache: list) -> list[int]:
@@ -265,7 +266,7 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
         logits = model(mx.array(inputs[a:b])[None], cache=cache)
         C = b if b in contexts and b - a == eval_tokens else None
         if C is None:
-            quality._eval_cache(cache)
+            caches.eval_cache(cache)
             continue
         lp = nn.log_softmax(logits[0].astype(mx.float32), axis=-1)
         y = mx.array(ids[a + 1 : b + 1])
@@ -283,8 +284,8 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
             r["kl"] = kl.mean().item()
             r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))
             r["kl_max"] = kl.max().item()  # one token can move the mean: 1.8 of 512 tokens is 0.0035 (DEFAULTS.md)
-        quality._eval_cache(cache)
-        r["bits_real"] = quality.bits_per_value(cache, b, quality.kv_geometry(_MODEL_CONFIG[0]))
+        caches.eval_cache(cache)
+        r["bits_real"] = caches.bits_per_value(cache, b, caches.kv_geometry(_MODEL_CONFIG[0]))
         if reference is None and store is not None:
             store.put(C, lp, r)
         out[C] = r
@@ -310,7 +311,7 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     model, tok = getattr(real_models, loader)(mx.float32)
     mcfg = load_model_config(getattr(real_models, path_fn)())
     _MODEL_CONFIG[0] = mcfg
-    n_att, H, D = quality.kv_geometry(mcfg)
+    n_att, H, D = caches.kv_geometry(mcfg)
     contexts = args.contexts_for(key)
     settings = [parse_setting(k) for k in args.settings.split(",")] if args.settings else QUICK if args.quick else ALL
     if settings[0] is not FLOAT:
@@ -329,8 +330,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     refs: dict[str, dict] = {}
     for text, s in plan(settings, args.texts):
         row = rows[s.name]
-        if s.kind == "peer" and quality._PEER.module is None:
-            row["error"] = quality._PEER.reason
+        if s.kind == "peer" and caches.peer().module is None:
+            row["error"] = caches.peer().reason
             continue
         if text not in refs and s.kind != "float":
             row["texts"][text] = {"error": "skipped: no float reference"}
@@ -476,7 +477,7 @@ def main() -> None:
         print(f"hint: {hint}", file=sys.stderr)
     t0 = time.perf_counter()
     budget = common.Budget(args.budget)
-    peer = quality.load_peer(not args.no_peers and not q)
+    peer = caches.load_peer(not args.no_peers and not q)
     print(f"peer mlx-vlm: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
     results = {"meta": common.metadata(), "eval_tokens": args.eval_tokens,
                "peers": {"mlx-vlm": {"version": peer.version, "runs": peer.module is not None, "reason": peer.reason}},

@@ -11,8 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401  (puts the repo on sys.path)
-import quality  # noqa: E402
-from quality import Setting  # noqa: E402
+from caches import Setting, kv_geometry  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
@@ -235,7 +234,7 @@ TRAINED_CONTEXT = {"smollm2": 8192, "qwen05": 32768, "qwen15": 32768}
 def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure); TurboQuant's
     with every layer's keys at the configured bits (protection_bits adds what the layers chose: the † figures)."""
-    n_att, H, D = quality.kv_geometry(model_config)
+    n_att, H, D = kv_geometry(model_config)
     if s.kind == "tq":
         b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16", key_widths=[None] * n_att)
     elif s.kind == "mlx":

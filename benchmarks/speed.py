@@ -26,10 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
-import quality  # noqa: E402  (settings, cache construction, the peer hook)
-from quality import FLOAT, MLX4, MLX8, PEER4, Setting  # noqa: E402
+import caches  # noqa: E402  (settings, cache construction, the peer hook)
+from caches import FLOAT, MLX4, MLX8, PEER4, Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import PRESETS, WIDEST_KEY_BITS, bits_label  # noqa: E402
 
@@ -92,7 +91,7 @@ def fill(cache: list, ctx: int, n_kv: int, head_dim: int, chunk: int = 2048, see
             if getattr(keys, "observe", None) is not None:  # as attention does: queries for the keys' weights
                 keys.observe(k[:, :, :m])
             n += m
-        quality._eval_cache([c])
+        caches.eval_cache([c])
 
 
 def decode_step(model, cache, y) -> None:
@@ -106,21 +105,21 @@ def trim(cache: list, n: int) -> None:
 
 def measure_decode(model, sets: list[Setting], ctx: int, steps: int, repeats: int) -> dict[str, float]:
     n_kv, hd = _geometry(model)
-    caches = {}
+    filled = {}
     for s in sets:
         try:
-            c = quality.make_cache(model, s)
+            c = caches.make_cache(model, s)
             fill(c, ctx, n_kv, hd)
-            caches[s.name] = c
+            filled[s.name] = c
         except Exception as e:  # noqa: BLE001
             print(f"  {s.name}: cannot fill: {type(e).__name__}: {e}", flush=True)
     y = mx.array([[1]])
-    for c in caches.values():  # warm-up (graph building, codebooks, kernels)
+    for c in filled.values():  # warm-up (graph building, codebooks, kernels)
         decode_step(model, c, y)
         trim(c, 1)
-    best = {name: float("inf") for name in caches}
+    best = {name: float("inf") for name in filled}
     for _ in range(repeats):
-        for name, c in caches.items():
+        for name, c in filled.items():
             t = time.perf_counter()
             for _ in range(steps):
                 decode_step(model, c, y)
@@ -136,14 +135,14 @@ def measure_prefill(model, sets: list[Setting], ctx: int, repeats: int) -> dict[
     for _ in range(repeats):
         for s in sets:
             try:
-                c = quality.make_cache(model, s)
+                c = caches.make_cache(model, s)
             except Exception:  # noqa: BLE001
                 best.pop(s.name, None)
                 continue
             t = time.perf_counter()
             for a in range(0, ctx, PREFILL_STEP):
                 model(tokens[:, a : a + PREFILL_STEP], cache=c)
-                quality._eval_cache(c)
+                caches.eval_cache(c)
             best[s.name] = min(best[s.name], time.perf_counter() - t)
             del c
     return {name: ctx / t for name, t in best.items()}
@@ -152,7 +151,7 @@ def measure_prefill(model, sets: list[Setting], ctx: int, repeats: int) -> dict[
 def run_model(label: str, model, sets: list[Setting], contexts, args, budget: common.Budget) -> dict:
     n_kv, hd = _geometry(model)
     print(f"\n{label}: {len(model.layers)} layers, {n_kv} kv heads, head_dim {hd}", flush=True)
-    usable = [s for s in sets if s.kind != "peer" or quality._PEER.module is not None]
+    usable = [s for s in sets if s.kind != "peer" or caches.peer().module is not None]
     out = {"model": label, "layers": len(model.layers), "kv_heads": n_kv, "head_dim": hd, "contexts": {}}
     for ctx in contexts:
         if budget.over():
@@ -167,8 +166,8 @@ def run_model(label: str, model, sets: list[Setting], contexts, args, budget: co
             r = {"decode_tok_s": dec.get(s.name), "prefill_tok_s": pre.get(s.name)}
             r["decode_ratio"] = r["decode_tok_s"] / base_d if r["decode_tok_s"] and base_d else None
             r["prefill_ratio"] = r["prefill_tok_s"] / base_p if r["prefill_tok_s"] and base_p else None
-            if s.kind == "peer" and quality._PEER.module is None:
-                r["error"] = quality._PEER.reason
+            if s.kind == "peer" and caches.peer().module is None:
+                r["error"] = caches.peer().reason
             rows[s.name] = r
         out["contexts"][str(ctx)] = rows
         print(f"  ctx {ctx} ({time.perf_counter() - t:.0f} s): " + ", ".join(
@@ -219,7 +218,7 @@ def main() -> None:
         print(f"hint: {hint}", file=sys.stderr)
     t0 = time.perf_counter()
     budget = common.Budget(args.budget)
-    peer = quality.load_peer(not args.no_peers)
+    peer = caches.load_peer(not args.no_peers)
     print(f"back end: {common.backend()}; peer mlx-vlm: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
     sets = settings(q)
     res = {"meta": common.metadata(), "contexts": list(contexts), "steps": args.steps, "repeats": args.repeats,
