@@ -7,7 +7,6 @@ non-zero exit); the checks here repeat that from the JSON and add range checks.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -208,92 +207,6 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     assert headers[1] == "bits/val @1152" and "KL Brit 4k" in headers
 
 
-def test_long_context_rows_measured_with_values_centered_say_so() -> None:
-    # The default stopped centering values: rows stored before keep what they measured under a name that says so
-    # (and never merge with a row of the new default), and sort beside the setting they came from.
-    sys.path.insert(0, str(BENCH))
-    import long_context_settings as lc
-
-    old = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": dict(lc.K4V3.config.to_dict(), center_values=True)}
-    new = {"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": lc.K4V3.config.to_dict()}
-    assert lc.canonical_name(new) == lc.K4V3.name == "TQ K4/V3 (the default until 2026-11-26)"
-    renamed = lc.canonical_name(old)
-    assert renamed == "TQ K4/V3 (the default until 2026-11-25, values centered)"
-    assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == lc.K4V3.name
-    # The default decays since 2026-11-26: a row of it spelled out (or stored before norm_bits and the decay
-    # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
-    spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V4 after 6144, keys centered before RoPE, keys weighed by the queries, keys up to K6 above logit error 0.1)",
-               "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1").config.to_dict()}
-    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1") is lc.DEFAULT
-    # ... with keys widened by their error and values at 4 bits at every age since 2026-11-28: the rows of the
-    # default before (values decayed to V2, keys at K4) keep their numbers under the name of what they measured
-    was = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, keys weighed by the queries, the default)",
-           "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8rq").config.to_dict()}
-    assert lc.canonical_name(was) == lc.DECAY_V2.name != lc.DEFAULT.name
-    assert lc.DECAY_V2.name in lc.HEADLINE_PRESETS and lc.parse_setting("default-1127") is lc.DECAY_V2
-    # ... and its keys are weighed by the queries later on 2026-11-26: the default's rows from before measured them
-    # unweighed and keep their numbers under that name, which the README's headline shows beside the default
-    unweighed = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, the default)",
-                 "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8r").config.to_dict()}
-    assert lc.canonical_name(unweighed) == lc.DEFAULT_ROPE.name != lc.DEFAULT.name
-    assert lc.DEFAULT_ROPE.name == "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE)"
-    assert lc.DEFAULT_ROPE.name in lc.HEADLINE_PRESETS and lc.parse_setting("default-rope") is lc.DEFAULT_ROPE
-    # ... and its keys are centered before RoPE since later that day: the rows of the default and of compact
-    # measured with the mean after RoPE keep their numbers under the name of what they measured
-    before = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)", "kind": "tq",
-              "config": lc.parse_setting("k4v4w768b128d6144k3v2n8").config.to_dict()}
-    assert lc.canonical_name(before) == lc.DEFAULT_MEAN.name == "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144)"
-    assert before["config"]["center_keys"] is True and lc.DEFAULT.config.center_keys == "rope"
-    compact = {"setting": "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, compact)", "kind": "tq",
-               "config": lc.parse_setting("k4v3w768b128d4096k2v2n8").config.to_dict()}
-    assert lc.canonical_name(compact) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096)" != lc.COMPACT.name
-    assert lc.canonical_name(dict(compact, config=lc.COMPACT.config.to_dict())) == lc.COMPACT.name
-    rope = dict(compact, setting=compact["setting"].replace(", compact)", ", keys centered before RoPE, compact)"),
-                config=lc.parse_setting("k4v3w768b128d4096k2v2n8r").config.to_dict())
-    assert lc.canonical_name(rope) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, keys centered before RoPE)"
-    assert lc.parse_setting("k4v3w768b128d4096k2v2n8rq") is lc.COMPACT
-    # Every preset's row is what --tq-preset builds (the blocks compressed alike: None means the library's 128),
-    # and the quality preset spelled out (8-bit keys, 2026-11-27) is that row
-    from tq_mlx import TurboQuantConfig
-    from tq_mlx.config import PRESETS
-
-    for name in PRESETS:
-        built = TurboQuantConfig.preset(name)
-        row = lc.parse_setting(name).config
-        assert row.to_dict() | {"compress_block": None} == built.to_dict() | {"compress_block": None}, name
-        assert row.compress_block_size == built.compress_block_size
-    assert lc.parse_setting("k8v4w768b128n8rq") is lc.QUALITY and lc.QUALITY.name.endswith(", quality)")
-    legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
-    assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
-    assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"
-    plain = {"setting": "TQ K4/V4", "kind": "tq", "config": dict(lc.K4V4.config.to_dict(), center_values=True)}
-    assert lc.canonical_name(plain) == "TQ K4/V4 (values centered)" and lc.base_name("TQ K4/V4 (values centered)") == "TQ K4/V4"
-    assert lc.tq(4, 4, center_values=True).name == "TQ K4/V4 (values centered)"
-
-
-def test_long_context_counts_protected_layers_in_the_bits() -> None:
-    sys.path.insert(0, str(BENCH))
-    import long_context_settings as lc
-
-    g = {"attention_layers": 24, "kv_heads": 2, "head_dim": 64}
-    row = {"kind": "tq", "config": lc.K4V3.config.to_dict(),
-           "texts": {"britannica": {"protected_layers": [0]}, "hamlet": {"protected_layers": []}}}
-    # K4/V3 without decay: one layer of 24 with its keys at 8 instead of 4 bits: +4 bits on 1/48 of the values,
-    # times the compressed share of the context: 250 blocks of 128 (the window keeps the other 764 tokens after
-    # the 4 sinks), plus the protecting quantizer's constants (its 8-bit codebook and lookup tables)
-    compressed = 250 * 128
-    plain = lc.protection_bits(row, g, 32768)
-    assert 4 / 48 * compressed / 32768 < plain < 1.01 * 4 / 48 * compressed / 32768
-    # With decay the protected keys also stay out of it: 8 bits instead of the 3 the others decay to
-    row["config"] = dict(row["config"], decay_after=2048, decay_key_bits=3, decay_value_bits=2)
-    assert lc.protection_bits(row, g, 32768) > 1.2 * plain
-    # The default's protected keys: 8 bits with float16 norms, against K4/K3 codes with uint8 norms
-    row["config"] = lc.DEFAULT.config.to_dict()
-    assert lc.protection_bits(row, g, 32768) > 1.2 * plain
-    row["texts"]["britannica"]["protected_layers"] = []
-    assert lc.protection_bits(row, g, 32768) == 0
-
-
 def test_speed_quick(speed: dict) -> None:
     _meta_ok(speed["meta"])
     (model,) = speed["models"]
@@ -394,36 +307,6 @@ def test_peak_quick_planner_tracks_the_measured_peak(results_dir: Path) -> None:
     for r in rows:
         assert r["peak"] >= r["weights"] + r["kv"]  # the peak holds at least what stays
         assert abs(r["error"]) < 0.1, r  # the planner within 10% of the measured peak
-
-
-def test_long_context_default_row_is_the_library_default() -> None:
-    # The row labelled "the default" spells its config out; it must be what TurboQuantConfig() gives.
-    sys.path.insert(0, str(BENCH))
-    import long_context_settings as lc
-
-    from tq_mlx import TurboQuantConfig
-
-    library = TurboQuantConfig()
-    assert lc.DEFAULT.config == dataclasses.replace(library, compress_block=library.compress_block_size)
-
-
-def test_long_context_spec_q_weighs_the_keys_and_stored_rows_did_not() -> None:
-    # `q` spells weigh_keys=True; a stored row from before the field existed measured keys without weights, so it
-    # is not the default's row (the default weighs them), whatever name it was stored under.
-    sys.path.insert(0, str(BENCH))
-    import long_context_settings as lc
-
-    weighed = lc.parse_setting("k4v4w768b128d6144k3v2n8rq")
-    assert weighed.config.weigh_keys and "keys weighed by the queries" in weighed.name
-    # (the default until 2026-11-28, before its keys widened by their error and its values stopped decaying)
-    assert weighed.config == lc.DECAY_V2.config and lc.DEFAULT.config.weigh_keys
-    plain = lc.parse_setting("k4v4w768b128d6144k3v2n8r")
-    assert plain.config == dataclasses.replace(lc.DECAY_V2.config, weigh_keys=False) and plain == lc.DEFAULT_ROPE
-    stored = {k: v for k, v in lc.DECAY_V2.config.to_dict().items() if k not in ("weigh_keys", "key_error")}
-    before = lc.DEFAULT_ROPE.name[:-1] + ", the default)"  # the name the default's rows were stored under
-    assert lc.canonical_name({"kind": "tq", "config": stored, "setting": before}) == lc.DEFAULT_ROPE.name
-    row = {"kind": "tq", "config": weighed.config.to_dict(), "setting": weighed.name[:-1] + ", the default)"}
-    assert lc.canonical_name(row) == lc.DECAY_V2.name
 
 
 def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
@@ -597,40 +480,6 @@ def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> N
     k[:, :, 50] = 2.0  # one coded token every query leans on (scores about 16 against 0)
     heavy = am.coded_mass(q, k, 1.0, lo, hi)
     assert heavy["coded"] > uniform["coded"] and heavy["top32"] > 0.8 > uniform["top32"], heavy
-
-
-def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> None:
-    # Two settings whose short names agree are named in full; a miss quotes the end of the answer (the number).
-    sys.path.insert(0, str(BENCH))
-    import long_context as lc
-    import long_context_table as lc_table
-
-    a, b = "TQ K4/V4 (8-bit norms)", "TQ K4/V4 (8-bit norms, keys weighed by the queries)"
-    probe = lambda name, depth, hit, answer: dict(setting=name, length=8192, depth=depth, hit=hit,  # noqa: E731
-                                                  answer=f"The special magic number for the archive is {answer}.")
-    m = {"model": "M", "needles": [probe("float (mlx-lm KVCache)", 0.5, True, "7314926"),
-                                   probe(a, 0.5, False, "1661-1663"), probe(b, 0.5, True, "7314926")]}
-    line = lc_table.needle_line(m)
-    assert line.startswith("Needles on M (the magic number at depths 0.5 of")
-    assert f"{a} 0/1 (missed: 0.5: 'he archive is 1661-1663.')" in line and f"{b} 1/1" in line
-    assert "float 1/1" in line
-    assert lc.needle_depths("0.25,0.75") == (0.25, 0.75)
-    for bad in ("0,0.5", "1", "x", ""):
-        with pytest.raises(SystemExit, match="strictly between 0 and 1"):
-            lc.needle_depths(bad)
-
-
-def test_needle_models_and_texts_must_be_known(monkeypatch) -> None:
-    sys.path.insert(0, str(BENCH))
-    import long_context as lc
-
-    for argv, said in ((["--needle-models", "qwen7"], "unknown model 'qwen7'"),
-                       (["--texts", "britannica,python"], "unknown text 'python': --texts takes britannica,hamlet,kjv,code"),
-                       (["--models", "qwen05", "--needle-models", "qwen15"], "--needle-models qwen15 is not in --models")):
-        monkeypatch.setattr(sys, "argv", ["long_context.py", *argv])
-        with pytest.raises(SystemExit) as e:
-            lc.main()
-        assert said in str(e.value)
 
 
 def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
