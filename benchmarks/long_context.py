@@ -71,8 +71,8 @@ and with the new default (values not centered)
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
 rewritten after every pass, so a killed run leaves its partial results. The float pass's log-probs go to disk
-(~/.cache/tq-mlx/logprobs) for every later run, and the pass itself saves its cache there every 10 minutes: the
-same command, run again after a stop, resumes it from there.
+(~/.cache/tq-mlx/logprobs) for every later run, and a float or TurboQuant pass saves its cache and figures there
+every 10 minutes: the same command, run again after a stop, resumes each pass from there.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import KVCache, save_prompt_cache  # noqa: E402
 
 import caches  # noqa: E402
 import quality  # noqa: E402
@@ -97,6 +97,7 @@ from long_context_settings import (  # noqa: E402
     ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting)
 from long_context_table import merge, render, write  # noqa: E402
 from caches import Setting  # noqa: E402
+import tq_mlx  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 
@@ -186,7 +187,6 @@ def widened_layers(cache: list) -> list[list[int]]:
             if getattr(getattr(c, "key_stream", None), "widened", False)]
 
 
-
 # --- one pass -----------------------------------------------------------------------------------------------------
 
 
@@ -228,9 +228,7 @@ class FloatReference:
         self.dir = cache_dir() / "logprobs" / f"{model_key}-{text}-c{chunk}-e{eval_tokens}"
 
     def _name(self, c: int) -> str:
-        import hashlib
-
-        return f"{c}-{hashlib.sha256(json.dumps(self.ids[: c + 1]).encode()).hexdigest()[:16]}"
+        return f"{c}-{_digest(self.ids[: c + 1])[:16]}"
 
     def has(self, contexts: list[int]) -> bool:
         return all((self.dir / f"{self._name(c)}.json").exists() for c in contexts)
@@ -241,9 +239,11 @@ class FloatReference:
     def __getitem__(self, c: int) -> mx.array:
         return mx.load(str(self.dir / f"{self._name(c)}.npy"))
 
-    def partial(self, c: int) -> Path:
-        """Where the float pass towards context c keeps its cache between sessions (run_pass)."""
-        return self.dir / f"{self._name(c)}.partial.safetensors"
+    def partial(self, c: int, setting: Setting | None = None) -> Path:
+        """Where a pass towards context c keeps its cache between sessions (run_pass): the float pass's named by
+        the tokens alone, another setting's by its config too."""
+        tag = "" if setting is None or setting.kind == "float" else f".{_digest(setting.to_dict())[:12]}"
+        return self.dir / f"{self._name(c)}{tag}.partial.safetensors"
 
     def put(self, c: int, lp: mx.array, r: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -257,24 +257,31 @@ class FloatReference:
 CHECKPOINT_SECONDS = 600
 
 
+def _digest(x) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()
+
+
 def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,
-             reference: FloatReference | dict | None, store: FloatReference | None = None) -> tuple[dict, dict]:
+             reference: FloatReference | dict | None, store: FloatReference | None = None,
+             checkpoint: Path | None = None) -> tuple[dict, dict]:
     """Feed ids[:max(contexts)] through `cache` in chunks; at each context C, score the chunk ending at C.
 
     Returns ({C: {ppl, kl, kl_se, kl_max (the worst token's), bits_real}}, {C: float log-probs}) (the log-probs
     only when reference is None: this is the float pass; with `store` they go to disk instead of memory).
 
-    A float pass with `store` saves its cache every CHECKPOINT_SECONDS (store.partial) and resumes from it: at 32k
-    on Qwen2.5-Coder-1.5B it takes longer here than a working session, which would otherwise lose it."""
+    With `checkpoint` (FloatReference.partial) the pass saves its cache and figures there every CHECKPOINT_SECONDS
+    and resumes from them: a pass to 32k on Qwen2.5-Coder-1.5B takes longer here than a working session."""
     inputs = ids[: max(contexts)]
     cuts = sorted({*range(0, len(inputs), chunk), *(C - eval_tokens for C in contexts)})
     out, logps = {}, {}
-    start, partial = 0, store.partial(max(contexts)) if store is not None and reference is None else None
+    start, partial = 0, checkpoint
     if partial is not None and partial.exists():
-        saved, meta = load_prompt_cache(str(partial), return_metadata=True)
+        saved, meta = tq_mlx.load_prompt_cache(str(partial), return_metadata=True)
         cache[:] = saved
         start = int(meta["offset"])
-        out = store.row([C for C in contexts if C <= start])  # each was stored before the checkpoint past it
+        out = {int(C): r for C, r in json.loads(meta.get("out", "{}")).items()}
         print(f"    resumed at {start}/{len(inputs)} tokens from {partial}", flush=True)
     t0 = shown = saved_at = time.perf_counter()
     for i, a in enumerate(cuts):
@@ -289,7 +296,7 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
         if C is None:
             caches.eval_cache(cache)
             if partial is not None and time.perf_counter() - saved_at > CHECKPOINT_SECONDS:
-                _checkpoint(cache, partial, b)
+                _checkpoint(cache, partial, b, out)
                 saved_at = time.perf_counter()
             continue
         lp = nn.log_softmax(logits[0].astype(mx.float32), axis=-1)
@@ -318,10 +325,10 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
     return out, logps
 
 
-def _checkpoint(cache: list, path: Path, offset: int) -> None:
+def _checkpoint(cache: list, path: Path, offset: int, out: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name.replace(".partial.", ".partial-tmp."))
-    save_prompt_cache(str(tmp), cache, metadata={"offset": str(offset)})
+    save_prompt_cache(str(tmp), cache, metadata={"offset": str(offset), "out": json.dumps(out)})
     tmp.rename(path)  # whole or absent: a session that stops mid-write leaves the previous checkpoint
 
 
@@ -383,7 +390,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
             else:
                 cache = make_cache(model, s)
                 res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
-                                  store=stored if s.kind == "float" else None)
+                                  store=stored if s.kind == "float" else None,
+                                  checkpoint=stored.partial(max(contexts), s) if s.kind in ("float", "tq") else None)
                 protected, widths = protected_layers(cache), widened_layers(cache)
                 del cache
             if s.kind == "float":

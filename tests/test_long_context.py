@@ -178,12 +178,14 @@ class Stopping:
         return self.model(x, cache=cache)
 
 
-def test_a_float_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch) -> None:
-    # A float pass to 32k outlives a session here: stopped, it resumes where its last checkpoint was, and gives
-    # the log-probs and figures an unbroken pass gives.
+def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch) -> None:
+    # A pass to 32k outlives a session here: stopped, the float pass and a TurboQuant pass resume where their last
+    # checkpoint was, and give what an unbroken pass gives (log-probs, KL, the layers' chosen widths).
     import long_context as lc
+    from caches import Setting
 
     from tests.support.tiny_models import VOCAB, tiny_llama
+    from tq_mlx import TurboQuantConfig
 
     monkeypatch.setenv("TQ_MLX_CACHE", str(tmp_path))
     model, args = tiny_llama()
@@ -195,16 +197,37 @@ def test_a_float_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monke
     store = lc.FloatReference("tiny", "random", ids, chunk, scored)
     monkeypatch.setattr(lc, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every chunk that scores nothing
     with pytest.raises(KeyboardInterrupt):
-        lc.run_pass(Stopping(model, after=6), model.make_cache(), ids, contexts, chunk, scored, None, store=store)
+        lc.run_pass(Stopping(model, after=6), model.make_cache(), ids, contexts, chunk, scored, None, store=store,
+                    checkpoint=store.partial(320))
     assert store.partial(320).exists() and store.has([96]) and not store.has([320])
 
     resumed = Stopping(model)
-    got, _ = lc.run_pass(resumed, model.make_cache(), ids, contexts, chunk, scored, None, store=store)
+    got, _ = lc.run_pass(resumed, model.make_cache(), ids, contexts, chunk, scored, None, store=store,
+                         checkpoint=store.partial(320))
     assert resumed.calls == 320 // chunk - 6  # from its checkpoint on, not from the start
     assert not store.partial(320).exists()  # a finished pass leaves no checkpoint behind
     for c in contexts:
         assert got[c]["ppl"] == pytest.approx(want[c]["ppl"], rel=1e-5), c
         assert mx.allclose(store[c], logps[c], atol=1e-5), c
+
+    # A TurboQuant pass (tokens compressed, decayed and widened by their error before the stop) resumes the same way
+    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=96,
+                                                         key_error=0.01))
+    cache = lc.make_cache(model, s)
+    want, _ = lc.run_pass(model, cache, ids, contexts, chunk, scored, store)
+    widths = lc.widened_layers(cache)
+    assert widths and want[320]["kl"] > 0
+    path = store.partial(320, s)
+    assert path != store.partial(320) and path != store.partial(320, dataclasses.replace(s, config=TurboQuantConfig()))
+    with pytest.raises(KeyboardInterrupt):
+        lc.run_pass(Stopping(model, after=7), lc.make_cache(model, s), ids, contexts, chunk, scored, store,
+                    checkpoint=path)
+    cache, resumed = lc.make_cache(model, s), Stopping(model)
+    got, _ = lc.run_pass(resumed, cache, ids, contexts, chunk, scored, store, checkpoint=path)
+    assert resumed.calls == 320 // chunk - 7 and not path.exists() and lc.widened_layers(cache) == widths
+    for c in contexts:
+        assert got[c]["kl"] == pytest.approx(want[c]["kl"], rel=1e-4), c
+        assert got[c]["bits_real"] == want[c]["bits_real"], c
 
     # A checkpoint of other tokens (another text, another tokenizer) is not this pass's
     other = lc.FloatReference("tiny", "random", ids[:200] + [(t + 1) % VOCAB for t in ids[200:]], chunk, scored)
