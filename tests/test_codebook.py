@@ -1,3 +1,6 @@
+"""The Lloyd-Max codebooks (tq_mlx.codebook): the optimality conditions at every width, the paper's published
+distortions, the Shannon and Panter-Dite bounds, memoization and bad arguments."""
+
 import numpy as np
 import pytest
 

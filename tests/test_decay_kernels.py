@@ -31,7 +31,7 @@ import pytest
 
 import mlx.core as mx
 
-from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
 )
 from tq_mlx import kernels as K

@@ -13,9 +13,8 @@ emulator (tests/emulator): nothing here runs on a GPU.
   and MLX's own source generator;
 * learned sinks and bool/additive array masks in all three schedules, one view as keys and values (its codes
   read once), and MLX's generator on the masked and sinks variants of both attention kernels;
-* 5- and 6-bit codes (bit planes 4+1 and 4+2; the config takes them later): built from quantizers, and on real
-  cache views re-coded at those widths (tests.test_kernels.recode) in all three schedules, each code byte read
-  at most once per query tile.
+* 5- and 6-bit codes (bit planes 4+1 and 4+2): built from quantizers, and on real caches built at those widths
+  (tests.support.kernel_cases.cache_step) in all three schedules, each code byte read at most once per query tile.
 Cost: about 40 s warm, 50 s cold on a 2-core machine at load 10 (the two 512-query chunks take 8 s and 23 s).
 """
 
@@ -29,7 +28,7 @@ import pytest
 
 import mlx.core as mx
 
-from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
     make_mask, mla_step, normal, numpy_views, quantizer, run_masked,
 )

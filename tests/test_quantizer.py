@@ -1,3 +1,7 @@
+"""The paper's quantizers (tq_mlx.quantizer): TurboQuantMSE's distortion at the optimum, 5- and 6-bit codes,
+fractional widths and outlier channels, TurboQuantProd's unbiased inner products, seeds, dtypes, degenerate vectors,
+no host sync, 8-bit norms, and bad input."""
+
 import math
 
 import numpy as np

@@ -19,7 +19,7 @@ import pytest
 
 import mlx.core as mx
 
-from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     Emu, _clean_dispatch, assert_close, emulator, normal,
 )
 from tests.test_rope import model_rope, rope_views

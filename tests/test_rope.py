@@ -23,7 +23,7 @@ import pytest
 import mlx.core as mx
 from mlx_lm.models.rope_utils import initialize_rope
 
-from tests.test_kernels import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
+from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, make_mask, normal,
 )
 from tq_mlx import kernels as K

@@ -1,3 +1,6 @@
+"""The random Walsh-Hadamard rotation (orthogonal, seeded, every dtype and the sizes MLX's own transform gets
+wrong) and bit packing (round trips at every width, 5- and 6-bit planes, exact sizes, lookups, bad widths)."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
