@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401  (puts the repo on sys.path)
-from caches import Setting, kv_geometry  # noqa: E402
+from caches import FLOAT, PEER4, Setting, kv_geometry  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
@@ -158,7 +158,6 @@ def rot(bits: int, window: int) -> Setting:
 
 
 ROT_WINDOW: dict[str, int] = {}
-FLOAT = Setting("float (mlx-lm KVCache)", "float")
 _DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
 K4V3 = tq(4, 3, UNTIL)
@@ -205,9 +204,9 @@ ROT4 = rot(4, DEFAULTS["window"])
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
 BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8, window=128, compress_block=None)
+# named as their rows are stored (caches.py names its own for quality.py's rows)
 MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
 MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
-PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 
 # Most important first.
 ALL = [FLOAT, DEFAULT, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,

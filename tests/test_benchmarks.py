@@ -511,3 +511,36 @@ def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
     assert len(e["all"][1]) == H and all(x > 0 for x in e["all"][1])
     with pytest.raises(RuntimeError, match="dropped tokens"):
         at.layer_errors(q, keys, values, kf[:, :, 1:], vf[:, :, 1:], 0.125, actual)
+
+
+def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
+    # value_widths.py measures from the window what coding old values at b bits does to the attention output, and
+    # forecasts it without codes: on values whose errors are independent (no common part) the forecast must be what
+    # real codes give; values sharing a large mean keep it in every output (less error) while their errors
+    # correlate (codes err more than the forecast); widths must follow the target.
+    sys.path.insert(0, str(BENCH))
+    import value_widths as vw
+
+    from tq_mlx.codebook import lloyd_max
+
+    H, Hq, N, D = 2, 4, 600, 64
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.normal(size=(1, H, N, D)), dtype=mx.float32)
+    shared = np.array([3.0, 0.0])[None, :, None, None] * rng.normal(size=(1, 1, 1, D))  # head 0's values share it
+    v = mx.array(rng.normal(size=(1, H, N, D)) + shared, dtype=mx.float32)
+    q = mx.array(rng.normal(size=(1, Hq, N, D)), dtype=mx.float32)
+    p, o = vw.attention(q, k, v, 0.125, slice(N - 128, N))
+    assert p.shape == (1, H, 2 * 128, N) and mx.allclose(mx.sum(p, axis=-1), mx.array(1.0), atol=1e-5).item()
+    old = slice(4, N - 256)
+    unit = vw.output_error(p, o, v, old)[0]
+    errors = {}
+    for b in (2, 3, 4):
+        errors[b] = vw.coded_error(p, o, v, old, b)[0]
+        forecast = unit * math.sqrt(lloyd_max(D, b).mse)
+        assert abs(forecast[1] / errors[b][1] - 1) < 0.2, (b, forecast, errors[b])
+        assert forecast[0] < errors[b][0] < errors[b][1], (b, forecast, errors[b])
+    assert errors[2][1] > errors[3][1] > errors[4][1]
+    one = {b: float(e[1]) for b, e in errors.items()}
+    assert vw.value_width(one, 4, 1.0) == 2 and vw.value_width(one, 4, 1e-9) == 4
+    assert vw.value_width(one, 4, (one[2] + one[3]) / 2) == 3
+    assert vw.correlation([1, 2, 3, 4], [2, 4, 6, 9])[1] == pytest.approx(1.0)
