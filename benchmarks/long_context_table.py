@@ -30,7 +30,8 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
     default = [r["bits"] for r in measured if canonical_name(r) == DEFAULT.name]
     top = max((c for c in contexts if all(str(c) in r["bits"] for r in measured)), default=None) or max(
         contexts, key=lambda c: (any(str(c) in b for b in default), sum(str(c) in r["bits"] for r in measured), c))
-    headers = ["cache", f"bits/val @{ctx_label(top)}", "bits/val @32k"]
+    both = top != LONG  # at 32k itself one bits column says it
+    headers = ["cache", f"bits/val @{ctx_label(top)}"] + (["bits/val @32k"] if both else [])
     headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
     headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
     rows = []
@@ -48,8 +49,8 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         if extra and bits is not None:  # layers whose keys protected or widened themselves: their key codes' bits, marked †
             bits_s = f"{bits + extra:.2f}†"
         b32 = r.get("bits_32k")
-        line = [canonical_name(r), bits_s,
-                f"{b32 + protection_bits(r, m['geometry'], LONG):.2f}†" if extra and b32 else common.fmt(b32)]
+        line = [canonical_name(r), bits_s] + ([
+            f"{b32 + protection_bits(r, m['geometry'], LONG):.2f}†" if extra and b32 else common.fmt(b32)] if both else [])
         kls, dps = [], []
         for t in texts:
             cell = r["texts"].get(t, {})

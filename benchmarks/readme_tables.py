@@ -237,7 +237,8 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
     m = res["models"]["smollm2"]
     headers, rows = lc_table.model_table(m)
     ctx = max(c for c in m["contexts"] if c <= lc_settings.TRAINED_CONTEXT["smollm2"])
-    cols = [0, 1, 2] + [i for i, h in enumerate(headers) if h.startswith("KL ") and h.endswith(f" {lc_table.ctx_label(ctx)}")]
+    cols = [0, *sorted({1, headers.index("bits/val @32k")})] + [
+        i for i, h in enumerate(headers) if h.startswith("KL ") and h.endswith(f" {lc_table.ctx_label(ctx)}")]
     order = {name: i for i, name in enumerate([*lc_settings.HEADLINE_PRESETS, *HEADLINE_QUALITY])}
     picked = sorted((r for r in rows if r[0] in order), key=lambda r: order[r[0]])
     trained = " (its trained context)" if ctx == lc_settings.TRAINED_CONTEXT["smollm2"] else ""
@@ -270,7 +271,8 @@ def longest_table(res: dict, full: str) -> str:
         keep = [r for r in keep if any(r[i] != "–" for i in cols)]
         if not cols or not keep:
             continue
-        parts.append(common.markdown_table([headers[i] for i in [0, 2, *cols]], [[r[i] for i in [0, 2, *cols]] for r in keep]))
+        at32 = [0, headers.index("bits/val @32k"), *cols]
+        parts.append(common.markdown_table([headers[i] for i in at32], [[r[i] for i in at32] for r in keep]))
         parts.append(f"{m['model']} ({m['geometry']['head_dim']}-dim heads) past 16k tokens: KL(float ‖ cache) and ΔPPL over the "
                      "last 512 tokens of each context, bits per value at 32k († with the layers whose keys protected "
                      f"themselves or took more bits). The target is KL {TARGET_KL:g}: [{full}#quality-at-long-context]({full}#quality-at-long-context).")

@@ -101,6 +101,26 @@ def test_long_context_counts_protected_layers_in_the_bits() -> None:
     assert lc.protection_bits(row, g, 32768) == 0
 
 
+def test_long_context_table_at_32k_gives_the_bits_once() -> None:
+    # A run whose longest context is 32k gives one bits column (it was "bits/val @32k" twice), and the README's
+    # tables find the 32k bits by their header wherever it stands.
+    import long_context_table as lc_table
+
+    row = lambda name, kind, kl: {"setting": name, "kind": kind, "bits": {"32768": 4.5}, "bits_32k": 4.5,  # noqa: E731
+                                  "texts": {"britannica": {"32768": {"kl": kl, "ppl": 10.0, "ppl_delta_pct": 1.0}}}}
+    m = {"contexts": [32768], "texts": ["britannica"], "geometry": {"attention_layers": 2, "kv_heads": 1, "head_dim": 64},
+         "rows": [row("float (mlx-lm KVCache)", "float", 0.0), row("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", 0.1)]}
+    headers, rows = lc_table.model_table(m)
+    assert headers == ["cache", "bits/val @32k", "KL Brit 32k", "ΔPPL Brit 32k"], headers
+    assert rows[1] == ["mlx-lm affine 4-bit g64 (QuantizedKVCache)", "4.50", "0.100", "1.0%"], rows
+    m["contexts"] = [16384, 32768]  # one row measured to 16k only: bits at 16k, and at 32k beside them
+    for r in m["rows"]:
+        r["bits"]["16384"] = 5.0
+    del m["rows"][1]["bits"]["32768"], m["rows"][1]["texts"]["britannica"]["32768"]
+    headers, rows = lc_table.model_table(m)
+    assert headers[:3] == ["cache", "bits/val @16k", "bits/val @32k"] and rows[1][1:3] == ["5.00", "4.50"], (headers, rows)
+
+
 def test_long_context_default_row_is_the_library_default() -> None:
     # The row labelled "the default" spells its config out; it must be what TurboQuantConfig() gives.
     sys.path.insert(0, str(BENCH))
