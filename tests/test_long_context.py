@@ -1,5 +1,6 @@
-"""long_context.py's parts without a model run: its settings and their names, the bits it counts, the float
-pass's checkpoint, needles and arguments (the --quick run itself is tests/test_benchmarks.py's)."""
+"""long_context.py's parts without a model run (and value_mix.py's, which mixes its settings layer by layer): its
+settings and their names, the bits it counts, the float pass's checkpoint, needles and arguments (the --quick run
+itself is tests/test_benchmarks.py's)."""
 
 from __future__ import annotations
 
@@ -252,3 +253,28 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     # A checkpoint of other tokens (another text, another tokenizer) is not this pass's
     other = lc.FloatReference("tiny", "random", ids[:200] + [(t + 1) % VOCAB for t in ids[200:]], chunk, scored)
     assert other.partial(320) != store.partial(320)
+
+
+def test_value_mix_gives_each_layer_the_value_width_asked_and_counts_its_bits() -> None:
+    # value_mix.py measures value widths per layer before the cache chooses them: layer i's cache must be the one
+    # of its width's setting (values decaying to V2, V3 or keeping V4, the same keys everywhere), the bits must be
+    # each layer's share, and a layer list that names a layer twice or past the model is refused.
+    import long_context_settings as lcs
+    import value_mix as vm
+
+    from tests.support.tiny_models import tiny_llama
+
+    model = tiny_llama(layers=3)[0]
+    widths = vm.layer_widths(3, [0], [2])
+    assert widths == [4, 2, 3]
+    cache = vm.mixed_cache(model, widths)
+    assert [c.decay_bits for c in cache] == [(3, None), (3, 2), (3, 3)]
+    assert len({c.config.key_error for c in cache}) == 1 and cache[0].config.key_error == 0.1
+    mcfg = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "hidden_size": 256, "head_dim": 64, "torch_dtype": "float16"}
+    one = {w: lcs.bits_at(lcs.parse_setting(vm.BY_WIDTH[w]), mcfg, 32768) for w in (2, 3, 4)}
+    assert one[2] < one[3] < one[4]
+    assert vm.bits_at(mcfg, 32768, widths, cache) == pytest.approx((one[4] + one[2] + one[3]) / 3)
+    for v4, v3 in (([0], [0]), ([3], [])):
+        with pytest.raises(SystemExit, match="each layer once"):
+            vm.layer_widths(3, v4, v3)
