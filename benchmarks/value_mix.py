@@ -93,7 +93,9 @@ def main() -> None:
                          f"--models {args.model} --texts {args.text} --settings float at that context first")
     t0 = time.perf_counter()
     cache = mixed_cache(model, widths)
-    res, _ = lc.run_pass(model, cache, ids, [args.context], 512, 512, ref)
+    # checkpointed as long_context.py's passes are (a pass to 32k outlasts a session here): the same command resumes
+    mark = caches.Setting(f"value widths {widths} beside {BY_WIDTH[4]}", "mix")
+    res, _ = lc.run_pass(model, cache, ids, [args.context], 512, 512, ref, checkpoint=ref.partial(args.context, mark))
     r, fl = res[args.context], ref.row([args.context])[args.context]
     keys = chosen_key_widths(cache)
     row = {"model": label, "text": args.text, "context": args.context, "value_widths": widths,
