@@ -154,6 +154,18 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | os.Pat
     return jp, mp
 
 
+def per_model(keys: str, names: dict, run) -> dict:
+    """A per-model benchmark's results: {"meta", "models": {key: run(key)}, "seconds"} for the comma-separated
+    keys, each model named (names[key][0]) as it starts."""
+    t0 = time.perf_counter()
+    results = {"meta": metadata(), "models": {}}
+    for key in keys.split(","):
+        print(f"{names[key][0]}:", flush=True)
+        results["models"][key] = run(key)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    return results
+
+
 def _jsonable(o):
     if isinstance(o, (mx.array,)):
         return o.tolist()

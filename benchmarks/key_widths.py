@@ -15,10 +15,8 @@ measures what a setting does to the model's output.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,12 +97,7 @@ def main() -> None:
     if args.context < d.sinks + d.window + QUERIES:
         raise SystemExit(f"--context must be at least {d.sinks + d.window + QUERIES}, got {args.context}")
     targets = [float(t) for t in args.targets.split(",")]
-    t0 = time.perf_counter()
-    results = {"meta": common.metadata(), "models": {}}
-    for key in args.models.split(","):
-        print(f"{MODELS[key][0]}:", flush=True)
-        results["models"][key] = run_model(key, args.context, targets)
-    results["seconds"] = round(time.perf_counter() - t0, 1)
+    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context, targets))
     headers = ["model", "logit error K4 (median, max)", "predicted / measured", "Σ attention error K4 / K5 / K6"] + [
         f"widths at key_error {t:g} (K4/K5/K6)" for t in targets] + [
         f"mean key bits at key_error {t:g}: per layer / per kv head" for t in targets]
@@ -117,11 +110,9 @@ def main() -> None:
         rows.append([m["model"], f"{np.median(p4):.3f}, {max(p4):.3f}", f"{ratio:.2f}", att]
                     + ["/".join(str(w.count(b)) for b in BITS) for w in m["widths"].values()]
                     + [f"{np.mean(m['widths'][t]):.2f} / {np.mean(m['head_widths'][t]):.2f}" for t in m["widths"]])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "key_widths.json").write_text(json.dumps(results, indent=1))
-    print("\n" + common.markdown_table(headers, rows))
-    print(f"\nwrote {out / 'key_widths.json'} ({results['seconds']:.0f} s)")
+    table = common.markdown_table(headers, rows)
+    jp, _ = common.write_results("key_widths", results, table, args.out)
+    print(f"\n{table}\n\nwrote {jp} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ Queries are those of a --context-token Britannica prefix; not a quality figure (
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -137,12 +135,7 @@ def main() -> None:
         raise SystemExit(f"--context must be at least {least} (later queries read tokens past their window), got "
                          f"{args.context}")
     targets = [float(t) for t in args.targets.split(",")]
-    t0 = time.perf_counter()
-    results = {"meta": common.metadata(), "models": {}}
-    for key in args.models.split(","):
-        print(f"{MODELS[key][0]}:", flush=True)
-        results["models"][key] = run_model(key, args.context, targets)
-    results["seconds"] = round(time.perf_counter() - t0, 1)
+    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context, targets))
     headers = ["model", "V2 on the window against later (Pearson, Spearman)", "unit forecast against later",
                "forecast / measured, later", "V2 error later (median, max)"] + [
         f"layers at V2/V3/V4 for E = {t:g}" for t in targets]
@@ -153,11 +146,9 @@ def main() -> None:
                      "{:.2f}, {:.2f}".format(*m["correlation_forecast"]), f"{m['forecast_over_measured_2']:.2f}",
                      f"{np.median(m2):.3f}, {max(m2):.3f}"]
                     + ["/".join(str(w.count(b)) for b in BITS) for w in m["widths"].values()])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "value_widths.json").write_text(json.dumps(results, indent=1))
-    print("\n" + common.markdown_table(headers, rows))
-    print(f"\nwrote {out / 'value_widths.json'} ({results['seconds']:.0f} s)")
+    table = common.markdown_table(headers, rows)
+    jp, _ = common.write_results("value_widths", results, table, args.out)
+    print(f"\n{table}\n\nwrote {jp} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":
