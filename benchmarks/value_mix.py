@@ -52,12 +52,12 @@ def bits_at(model_config: dict, ctx: int, widths: list[int], cache: list) -> flo
     n_att, H, D = caches.kv_geometry(model_config)
     g = {"attention_layers": n_att, "kv_heads": H, "head_dim": D}
     chosen = {"protected_layers": lc.protected_layers(cache), "key_widths": lc.widened_layers(cache)}
-    total = 0.0
-    for w in widths:
+    whole = {}  # each width's setting, as if every layer took it
+    for w in set(widths):
         s = parse_setting(BY_WIDTH[w])
-        total += lcs.bits_at(s, model_config, ctx) + lcs.protection_bits(
+        whole[w] = lcs.bits_at(s, model_config, ctx) + lcs.protection_bits(
             {"texts": {"run": chosen}, "config": s.config.to_dict()}, g, ctx)
-    return total / n_att
+    return sum(whole[w] for w in widths) / n_att
 
 
 def main() -> None:

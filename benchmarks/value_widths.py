@@ -77,9 +77,10 @@ def value_width(errors: dict[int, float], bits: int, target: float) -> int:
 def layer_row(i: int, q: mx.array, k: mx.array, v: mx.array, scale: float, sinks: int, window: int) -> dict:
     N = q.shape[2]
     end = sinks + window  # the window: the calibration tokens
+    old = slice(sinks, end - 2 * AGE)  # what the window's last AGE queries read at least AGE positions back
     p, o = attention(q, k, v, scale, slice(end - AGE, end))
-    unit = output_error(p, o, v, slice(sinks, end - 2 * AGE))[0]
-    on_window = {b: float(mx.max(coded_error(p, o, v, slice(sinks, end - 2 * AGE), b)[0])) for b in BITS}
+    unit = output_error(p, o, v, old)[0]
+    on_window = {b: float(mx.max(coded_error(p, o, v, old, b)[0])) for b in BITS}
     late = slice(N - QUERIES, N)
     decayed = slice(sinks, N - QUERIES - window)  # what a later query reads past its float window
     p, o = attention(q, k, v, scale, late)
