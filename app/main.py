@@ -85,7 +85,7 @@ def model_info(args: argparse.Namespace) -> tuple[ModelSource, dict, int, str]:
     asked of the Hub; for --plan alone, a config is enough (plan.config_only) when the Hub cannot answer.
     Raises ModelUnavailable (or OSError / ValueError for an unreadable folder)."""
     from tq_mlx.architectures import load_model_config
-    from tq_mlx.memory import weight_bytes
+    from tq_mlx.machine import weight_bytes
 
     demo = demo_spec(args.model)
     try:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         use_openblas("tq-chat")
     from tq_mlx.architectures import attention_layout
-    from tq_mlx.memory import available_memory
+    from tq_mlx.machine import available_memory
 
     from tq_mlx.integration import tune_malloc
 

@@ -52,6 +52,7 @@ class Plan:
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
     widen_bytes: int = 0  # what one layer's keys at the most bits key_error gives hold beyond key_bits
+    narrow_bytes: int = 0  # what one layer's values kept at their bits hold beyond decaying to 2 (value_error)
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
@@ -132,6 +133,7 @@ def make_plan(model: str, model_config: dict, weights: int, ctx: int, config: Tu
         # Which layers protect is decided by their own calibration tokens, so the plan can only price one.
         plan.protect_bytes = memory.protect_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
         plan.widen_bytes = memory.widen_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
+        plan.narrow_bytes = memory.narrow_layer_bytes(model_config, ctx, config, max_kv_size=max_kv_size)
         plan.decayed = memory.decayed_tokens(ctx, max_kv_size, config)
     if lay.max_context and ctx > lay.max_context:
         plan.warnings.append(
@@ -272,6 +274,12 @@ def format_plan(plan: Plan) -> str:
                          f"K{format_bits(plan.config.key_bits)} whose logit error is at most {plan.config.key_error:g}, "
                          f"at its first compression; the panel names them); -{format_bytes(plan.widen_bytes)} for "
                          f"each layer that keeps K{format_bits(plan.config.key_bits)}"))
+    if plan.narrow_bytes:
+        vb = format_bits(plan.config.value_bits)
+        rows.append(("", f"at most: every layer's old values kept at V{vb} (each decays them to the fewest bits from "
+                         f"V2 whose output error on its first window is at most {plan.config.value_error:g}, once its "
+                         f"window's last queries came; the panel names them); -{format_bytes(plan.narrow_bytes)} for "
+                         f"each layer whose values decay to V2"))
     if plan.config:
         rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
                             f"{plan.ctx:,} tokens"),

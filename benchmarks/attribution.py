@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import long_context  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
-from tq_mlx.stream import StreamView, decode  # noqa: E402
+from tq_mlx.view import StreamView, decode  # noqa: E402
 
 CHUNK = 512
 PARTS = ("all", "keys", "values", "keys decayed", "keys fresh", "values decayed", "values fresh")

@@ -55,9 +55,9 @@ MACHINE = dict(available=25_276_510_208, source="physical memory")
 def pinned_machine():
     """tq-chat's plan as on MACHINE: available_memory() and memory_source() pinned."""
     import tq_chat.main
-    import tq_mlx.memory
+    import tq_mlx.machine
 
-    with mock.patch.object(tq_mlx.memory, "available_memory", lambda: MACHINE["available"]), \
+    with mock.patch.object(tq_mlx.machine, "available_memory", lambda: MACHINE["available"]), \
             mock.patch.object(tq_chat.main, "memory_source", lambda: MACHINE["source"]):
         yield
 

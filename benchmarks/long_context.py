@@ -187,6 +187,11 @@ def widened_layers(cache: list) -> list[list[int]]:
             if getattr(getattr(c, "key_stream", None), "widened", False)]
 
 
+def value_layers(cache: list) -> list[list[int]]:
+    """Attention layers (cache positions) whose values chose the bits they decay to (value_error): [layer, bits]."""
+    return [[i, c.value_width] for i, c in enumerate(cache) if getattr(c, "value_width", None) is not None]
+
+
 # --- one pass -----------------------------------------------------------------------------------------------------
 
 
@@ -393,7 +398,7 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
                 res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
                                   store=stored if s.kind == "float" else None,
                                   checkpoint=stored.partial(max(contexts), s) if s.kind in ("float", "tq") else None)
-                protected, widths = protected_layers(cache), widened_layers(cache)
+                protected, widths, values = protected_layers(cache), widened_layers(cache), value_layers(cache)
                 del cache
             if s.kind == "float":
                 refs[text] = stored
@@ -402,6 +407,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
                 cell["protected_layers"] = protected
                 if widths:
                     cell["key_widths"] = widths
+                if values:
+                    cell["value_widths"] = values
         except Exception as e:  # a setting that cannot run is a cell with its reason, not a crashed benchmark
             cell = {"error": f"{type(e).__name__}: {e}"[:200]}
         cell["seconds"] = round(time.perf_counter() - t, 1)

@@ -53,6 +53,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("keys weighed by the queries")
     if cfg.key_error is not None:
         extra.append(f"keys up to K6 above logit error {cfg.key_error:g}")
+    if cfg.value_error is not None:
+        extra.append(f"old values down to V2 within output error {cfg.value_error:g}")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -61,14 +63,14 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?$")
+                  r"(?:e(?P<error>[\d.]+))?(?:ve(?P<verror>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
-    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>],
-    e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by the queries; e0.2:
-    key_error 0.2), rotation + affine at other bits and windows (rot2w1700: the
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
+    [ve<value error>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    the queries; e0.2: key_error 0.2; ve0.05: value_error 0.05, the values' decay bits chosen per layer), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -95,6 +97,8 @@ def parse_setting(key: str) -> Setting:
         over["weigh_keys"] = True
     if m["error"]:
         over["key_error"] = float(m["error"])
+    if m["verror"]:
+        over["value_error"] = float(m["verror"])
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in (*PRESET_ROWS, DECAY_V2) if p.config == s.config), s)
 
@@ -251,17 +255,25 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     return b * 8 / (ctx * n_att * H * D * 2)
 
 
-def protection_bits(r: dict, g: dict, ctx: int) -> float:
-    """What the layers that protected their keys or widened them add to a TurboQuant row's bits/value at ctx
-    tokens: their key streams at protect_bits, not decaying, or at the bits they chose, decaying a step
-    (tq_mlx.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
-    n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
+def chosen_widths(r: dict, part: str) -> dict[int, int]:
+    """The bits each layer chose in a row's texts (part "key_widths" or "value_widths": [layer, bits] pairs), the
+    most over the texts."""
     widths: dict[int, int] = {}
     for c in r["texts"].values():
-        for layer, b in c.get("key_widths", ()):
+        for layer, b in c.get(part, ()):
             widths[layer] = max(b, widths.get(layer, 0))
+    return widths
+
+
+def protection_bits(r: dict, g: dict, ctx: int) -> float:
+    """What the layers that protected their keys or widened them add to a TurboQuant row's bits/value at ctx
+    tokens: their key streams at protect_bits, not decaying, or at the bits they chose, decaying a step; and what
+    the layers whose old values chose fewer bits (value_error) take off the value bits bits_at prices them at
+    (tq_mlx.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
+    n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
+    widths, values = chosen_widths(r, "key_widths"), chosen_widths(r, "value_widths")
     cfg = r.get("config")
-    if not (n or widths) or not cfg:
+    if not (n or widths or values) or not cfg:
         return 0.0
     D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
     config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
@@ -270,4 +282,6 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     base = turboquant_layer_bytes(*args, **decay)
     extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
     extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
+    kept = turboquant_layer_bytes(*args, value_width=int(config.value_bits), **decay)
+    extra += sum(turboquant_layer_bytes(*args, value_width=b, **decay) - kept for b in values.values())
     return extra * 8 / (ctx * n_att * H * D * 2)

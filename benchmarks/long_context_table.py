@@ -141,16 +141,21 @@ def _protection_note(results: dict) -> str:
     def entry(layers: tuple[int, ...], n: int) -> str:
         return f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({n} row{'s' if n > 1 else ''})"
 
-    def widths(m: dict) -> str:
+    def widths(m: dict, part: str = "key_widths", side: str = "K") -> str:
         by_bits: dict[int, set[int]] = {}
         for r in m["rows"]:
             for c in r["texts"].values():
-                for layer, b in c.get("key_widths", ()):
+                for layer, b in c.get(part, ()):
                     by_bits.setdefault(b, set()).add(layer)
-        return ", ".join(f"K{b} in layers {', '.join(map(str, sorted(ls)))}" for b, ls in sorted(by_bits.items()))
+        return ", ".join(f"{side}{b} in layers {', '.join(map(str, sorted(ls)))}" for b, ls in sorted(by_bits.items()))
 
     widened = [f"{m['model']}: {widths(m)}" for m in results["models"].values() if widths(m)]
     more = (" Layers whose keys took more bits (key_error; † too): " + "; ".join(widened) + ".") if widened else ""
+    narrowed = [f"{m['model']}: {widths(m, 'value_widths', 'V')}" for m in results["models"].values()
+                if widths(m, "value_widths", "V")]
+    if narrowed:
+        more += (" Bits old values chose by their output error (value_error; † too, in the runs that chose them): "
+                 + "; ".join(narrowed) + ".")
     if not by_model:
         return more
     return (" † = with the layers whose keys protected themselves in that run (their key codes at protect_bits): "
@@ -225,8 +230,9 @@ def merge(paths: list[str], out: str | None) -> None:
                         for c, r in cell.items():
                             if isinstance(r, dict) and c not in old:
                                 old[c] = r
-                        if cell.get("key_widths"):
-                            old.setdefault("key_widths", cell["key_widths"])
+                        for part in ("key_widths", "value_widths"):
+                            if cell.get(part):
+                                old.setdefault(part, cell[part])
                         layers = set(old.get("protected_layers", ())) | set(cell.get("protected_layers", ()))
                         if layers:
                             old["protected_layers"] = sorted(layers)

@@ -136,7 +136,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
     from tq_mlx import kernels as K
     from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
     from tq_mlx.rotation import Rotation
-    from tq_mlx.stream import StreamView
+    from tq_mlx.view import StreamView
 
     rng = np.random.default_rng(0)
     rows = []
@@ -287,7 +287,7 @@ def _peak_bytes(fn) -> int:
 def random_handle(quantizer, H: int, n: int, n_sinks: int, n_window: int, seed: int):
     """A cache handle of n compressed tokens: random words are valid codes, so nothing needs encoding."""
     from tq_mlx.quantizer import ProdCodes, TurboQuantProd
-    from tq_mlx.stream import StreamView
+    from tq_mlx.view import StreamView
 
     rng = np.random.default_rng(seed)
     D = quantizer.dim

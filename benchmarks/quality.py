@@ -47,7 +47,7 @@ from caches import (  # noqa: E402
     BASE, FLOAT, MLX4, MLX8, PEER4, Setting, bits_per_value, eval_cache, kv_geometry, long_bits, make_cache, tq)
 from tq_mlx import TurboQuantKVCache  # noqa: E402
 from tq_mlx.kernels import dequantize_reference  # noqa: E402
-from tq_mlx.stream import StreamView  # noqa: E402
+from tq_mlx.view import StreamView  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.memory import chosen_key_widths  # noqa: E402
 

@@ -19,8 +19,8 @@ from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.flags import config_from_args
 from tq_mlx.architectures import load_model_config
 from tq_mlx.display import format_bytes
-from tq_mlx.memory import (decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes,
-                           weight_bytes)
+from tq_mlx.machine import weight_bytes
+from tq_mlx.memory import decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +133,26 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert plan.kv == floor
 
 
+def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
+    from tq_mlx.memory import narrow_layer_bytes
+
+    cfg = load_model_config(tiny_model_dir)
+    config = TurboQuantConfig(value_error=0.05)
+    plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
+    n = plan.attention_layers
+    # the plan prices every layer's values kept at V4, the most; a layer whose values decay to V2 holds
+    # narrow_bytes less, and the bytes of V2 everywhere are those of a config that decays every layer's values to 2
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == estimate_kv_bytes(cfg, 32768, config, value_widths=[4] * n)
+    assert plan.narrow_bytes == narrow_layer_bytes(cfg, 32768, config) > 0
+    all_v2 = estimate_kv_bytes(cfg, 32768, config, value_widths=[2] * n)
+    assert plan.kv - all_v2 == n * plan.narrow_bytes
+    assert all_v2 == estimate_kv_bytes(cfg, 32768, replace(config, value_error=None, decay_value_bits=2))
+    assert ("at most: every layer's old values kept at V4 (each decays them to the fewest bits from V2 whose output "
+            "error on its first window is at most 0.05") in format_plan(plan)
+    plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
+    assert plan.narrow_bytes == 0 and "old values kept" not in format_plan(plan)
+
+
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     cfg = load_model_config(tiny_model_dir)
     decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # the default bits, K4/V4
@@ -181,7 +201,7 @@ def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, cap
     # room for the predicted peak with a 2-bit KV cache of 64k tokens (tq-chat prefills 512 tokens at a time):
     # the default 4 bits do not fit
     room = estimate_peak_bytes(cfg, 65536, TurboQuantConfig.from_bits(2), weights=weights, prefill_step=512)
-    monkeypatch.setattr("tq_mlx.memory.available_memory", lambda: int(room / 0.9) + 1)
+    monkeypatch.setattr("tq_mlx.machine.available_memory", lambda: int(room / 0.9) + 1)
     monkeypatch.setattr("tq_chat.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
     assert cli.main([str(tiny_model_dir), "--ctx", "64k"]) == 1
     err = capsys.readouterr().err

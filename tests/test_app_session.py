@@ -13,7 +13,8 @@ from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.architectures import load_model_config
 from tq_mlx.display import format_bytes, saving_words
-from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes, weight_bytes
+from tq_mlx.machine import weight_bytes
+from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes
 
 
 # --- the conversation engine on its own -----------------------------------------------------------------------

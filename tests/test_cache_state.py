@@ -369,7 +369,7 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
         np.testing.assert_allclose(np.array(s.mean), finite.mean(axis=2), rtol=1e-5, atol=1e-6)
         assert s.perm is None or np.isfinite(np.array(s.perm)).all()
     # Every other compressed token decodes as well as in a cache that never saw the bad value.
-    from tq_mlx.stream import decode
+    from tq_mlx.view import decode
 
     got = np.array(decode(kh, mx.float32))
     want = np.array(decode(clean.key_stream.view(), mx.float32))

@@ -96,6 +96,22 @@ def test_key_error_flag(capsys):
         assert "must be a number > 0 or off" in capsys.readouterr().err
 
 
+def test_value_error_flag(capsys):
+    config = config_from_args(parse("--tq-value-error", "0.05"))
+    assert (config.value_error, config.decay_value_bits, config.decay_after) == (0.05, None, 6144)
+    assert "values by their output error on the first window, at most 0.05" in describe_config(config)
+    assert config_from_args(parse("--tq-value-error", "off")).value_error is None
+    assert cache_flags_given(parse("--tq-value-error", "0.05")) == ["--tq-value-error"]
+    with pytest.raises(ValueError, match="value_error needs integer value_bits of 3 to 7"):
+        config_from_args(parse("--tq-value-error", "0.05", "--tq-value-bits", "2"))
+    with pytest.raises(ValueError, match="no decay_value_bits"):
+        config_from_args(parse("--tq-value-error", "0.05", "--tq-decay-value-bits", "2"))
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse("--tq-value-error", bad)
+        assert "must be a number > 0 or off" in capsys.readouterr().err
+
+
 def test_decay_bits_off_keeps_a_side_at_its_bits():
     # keys widened by error with values that keep 4 bits at every age: the setting that holds KL 0.01 at 16k on
     # Qwen2.5-Coder-0.5B (benchmarks/DEFAULTS.md)

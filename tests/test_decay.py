@@ -16,7 +16,7 @@ import pytest
 from tests.support.host_sync import forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.attention import aligned_segments
-from tq_mlx.cache import float_tokens
+from tq_mlx.kernels import float_tokens
 from tq_mlx.layout import decayed_split, fresh_bound
 
 D = 64

@@ -39,7 +39,7 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import aligned_segments, keys_are_values
 from tq_mlx.config import PRESETS
 from tq_mlx.quantizer import TurboQuantMSE
-from tq_mlx.stream import decode as stream_decode
+from tq_mlx.view import decode as stream_decode
 
 DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64)
 

@@ -29,7 +29,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
 )
 from tq_mlx import kernels as K
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.stream import encode as stream_encode
+from tq_mlx.view import encode as stream_encode
 from tq_mlx.packing import packed_words, unpack
 from tq_mlx.quantizer import MSE_BITS, PROD_BITS
 

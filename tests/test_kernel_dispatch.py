@@ -26,7 +26,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.stream import encode as stream_encode
+from tq_mlx.view import encode as stream_encode
 from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
 from tq_mlx.rotation import Rotation
 

@@ -102,6 +102,29 @@ def test_long_context_counts_protected_layers_in_the_bits() -> None:
     assert lc.protection_bits(row, g, 32768) == 0
 
 
+def test_long_context_counts_the_bits_old_values_chose() -> None:
+    sys.path.insert(0, str(BENCH))
+    import long_context_settings as lc
+
+    g = {"attention_layers": 24, "kv_heads": 2, "head_dim": 64}
+    setting = lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1ve0.05")
+    assert setting.config.value_error == 0.05 and "old values down to V2 within output error 0.05" in setting.name
+    row = {"kind": "tq", "config": setting.config.to_dict(),
+           "texts": {"britannica": {"value_widths": [[3, 2], [5, 4]]}, "hamlet": {"value_widths": [[3, 3], [5, 4]]}}}
+    # layer 3 decayed its old values to 3 bits in one text and 2 in the other: priced at 3 (the most); layer 5
+    # kept V4, as bits_at prices every layer. Tokens past 6144 decay in whole blocks: 26,624 of the 32,768 are old
+    # (decayed_tokens), so V3 instead of V4 there takes about 1 bit off 1/48 of the values on 26,624/32,768 tokens.
+    from tq_mlx.memory import decayed_tokens
+
+    old = decayed_tokens(32768, None, setting.config)
+    got = lc.protection_bits(row, g, 32768)
+    assert -1.0 / 48 * old / 32768 * 1.01 < got < -1.0 / 48 * old / 32768 * 0.9
+    row["texts"]["hamlet"]["value_widths"] = [[3, 2], [5, 4]]
+    assert lc.protection_bits(row, g, 32768) < 1.9 * got  # V2: two bits off, less the 8-bit norms' share
+    row["texts"] = {"britannica": {"value_widths": [[3, 4]]}}
+    assert lc.protection_bits(row, g, 32768) == 0
+
+
 def test_long_context_table_at_32k_gives_the_bits_once() -> None:
     # A run whose longest context is 32k gives one bits column (it was "bits/val @32k" twice), and the README's
     # tables find the 32k bits by their header wherever it stands.

@@ -32,10 +32,10 @@ from tq_mlx.architectures import attention_layout
 from tq_mlx.codec import make_quantizer
 from tq_mlx.config import WIDEST_KEY_BITS
 from tq_mlx.display import bits_summary, format_bytes
+from tq_mlx.machine import available_memory, weight_bytes
 from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout
 from tq_mlx.memory import (
     affine_kv_bytes,
-    available_memory,
     cache_bytes,
     chosen_key_widths,
     estimate_kv_bytes,
@@ -43,7 +43,6 @@ from tq_mlx.memory import (
     float16_kv_bytes,
     protect_layer_bytes,
     turboquant_layer_bytes,
-    weight_bytes,
     widen_layer_bytes,
 )
 from tq_mlx.quantizer import MSE_BITS, PROD_BITS, constant_arrays
@@ -427,7 +426,7 @@ def test_an_empty_turboquant_cache_already_says_where_compression_starts(models)
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 24, 100, 256, 259, 898, 899, 5000])
 def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
-    from tq_mlx.cache import check_max_size
+    from tq_mlx.config import check_max_size
     from tq_mlx.config import derive_config, fit_max_kv_size
 
     for base in (TurboQuantConfig(), TurboQuantConfig.preset("compact"), TurboQuantConfig(window=0, sinks=2),

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache
 import tq_mlx
 import tq_mlx.hook as tq_hook
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.stream import StreamView
+from tq_mlx.view import StreamView
 from tests.support import zoo
 from tests.test_zoo import CONFIG, DRAWS, teacher_forced
 

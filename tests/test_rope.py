@@ -30,7 +30,7 @@ from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import turboquant_attention
 from tq_mlx.rope import Rope, n_pairs, probe, rotate, score_bias, centers
-from tq_mlx.stream import decode as stream_decode
+from tq_mlx.view import decode as stream_decode
 
 SCALINGS = {
     "plain": None,

@@ -147,12 +147,12 @@ def test_max_context_is_the_largest_context_whose_planned_peak_fits(config):
 
 
 def test_context_bound_is_the_trained_context_unless_memory_is_shorter(monkeypatch):
-    import tq_mlx.memory as memory
+    import tq_mlx.machine as machine
 
     assert context_bound(SMOLLM2_CONFIG, 538_000_000, None) == (8192, "the model's trained context")
     # A machine with room for the weights and about 3,000 tokens of the float cache's plan.
     budget = estimate_peak_bytes(SMOLLM2_CONFIG, 3000, None, weights=538_000_000)
-    monkeypatch.setattr(memory, "available_memory", lambda: budget)
+    monkeypatch.setattr(machine, "available_memory", lambda: budget)
     limit, source = context_bound(SMOLLM2_CONFIG, 538_000_000, None)
     assert 3000 <= limit < 3100 and "planned peak fits in" in source
     # TurboQuant's smaller cache and flat transient fit the whole trained context in the same memory.
@@ -160,7 +160,7 @@ def test_context_bound_is_the_trained_context_unless_memory_is_shorter(monkeypat
 
     assert context_bound(SMOLLM2_CONFIG, 538_000_000, TurboQuantConfig())[0] == 8192
     # Weights alone beyond the memory: no bound (refusing every request would not help), and the log says why.
-    monkeypatch.setattr(memory, "available_memory", lambda: 100_000_000)
+    monkeypatch.setattr(machine, "available_memory", lambda: 100_000_000)
     assert context_bound(SMOLLM2_CONFIG, 538_000_000, None)[0] is None
 
 

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tq_mlx"
 # "kernels.<name>"; "kernels" is the package itself (its __init__, which only re-exports).
 RANKS = {
     "codebook": 0, "rotation": 0, "packing": 0,
+    "machine": 0,  # what a model's weights take and what the machine has: imports nothing of the package
     "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
     "architectures": 0,  # model configs read, and which fetch each mlx-lm model_type takes: imports nothing
     "rope": 0,  # a layer's RoPE as pairs and frequencies (keys centered before RoPE)
@@ -24,6 +25,8 @@ RANKS = {
     "config": 2,
     "layout": 3,  # what a config holds at N tokens, and its bytes: arithmetic only
     "calibration": 4, "codec": 4,  # a stream's calibration; a stream's state, saved and loaded
+    "view": 4,  # what attention reads of a stream, and the reference encode and decode of its codes
+    "values": 4.5,  # the error old values would give at fewer bits, measured on the first window (value_error)
     "stream": 5,
     "attention": 6,
     "kernels.launch": 7.0, "kernels.support": 7.1, "kernels.codes": 7.2, "kernels.attend": 7.3,
@@ -106,7 +109,7 @@ def test_the_import_checker_sees_function_level_imports(tmp_path):
 
 def test_the_import_checker_resolves_the_kernels_package():
     got = _package_imports(PACKAGE / "kernels" / "attend.py")
-    assert {"attention", "stream", "kernels.codes", "kernels.launch"} <= got, got
+    assert {"attention", "view", "kernels.codes", "kernels.launch"} <= got, got
     assert "kernels.dispatch" in _package_imports(PACKAGE / "kernels" / "__init__.py")
 
 

@@ -14,7 +14,8 @@ from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpa
 from .memory import cache_bytes, estimate_kv_bytes
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from .rotation import Rotation
-from .stream import CompressedStream, StreamView
+from .stream import CompressedStream
+from .view import StreamView
 
 __version__ = "0.1.0"
 

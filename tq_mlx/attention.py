@@ -36,7 +36,7 @@ import mlx.core as mx
 from .quantizer import MSECodes, TurboQuantProd, load_norms
 from .rope import centers, score_bias
 from .codec import code_order
-from .stream import StreamView
+from .view import StreamView
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
 # Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.
@@ -364,6 +364,16 @@ def _output(state: Softmax, values: StreamView) -> mx.array:
     return out / state.total
 
 
+def observed(queries: mx.array, keys: StreamView, values: StreamView, scale: float) -> tuple[StreamView, StreamView]:
+    """The views to attend once their streams took the queries they want (observe): the keys' first (their
+    weights, query_weights), then the values' with the keys' view (the bits they decay to, tq_mlx.values)."""
+    if keys.observe is not None:
+        keys = keys.observe(queries, scale)
+    if isinstance(values, StreamView) and values.observe is not None:
+        values = values.observe(queries, scale, keys)
+    return keys, values
+
+
 def turboquant_attention(
     queries: mx.array,
     keys: StreamView,
@@ -386,8 +396,7 @@ def turboquant_attention(
     if not isinstance(keys, StreamView):
         raise TypeError(f"turboquant_attention takes a StreamView, got {type(keys).__name__} (batch views: "
                         f"tq_mlx.batch.batch_view_attention)")
-    if keys.observe is not None:  # the stream sums these queries for its weights first (query_weights)
-        keys = keys.observe(queries, scale)
+    keys, values = observed(queries, keys, values, scale)
     if values.weights is not None:
         raise ValueError("values view with query weights: only key streams weigh their tokens")
     if keys.n_coded == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .attention import turboquant_attention
 from .codec import unique_arrays
-from .stream import StreamView
+from .view import StreamView
 
 BATCH_STATE_VERSION = 1
 NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, for save_prompt_cache)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -23,21 +23,23 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .batch import BatchTurboQuantKVCache
 from .codebook import MIN_DIM
-from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int
+from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int, check_max_size
 from .architectures import FETCHES
 from .hook import install_attention_hook
-from .kernels import dispatch_dequantize, dispatch_encode
+from .kernels import dispatch_dequantize, dispatch_encode, float_tokens
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .rope import Rope
 from .codec import STATE_PARTS, batch_heads, make_quantizer, unique_arrays
-from .stream import CompressedStream, StreamView
+from .stream import CompressedStream
+from .view import StreamView
 
 # Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
 # buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
 # update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
-# codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope). Earlier files still load.
-STATE_VERSION = 9
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope); version 10 the values' decay bits
+# chosen by their error and the sums they come from (value_error). Earlier files still load.
+STATE_VERSION = 10
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
 
@@ -184,6 +186,9 @@ class TurboQuantKVCache(_BaseCache):
         vb = kb if self.fetch == "latent" else vb  # the rope key decays even where the latent protected itself
         if self.key_stream is not None and self.key_stream.widened:
             kb = self.config.widened_decay_bits(self.key_bits, kb)
+        v = self.value_stream
+        if v is not None and v.value_sums is not None:  # values by their error: the bits chosen, if fewer
+            vb = v.value_width if v.value_width is not None and v.value_width < self.value_bits else None
         return (None if self.protected else kb), vb
 
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
@@ -197,6 +202,9 @@ class TurboQuantKVCache(_BaseCache):
         # widths by error for keys at the layer's configured bits (a boundary layer keeps its boundary_bits)
         widen = (c.key_error, WIDEST_KEY_BITS) if c.layer_widens(kb) else None
         decay = self.decay_bits
+        narrow = None
+        if self.fetch == "codes" and c.layer_narrows(self.config_bits[1], self.attention_index, self.n_attention_layers):
+            narrow = (c.value_error, c.decay_after)
 
         def decay_of(dim, side):
             bits = decay[side]
@@ -212,7 +220,7 @@ class TurboQuantKVCache(_BaseCache):
         self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
             make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
             name="v", center=bool(c.center_keys) if self.fetch == "latent" else c.center_values,
-            decay=decay_of(value_dim, 1), **common)
+            decay=decay_of(value_dim, 1), narrow=narrow, **common)
 
     @property
     def key_dim(self) -> int:
@@ -247,6 +255,11 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def n_window(self) -> int:
         return self.key_stream.n_window if self.key_stream else 0
+
+    @property
+    def value_width(self) -> int | None:
+        """The bits old values chose to decay to (value_error; value_bits: none), None: not chosen or not choosing."""
+        return self.value_stream.value_width if self.value_stream else None
 
     @property
     def calibrated(self) -> bool:
@@ -477,6 +490,8 @@ class TurboQuantKVCache(_BaseCache):
             "key_protected": self.protected,
             "key_bits": self.key_bits,  # the width the keys chose (key_error)
             "query_count": self.key_stream.query_sums.count if self.key_stream else 0,
+            "value_width": self.value_width,  # the bits old values chose (value_error; None: not chosen)
+            "value_seen": list(self.value_stream.value_seen if self.value_stream else (0, 0)),
             "fetch": self.fetch,
             "max_size": self.max_size,
             "n_dropped": self.n_dropped,
@@ -518,6 +533,11 @@ class TurboQuantKVCache(_BaseCache):
             key_bits = meta.get("key_bits")  # absent before version 9: the configured (or protected) bits
             query_count = meta.get("query_count")  # absent before version 9
             query_count = None if query_count is None else check_int("query_count", query_count, 0)
+            value_width = meta.get("value_width")  # absent before version 10
+            value_seen = meta.get("value_seen", [0, 0])
+            if not isinstance(value_seen, (list, tuple)) or len(value_seen) != 2:
+                raise ValueError(f"TurboQuantKVCache state has value_seen {value_seen!r}; expected [start, end]")
+            value_seen = tuple(check_int("value_seen", t, 0) for t in value_seen)
             fetch = meta.get("fetch", "codes")  # absent before version 5
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
@@ -565,36 +585,16 @@ class TurboQuantKVCache(_BaseCache):
                 raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error and compressed "
                           f"tokens, up to {WIDEST_KEY_BITS} bits")
             self.key_stream.set_bits(int(key_bits))
+        if value_width is not None:
+            v = self.value_stream
+            if v is None or v.value_sums is None or not n_c or value_width not in range(2, int(self.value_bits) + 1):
+                raise bad(f"values decaying to {value_width!r} bits: only value_error chooses, with compressed tokens")
+            v.set_value_width(value_width)
         bh = batch_heads(arrays, "k")
         try:
             for s, d in zip(self.streams, n_decayed):
                 if d > n_c:
                     raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
-                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count)
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count, value_seen)
         except ValueError as e:
             raise bad(str(e)) from None
-
-
-def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
-    """max_size (max_kv_size) as an int, or ValueError: the float sinks and window are never dropped, so the
-    bound must hold them and one compress block less a token."""
-    least = config.sinks + config.window + config.compress_block_size - 1
-    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
-        raise ValueError(
-            f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "
-            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window "
-            f"(tq_mlx.config.fit_max_kv_size gives the config that fits, as the commands' --max-kv-size does)"
-        )
-    return max_size
-
-
-def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = None) -> mx.array:
-    """Every token of a view as one float tensor (B, H, n_tokens, D) `dtype` in the model basis: the sinks, the
-    compressed tokens decoded (the dequantize kernel on Metal), the window. `after`: decode only once it exists."""
-    parts = [view.sinks]
-    for _, seg in view.segments():  # decayed codes, then fresh ones
-        codes = seg.codes if after is None else type(seg.codes)(*mx.depends(list(seg.codes), [after]))
-        parts.append(dispatch_dequantize(seg._replace(codes=codes), dtype))
-    parts.append(view.window)
-    parts = [p.astype(dtype) for p in parts if p is not None]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

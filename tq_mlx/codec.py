@@ -4,8 +4,8 @@ checked (read_state, check_state).
 
 The token counts are the cache's (tq_mlx.cache); a stream's parts are STATE_PARTS, each None while empty. Parts
 came with state versions: `scale` with 3 (None: 1), `decayed` with 6, `rope` (keys centered before RoPE) with 7,
-`weights` and `queries` (query-aware key weights, and the queries summed before they are fixed) with 8. Older
-files lack the newer parts and still load.
+`weights` and `queries` (query-aware key weights, and the queries summed before they are fixed) with 8, `errors`
+(the values' error sums, value_error) with 10. Older files lack the newer parts and still load.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class StreamState(NamedTuple):
     rope: Rope | None = None  # the RoPE the keys were centered before
     weights: mx.array | None = None  # (B, H, D) float32
     queries: mx.array | None = None  # (B, H, D) float32: summed squared queries (QuerySums.total)
+    errors: mx.array | None = None  # (B, H, widths + 1, span) float32: values' error sums (tq_mlx.values.ValueSums)
 
 
 # A stream's arrays, under "<name>_<part>" in a cache's state.
@@ -167,6 +168,8 @@ def check_state(state: StreamState, counts: Counts, bh: BatchHeads | None, *, na
     for part in ("weights", "queries"):
         if getattr(state, part) is not None:
             check(part, getattr(state, part), (B, H, D), mx.float32)
+    if state.errors is not None:
+        check("errors", state.errors, (B, H, None, None), mx.float32, 1)
     if counts.decayed or state.decayed is not None:
         if decay_quantizer is None:
             raise ValueError(f"{name}_decayed: decayed tokens, but the config has no decay")

@@ -35,6 +35,14 @@ KEY_ERROR = 0.1
 KEY_ERROR_BITS = 4
 
 
+def value_widths(value_bits: float) -> tuple[int, ...]:
+    """The bits old values may decay to by their error (TurboQuantConfig.value_error): the floor up to one bit
+    less than value_bits (V4: 2 and 3); none for fractional or 8-bit values."""
+    if value_bits != int(value_bits) or value_bits >= 8:
+        return ()
+    return tuple(range(DECAY_FLOOR["value"], int(value_bits)))
+
+
 def auto_decay_bits(side: str, bits: float, qjl: bool = False) -> int | None:
     """The bits old tokens of a side at `bits` decay to when no decay bits are given: keys one bit less down to 3
     (K4 -> K3, K5 -> K4), values keep theirs (DECAY_STEP). None (that side keeps its bits at every age) for values,
@@ -117,6 +125,13 @@ class TurboQuantConfig:
     # Needs query weights (weigh_keys) and integer MSE key bits. None: every layer keeps key_bits. AUTO: KEY_ERROR
     # where it applies (auto_key_error), None elsewhere.
     key_error: float | None | str = AUTO
+    # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
+    # measured on its first window (tq_mlx.values): past decay_after, its values decay to the fewest bits from 2
+    # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the window's
+    # last third came. Needs integer value_bits of 3 to 7, no decay_value_bits and a window of 3 or more; caches
+    # whose attention takes views ("codes" fetch) choose, the others keep their bits. None: every layer's values
+    # follow decay_value_bits.
+    value_error: float | None = None
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
@@ -159,6 +174,7 @@ class TurboQuantConfig:
             raise ValueError(f"key_error needs integer key_bits without QJL (the widths it chooses from are "
                              f"{format_bits(self.key_bits)} .. {WIDEST_KEY_BITS}), got key_bits="
                              f"{format_bits(self.key_bits)}{' with qjl' if self.qjl else ''}")
+        self._check_value_error()
         if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
@@ -171,6 +187,23 @@ class TurboQuantConfig:
                 )
         self._resolve_decay()
         self._check_decay()
+
+    def _check_value_error(self) -> None:
+        e = self.value_error
+        if e is None:
+            return
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
+            raise ValueError(f"value_error must be a number > 0 or None (values follow decay_value_bits), got {e!r}")
+        if not value_widths(self.value_bits):
+            raise ValueError(f"value_error needs integer value_bits of 3 to 7 (old values decay to 2 .. value_bits - 1 "
+                             f"bits), got value_bits={format_bits(self.value_bits)}")
+        if self.decay_value_bits not in (None, AUTO) or self.decay_after is None:
+            raise ValueError("value_error chooses the bits old values decay to, layer by layer: it needs decay_after "
+                             f"(or {AUTO!r}) and no decay_value_bits, got decay_after={self.decay_after!r}, "
+                             f"decay_value_bits={self.decay_value_bits!r}")
+        if isinstance(self.window, int) and self.window < 3:
+            raise ValueError(f"value_error measures on the window's tokens: it needs a window of 3 or more, got "
+                             f"{self.window!r}")
 
     def _resolve_decay(self) -> None:
         """Decay fields left at AUTO, resolved (see the class doc); the resolved config holds no AUTO."""
@@ -186,10 +219,12 @@ class TurboQuantConfig:
                     set_(name, None)
             return
         for side in DECAY_STEP:
-            if getattr(self, f"decay_{side}_bits") == AUTO:
-                set_(f"decay_{side}_bits", auto_decay_bits(side, getattr(self, f"{side}_bits"), self.qjl))
+            if getattr(self, f"decay_{side}_bits") == AUTO:  # values by their error choose theirs per layer
+                set_(f"decay_{side}_bits", None if side == "value" and self.value_error is not None
+                     else auto_decay_bits(side, getattr(self, f"{side}_bits"), self.qjl))
         if self.decay_after == AUTO:
-            decays = any(getattr(self, f"decay_{side}_bits") is not None for side in DECAY_STEP)
+            decays = (any(getattr(self, f"decay_{side}_bits") is not None for side in DECAY_STEP)
+                      or self.value_error is not None)
             # a window that alone reaches DECAY_AFTER moves it: one compress block always stays at full bits
             set_("decay_after", max(DECAY_AFTER, self.window + self.compress_block_size) if decays else None)
 
@@ -205,7 +240,7 @@ class TurboQuantConfig:
         if isinstance(a, bool) or not isinstance(a, int) or a < least:  # fresh codes always remain next to decayed
             raise ValueError(f"decay_after must be an integer >= {least} (window + compress_block: at least one "
                              f"block stays at full bits), got {a!r}")
-        if all(getattr(self, name) is None for name, _ in sides):
+        if all(getattr(self, name) is None for name, _ in sides) and self.value_error is None:
             raise ValueError("decay_after needs decay_key_bits or decay_value_bits (the bits tokens decay to; neither "
                              f"side decays by itself at K{format_bits(self.key_bits)}/V{format_bits(self.value_bits)}"
                              f"{' with QJL' if self.qjl else ''}: see auto_decay_bits)")
@@ -269,6 +304,12 @@ class TurboQuantConfig:
         bits (a boundary layer keeps its boundary_bits) below WIDEST_KEY_BITS."""
         return self.key_error is not None and key_bits == self.key_bits and key_bits < WIDEST_KEY_BITS
 
+    def layer_narrows(self, value_bits: float, attention_index: int, n_attention_layers: int | None) -> bool:
+        """Whether an attention layer's values choose the bits they decay to by their error (value_error): at the
+        config's own value bits, in a layer that decays (not a boundary layer)."""
+        return (self.value_error is not None and value_bits == self.value_bits
+                and self.layer_decay_bits(attention_index, n_attention_layers) != (None, None))
+
     def widened_decay_bits(self, bits: int, decay_bits: int | None) -> int | None:
         """The bits keys widened to `bits` (key_error) decay to: the layer's decay_bits lowered by as many bits as
         the keys were widened (K4 -> K3 becomes K6 -> K5); None where the layer does not decay."""
@@ -292,7 +333,7 @@ class TurboQuantConfig:
         d.setdefault("norm_bits", 16)
         d.setdefault("weigh_keys", False)
         d.setdefault("key_error", None)
-        for name in ("key_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
+        for name in ("key_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")
         for name in ("decay_after", "decay_key_bits", "decay_value_bits"):
@@ -356,7 +397,10 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
                 and (decay_bits >= new_bits or new_bits != int(new_bits))):
             fields[name] = None
     merged = {**start, **fields}
-    if merged.get("decay_after", AUTO) is not None and all(
+    vb = merged.get("value_bits", 4)
+    if "value_error" not in fields and merged.get("value_error") is not None and not value_widths(vb):
+        merged["value_error"] = None  # old values decay by their error only from integer widths above the floor
+    if merged.get("decay_after", AUTO) is not None and merged.get("value_error") is None and all(
             merged.get(f"decay_{side}_bits", AUTO) is None for side in ("key", "value")):
         merged["decay_after"] = None  # nothing left to decay to
     kb = merged.get("key_bits", 4)
@@ -368,7 +412,7 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
 def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQuantConfig:
     """The config a cache bounded to max_kv_size tokens uses, as the commands take --max-kv-size (mlx-lm's own flag
     takes any size): `config` itself when the bound holds its float sinks and window and a compress block less a
-    token (sinks + window + compress_block - 1: the float parts are never dropped, cache.check_max_size); else the
+    token (sinks + window + compress_block - 1: the float parts are never dropped, check_max_size); else the
     config with the window and the compress block shrunk in their proportion until the bound holds the sinks, the
     window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
     holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
@@ -389,4 +433,18 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
         window = room - 2 * block
         if window < block:  # too small for two blocks next to a window: a window and blocks of 1
             window, block = room - 1, 1
-    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block)
+    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block,
+                               value_error=config.value_error if window >= 3 else None)
+
+
+def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
+    """max_size (max_kv_size) as an int, or ValueError: the float sinks and window are never dropped, so the
+    bound must hold them and one compress block less a token."""
+    least = config.sinks + config.window + config.compress_block_size - 1
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
+        raise ValueError(
+            f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "
+            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window "
+            f"(tq_mlx.config.fit_max_kv_size gives the config that fits, as the commands' --max-kv-size does)"
+        )
+    return max_size

@@ -132,6 +132,9 @@ def _layer_label(c) -> str | None:
         # update_and_fetch): they hold no weights, and the label says so
         if ks is not None and ks.weigh and ks.n_coded and ks.weights is None:
             label += " (keys unweighed: no queries seen)"
+        vs = c.value_stream  # values by their error that never saw their window's queries keep their bits
+        if vs is not None and vs.value_sums is not None and vs.value_width is None and vs.n_coded:
+            label += " (values kept: no queries seen)"
         return label
     if not hasattr(c, "keys"):
         return None
@@ -187,7 +190,11 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append("keys not weighed")
     if config.center_keys != "rope":
         parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
-    if config.decay_after is not None:
+    if config.value_error is not None:  # each layer's values choose between V2 and their own bits
+        kd = format_bits(config.decayed_bits[0])
+        parts.append(f"decaying to K{kd}/V2-V{format_bits(config.value_bits)} after {config.decay_after} tokens (values "
+                     f"by their output error on the first window, at most {config.value_error:g})")
+    elif config.decay_after is not None:
         parts.append(f"decaying to {bits_label(*config.decayed_bits)} after {config.decay_after} tokens")
     return ", ".join(parts)
 

@@ -40,7 +40,7 @@ _FIELDS = {
     "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
-          "tq_no_decay", "tq_key_error", *_FIELDS)
+          "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
 
 
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
@@ -71,8 +71,8 @@ def decay_bits_arg(text: str) -> float | str:
     return text if text == "off" else bits_arg(text)
 
 
-def key_error_arg(text: str) -> float | str:
-    """argparse type for --tq-key-error: a number > 0, or "off" (every layer keeps the key bits)."""
+def error_arg(text: str) -> float | str:
+    """argparse type for --tq-key-error and --tq-value-error: a number > 0, or "off" (every layer keeps its bits)."""
     if text == "off":
         return text
     try:
@@ -80,7 +80,7 @@ def key_error_arg(text: str) -> float | str:
     except ValueError:
         value = float("nan")
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"invalid key error {text!r}: must be a number > 0 or off")
+        raise argparse.ArgumentTypeError(f"invalid error target {text!r}: must be a number > 0 or off")
     return value
 
 
@@ -141,12 +141,17 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"evenly spread keys stores its keys at --tq-protect-bits (default {d.protect_factor:g})")
     g.add_argument("--tq-protect-bits", dest="tq_protect_bits", type=bits_arg, metavar="B",
                    help=f"bits of self-protected keys (default {format_bits(d.protect_bits)})")
-    g.add_argument("--tq-key-error", dest="tq_key_error", type=key_error_arg, metavar="E",
+    g.add_argument("--tq-key-error", dest="tq_key_error", type=error_arg, metavar="E",
                    help="a layer whose keys would give the attention logits of its first window's queries an RMS "
                         "error above E at the key bits takes more bits, up to 6, chosen at its first compression "
                         "(off: every layer keeps the key bits) (default "
                         f"{'off' if d.key_error is None else format(d.key_error, 'g')} for {format_bits(d.key_bits)}-bit "
                         "keys without --tq-qjl, off for keys at bits you set)")
+    g.add_argument("--tq-value-error", dest="tq_value_error", type=error_arg, metavar="E",
+                   help="values of tokens past the decay age re-coded, layer by layer, at the fewest bits from 2 up "
+                        "whose relative error on the attention outputs of the layer's first window is at most E, or "
+                        "kept at their bits (integer value bits 3-7; --tq-decay-value-bits then does not apply) "
+                        f"(default {'off' if d.value_error is None else format(d.value_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: every layer keeps the configured bits")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
@@ -228,6 +233,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["protect_factor"] = None
     if getattr(args, "tq_key_error", None) is not None:
         kw["key_error"] = None if args.tq_key_error == "off" else args.tq_key_error
+    if getattr(args, "tq_value_error", None) is not None:
+        kw["value_error"] = None if args.tq_value_error == "off" else args.tq_value_error
     if getattr(args, "tq_center_values", False):
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):

@@ -27,7 +27,7 @@ import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchTurboQuantKVCache, BatchView, batch_view_attention, causal_if_plain
 from .kernels import dispatch_attention
-from .stream import StreamView
+from .view import StreamView
 
 _VIEWS = (BatchView, StreamView)
 

@@ -32,8 +32,8 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from .architectures import FLOAT_FETCH, fetch_for
 from .blas import warn_reference_blas
-from .cache import TurboQuantKVCache, check_max_size
-from .config import TurboQuantConfig
+from .cache import TurboQuantKVCache
+from .config import TurboQuantConfig, check_max_size
 from .hook import install_attention_hook
 from .architectures import AttentionLayout, attention_layout
 from .rope import Rope, probe
@@ -256,7 +256,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
     Raises ValueError naming the layer, the reason and the way out, before building anything, if a layer
     cannot be compressed (head_dim too small or incompatible with fractional bits), if no layer holds a
     full-attention KVCache (nothing would be compressed), or if max_kv_size is below what the float sinks and
-    window hold (tq_mlx.cache.check_max_size). max_kv_size bounds every compressed layer as mlx-lm's
+    window hold (tq_mlx.config.check_max_size). max_kv_size bounds every compressed layer as mlx-lm's
     --max-kv-size bounds its RotatingKVCache (the oldest compressed tokens are dropped; TurboQuantKVCache).
     Installs the attention hook (tq_mlx.hook).
     """

@@ -115,7 +115,7 @@ def token_layout(config, tokens: int, max_kv_size: int | None = None, *, decayin
     each update): before each update the oldest compressed tokens are dropped in whole blocks so that at most
     M - 1 earlier tokens remain, K·⌈(tokens − M)/K⌉ in all, so between M − K + 1 and M tokens are held (a
     prefill chunk of L drops only for the tokens before it: right after it up to M − 1 + L are held). The sinks
-    and the window are never dropped (cache.check_max_size: M >= sinks + window + K − 1). Drops take decayed
+    and the window are never dropped (config.check_max_size: M >= sinks + window + K − 1). Drops take decayed
     tokens first: with M > sinks + decay_after the first drop (at M + 1 tokens) finds a decayed block, and after
     it one block decays for each block dropped, so the fresh codes and the window are the unbounded stream's and
     the decayed tokens its decayed tokens less the dropped ones; with M <= sinks + decay_after nothing decays.
@@ -222,10 +222,16 @@ def part_bytes(config, tokens: int, dim: int, bits: float, qjl: bool = False, de
                   cap.window * dim * float_bytes)
 
 
+def value_error_span(sinks: int, window: int) -> tuple[int, int]:
+    """The positions [first, last) of the queries whose attention outputs the values' error is measured on
+    (config.value_error, tq_mlx.values): the window's last third."""
+    return sinks + window - window // 3, sinks + window
+
+
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
                  protected: bool = False, center: bool = False, rope_pairs: int | None = None, weigh: bool = False,
                  max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1,
-                 widened: int | None = None) -> int:
+                 widened: int | None = None, narrow: int | None = None) -> int:
     """CompressedStream.nbytes after `tokens` tokens, for a stream built as the cache builds it: quantizer
     (dim, bits, qjl), decay quantizer at decay_bits (None: no decay), center, rope (the channel pairs its RoPE
     rotates, None: no RoPE centering), weigh; batch x heads kv heads.
@@ -237,10 +243,21 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     came. protected: the stream protected its keys at calibration: codes at config.protect_bits (plain MSE)
     that do not decay, and it keeps its configured quantizer (and decay quantizer) next to the protecting one.
     widened: the bits the keys chose at calibration (config.key_error): codes at those bits decaying by the
-    same step, and the configured quantizers kept next to theirs.
+    same step, and the configured quantizers kept next to theirs. narrow: values by their error (config.value_error)
+    that choose, once the queries of the window's last third came, the bits they decay to: these (`bits`: none);
+    before, their sums (float32 per width, kv head and query position) and quantizers at the widths below `bits`
+    from the first of those queries on, and no decay.
     """
     if tokens <= 0:
         return 0
+    extra = 0
+    if narrow is not None:
+        first, last = value_error_span(config.sinks, config.window)
+        decay_bits = narrow if tokens >= last and narrow < bits else None
+        if first < tokens < last:
+            widths = range(2, int(bits))
+            extra = sum(constant_bytes(dim, b) for b in widths) + batch * heads * FLOAT32 * (len(widths) + 1) * (
+                last - first)
     total = constant_bytes(dim, bits, qjl) + (constant_bytes(dim, decay_bits) if decay_bits is not None else 0)
     if protected:
         bits, qjl = config.protect_bits, False
@@ -260,4 +277,4 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         total += FLOAT32 * (dim + rope_pairs)
     if weigh and tokens > config.sinks:
         total += batch * heads * FLOAT32 * dim
-    return total
+    return total + extra

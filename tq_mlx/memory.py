@@ -9,7 +9,6 @@
   exactly when the cache was filled in one prefill or token by token (chunked prefill can add up to one `step`
   of padding per chunk), temporal decay and bounds included. `estimate_peak_bytes` adds the weights and the
   transient of a prefill chunk; `max_context` is the largest context whose peak fits a budget.
-* `weight_bytes(path)` from safetensors headers, `available_memory()` for MLX on this machine.
 
 "Saved" has one meaning everywhere (SAVED_AGAINST): against mlx-lm's own cache for the same tokens, as mlx-lm
 allocates it: a KVCache in the model's dtype, in whole 256-token steps (a RotatingKVCache of max_kv_size tokens
@@ -20,19 +19,14 @@ the summary's). `estimate_mlx_lm_bytes` is that reference before any model is lo
 """
 from __future__ import annotations
 
-import json
-import os
-import struct
-import sys
-from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import mlx.core as mx
 
 from .architectures import attention_layout, text_config
 from .attention import tile_size
-from .cache import TurboQuantKVCache, check_max_size
-from .config import WIDEST_KEY_BITS
+from .cache import TurboQuantKVCache
+from .config import WIDEST_KEY_BITS, check_max_size
 from .layout import stream_bytes, token_layout
 
 FLOAT16_BYTES = 2
@@ -55,14 +49,6 @@ class Saving(NamedTuple):
     def ratio(self) -> float:
         """reference / held (1.0 when nothing is held)."""
         return self.reference / self.held if self.held else 1.0
-
-# safetensors dtype names -> bytes per element
-_ST_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
-}
-_ST_FLOATS = {"F16", "BF16", "F32", "F64"}
-
 
 # --- per-layer sizes -----------------------------------------------------------------------------------
 
@@ -106,7 +92,7 @@ def turboquant_layer_bytes(
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
-    weighted: bool | None = None, key_width: int | None = None,
+    weighted: bool | None = None, key_width: int | None = None, value_width: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token): its streams as the cache builds them, each priced by layout.stream_bytes.
@@ -122,7 +108,8 @@ def turboquant_layer_bytes(
     on a layer whose RoPE rotates that many channel pairs); None: not. weighted: the keys are weighed by the
     queries (config.weigh_keys on a per-head layer whose attention sees the cache's views; None:
     config.weigh_keys unless latent or K=V). max_kv_size: a bounded cache. key_width: the bits the keys chose
-    at calibration (config.key_error; None: key_bits).
+    at calibration (config.key_error; None: key_bits). value_width: the values choose the bits they decay to by
+    their error (config.value_error), these (value_bits: they keep theirs); None: they do not choose.
     """
     k_decay, v_decay = config.layer_decay_bits(0, None) if decay_bits is None else decay_bits
     if weighted is None:
@@ -136,7 +123,9 @@ def turboquant_layer_bytes(
             value_bits, v_decay, v_center = key_bits, k_decay, bool(config.center_keys)
         else:
             v_center = config.center_values
-        total += stream_bytes(config, tokens, value_dim, value_bits, decay_bits=v_decay, center=v_center, **common)
+        narrow = None if latent else value_width
+        total += stream_bytes(config, tokens, value_dim, value_bits, decay_bits=v_decay, center=v_center,
+                              narrow=narrow, **common)
     return total
 
 
@@ -162,7 +151,7 @@ def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
     batch: int = 1, dtype: str | None = None, max_kv_size: int | None = None,
-    key_widths: Sequence[int | None] | None = None,
+    key_widths: Sequence[int | None] | None = None, value_widths: Sequence[int | None] | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
@@ -181,7 +170,9 @@ def estimate_kv_bytes(
     Keys by their error (config.key_error) choose their bits at calibration, from their own tokens and queries:
     key_widths gives each attention layer's choice (chosen_key_widths of a live cache; None: the layer kept its
     bits), and without it every layer that may widen is priced at WIDEST_KEY_BITS, so the estimate bounds the
-    cache (it equals it when every layer took the most).
+    cache (it equals it when every layer took the most). Values by their error (config.value_error) choose the
+    bits they decay to once the window's last queries came: value_widths gives each attention layer's choice
+    (chosen_value_widths; None: not chosen), and a layer without one is priced keeping its value bits, the most.
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
@@ -200,6 +191,8 @@ def estimate_kv_bytes(
     ref_tokens = ctx if max_kv_size is None else min(ctx, max_kv_size)
     if key_widths is not None and len(key_widths) != n_att:
         raise ValueError(f"key_widths has {len(key_widths)} entries, the model {n_att} attention layers")
+    if value_widths is not None and len(value_widths) != n_att:
+        raise ValueError(f"value_widths has {len(value_widths)} entries, the model {n_att} attention layers")
     for a in range(n_att):
         if config is not None:
             kb, vb = config.layer_bits(a, n_att)
@@ -207,10 +200,13 @@ def estimate_kv_bytes(
             width = None
             if widens(config, kb, weighted, lay):
                 width = WIDEST_KEY_BITS if key_widths is None else key_widths[a]
+            v_width = None
+            if narrows(config, vb, a, n_att, lay):
+                v_width = int(vb) if value_widths is None or value_widths[a] is None else value_widths[a]
             total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
                                             latent=lay.latent, k_eq_v=lay.k_eq_v,
                                             decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs,
-                                            weighted=weighted, key_width=width)
+                                            weighted=weighted, key_width=width, value_width=v_width)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
@@ -222,6 +218,19 @@ def widens(config, key_bits: float, weighted: bool, lay) -> bool:
     """Whether a layer's keys at key_bits may take more bits by their error (config.layer_widens): weighed keys
     (their error is measured on their queries) in a per-head layer (not latent, K=V)."""
     return config.layer_widens(key_bits) and weighted and not lay.latent and not lay.k_eq_v
+
+
+def narrows(config, value_bits: float, attention_index: int, n_attention_layers: int, lay) -> bool:
+    """Whether a layer's values choose the bits they decay to by their error (config.layer_narrows): in a per-head
+    layer whose attention sees the cache's views (it hands them the queries), with a value stream of its own."""
+    return (config.layer_narrows(value_bits, attention_index, n_attention_layers) and lay.fetch == "codes"
+            and not lay.latent and not lay.k_eq_v and bool(lay.v_head_dim))
+
+
+def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
+    """Each TurboQuant attention layer's value decay bits chosen by their error (None: not chosen, or the layer
+    does not choose), in layer order: estimate_kv_bytes's value_widths for this cache."""
+    return [c.value_width for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
 
 
 def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
@@ -246,14 +255,16 @@ def estimate_mlx_lm_bytes(model_config: dict, ctx: int, *, dtype: str | None = N
 
 
 def planned_saving(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
-                   max_kv_size: int | None = None, key_widths: Sequence[int | None] | None = None) -> Saving:
+                   max_kv_size: int | None = None, key_widths: Sequence[int | None] | None = None,
+                   value_widths: Sequence[int | None] | None = None) -> Saving:
     """The Saving a plan shows at ctx: estimate_kv_bytes with `config` (a TurboQuantConfig; None: mlx-lm's float
-    cache, which saves nothing; key_widths as estimate_kv_bytes takes them) against estimate_mlx_lm_bytes."""
+    cache, which saves nothing; key_widths and value_widths as estimate_kv_bytes takes them) against
+    estimate_mlx_lm_bytes."""
     reference = estimate_mlx_lm_bytes(model_config, ctx, dtype=dtype, batch=batch, max_kv_size=max_kv_size)
     if config is None:
         return Saving(reference, reference)
     return Saving(estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size,
-                                    key_widths=key_widths), reference)
+                                    key_widths=key_widths, value_widths=value_widths), reference)
 
 
 def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
@@ -280,6 +291,20 @@ def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None
     if not _middle_layer_widens(model_config, config):
         return 0
     return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {}, key_width=WIDEST_KEY_BITS)
+
+
+def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
+                       max_kv_size: int | None = None) -> int:
+    """What one attention layer's values hold at ctx keeping their bits beyond decaying to 2, the fewest
+    value_error gives. Each layer chooses by its own window's queries, so estimate_kv_bytes prices them kept and
+    overstates a layer that decays them to 2 by this. 0 where values do not choose (no value_error, a layer whose
+    attention does not take the cache's views, latent, K=V)."""
+    lay = attention_layout(model_config)
+    n_att = len(lay.full_layers)
+    vb = config.layer_bits(n_att // 2, n_att)[1] if n_att else 0
+    if not n_att or not narrows(config, vb, n_att // 2, n_att, lay):
+        return 0
+    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {"value_width": 2}, value_width=int(vb))
 
 
 def _middle_layer_widens(model_config: dict, config) -> bool:
@@ -528,70 +553,3 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         "attention_layers": n_att,
         "turboquant_layers": n_tq,
     }
-
-
-# --- weights and the machine ------------------------------------------------------------------------------
-
-
-def safetensors_header(path: str | os.PathLike) -> dict:
-    """The JSON header of a .safetensors file (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100_000_000:
-            raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        return json.loads(f.read(n))
-
-
-def weight_bytes(model_path: str | os.PathLike, dtype: str | None = None) -> int:
-    """Bytes the model's weights take in memory, from the safetensors headers of a local model folder.
-
-    dtype ("float16", "bfloat16", "float32") counts floating tensors as cast to it, as `--dtype` does at load
-    time; quantized weights (uint32) keep their size. A file whose header cannot be read counts its size.
-    """
-    target = {None: None, "float16": 2, "bfloat16": 2, "float32": 4}
-    if dtype not in target:
-        raise ValueError(f"dtype must be one of float16, bfloat16, float32, got {dtype!r}")
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {model_path}")
-    total = 0
-    for f in files:
-        try:
-            header = safetensors_header(f)
-        except (OSError, ValueError, struct.error):
-            total += f.stat().st_size
-            continue
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = t["data_offsets"]
-            n = end - begin
-            if target[dtype] and t["dtype"] in _ST_FLOATS:
-                n = n // _ST_DTYPE_BYTES[t["dtype"]] * target[dtype]
-            total += n
-    return total
-
-
-def available_memory() -> int:
-    """Bytes this machine can give MLX: on Apple silicon MLX's recommended working set (what mlx-lm wires),
-    elsewhere the physical memory."""
-    try:
-        if mx.metal.is_available():
-            info = mx.device_info()
-            if "max_recommended_working_set_size" in info:
-                return int(info["max_recommended_working_set_size"])
-    except (AttributeError, RuntimeError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise RuntimeError(f"cannot tell how much memory this machine has ({sys.platform})")
-
-

@@ -128,10 +128,11 @@ class _Refusal(BaseException):
 def context_bound(model_config: dict, weights: int, config: TurboQuantConfig | None,
                   prefill_step: int = 2048) -> tuple[int | None, str]:
     """tq-server's default --tq-max-context: the model's trained context, or less if one sequence's planned
-    peak at it does not fit this machine's memory (memory.available_memory); and a phrase saying which."""
+    peak at it does not fit this machine's memory (machine.available_memory); and a phrase saying which."""
     from .architectures import attention_layout
     from .display import format_bytes
-    from .memory import available_memory, max_context
+    from .machine import available_memory
+    from .memory import max_context
 
     try:
         trained = attention_layout(model_config).max_context

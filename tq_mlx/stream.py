@@ -1,11 +1,5 @@
-"""One side (keys or values) of a layer's KV cache as a compressed stream of tokens, with encode and decode in MLX.
-
-Token order in a stream, and the order of the attention mask's columns:
-
-    [0, n_sinks)                          attention sinks: the first `sinks` tokens, in the model's dtype
-    [n_sinks, n_sinks + n_decayed)        decayed codes: older compressed tokens re-coded at fewer bits
-    [.., n_sinks + n_coded)               fresh codes: TurboQuant codes (packed uint32) and their norms
-    [n_sinks + n_coded, n_tokens)         the recent-token window, in the model's dtype
+"""One side (keys or values) of a layer's KV cache as a compressed stream of tokens, in the token order of
+tq_mlx.view (sinks, decayed codes, fresh codes, the window).
 
 Names: n_<part> counts the tokens a part holds now (n_coded = n_decayed + n_fresh, on a stream and a view
 alike); max_sinks and max_window are the most the sinks and the window hold (the config's `sinks` and
@@ -37,7 +31,7 @@ Query weights need the queries of those tokens: attention hands them over (`obse
 coded before they came is coded again when they do (`_settle`, before anything attends the codes); the view
 update_and_fetch returns is then superseded by the one attention reads.
 
-`encode` and `decode` code and decode tokens in pure MLX (the Metal kernels' twins); `append` returns a `StreamView`,
+`append` returns a `StreamView` (tq_mlx.view, with the reference `encode` and `decode` of its codes),
 the immutable view of the live tokens that attention reads. tq_mlx.codec writes and reads its state (the
 arrays a cache saves); tq_mlx.layout counts its parts and their bytes (stream_bytes).
 """
@@ -55,6 +49,9 @@ from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batc
 from .layout import decayed_split, fresh_bound, overflow, window_capacity
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from .rope import Rope, centers
+from .values import ValueSums
+from .view import StreamView, decode, encode
+
 
 
 class Decay(NamedTuple):
@@ -79,141 +76,6 @@ class Widen(NamedTuple):
     max_bits: int
 
 
-class Segment(NamedTuple):
-    """A codes-only view with one quantizer, and the position of its first token among the compressed ones."""
-
-    start: int
-    view: "StreamView"
-
-
-class StreamView(NamedTuple):
-    """The live tokens of one stream, as attention reads them (update_and_fetch returns one per side).
-
-    Arrays are views of the stream's buffers cut to the live tokens; None means that part holds no tokens.
-    """
-
-    quantizer: TurboQuantMSE | TurboQuantProd
-    codes: MSECodes | ProdCodes | None  # (B, H, n_fresh, ...) in the quantizer's input basis
-    sinks: mx.array | None  # (B, H, n_sinks, D) the model's float dtype, model basis
-    window: mx.array | None  # (B, H, n_window, D) the model's float dtype, model basis
-    mean: mx.array | None  # (B, H, D) float32: subtracted from every compressed token before quantizing
-    perm: mx.array | None  # (H, D) int32: compressed token t was quantized as (x_t - mean)[..., perm]
-    scale: mx.array | None = None  # (B, H) float32, a power of two: ... and divided by scale (None: 1)
-    # The older compressed tokens, re-coded at fewer bits (temporal decay): a codes-only view (no sinks or
-    # window; the same mean and scale; its quantizer shares the fresh codes' rotation). They come before `codes`.
-    decayed: "StreamView | None" = None
-    # Pre-RoPE centering (tq_mlx.rope): `mean` is μ0, and the token at position p had R(p) μ0 subtracted.
-    rope: Rope | None = None
-    position: int = 0  # the position of the first compressed token of this view (decayed ones first)
-    # Query-aware key weights (B, H, D) float32: compressed token t holds (x_t - c_t)·w / scale (None: 1).
-    weights: mx.array | None = None
-    # Set while the stream still wants the queries attending it (query_weights): attention calls
-    # observe(queries) first and attends the view it returns (see CompressedStream.observe).
-    observe: Callable | None = None
-
-    @property
-    def n_sinks(self) -> int:
-        return 0 if self.sinks is None else self.sinks.shape[2]
-
-    @property
-    def n_decayed(self) -> int:
-        return 0 if self.decayed is None else self.decayed.n_fresh
-
-    @property
-    def n_fresh(self) -> int:
-        """Compressed tokens at the stream's own bits (`codes`)."""
-        return 0 if self.codes is None else self.codes.codes.shape[2]
-
-    @property
-    def n_coded(self) -> int:
-        """Every compressed token: decayed and fresh."""
-        return self.n_decayed + self.n_fresh
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """The model's float dtype, as its sinks and window hold it (float32, the codes' attention, without them),
-        so model files that read `values.dtype` or cast what they fetch (stablelm, phi) keep the view."""
-        held = self.sinks if self.sinks is not None else self.window
-        return mx.float32 if held is None else held.dtype
-
-    def astype(self, dtype: mx.Dtype) -> "StreamView":
-        """The view itself: attention on the codes computes in float32 whatever a model casts its keys to."""
-        return self
-
-    def segments(self) -> list[Segment]:
-        """The compressed tokens as codes-only views with one quantizer each, oldest first:
-        [(0, decayed), (n_decayed, fresh)], without empty ones."""
-        parts = []
-        if self.decayed is not None:
-            parts.append(Segment(0, self.decayed))
-        if self.codes is not None:
-            parts.append(Segment(self.n_decayed, self._replace(sinks=None, window=None, decayed=None,
-                                                               position=self.position + self.n_decayed)))
-        return parts
-
-    def centers(self, first: int = 0, n: int | None = None) -> mx.array | None:
-        """What was subtracted from compressed tokens first .. first + n - 1 of this view before quantizing,
-        (B, H, n, D) float32 (n: to the last), or broadcastable (B, H, 1, D) without RoPE; None if nothing."""
-        if self.mean is None:
-            return None
-        if self.rope is None:
-            return self.mean[:, :, None, :]
-        n = self.n_coded - first if n is None else n
-        return centers(self.mean, self.rope, self.position + first, n)
-
-    @property
-    def n_window(self) -> int:
-        return 0 if self.window is None else self.window.shape[2]
-
-    @property
-    def n_tokens(self) -> int:
-        return self.n_sinks + self.n_coded + self.n_window
-
-    @property
-    def n_heads(self) -> int:
-        parts = (self.sinks, self.window, None if self.codes is None else self.codes.codes,
-                 None if self.decayed is None else self.decayed.codes.codes)
-        return next(a.shape[1] for a in parts if a is not None)
-
-    @property
-    def head_dim(self) -> int:
-        return self.quantizer.dim
-
-
-# --- reference encode and decode -----------------------------------------------------------------------------------
-
-
-def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
-           scale: mx.array | None = None):
-    """Codes of tokens x (B, H, n, D): (x - mean (B, H, D)) / scale (B, H), channels in `perm` (H, D) order,
-    then quantized."""
-    if mean is not None:
-        x = x - mean[:, :, None, :]
-    if scale is not None:
-        x = x / scale[:, :, None, None]
-    if perm is not None:
-        x = mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
-    return quantizer.quantize(x)
-
-
-def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
-    """The compressed tokens of a view back in the model basis, (B, H, n_coded, D) `dtype`, mean added
-    (decayed tokens first)."""
-    if view.decayed is not None:
-        return mx.concatenate([decode(seg, dtype) for _, seg in view.segments()], axis=2)
-    x = view.quantizer.dequantize(view.codes)
-    if view.scale is not None:
-        x = x * view.scale[:, :, None, None]
-    if view.perm is not None:
-        inv = mx.argsort(view.perm, axis=-1)
-        x = mx.take_along_axis(x, mx.broadcast_to(inv[None, :, None, :], x.shape), axis=-1)
-    if view.weights is not None:
-        x = x / view.weights[:, :, None, :]
-    if view.mean is not None:
-        x = x + view.centers()
-    return x.astype(dtype)
-
-
 # --- the stream --------------------------------------------------------------------------------------------
 
 
@@ -230,13 +92,16 @@ class CompressedStream:
     docstring). A protected stream does not decay: what made it protect its keys holds at every age. widen
     (Widen): with query weights, the first compression also chooses the keys' width from their logit error on
     the calibration queries (one more number read back, once the queries came); a widened stream decays by
-    the same step (K6 -> K5 where K4 -> K3).
+    the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.values): the
+    stream decays its tokens older than `age` to the bits it chooses once attention handed it the queries of its
+    window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
 
     def __init__(self, quantizer: TurboQuantMSE | TurboQuantProd, *, name: str, sinks: int, window: int,
                  compress_block: int, step: int, center: bool, encoder: Callable = encode, decoder: Callable = decode,
                  protect: tuple[float, float] | None = None, decay: tuple[int, TurboQuantMSE] | None = None,
-                 rope: Rope | None = None, weigh: bool = False, widen: tuple[float, int] | None = None):
+                 rope: Rope | None = None, weigh: bool = False, widen: tuple[float, int] | None = None,
+                 narrow: tuple[float, int] | None = None):
         decay = None if decay is None else Decay(*decay)
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
                                   or isinstance(quantizer, TurboQuantProd) or decay.quantizer.dim != quantizer.dim
@@ -266,6 +131,11 @@ class CompressedStream:
         self.weigh = weigh
         self.weights = None  # (B, H, D) float32, with the first compressed tokens (weigh)
         self.query_sums = QuerySums()
+        # values by their error: the decay's age, the bits chosen (None: not yet) and the sums they come from
+        self.narrow_age, self.value_width, self.value_sums = None, None, None
+        if narrow is not None and window:
+            target, self.narrow_age = narrow
+            self.value_sums = ValueSums(sinks, window, quantizer, target)
 
     @property
     def dim(self) -> int:
@@ -387,28 +257,38 @@ class CompressedStream:
 
     @property
     def wants_queries(self) -> bool:
-        """Whether attention should hand this stream its queries (observe): weights not fixed yet."""
-        return self.weigh and (self.query_sums.pending is not None or self.scale is None)
+        """Whether attention should hand this stream its queries (observe): weights not fixed yet, or the values'
+        decay bits not chosen yet."""
+        return (self.weigh and (self.query_sums.pending is not None or self.scale is None)
+                or self.value_sums is not None and self.value_width is None)
 
-    def observe(self, queries: mx.array, scale: float | None = None) -> StreamView:
+    def observe(self, queries: mx.array, scale: float | None = None, keys: StreamView | None = None) -> StreamView:
         """Take the queries (B, n_q_heads, L, D) that attend this stream's last L tokens, adding the squares of
         those at calibration positions (the first `window` after the sinks) to the query sums; then finish a
-        first compression that waited for them. Returns the view to attend (no further observe): graph
-        construction only, no value read back."""
-        if queries.shape[3] == self.dim:
+        first compression that waited for them. A value stream choosing its decay bits (narrow) takes them with
+        the keys' view they read, and chooses once the last of its window's came (one value read back).
+        Returns the view to attend (no further observe); otherwise graph construction only."""
+        if self.value_sums is not None and self.value_width is None and keys is not None:
+            self.value_sums.add(queries, keys, self.view(), queries.shape[3] ** -0.5 if scale is None else scale,
+                                self.n_tokens)
+            if self.value_sums.complete:  # tokens already old enough decay now, as in a stream fed one by one
+                self.set_value_width(self.value_sums.choose(int(self.quantizer.bits)))
+                self._decay_fresh()
+        if self.weigh and queries.shape[3] == self.dim:
             bh = self.batch_heads()
             end = self.max_sinks + self.max_window if self.max_window else self.n_tokens
             self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
         self._settle()
         view = self.view()._replace(observe=None)
-        if self.query_sums.total is not None:
-            # Still calibrating, so every token is float: the float tokens attention reads carry the sum, which
-            # is then computed with the output, on the thread that attends. Left out of the graph it would hold
-            # every step's queries until the first compression, and a save from another thread (tq-chat's
-            # /save) could not evaluate it.
+        sums = [a for a in (self.query_sums.total, self.value_sums and self.value_sums.errors) if a is not None]
+        if sums:
+            # Still calibrating or choosing, so the window holds tokens: the float tokens attention reads carry the
+            # sums, which are then computed with the output, on the thread that attends. Left out of the graph
+            # they would hold every step's queries (and keys) until they are used, and a save from another thread
+            # (tq-chat's /save) could not evaluate them.
             part = "window" if view.window is not None else "sinks"
             if getattr(view, part) is not None:
-                view = view._replace(**{part: mx.depends(getattr(view, part), self.query_sums.total)})
+                view = view._replace(**{part: mx.depends(getattr(view, part), sums)})
         return view
 
     def _settle(self) -> None:
@@ -497,6 +377,21 @@ class CompressedStream:
             dq = d.quantizer
             self.decay = Decay(d.age, make_quantizer(dq.dim, dq.bits + bits - q.bits, False, dq.seed, dq.norm_dtype))
 
+    @property
+    def value_seen(self) -> tuple[int, int]:
+        """The positions [start, end) whose queries the value sums hold while the decay bits are not chosen."""
+        vs = self.value_sums
+        return (0, 0) if vs is None or self.value_width is not None else (vs.start, vs.end)
+
+    def set_value_width(self, bits: int | None) -> None:
+        """Decay old tokens to `bits` (narrow's choice; the stream's own bits: no decay; None: not chosen yet)."""
+        self.value_width, q = bits, self.quantizer
+        narrower = bits is not None and bits < q.bits
+        self.decay = self.base_decay = Decay(self.narrow_age, make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype)
+                                             ) if narrower else None
+        if bits is not None:
+            self.value_sums.reset()  # the choice is made: the sums are dropped
+
     def view(self) -> StreamView:
         s, f, w, d = self.n_sinks, self.n_fresh, self.n_window, self.n_decayed
         decayed = None
@@ -530,6 +425,10 @@ class CompressedStream:
             d = min(getattr(self, part), n)
             setattr(self, part, getattr(self, part) - d)
             n -= d
+        if self.value_sums is not None and (self.n_coded == 0 or self.value_width is None):
+            self.value_sums.forget_after(self.n_tokens)
+            if self.n_coded == 0:
+                self.set_value_width(None)
         if self.n_coded == 0:
             self.mean = self.perm = self.scale = self.weights = None
             self.quantizer, self.decay, self._protected = self.base_quantizer, self.base_decay, False
@@ -541,16 +440,19 @@ class CompressedStream:
 
     def _parts(self) -> StreamState:
         return StreamState(self.codes, self.sinks, self.window, self.mean, self.perm, self.scale, self.decayed,
-                           self.rope, self.weights, self.query_sums.total)
+                           self.rope, self.weights, self.query_sums.total,
+                           None if self.value_sums is None else self.value_sums.errors)
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
         p = self._parts()
         parts = [*(p.codes or ()), *(p.decayed or ()), *(p.rope or ()), p.sinks, p.window, p.mean, p.perm, p.scale,
-                 p.weights, p.queries]
+                 p.weights, p.queries, p.errors]
         quantizers = (self.quantizer,) + ((self.base_quantizer,) if self.quantizer is not self.base_quantizer else ())
         if self.decay is not None:  # a widened stream keeps the configured decay quantizer too
             quantizers += tuple(dict.fromkeys((self.decay.quantizer, self.base_decay.quantizer)))
+        if self.value_sums is not None and self.value_sums.narrower:  # choosing the values' decay bits
+            quantizers += tuple(self.value_sums.narrower.values())
         return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
 
     @property
@@ -564,9 +466,10 @@ class CompressedStream:
         new = copy.copy(self)
         memo[id(self)] = new
         for name in STATE_PARTS:
-            if name != "queries":  # held by query_sums
+            if name not in ("queries", "errors"):  # held by query_sums and value_sums
                 setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         new.query_sums = copy.deepcopy(self.query_sums, memo)
+        new.value_sums = copy.copy(self.value_sums)  # its sums are replaced, never written in place
         return new
 
     # --- state: the arrays under "<name>_codes", "<name>_sinks", ... (tq_mlx.codec; the counts are the cache's)
@@ -577,9 +480,11 @@ class CompressedStream:
         return state_arrays(self.name, self._parts())
 
     def load_state(self, arrays: dict, n_sinks: int, n_fresh: int, n_window: int, bh: BatchHeads | None,
-                   n_decayed: int = 0, n_dropped: int = 0, query_count: int | None = None) -> None:
+                   n_decayed: int = 0, n_dropped: int = 0, query_count: int | None = None,
+                   value_seen: tuple[int, int] = (0, 0)) -> None:
         """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
-        this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens)."""
+        this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens).
+        value_seen: the positions [start, end) whose queries the value sums (narrow, not chosen yet) hold."""
         parts = read_state(arrays, self.name, ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes)
         quantizer = quantizer_as_written(self.quantizer, parts.codes)
         check_state(parts, Counts(n_sinks, n_fresh, n_window, n_decayed), bh, name=self.name, quantizer=quantizer,
@@ -590,10 +495,18 @@ class CompressedStream:
         self.quantizer = quantizer
         # every part is the file's; its RoPE is what its codes were centered with, whatever the model at hand says
         for name, a in zip(STATE_PARTS, parts):
-            if name != "queries":
+            if name not in ("queries", "errors"):
                 setattr(self, name, a)
         self.n_sinks, self.n_fresh, self.n_window, self.n_decayed = n_sinks, n_fresh, n_window, n_decayed
         self.n_dropped = n_dropped
+        if parts.errors is not None:
+            vs = self.value_sums
+            if vs is None or self.value_width is not None or parts.errors.shape[2:] != (len(vs.widths) + 1,
+                                                                                         vs.last - vs.first):
+                raise ValueError(f"{self.name}_errors: value sums, but this stream does not choose its decay bits or "
+                                 f"holds {() if vs is None else (len(vs.widths) + 1, vs.last - vs.first)} sums per kv "
+                                 f"head, got {parts.errors.shape[2:]}")
+            vs.load(parts.errors, *value_seen)
         # queries summed before the file was written are those of every token it holds (attention saw them all)
         self.query_sums.load(parts.queries, self.n_tokens, query_count)
         if not self.weigh:

@@ -21,22 +21,26 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from tests.support.tiny_models import tiny_hybrid, tiny_llama, tiny_qwen3
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes
+from tq_mlx.attention import observed
+from tq_mlx.memory import chosen_key_widths, chosen_value_widths, estimate_kv_bytes
 
 
 def fed(cache, keys: mx.array, values: mx.array) -> None:
-    """update_and_fetch as a model's layer calls it: its attention then takes the key view, so a key stream that
-    weighs its keys sums the queries and fixes its weights (CompressedStream.observe), as it does in a model."""
-    kh, _ = cache.update_and_fetch(keys, values)
-    if getattr(kh, "observe", None) is not None:
+    """update_and_fetch as a model's layer calls it: its attention then hands the views the queries they want, so
+    a key stream that weighs its keys sums them and fixes its weights, and a value stream choosing its decay bits
+    measures them (tq_mlx.attention.observed), as they do in a model."""
+    kh, vh = cache.update_and_fetch(keys, values)
+    if any(getattr(x, "observe", None) is not None for x in (kh, vh)):
         B, H, L, _ = keys.shape
-        kh.observe(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)))
+        observed(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)), kh, vh, kh.head_dim**-0.5)
 
 
 def held_estimate(model_config: dict, n: int, cfg, caches, **kw) -> int:
-    """estimate_kv_bytes with the key widths `caches` chose by their error (key_error): what they hold, exactly.
-    Without a cache the estimate prices the most each layer may take (test_estimate_bounds_widened_keys)."""
-    return estimate_kv_bytes(model_config, n, cfg, key_widths=chosen_key_widths(caches), **kw)
+    """estimate_kv_bytes with the key widths and value decay bits `caches` chose by their error (key_error,
+    value_error): what they hold, exactly. Without a cache the estimate prices the most each layer may take
+    (test_estimate_bounds_widened_keys)."""
+    return estimate_kv_bytes(model_config, n, cfg, key_widths=chosen_key_widths(caches),
+                             value_widths=chosen_value_widths(caches), **kw)
 
 
 def config_dict(args) -> dict:
@@ -68,6 +72,8 @@ CONFIGS = {
     "8-bit norms": TurboQuantConfig(key_bits=3, value_bits=3.5, norm_bits=8, window=32, step=64),
     "keys centered before RoPE": TurboQuantConfig(center_keys="rope", window=32, compress_block=16, step=64,
                                                   decay_after=64),
+    "values by their error": TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08,
+                                              boundary_layers=1),
 }
 
 

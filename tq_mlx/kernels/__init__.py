@@ -14,8 +14,8 @@ kernel factory in dispatch); this package only re-exports.
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import dequantize, dequantize_reference, encode, encode_reference, rotate, rotate_reference
 from .dispatch import (BACKENDS, ENV_VAR, AttentionVariant, dispatch_attention, dispatch_dequantize, dispatch_encode,
-                       dispatch_rotate, get_backend, kernels_enabled, metal_available, set_backend,
-                       set_kernel_factory)
+                       dispatch_rotate, float_tokens, get_backend, kernels_enabled, metal_available,
+                       set_backend, set_kernel_factory)
 from .launch import (KERNEL_BITS, KERNEL_NAMES, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SOURCES, SPARSE_V_EPSILON,
                      SUPPORTED_DIMS, THREADGROUP_MEMORY)
 from .launch import _span_codes  # noqa: F401  (tests and benchmarks read these private helpers here)
@@ -29,7 +29,7 @@ __all__ = [
     "SELF_CHECK_POSITION", "SOURCES", "SPARSE_V_EPSILON", "SUPPORTED_DIMS", "THREADGROUP_MEMORY",
     "decode_attention", "decode_attention_reference", "decode_unsupported", "dequantize", "dequantize_reference",
     "dequantize_unsupported", "dispatch_attention", "dispatch_dequantize", "dispatch_encode", "dispatch_rotate",
-    "encode", "encode_reference", "encode_unsupported", "get_backend", "kernels_enabled", "metal_available",
+    "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available",
     "prefill_attention", "prefill_attention_reference", "prefill_unsupported", "reset_self_checks", "rotate",
     "rotate_reference", "rotation_unsupported", "self_check_status", "set_backend", "set_kernel_factory",
 ]

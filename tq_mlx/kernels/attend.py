@@ -42,7 +42,7 @@ import mlx.core as mx
 from ..attention import keys_are_values, split_query, turboquant_attention, unrotate
 from ..quantizer import TurboQuantProd
 from ..rope import bias_terms
-from ..stream import StreamView
+from ..view import StreamView
 from .codes import rotate
 from .launch import (SPARSE_V_EPSILON, THREADGROUP_MEMORY, _NO_LIMIT, _Codes, _decayed, _default_factory, _dummy,
                      _float_dtype, _floats, _ints, _kernel, _kv_codes, _mask_inputs, _mse, _mx, _partial_layout,

@@ -31,7 +31,7 @@ from ..packing import packed_words
 from ..quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..rotation import Rotation
 from ..codec import code_order
-from ..stream import StreamView, decode, encode as stream_encode
+from ..view import StreamView, decode, encode as stream_encode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
 from .support import _require, dequantize_unsupported, encode_unsupported, rotation_unsupported
 
@@ -58,7 +58,7 @@ def rotate_reference(x: mx.array, rotation: Rotation, inverse: bool = False, **_
 
 # ------------------------------------------------------------------------------------------- encode
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, *, metal_kernel=None):
-    """Codes of the tokens (x (B, H, n, D) - mean (B, H, D)) / scale (B, H), as stream.encode: MSECodes, or
+    """Codes of the tokens (x (B, H, n, D) - mean (B, H, D)) / scale (B, H), as view.encode: MSECodes, or
     ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token."""
     _require(encode_unsupported(x, quantizer, mean, perm, scale), "encode")
     if scale is not None:  # a power of two: x/s - μ/s is exactly (x - μ)/s

@@ -18,10 +18,10 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..attention import keys_are_values, turboquant_attention
+from ..attention import keys_are_values, observed, turboquant_attention
 from ..quantizer import TurboQuantProd
 from ..rotation import Rotation
-from ..stream import StreamView
+from ..view import StreamView
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import dequantize, dequantize_reference, encode, encode_reference, rotate, rotate_reference
 from .launch import (MAX_QUERY_TOKENS, _Codes, _decayed, _default_factory, _float_dtype, _kv_codes, _mask_kind,
@@ -172,8 +172,8 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None, "causal"
     or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
     everything else."""
-    if isinstance(keys, StreamView) and keys.observe is not None:  # its stream sums these queries first
-        keys = keys.observe(queries, scale)
+    if isinstance(keys, StreamView):  # their streams take these queries first (weights, value decay bits)
+        keys, values = observed(queries, keys, values, scale)
     factory = metal_kernel or _factory or _default_factory()
     kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
@@ -226,3 +226,15 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
         if _self_check("decode_attention", variant, factory, run):
             return decode_attention(queries, keys, values, scale, mask, sinks, metal_kernel=factory)
     return turboquant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def float_tokens(view: StreamView, dtype: mx.Dtype, after: mx.array | None = None) -> mx.array:
+    """Every token of a view as one float tensor (B, H, n_tokens, D) `dtype` in the model basis: the sinks, the
+    compressed tokens decoded (the dequantize kernel on Metal), the window. `after`: decode only once it exists."""
+    parts = [view.sinks]
+    for _, seg in view.segments():  # decayed codes, then fresh ones
+        codes = seg.codes if after is None else type(seg.codes)(*mx.depends(list(seg.codes), [after]))
+        parts.append(dispatch_dequantize(seg._replace(codes=codes), dtype))
+    parts.append(view.window)
+    parts = [p.astype(dtype) for p in parts if p is not None]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

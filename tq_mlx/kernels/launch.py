@@ -21,7 +21,7 @@ from ..attention import aligned_segments
 from ..quantizer import TurboQuantMSE, TurboQuantProd
 from ..rope import n_pairs
 from ..rotation import Rotation
-from ..stream import StreamView
+from ..view import StreamView
 
 SUPPORTED_DIMS = (32, 64, 128, 256, 512)  # the WHT kernels (rotate, encode, dequantize, in-kernel value rotation)
 MIN_DIM, MAX_DIM = 16, 512  # attention and encode_dense: any head dim in this range

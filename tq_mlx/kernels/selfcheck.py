@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..attention import keys_are_values
 from ..packing import unpack
 from ..quantizer import FLOAT_DTYPES, TurboQuantProd, load_norms
-from ..stream import StreamView
+from ..view import StreamView
 from . import launch
 from .codes import encode_reference
 from .launch import KERNEL_NAMES, _decayed, _float_dtype, _mse

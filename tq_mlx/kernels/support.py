@@ -20,7 +20,7 @@ import mlx.core as mx
 from ..attention import keys_are_values
 from ..quantizer import FLOAT_DTYPES, TurboQuantMSE, TurboQuantProd
 from ..rotation import Rotation
-from ..stream import StreamView
+from ..view import StreamView
 from .launch import (KERNEL_BITS, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SUPPORTED_DIMS, _mse, _mx_dtype, _rope_pairs,
                      _rotation_unsupported, _rows_per_threadgroup, _span_codes, _wht)
 

@@ -1,0 +1,308 @@
+"""Values by their error (TurboQuantConfig.value_error, tq_mlx.values): each layer's value stream measures on its
+first window how much its attention outputs would move with old values re-coded at fewer bits, and decays them
+to the fewest bits that keep that error under the target; the config, the choice, its independence from how the
+prompt is fed, state, trim, bytes and host synchronization."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.support.host_sync import forbid_host_sync
+from tests.support.memory import config_dict, fill, held_estimate
+from tests.support.tiny_models import tiny_llama
+from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache, turboquant_attention
+from tq_mlx.config import derive_config, value_widths
+from tq_mlx.layout import stream_bytes, value_error_span
+from tq_mlx.memory import chosen_value_widths, estimate_kv_bytes
+from tq_mlx.values import ValueSums
+
+D = 64
+BASE = dict(window=96, compress_block=32, sinks=4, decay_after=160)
+N = 600
+
+
+def data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    mu = rng.normal(size=(1, 2, 1, D))
+    k = mx.array(rng.normal(size=(1, 2, n, D)) + mu, dtype=mx.float32)
+    v = mx.array(rng.normal(size=(1, 2, n, D)) - mu, dtype=mx.float32)
+    q = mx.array(rng.normal(size=(1, 4, n, D)) * 3, dtype=mx.float32)
+    return k, v, q
+
+
+def cache(**kw):
+    return TurboQuantKVCache(TurboQuantConfig(**{**BASE, "value_error": 0.1, **kw}), layer_index=2, head_dim=D)
+
+
+def run(c, lengths, n=N, seed=0):
+    """Feed c as a model's layer does, chunk by chunk, each chunk's attention after its update; the last output."""
+    k, v, q = data(n, seed)
+    t, out = 0, None
+    for L in lengths:
+        kv = c.update_and_fetch(k[:, :, t : t + L], v[:, :, t : t + L])
+        out = turboquant_attention(q[:, :, t : t + L], *kv, D**-0.5, "causal" if L > 1 else None)
+        mx.eval(out)
+        t += L
+    assert t == n
+    return out
+
+
+def worst_errors(monkeypatch):
+    """Record the worst error per width that each choice reads back."""
+    seen = []
+    choose = ValueSums.choose
+
+    def spy(self, bits):
+        e = mx.sum(self.errors, axis=-1)
+        seen.append(mx.max(mx.sqrt(e[..., :-1] / e[..., -1:]), axis=(0, 1)).tolist())
+        return choose(self, bits)
+
+    monkeypatch.setattr(ValueSums, "choose", spy)
+    return seen
+
+
+# --- config ---------------------------------------------------------------------------------------------------
+
+
+def test_config_takes_value_error_and_says_what_is_allowed():
+    c = TurboQuantConfig(value_error=0.05)
+    assert (c.value_error, c.decay_value_bits, c.decay_after) == (0.05, None, 6144)
+    assert value_widths(4) == (2, 3) and value_widths(3) == (2,) and value_widths(2.5) == value_widths(8) == ()
+    # values alone decay: decay_after resolves though K3 keys (at the floor) do not decay
+    assert TurboQuantConfig(key_bits=3, value_error=0.1).decay_after == 6144
+    assert TurboQuantConfig.from_dict(c.to_dict()) == c
+    for bad, match in (({"value_error": 0}, "number > 0"), ({"value_error": "x"}, "number > 0"),
+                       ({"value_bits": 2, "value_error": 0.1}, "integer value_bits of 3 to 7"),
+                       ({"value_bits": 3.5, "value_error": 0.1}, "integer value_bits"),
+                       ({"value_error": 0.1, "decay_value_bits": 2}, "no decay_value_bits"),
+                       ({"value_error": 0.1, "decay_after": None}, "needs decay_after"),
+                       ({"value_error": 0.1, "window": 2, "compress_block": 1}, "window of 3 or more")):
+        with pytest.raises(ValueError, match=match):
+            TurboQuantConfig(**bad)
+    # bits that cannot choose drop it when derived, as --tq-bits does; named fields keep it (and are checked)
+    assert derive_config(c, bits=2.5).value_error is None
+    assert derive_config(c, bits=3).value_error == 0.05
+    with pytest.raises(ValueError, match="integer value_bits"):
+        derive_config(c, bits=2.5, value_error=0.05)
+
+
+def test_boundary_layers_and_float_fetches_do_not_choose():
+    cfg = TurboQuantConfig(**BASE, value_error=0.1, boundary_layers=1)
+    assert not TurboQuantKVCache(cfg, 0, 0, 3, head_dim=D).value_stream.value_sums
+    assert TurboQuantKVCache(cfg, 1, 1, 3, head_dim=D).value_stream.value_sums is not None
+    assert TurboQuantKVCache(cfg, 1, 1, 3, head_dim=D, fetch="float").value_stream.value_sums is None
+
+
+# --- the choice -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, width", [(0.01, 4), (0.12, 3), (0.5, 2)])
+def test_the_target_sets_the_width_and_old_values_decay_to_it(target, width):
+    c = cache(value_error=target)
+    run(c, (300, 300))
+    assert c.value_width == width
+    assert c.decay_bits[1] == (width if width < 4 else None)
+    assert c.n_decayed[1] == (c.n_decayed[0] if width < 4 else 0) and c.n_decayed[0] > 0
+    if width < 4:
+        assert c.value_stream.decay.quantizer.bits == width
+
+
+@pytest.mark.parametrize("lengths", [(N,), (50,) * 12, (100, 1, 499), (1,) * 130 + (470,)])
+def test_the_choice_hardly_depends_on_how_the_prompt_is_fed(monkeypatch, lengths):
+    seen = worst_errors(monkeypatch)
+    c = cache()
+    run(c, lengths)
+    ref = cache()
+    run(ref, (300, 300))
+    assert len(seen) == 2 and c.value_width == ref.value_width == 3
+    # the queries read keys and values as codes or floats, as the cache holds them when they come
+    np.testing.assert_allclose(seen[0], seen[1], rtol=0.05)
+    # tokens past the decay age are decayed whatever the feeding: one prefill decays them with its choice
+    assert c.n_decayed == ref.n_decayed
+
+
+def test_the_error_is_the_output_error_of_re_coded_old_values():
+    """The sums against a direct computation: float attention of the span's queries, old values as coded at V4
+    re-coded at V2 and V3."""
+    c = cache(value_error=1e-9)
+    k, v, q = data()
+    first, last = value_error_span(4, 96)
+    sums = []
+    orig = ValueSums.choose
+    ValueSums.choose = lambda self, bits: (sums.append(mx.sum(self.errors, axis=-1)), orig(self, bits))[1]
+    try:
+        run(c, (N,))
+    finally:
+        ValueSums.choose = orig
+    vs = c.value_stream
+    keys_view, values_view = c.keys_and_values()
+    from tq_mlx.values import first_tokens
+
+    kf, vf = first_tokens(keys_view, last), first_tokens(values_view, last)
+    qs = q[:, :, first:last].reshape(1, 2, 2 * (last - first), D) * D**-0.5
+    pos = mx.tile(mx.arange(first, last), 2)[:, None]
+    p = mx.softmax(mx.where(mx.arange(last)[None] <= pos, qs @ kf.swapaxes(-1, -2), -mx.inf), axis=-1)
+    o = p @ vf
+    a, b = 4, 4 + 96 - 64
+    old = vf[:, :, a:b]
+    sc = vs.scale[:, :, None, None]
+    for i, bits in enumerate((2, 3)):
+        from tq_mlx.codec import make_quantizer
+
+        qb = make_quantizer(D, bits, False, vs.quantizer.seed, vs.quantizer.norm_dtype)
+        e = p[..., a:b] @ (qb.dequantize(qb.quantize(old / sc)) * sc - old)
+        np.testing.assert_allclose(np.array(sums[0][..., i]), np.array(mx.sum(e * e, axis=(2, 3))), rtol=1e-3)
+    np.testing.assert_allclose(np.array(sums[0][..., 2]), np.array(mx.sum(o * o, axis=(2, 3))), rtol=1e-4)
+
+
+def test_a_cache_filled_without_attention_keeps_its_value_bits():
+    c = cache()
+    k, v, _ = data()
+    c.update_and_fetch(k, v)
+    assert c.value_width is None and c.decay_bits[1] is None and c.n_decayed[1] == 0
+    assert c.value_stream.value_sums.errors is None
+
+
+def test_choosing_reads_back_once_and_decode_never(monkeypatch):
+    c = cache(protect_factor=None, key_error=None)  # their readbacks at the first compression: tested on their own
+    k, v, q = data()
+    first, last = value_error_span(4, 96)
+    reads = []
+    choose = ValueSums.choose
+    monkeypatch.setattr(ValueSums, "choose", lambda self, bits: (reads.append(1), choose(self, bits))[1])
+    run_to = first + 5
+    kv = c.update_and_fetch(k[:, :, :run_to], v[:, :, :run_to])
+    mx.eval(turboquant_attention(q[:, :, :run_to], *kv, D**-0.5, "causal"))
+    with forbid_host_sync(monkeypatch):  # the span's queries: graph only, until the last one
+        for t in range(run_to, last - 1):
+            kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            out = turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5)
+    mx.eval(out)
+    for t in range(last - 1, last):
+        kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        mx.eval(turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5))
+    assert reads == [1] and c.value_width is not None
+    with forbid_host_sync(monkeypatch):
+        for t in range(last, 300):
+            kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            out = turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5)
+    mx.eval(out)
+    assert c.n_decayed[1] > 0
+
+
+# --- state, copies, trim --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", [90, 400])  # inside the span [68, 100) (sums saved), after the choice
+def test_state_round_trip_then_both_continue_alike(stop):
+    a = cache()
+    run(a, (stop,), stop)
+    meta, arrays = a.state
+    assert meta["version"] >= 10 and meta["value_width"] == a.value_width
+    assert (arrays["v_errors"] is not None) == (stop < 100)
+    b = TurboQuantKVCache.from_state((meta, arrays))
+    assert (b.value_width, b.nbytes, b.n_decayed) == (a.value_width, a.nbytes, a.n_decayed)
+    k, v, q = data()
+    for t in range(stop, N, 50):
+        outs = []
+        for c in (a, b):
+            kv = c.update_and_fetch(k[:, :, t : t + 50], v[:, :, t : t + 50])
+            outs.append(turboquant_attention(q[:, :, t : t + 50], *kv, D**-0.5, "causal"))
+        np.testing.assert_array_equal(np.array(outs[0]), np.array(outs[1]))
+    assert a.value_width == b.value_width is not None and a.n_decayed == b.n_decayed
+
+
+def test_state_errors_name_what_is_wrong():
+    a = cache()
+    run(a, (400,), 400)
+    meta, arrays = a.state
+    with pytest.raises(ValueError, match="values decaying to 7 bits"):
+        TurboQuantKVCache.from_state(({**meta, "value_width": 7}, arrays))
+    with pytest.raises(ValueError, match="value_seen"):
+        TurboQuantKVCache.from_state(({**meta, "value_seen": 3}, arrays))
+    b = cache()
+    run(b, (90,), 90)
+    meta, arrays = b.state
+    with pytest.raises(ValueError, match="v_errors"):
+        TurboQuantKVCache.from_state((meta, {**arrays, "v_errors": arrays["v_errors"][..., :2, :]}))
+    with pytest.raises(ValueError, match="values decaying to 3 bits"):
+        TurboQuantKVCache.from_state(({**meta, "value_width": 3}, arrays))
+
+
+def test_copies_choose_on_their_own():
+    a = cache()
+    run(a, (90,), 90)
+    b = copy.deepcopy(a)
+    k, v, q = data()
+    kv = a.update_and_fetch(k[:, :, 90:200], v[:, :, 90:200])
+    mx.eval(turboquant_attention(q[:, :, 90:200], *kv, D**-0.5, "causal"))
+    assert a.value_width is not None and b.value_width is None and b.value_stream.value_sums.errors is not None
+
+
+def test_trim_before_the_choice_forgets_the_sums_and_below_the_codes_forgets_the_choice():
+    a = cache()
+    run(a, (80, 10), 90)  # the span is [68, 100)
+    a.trim(10)  # back below the queries summed: they go
+    assert a.value_stream.value_seen == (68, 80)  # the sums of the queries at 80 .. 89 went
+    k, v, q = data()
+    kv = a.update_and_fetch(k[:, :, 80:200], v[:, :, 80:200])
+    mx.eval(turboquant_attention(q[:, :, 80:200], *kv, D**-0.5, "causal"))
+    ref = cache()
+    run(ref, (200,), 200)
+    assert a.value_width == ref.value_width is not None
+    a.trim(a.offset - 4)  # no compressed token left (the sinks only): the stream chooses again
+    assert a.n_coded == 0 and a.value_width is None and a.decay_bits[1] is None
+
+
+# --- bytes ------------------------------------------------------------------------------------------------------
+
+
+def test_bytes_follow_the_choice_at_every_stage():
+    cfg = TurboQuantConfig(**BASE, value_error=0.12)
+    first, last = value_error_span(4, 96)
+    for n in (50, first + 10, last, 300, N):
+        c = TurboQuantKVCache(cfg, layer_index=2, head_dim=D)
+        run(c, (n,), n)
+        width = c.value_width if c.value_width is not None else 4
+        assert (c.value_width is None) == (n < last)
+        v = c.value_stream
+        expected = stream_bytes(cfg, n, D, 4, center=False, batch=1, heads=2, narrow=width, float_bytes=4)
+        assert v.nbytes == expected, n
+
+
+def test_a_model_prices_the_widths_it_chose():
+    model, args = tiny_llama(layers=3)
+    cfg = TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    for n, one_shot in ((200, True), (120, False)):
+        cache = make_prompt_cache(model, cfg)
+        fill(model, cache, n, one_shot)
+        widths = chosen_value_widths(cache)
+        assert all(w in (2, 3, 4) for w in widths), widths
+        real = sum(c.nbytes for c in cache)
+        assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real
+        # without the widths the plan prices every layer keeping its bits: the most
+        assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") >= real
+
+
+def test_the_summary_names_each_layers_choice():
+    from tq_mlx.display import bits_summary
+
+    model, _ = tiny_llama(layers=3)
+    cfg = TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    cache = make_prompt_cache(model, cfg)
+    fill(model, cache, 200)
+    text = bits_summary(cache)
+    for c in cache:
+        w = c.value_width
+        assert f"/V4{'' if w == 4 else f'→{w}'} after 96" in text, (w, text)
+    # a cache filled without attention keeps its values' bits, and says why
+    bare = make_prompt_cache(model, cfg)
+    k, v, _ = data(200)
+    for c in bare:
+        c.update_and_fetch(k, v)
+    assert "(values kept: no queries seen)" in bits_summary(bare)
+
