@@ -306,3 +306,12 @@ def test_the_summary_names_each_layers_choice():
         c.update_and_fetch(k, v)
     assert "(values kept: no queries seen)" in bits_summary(bare)
 
+
+def test_a_converted_float_cache_does_not_choose_its_values():
+    from tq_mlx.convert import converted_config
+
+    for cfg in (TurboQuantConfig(value_error=0.05), TurboQuantConfig(key_bits=3, value_error=0.05)):
+        c = converted_config(cfg)  # a float prompt cache holds no queries: its values follow decay_value_bits
+        assert c.value_error is None and c.decay_value_bits is None
+        assert c.decay_after == (None if cfg.key_bits == 3 else 6144)
+

@@ -13,10 +13,15 @@ from .integration import make_prompt_cache
 
 
 def converted_config(config: TurboQuantConfig) -> TurboQuantConfig:
-    """The config a converted cache has: `config` with keys not weighed and at their configured bits, since a float
-    cache holds no queries to weigh them by or to measure their error on (key_error), so the cache, its
-    description and the planner agree on what it holds."""
-    return dataclasses.replace(config, weigh_keys=False, key_error=None)
+    """The config a converted cache has: `config` with keys not weighed and at their configured bits, and values
+    following decay_value_bits, since a float cache holds no queries to weigh the keys by or to measure either
+    side's error on (key_error, value_error), so the cache, its description and the planner agree on what it
+    holds."""
+    config = dataclasses.replace(config, weigh_keys=False, key_error=None)
+    if config.value_error is None:
+        return config
+    decays = config.decay_key_bits is not None or config.decay_value_bits is not None  # without the values'
+    return dataclasses.replace(config, value_error=None, decay_after=config.decay_after if decays else None)
 
 
 def compress_float_cache(model, cache: list, config: TurboQuantConfig, file_name: str,
