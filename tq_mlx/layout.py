@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .config import value_widths
 from .packing import packed_words
 from .quantizer import split_dims
 from .rotation import hadamard_base
@@ -255,7 +256,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         first, last = value_error_span(config.sinks, config.window)
         decay_bits = narrow if tokens >= last and narrow < bits else None
         if first < tokens < last:
-            widths = range(2, int(bits))
+            widths = value_widths(bits)
             extra = sum(constant_bytes(dim, b) for b in widths) + batch * heads * FLOAT32 * (len(widths) + 1) * (
                 last - first)
     total = constant_bytes(dim, bits, qjl) + (constant_bytes(dim, decay_bits) if decay_bits is not None else 0)

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from .calibration import calibration_scale
 from .codec import make_quantizer
+from .config import value_widths
 from .layout import value_error_span
 from .view import StreamView, decode
 
@@ -59,7 +60,7 @@ class ValueSums:
         self.first, self.last = value_error_span(sinks, window)  # the queries' positions
         self.old = (sinks, sinks + window - 2 * (window // 3))  # the tokens they read far back
         self.quantizer, self.target = quantizer, target
-        self.widths = tuple(range(2, int(quantizer.bits)))  # the bits the values may decay to
+        self.widths = value_widths(quantizer.bits)  # the bits the values may decay to
         self.reset()
 
     def reset(self) -> None:
