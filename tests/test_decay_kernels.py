@@ -14,6 +14,8 @@ decayed views take the same two passes (prefill_attention.metal holds one codebo
   every float dtype; all three lane schedules;
 * 5- and 6-bit fresh codes decaying to 5, 4 and 3 bits (K6 -> K5, as keys widened by key_error decay), so one
   stream holds two code segments of different bit-plane layouts; decode and prefill, keys and values;
+* values decayed to the width their error chose (value_error: V4 -> V3 or V2 on the cache's own first window),
+  decode and prefill through dispatch_attention;
 * byte counts: pass 1 reads each decayed and fresh code byte once per kv head and step (decayed tokens fewer
   bytes each; at 5 and 6 bits exactly bits·d/8 code bytes per token), and writes nothing near a float copy;
 * dispatch_attention: the decayed variants pass their self-checks (random views with the same spans) and take
@@ -344,3 +346,42 @@ def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
     assert K.decode_unsupported(mx.zeros((1, 8, 1, 128), mx.float16), keys, values) is None
     assert K.prefill_unsupported(mx.zeros((1, 8, 512, 128), mx.float16), keys, values, "causal") is None
     assert K.dequantize_unsupported(keys) is None and K.dequantize_unsupported(values) is None
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("target, width", [(0.12, 3), (0.5, 2)])
+def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator, target, width):
+    # value_error: a layer's values decay to the width chosen on its first window (tq_mlx.values), so one value
+    # stream holds V4 codes after V3 or V2 ones; decode and prefill take the kernels on it and agree with the
+    # reference, and the chosen width's encode (decay re-codes on the
+    # kernels) and dequantize pass their self-checks.
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=(1, 2, 1, 64))
+    n = 340
+    k = mx.array(rng.normal(size=(1, 2, n, 64)) + mu, dtype=mx.float32)
+    v = mx.array(rng.normal(size=(1, 2, n, 64)) - mu, dtype=mx.float32)
+    q = mx.array(rng.normal(size=(1, 4, n, 64)) * 3, dtype=mx.float32)
+    cfg = TurboQuantConfig(window=96, compress_block=32, sinks=4, decay_after=160, value_error=target)
+    cache = TurboQuantKVCache(cfg, layer_index=2, head_dim=64)
+    kv = cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    mx.eval(K.dispatch_attention(q[:, :, :300], *kv, 0.125, "causal"))  # the reference path: the choice
+    assert cache.value_width == width and cache.n_decayed[1] > 0
+    K.set_backend("metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    t = 300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every self-check passes
+        for L in (1, 24, 1):
+            keys, values = cache.update_and_fetch(k[:, :, t : t + L], v[:, :, t : t + L])
+            assert values.decayed.quantizer.bits == width and values.quantizer.bits == 4
+            mask = "causal" if L > 1 else None
+            qs = q[:, :, t : t + L]
+            got = K.dispatch_attention(qs, keys, values, 0.125, mask)
+            assert_close(got, K.decode_attention_reference(qs, keys, values, 0.125, mask), mx.float32)
+            t += L
+        assert_close(K.dispatch_dequantize(values, mx.float32), stream_decode(values, mx.float32), mx.float32)
+    status = K.self_check_status()
+    assert {k for k, _ in status} == {"encode", "decode_attention", "prefill_attention", "dequantize"}
+    assert all(why is None for why in status.values())
+    assert f.stats("tq_decode_partial") and f.stats("tq_dequantize")
