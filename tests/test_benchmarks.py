@@ -419,6 +419,23 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
     assert residual["rope"] < 1.1 * noise < residual["block"] < residual["global"], residual
 
 
+def test_score_bias_shifts_only_the_coded_tokens_and_moves_their_mass_with_the_sign() -> None:
+    # score_bias.py: a > 0 adds a·σ² to the coded tokens' scores (more mass on them), a < 0 takes it away; the
+    # float sinks and window are never shifted, and 8-bit codes with no shift give nearly float attention.
+    sys.path.insert(0, str(BENCH))
+    import score_bias as sb
+
+    rng = np.random.default_rng(2)
+    n = 1100  # sinks 4 + coded 328 + window 768, the last 256 queries
+    q, k, v = (mx.array(rng.standard_normal((1, h, n, 64)).astype(np.float32)) for h in (4, 2, 2))
+    r = sb.layer_row(q * 3, k, v, 0.125, 1e4, [3, 8], [0.5, 0.0, -0.5])
+    for b in (3, 8):
+        assert r[f"mass_{b}_0.5"] > r[f"mass_{b}_0"] > r[f"mass_{b}_-0.5"], r
+        assert r[f"kl_{b}_0"] >= 0 and r[f"sigma_{b}"] > 0
+    assert r["sigma_3"] > 4 * r["sigma_8"]
+    assert r["err_8_0"] < 0.01 < r["err_3_0"] and abs(r["mass_8_0"] - r["mass_float"]) < 1e-3, r
+
+
 def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diagonal() -> None:
     # key_error.py's "matrix" mode is the full-matrix form of the cache's weights: on diagonal second moments it
     # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.calibration.query_weights does before its clip.
