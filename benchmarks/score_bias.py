@@ -52,7 +52,7 @@ def layer_row(q: mx.array, k: mx.array, v: mx.array, scale: float, base: float, 
     p = mx.softmax(mx.where(causal, qs @ k.swapaxes(-1, -2), -1e30), axis=-1)
     o = p @ v
     row = {"mass_float": float(mx.mean(mx.sum(p[..., coded], axis=-1)))}
-    width = (d.sinks, d.window)
+    float_parts = (d.sinks, d.window)  # the sinks and the window, before and after the coded tokens
     for b in bits:
         quant = TurboQuantMSE(D, b, seed=1)
         mid = k[:, :, coded]
@@ -60,7 +60,7 @@ def layer_row(q: mx.array, k: mx.array, v: mx.array, scale: float, base: float, 
         s_hat = mx.where(causal, qs @ k_hat.swapaxes(-1, -2), -1e30)
         var = (mx.sum(qs * qs, axis=-1, keepdims=True) * mx.sum(mid * mid, axis=-1)[:, :, None, :]
                * lloyd_max(D, b).mse / D)
-        var = mx.pad(var, [(0, 0), (0, 0), (0, 0), width])  # the float sinks and window: no shift
+        var = mx.pad(var, [(0, 0), (0, 0), (0, 0), float_parts])  # the float sinks and window: no shift
         row[f"sigma_{b}"] = float(mx.mean(mx.sqrt(var[..., coded])))
         for a in shifts:
             ph = mx.softmax(s_hat + a * var, axis=-1)

@@ -36,6 +36,7 @@ import mlx.core as mx
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
 )
+from tests.test_values import cache as value_cache, data as value_data
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import aligned_segments, keys_are_values
@@ -355,14 +356,8 @@ def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator
     # stream holds V4 codes after V3 or V2 ones; decode and prefill take the kernels on it and agree with the
     # reference, and the chosen width's encode (decay re-codes on the
     # kernels) and dequantize pass their self-checks.
-    rng = np.random.default_rng(0)
-    mu = rng.normal(size=(1, 2, 1, 64))
-    n = 340
-    k = mx.array(rng.normal(size=(1, 2, n, 64)) + mu, dtype=mx.float32)
-    v = mx.array(rng.normal(size=(1, 2, n, 64)) - mu, dtype=mx.float32)
-    q = mx.array(rng.normal(size=(1, 4, n, 64)) * 3, dtype=mx.float32)
-    cfg = TurboQuantConfig(window=96, compress_block=32, sinks=4, decay_after=160, value_error=target)
-    cache = TurboQuantKVCache(cfg, layer_index=2, head_dim=64)
+    k, v, q = value_data(340)
+    cache = value_cache(value_error=target)  # test_values' layer: head_dim 64, window 96, decay after 160
     kv = cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
     mx.eval(K.dispatch_attention(q[:, :, :300], *kv, 0.125, "causal"))  # the reference path: the choice
     assert cache.value_width == width and cache.n_decayed[1] > 0
