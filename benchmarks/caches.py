@@ -7,7 +7,10 @@ quality.py, long_context.py, speed.py and experiments_lowbit.py build their cach
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache  # noqa: E402
 
 import tq_mlx  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
@@ -201,3 +204,52 @@ def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ct
 
 
 # --- perplexity ----------------------------------------------------------------------------------------------
+
+
+# --- passes that outlive a session ------------------------------------------------------------------------------
+
+CHECKPOINT_SECONDS = 600
+
+
+def digest(x) -> str:
+    """A stable name for what a file on disk was computed from (tokens, a setting's fields)."""
+    return hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()
+
+
+class Checkpoint:
+    """A long pass's cache on disk: saved with the pass's offset and figures so far at most every
+    CHECKPOINT_SECONDS, so that the same command resumes the pass after a stop (a 32k pass on Qwen2.5-Coder-1.5B
+    outlives a working session here), and removed when the pass is done. Name it by what the pass reads (tokens,
+    setting), not by the library's code: after changing what a config does, delete the *.partial.safetensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.started = self.saved_at = time.perf_counter()
+        self.seconds_before = 0.0  # what the pass ran before its last stop
+
+    def seconds(self) -> float:
+        """The pass's time so far, over every session it ran in."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def resume(self, cache: list) -> tuple[int, dict]:
+        """(offset, figures so far) of the saved pass, its cache put in `cache`; (0, {}) when none is saved."""
+        if not self.path.exists():
+            return 0, {}
+        saved, meta = tq_mlx.load_prompt_cache(str(self.path), return_metadata=True)
+        cache[:] = saved
+        self.seconds_before = float(meta.get("seconds", 0.0))
+        print(f"    resumed at {meta['offset']} tokens from {self.path}", flush=True)
+        return int(meta["offset"]), json.loads(meta.get("out", "{}"))
+
+    def save(self, cache: list, offset: int, out: dict | None = None) -> None:
+        if time.perf_counter() - self.saved_at <= CHECKPOINT_SECONDS:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name.replace(".partial.", ".partial-tmp."))
+        save_prompt_cache(str(tmp), cache, metadata={"offset": str(offset), "out": json.dumps(out or {}),
+                                                  "seconds": str(self.seconds())})
+        tmp.rename(self.path)  # whole or absent: a session that stops mid-write leaves the previous checkpoint
+        self.saved_at = time.perf_counter()
+
+    def done(self) -> None:
+        self.path.unlink(missing_ok=True)

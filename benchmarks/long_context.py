@@ -22,7 +22,8 @@ g64 (no window), "rotation + affine" (RotatedAffineCache below: a seeded random 
 of keys and values, then mlx-lm affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128
 tokens), and mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run).
 Needles (on --needle-models, SmolLM2 unless told): the default and float at --needles haystack lengths,
---needle-depths 0.1/0.5/0.9.
+--needle-depths 0.1/0.5/0.9. Each finished probe is kept on disk (~/.cache/tq-mlx/needles) and a probe under way
+saves its prefill every 10 minutes, so the same command resumes a 32k probe in a later session.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
@@ -89,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.cache import KVCache, save_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import caches  # noqa: E402
 import quality  # noqa: E402
@@ -97,7 +98,6 @@ from long_context_settings import (  # noqa: E402
     ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting)
 from long_context_table import merge, render, write  # noqa: E402
 from caches import Setting  # noqa: E402
-import tq_mlx  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 
@@ -233,7 +233,7 @@ class FloatReference:
         self.dir = cache_dir() / "logprobs" / f"{model_key}-{text}-c{chunk}-e{eval_tokens}"
 
     def _name(self, c: int) -> str:
-        return f"{c}-{_digest(self.ids[: c + 1])[:16]}"
+        return f"{c}-{caches.digest(self.ids[: c + 1])[:16]}"
 
     def has(self, contexts: list[int]) -> bool:
         return all((self.dir / f"{self._name(c)}.json").exists() for c in contexts)
@@ -248,7 +248,7 @@ class FloatReference:
         """Where a pass towards context c keeps its cache between sessions (run_pass): the float pass's named by
         the tokens alone, another setting's by its config too (not by the library's code: after changing what a
         config does, delete the *.partial.safetensors of the passes under way)."""
-        tag = "" if setting is None or setting.kind == "float" else f".{_digest(setting.to_dict())[:12]}"
+        tag = "" if setting is None or setting.kind == "float" else f".{caches.digest(setting.to_dict())[:12]}"
         return self.dir / f"{self._name(c)}{tag}.partial.safetensors"
 
     def put(self, c: int, lp: mx.array, r: dict) -> None:
@@ -260,36 +260,22 @@ class FloatReference:
         (self.dir / f"{name}.json").write_text(json.dumps(r))  # written last: its presence means the pair is whole
 
 
-CHECKPOINT_SECONDS = 600
-
-
-def _digest(x) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()
-
-
 def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,
              reference: FloatReference | dict | None, store: FloatReference | None = None,
-             checkpoint: Path | None = None) -> tuple[dict, dict]:
+             checkpoint: caches.Checkpoint | None = None) -> tuple[dict, dict]:
     """Feed ids[:max(contexts)] through `cache` in chunks; at each context C, score the chunk ending at C.
 
     Returns ({C: {ppl, kl, kl_se, kl_max (the worst token's), bits_real}}, {C: float log-probs}) (the log-probs
     only when reference is None: this is the float pass; with `store` they go to disk instead of memory).
 
-    With `checkpoint` (FloatReference.partial) the pass saves its cache and figures there every CHECKPOINT_SECONDS
-    and resumes from them: a pass to 32k on Qwen2.5-Coder-1.5B takes longer here than a working session."""
+    With `checkpoint` (at FloatReference.partial) the pass saves its cache and figures there every
+    caches.CHECKPOINT_SECONDS and resumes from them: a pass to 32k on Qwen2.5-Coder-1.5B outlives a session here."""
     inputs = ids[: max(contexts)]
     cuts = sorted({*range(0, len(inputs), chunk), *(C - eval_tokens for C in contexts)})
-    out, logps = {}, {}
-    start, partial = 0, checkpoint
-    if partial is not None and partial.exists():
-        saved, meta = tq_mlx.load_prompt_cache(str(partial), return_metadata=True)
-        cache[:] = saved
-        start = int(meta["offset"])
-        out = {int(C): r for C, r in json.loads(meta.get("out", "{}")).items()}
-        print(f"    resumed at {start}/{len(inputs)} tokens from {partial}", flush=True)
-    t0 = shown = saved_at = time.perf_counter()
+    logps = {}
+    start, out = checkpoint.resume(cache) if checkpoint is not None else (0, {})
+    out = {int(C): r for C, r in out.items()}
+    t0 = shown = time.perf_counter()
     for i, a in enumerate(cuts):
         if a < start:
             continue
@@ -301,9 +287,8 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
         C = b if b in contexts and b - a == eval_tokens else None
         if C is None:
             caches.eval_cache(cache)
-            if partial is not None and time.perf_counter() - saved_at > CHECKPOINT_SECONDS:
-                _checkpoint(cache, partial, b, out)
-                saved_at = time.perf_counter()
+            if checkpoint is not None:
+                checkpoint.save(cache, b, out)
             continue
         lp = nn.log_softmax(logits[0].astype(mx.float32), axis=-1)
         y = mx.array(ids[a + 1 : b + 1])
@@ -326,16 +311,9 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
         if reference is None and store is not None:
             store.put(C, lp, r)
         out[C] = r
-    if partial is not None:
-        partial.unlink(missing_ok=True)
+    if checkpoint is not None:
+        checkpoint.done()
     return out, logps
-
-
-def _checkpoint(cache: list, path: Path, offset: int, out: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name.replace(".partial.", ".partial-tmp."))
-    save_prompt_cache(str(tmp), cache, metadata={"offset": str(offset), "out": json.dumps(out)})
-    tmp.rename(path)  # whole or absent: a session that stops mid-write leaves the previous checkpoint
 
 
 _MODEL_CONFIG: list = [None]
@@ -397,7 +375,7 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
                 cache = make_cache(model, s)
                 res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
                                   store=stored if s.kind == "float" else None,
-                                  checkpoint=stored.partial(max(contexts), s) if s.kind in ("float", "tq") else None)
+                                  checkpoint=caches.Checkpoint(stored.partial(max(contexts), s)) if s.kind in ("float", "tq") else None)
                 protected, widths, values = protected_layers(cache), widened_layers(cache), value_layers(cache)
                 del cache
             if s.kind == "float":
@@ -427,6 +405,7 @@ def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> N
     answer) at args.needle_lengths, for args.needle_settings (float and the default unless told), on the model
     already loaded by run_model."""
     from tests.support import real_models
+    from tests.support.real_models import cache_dir
 
     if not args.needle_lengths:
         return
@@ -440,10 +419,10 @@ def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> N
                 if budget.over():
                     out.append({"setting": s.name, "length": length, "depth": depth, "error": "skipped: time budget spent"})
                     continue
-                r = quality.needle_probe(model, tok, s, length, depth, args.chunk)
+                r = quality.needle_probe(model, tok, s, length, depth, args.chunk, store=cache_dir() / "needles" / key)
                 out.append({"setting": s.name, **r})
                 print(f"  needle {s.name} @{length} depth {depth}: {'hit' if r['hit'] else 'MISS'} "
-                      f"({r['answer'][:40]!r}, {r['seconds']} s)", flush=True)
+                      f"({r['answer'][:40]!r}, {r['seconds']} s{', from disk' if r.get('from_disk') else ''})", flush=True)
                 save()
 
 

@@ -141,10 +141,17 @@ def needle_prompt(tokenizer, target_tokens: int, depth: float) -> list[int]:
     return wrap(hay[:at] + NEEDLE + hay[at:].lstrip())
 
 
-def greedy(model: nn.Module, cache: list, prompt: list[int], max_tokens: int, chunk: int, eos: set[int]) -> list[int]:
-    for a in range(0, len(prompt) - 1, chunk):
-        model(mx.array(prompt[a : min(a + chunk, len(prompt) - 1)])[None], cache=cache)
+def greedy(model: nn.Module, cache: list, prompt: list[int], max_tokens: int, chunk: int, eos: set[int],
+           checkpoint: caches.Checkpoint | None = None) -> list[int]:
+    """Prefill prompt[:-1] in chunk-token pieces (from `checkpoint`'s offset when one is saved, saving to it as it
+    goes), then up to max_tokens greedy tokens."""
+    start = checkpoint.resume(cache)[0] if checkpoint is not None else 0
+    for a in range(start, len(prompt) - 1, chunk):
+        b = min(a + chunk, len(prompt) - 1)
+        model(mx.array(prompt[a:b])[None], cache=cache)
         eval_cache(cache)
+        if checkpoint is not None:
+            checkpoint.save(cache, b)
     y, out = prompt[-1], []
     for _ in range(max_tokens):
         logits = model(mx.array([[y]]), cache=cache)
@@ -155,13 +162,30 @@ def greedy(model: nn.Module, cache: list, prompt: list[int], max_tokens: int, ch
     return out
 
 
-def needle_probe(model, tokenizer, s: Setting, length: int, depth: float, chunk: int) -> dict:
+def needle_probe(model, tokenizer, s: Setting, length: int, depth: float, chunk: int, store: Path | None = None) -> dict:
+    """One needle probe. With `store` (a directory of one model's probes) a finished probe is read from there and
+    a probe under way saves its prefill there (caches.Checkpoint), so a 32k probe spans sessions."""
+    import json
+
     prompt = needle_prompt(tokenizer, length, depth)
+    done = checkpoint = None
+    if store is not None:
+        stem = f"{length}-{caches.digest([prompt, s.to_dict(), chunk])[:16]}"
+        done = store / f"{stem}.json"
+        if done.exists():
+            return {**json.loads(done.read_text()), "from_disk": True}
+        checkpoint = caches.Checkpoint(store / f"{stem}.partial.safetensors")
     t = time.perf_counter()
-    out = greedy(model, make_cache(model, s), prompt, 24, chunk, set(tokenizer.eos_token_ids))
+    out = greedy(model, make_cache(model, s), prompt, 24, chunk, set(tokenizer.eos_token_ids), checkpoint)
     answer = tokenizer.decode(out)
-    return {"length": length, "prompt_tokens": len(prompt), "depth": depth, "hit": NEEDLE_ANSWER in answer,
-            "answer": answer.strip()[:80], "seconds": round(time.perf_counter() - t, 1)}
+    r = {"length": length, "prompt_tokens": len(prompt), "depth": depth, "hit": NEEDLE_ANSWER in answer,
+         "answer": answer.strip()[:80],  # the time over every session the probe ran in
+         "seconds": round(checkpoint.seconds() if checkpoint else time.perf_counter() - t, 1)}
+    if done is not None:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(json.dumps(r))
+        checkpoint.done()
+    return r
 
 
 # --- attention fidelity ----------------------------------------------------------------------------------------

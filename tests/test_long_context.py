@@ -225,8 +225,9 @@ class Stopping:
 def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch) -> None:
     # A pass to 32k outlives a session here: stopped, the float pass and a TurboQuant pass resume where their last
     # checkpoint was, and give what an unbroken pass gives (log-probs, KL, the layers' chosen widths).
+    import caches
     import long_context as lc
-    from caches import Setting
+    from caches import Checkpoint, Setting
 
     from tests.support.tiny_models import VOCAB, tiny_llama
     from tq_mlx import TurboQuantConfig
@@ -239,15 +240,15 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     want, logps = lc.run_pass(model, model.make_cache(), ids, contexts, chunk, scored, None)
 
     store = lc.FloatReference("tiny", "random", ids, chunk, scored)
-    monkeypatch.setattr(lc, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every chunk that scores nothing
+    monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every chunk that scores nothing
     with pytest.raises(KeyboardInterrupt):
         lc.run_pass(Stopping(model, after=6), model.make_cache(), ids, contexts, chunk, scored, None, store=store,
-                    checkpoint=store.partial(320))
+                    checkpoint=Checkpoint(store.partial(320)))
     assert store.partial(320).exists() and store.has([96]) and not store.has([320])
 
     resumed = Stopping(model)
     got, _ = lc.run_pass(resumed, model.make_cache(), ids, contexts, chunk, scored, None, store=store,
-                         checkpoint=store.partial(320))
+                         checkpoint=Checkpoint(store.partial(320)))
     assert resumed.calls == 320 // chunk - 6  # from its checkpoint on, not from the start
     assert not store.partial(320).exists()  # a finished pass leaves no checkpoint behind
     for c in contexts:
@@ -265,9 +266,9 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     assert path != store.partial(320) and path != store.partial(320, dataclasses.replace(s, config=TurboQuantConfig()))
     with pytest.raises(KeyboardInterrupt):
         lc.run_pass(Stopping(model, after=7), lc.make_cache(model, s), ids, contexts, chunk, scored, store,
-                    checkpoint=path)
+                    checkpoint=Checkpoint(path))
     cache, resumed = lc.make_cache(model, s), Stopping(model)
-    got, _ = lc.run_pass(resumed, cache, ids, contexts, chunk, scored, store, checkpoint=path)
+    got, _ = lc.run_pass(resumed, cache, ids, contexts, chunk, scored, store, checkpoint=Checkpoint(path))
     assert resumed.calls == 320 // chunk - 7 and not path.exists() and lc.widened_layers(cache) == widths
     for c in contexts:
         assert got[c]["kl"] == pytest.approx(want[c]["kl"], rel=1e-4), c
@@ -301,3 +302,40 @@ def test_value_mix_gives_each_layer_the_value_width_asked_and_counts_its_bits() 
     for v4, v3 in (([0], [0]), ([3], [])):
         with pytest.raises(SystemExit, match="each layer once"):
             vm.layer_widths(3, v4, v3)
+
+
+def test_a_needle_probe_stopped_midway_resumes_and_a_finished_one_is_read_from_disk(tmp_path, monkeypatch) -> None:
+    # A needle probe at 32k outlives a session too: stopped in its prefill, the same probe resumes from its
+    # checkpoint and answers what an unbroken probe answers; finished, it is read back, not run again.
+    import caches
+    import quality
+    from caches import FLOAT, Setting
+
+    from tests.support.tiny_models import tiny_llama, tiny_tokenizer
+    from tq_mlx import TurboQuantConfig
+
+    model, _ = tiny_llama()
+    tok = tiny_tokenizer()
+    monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)
+    monkeypatch.setattr(quality, "make_cache", lambda _, s: caches.make_cache(model, s))  # the model, not Stopping
+    tq = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=96,
+                                                          key_error=0.01))
+    for s in (FLOAT, tq):
+        store = tmp_path / s.kind
+        unbroken = Stopping(model)
+        want = quality.needle_probe(unbroken, tok, s, 400, 0.5, 32)
+        with pytest.raises(KeyboardInterrupt):
+            quality.needle_probe(Stopping(model, after=5), tok, s, 400, 0.5, 32, store=store)
+        assert len(list(store.glob("*.partial.safetensors"))) == 1 and not list(store.glob("*.json"))
+
+        resumed = Stopping(model)
+        got = quality.needle_probe(resumed, tok, s, 400, 0.5, 32, store=store)
+        assert resumed.calls == unbroken.calls - 5, s.kind  # from its checkpoint on, not from the start
+        assert got["answer"] == want["answer"] and got["hit"] == want["hit"] and got["prompt_tokens"] > 350, s.kind
+        assert not list(store.glob("*.partial.safetensors")) and len(list(store.glob("*.json"))) == 1
+
+        again = Stopping(model, after=0)  # would stop at its first call
+        assert quality.needle_probe(again, tok, s, 400, 0.5, 32, store=store) == {**got, "from_disk": True}
+        # another depth is another probe, not this one read back
+        with pytest.raises(KeyboardInterrupt):
+            quality.needle_probe(again, tok, s, 400, 0.9, 32, store=store)
