@@ -203,9 +203,6 @@ def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ct
     return b * 8 / (ctx * n_att * H * D * 2)
 
 
-# --- perplexity ----------------------------------------------------------------------------------------------
-
-
 # --- passes that outlive a session ------------------------------------------------------------------------------
 
 CHECKPOINT_SECONDS = 600

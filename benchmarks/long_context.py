@@ -245,9 +245,8 @@ class FloatReference:
         return mx.load(str(self.dir / f"{self._name(c)}.npy"))
 
     def partial(self, c: int, setting: Setting | None = None) -> Path:
-        """Where a pass towards context c keeps its cache between sessions (run_pass): the float pass's named by
-        the tokens alone, another setting's by its config too (not by the library's code: after changing what a
-        config does, delete the *.partial.safetensors of the passes under way)."""
+        """Where a pass towards context c keeps its cache between sessions (run_pass, caches.Checkpoint): the float
+        pass's named by the tokens alone, another setting's by its config too."""
         tag = "" if setting is None or setting.kind == "float" else f".{caches.digest(setting.to_dict())[:12]}"
         return self.dir / f"{self._name(c)}{tag}.partial.safetensors"
 

@@ -30,6 +30,7 @@ The full run takes hours on a 2-core CPU; its parts can run side by side and be 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -165,8 +166,6 @@ def greedy(model: nn.Module, cache: list, prompt: list[int], max_tokens: int, ch
 def needle_probe(model, tokenizer, s: Setting, length: int, depth: float, chunk: int, store: Path | None = None) -> dict:
     """One needle probe. With `store` (a directory of one model's probes) a finished probe is read from there and
     a probe under way saves its prefill there (caches.Checkpoint), so a 32k probe spans sessions."""
-    import json
-
     prompt = needle_prompt(tokenizer, length, depth)
     done = checkpoint = None
     if store is not None:
@@ -475,7 +474,6 @@ def main() -> None:
 
 def merge(paths: list[str], out: str | None) -> None:
     """One results file from runs of different models (same code, machine and day): their model sections combined."""
-    import json
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
