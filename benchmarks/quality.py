@@ -474,7 +474,6 @@ def main() -> None:
 
 def merge(paths: list[str], out: str | None) -> None:
     """One results file from runs of different models (same code, machine and day): their model sections combined."""
-
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
     merged["models"] = {}
