@@ -184,17 +184,20 @@ def needle_line(m: dict) -> str | None:
               for n in dict.fromkeys(r["setting"] for r in probes)}
     taken = list(shorts.values())
     shorts = {n: s if taken.count(s) == 1 else n for n, s in shorts.items()}  # one two settings share says little
+    all_depths = sorted({r["depth"] for r in probes})
     for length in sorted({r["length"] for r in probes}):
         cells = []
         for name, short in shorts.items():
             rs = [r for r in probes if r["setting"] == name and r["length"] == length and "hit" in r]
             if not rs:
                 continue
+            ran = sorted({r["depth"] for r in rs})  # a cell still under way says which depths its count covers
             cells.append(f"{short} {sum(r['hit'] for r in rs)}/{len(rs)}"
+                         + ("" if ran == all_depths else f" (depth {'/'.join(f'{d:g}' for d in ran)} only)")
                          + ("" if all(r["hit"] for r in rs) else  # the answer's end: the number it gave
                             " (missed: " + "; ".join(f"{r['depth']}: {r['answer'][-24:]!r}" for r in rs if not r["hit"]) + ")"))
         parts.append(f"{ctx_label(length)}: " + ", ".join(cells))
-    depths = "/".join(f"{d:g}" for d in sorted({r["depth"] for r in probes}))
+    depths = "/".join(f"{d:g}" for d in all_depths)
     return f"Needles on {m['model']} (the magic number at depths {depths} of a Britannica haystack, greedy): " + "; ".join(parts)
 
 

@@ -189,7 +189,13 @@ def test_needle_line_names_each_setting_apart_and_quotes_the_number_given() -> N
     line = lc_table.needle_line(m)
     assert line.startswith("Needles on M (the magic number at depths 0.5 of")
     assert f"{a} 0/1 (missed: 0.5: 'he archive is 1661-1663.')" in line and f"{b} 1/1" in line
-    assert "float 1/1" in line
+    assert "float 1/1" in line and "only" not in line
+    # A length whose probes cover fewer depths than the line names says which ones it counted.
+    m["needles"] += [dict(probe(b, 0.1, True, "7314926"), length=16384), probe(b, 0.1, True, "7314926")]
+    line = lc_table.needle_line(m)
+    assert line.startswith("Needles on M (the magic number at depths 0.1/0.5 of")
+    assert "8k: float 1/1 (depth 0.5 only)" in line and f"{b} 2/2;" in line
+    assert line.endswith(f"16k: {b} 1/1 (depth 0.1 only)")
     assert lc.needle_depths("0.25,0.75") == (0.25, 0.75)
     for bad in ("0,0.5", "1", "x", ""):
         with pytest.raises(SystemExit, match="strictly between 0 and 1"):
