@@ -53,7 +53,7 @@ EVENT_LOG_ENV = "TQ_CHAT_EVENT_LOG"
 
 def screenshot_dir() -> Path:
     """Where a bare /screenshot goes: screenshots/ in tq-mlx's cache folder ($TQ_MLX_CACHE or ~/.cache/tq-mlx)."""
-    from .demo import cache_dir
+    from tq_mlx.demo import cache_dir
 
     return cache_dir() / "screenshots"
 

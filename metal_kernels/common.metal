@@ -142,13 +142,16 @@ METAL_FUNC void tq_key_scores(const threadgroup uint* w, const threadgroup float
 // pairs, θ_h = (8h)·f and φ_l = l·f in float32 and added by angle addition, as the reference does. The 8 φ_l
 // are staged once per threadgroup (tq_rope_stage_l), the θ_h of a tile's positions once per tile (at most 5
 // blocks for 32 positions: tq_rope_stage_h), so no token takes a sine. Tables hold (cos, sin) per (block, pair).
+// A variant without RoPE pairs (NP = 0) instantiates the stages too, behind its `if (NP > 0)`, where their loops
+// never run: they divide by np (NP, or 1 for NP = 0), so that dead code divides by no zero.
 constexpr int TQ_ROPE_SPLIT = 8;
 constexpr int TQ_ROPE_BLOCKS = 5;  // blocks of 8 positions a tile of 32 positions touches, at most
 
 template <int NP>
 METAL_FUNC void tq_rope_stage_l(threadgroup float* lcs, const threadgroup float* freqs, uint tid, uint nt) {
+  constexpr int np = NP > 0 ? NP : 1;
   for (uint i = tid; i < uint(TQ_ROPE_SPLIT * NP); i += nt) {
-    const float a = float(i / NP) * freqs[i % NP];
+    const float a = float(i / np) * freqs[i % np];
     lcs[2 * i] = precise::cos(a);
     lcs[2 * i + 1] = precise::sin(a);
   }
@@ -157,9 +160,10 @@ METAL_FUNC void tq_rope_stage_l(threadgroup float* lcs, const threadgroup float*
 // θ_h for the blocks from p0 / 8 on (p0 >= 0: the tile's first position).
 template <int NP>
 METAL_FUNC void tq_rope_stage_h(threadgroup float* hcs, const threadgroup float* freqs, int p0, uint tid, uint nt) {
+  constexpr int np = NP > 0 ? NP : 1;
   const int h0 = p0 / TQ_ROPE_SPLIT;
   for (uint i = tid; i < uint(TQ_ROPE_BLOCKS * NP); i += nt) {
-    const float a = float((h0 + int(i / NP)) * TQ_ROPE_SPLIT) * freqs[i % NP];
+    const float a = float((h0 + int(i / np)) * TQ_ROPE_SPLIT) * freqs[i % np];
     hcs[2 * i] = precise::cos(a);
     hcs[2 * i + 1] = precise::sin(a);
   }

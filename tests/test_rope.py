@@ -8,7 +8,8 @@
   round-trips (the file's RoPE wins); bad files are refused with the array named;
 * the attention kernels (decode, prefill, decayed spans) add q·R(p) μ0 per token on the codes and match the
   reference under the CPU MSL emulator in all three lane schedules, far out in position; dispatch self-checks
-  the variant and takes the kernel path; decode reads no more bytes than with one mean;
+  the variant and takes the kernel path; decode reads no more bytes than with one mean; with RoPE pairs and
+  without (NP = 0), they compile without a clang warning;
 * make_prompt_cache probes every layer of a Qwen2 model, and on keys with a large k_proj bias the cache tracks
   float logits closer than with one mean after RoPE.
 """
@@ -23,6 +24,7 @@ import pytest
 import mlx.core as mx
 from mlx_lm.models.rope_utils import initialize_rope
 
+from tests.emulator import metal_kernel as emulator_kernel
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, make_mask, normal,
 )
@@ -267,6 +269,41 @@ def test_kernels_match_reference_far_out(emulator, schedule, case):
     plain = keys._replace(rope=None, decayed=keys.decayed and keys.decayed._replace(rope=None))
     off = K.decode_attention_reference(q, plain, values, 1 / math.sqrt(dim), m, None)
     assert float(mx.max(mx.abs(off.astype(mx.float32) - want.astype(mx.float32)))) > 0.05
+
+
+class SyntaxOnly:
+    """A metal_kernel factory that only compiles each kernel asked for (clang -fsyntax-only, the emulator's build
+    flags) and keeps clang's warnings by kernel name; every launch returns zeros."""
+
+    def __init__(self):
+        self.warnings: dict[str, str] = {}
+        self.templates: dict[str, dict] = {}
+
+    def __call__(self, **make):
+        kernel = emulator_kernel(**make)
+
+        def launch(**call):
+            self.templates[make["name"]] = dict(call["template"])
+            self.warnings[make["name"]] = kernel.check_syntax(call["inputs"], call["output_dtypes"], call["template"])
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(call["output_shapes"], call["output_dtypes"])]
+
+        return launch
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("center", ["rope", True], ids=["rope-pairs", "no-rope-pairs"])
+@pytest.mark.parametrize("kernel,L", [("decode", 1), ("prefill", 20)])
+def test_the_attention_kernels_compile_without_warnings_with_and_without_rope_pairs(emulator, kernel, L, center):
+    # A variant without RoPE pairs (NP = 0) instantiates the RoPE stages of common.metal behind `if (NP > 0)`:
+    # their `i / NP` once drew clang's -Wdivision-by-zero there, in dead code.
+    keys, values = rope_views(64, 1, L, mx.float16, n_prompt=200, center=center)
+    assert (keys.rope is not None) == (center == "rope")
+    f = SyntaxOnly()
+    run(kernel, normal(np.random.default_rng(0), (1, 4, L, 64), mx.float16), keys, values,
+        "causal" if L > 1 else None, f)
+    main = "tq_decode_partial" if kernel == "decode" else "tq_prefill_attention"
+    assert (f.templates[main]["NP"] > 0) == (center == "rope"), f.templates[main]
+    assert not [w for w in f.warnings.values() if w.strip()], "\n".join(f.warnings.values())
 
 
 @pytest.mark.emulator

