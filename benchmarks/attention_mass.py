@@ -65,27 +65,22 @@ def run(key: str, text: str, context: int) -> dict:
     ids = long_context.text_ids(tok, text, context)
     d = TurboQuantConfig()
     lo, hi = d.sinks, context - CHUNK - d.window
-    mod = sys.modules[type(model).__module__]
-    original = mod.scaled_dot_product_attention
     layers: list[dict] = []
     measuring = [False]
 
-    def spy(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+    def spy(attend, queries, keys, values, cache, scale, mask, sinks):
         if measuring[0]:
             layers.append(coded_mass(queries.astype(mx.float32), keys.astype(mx.float32), scale, lo, hi))
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return attend(queries, keys, values, cache, scale, mask, sinks)
 
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    mod.scaled_dot_product_attention = spy
-    try:
+    with common.attention_spy(model, spy):
         for a in range(0, context, CHUNK):
             measuring[0] = a == context - CHUNK
             model(mx.array(ids[a:a + CHUNK])[None], cache=cache)
             mx.eval([c.state for c in cache])
-    finally:
-        mod.scaled_dot_product_attention = original
     mean = {name: float(np.mean([r[name] for r in layers])) for name in layers[0]}
     return {"model": label, "text": text, "context": context, "coded_tokens": [lo, hi], "layers": layers,
             "mean": mean}

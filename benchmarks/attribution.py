@@ -90,13 +90,11 @@ def run(key: str, text: str, context: int, setting: str) -> dict:
             _fed.append((k.astype(mx.float32), v.astype(mx.float32)))
             return _update(k, v)
         c.update_and_fetch = shadowed
-    mod = sys.modules[type(model).__module__]
-    hooked = mod.scaled_dot_product_attention
     layers: list[dict] = []
     measuring = [False]
 
-    def spy(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
-        out = hooked(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    def spy(attend, queries, keys, values, cache, scale, mask, sinks):
+        out = attend(queries, keys, values, cache, scale, mask, sinks)
         if measuring[0] and isinstance(keys, StreamView):
             i = len(layers)
             kf = mx.concatenate([k for k, _ in fed[i]], axis=2)
@@ -106,17 +104,14 @@ def run(key: str, text: str, context: int, setting: str) -> dict:
                            **{p: {"layer": v[0], "kv_heads": v[1]} for p, v in e.items()}})
         return out
 
-    mod.scaled_dot_product_attention = spy
     t0 = time.perf_counter()
-    try:
+    with common.attention_spy(model, spy):
         for a in range(0, context, CHUNK):
             measuring[0] = a == context - CHUNK
             model(mx.array(ids[a:a + CHUNK])[None], cache=cache)
             mx.eval([c.state for c in cache])
             if time.perf_counter() - t0 > 60 and a % (8 * CHUNK) == 0:
                 print(f"    ... {a + CHUNK}/{context} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
-    finally:
-        mod.scaled_dot_product_attention = hooked
     mean = {p: float(np.mean([r[p]["layer"] for r in layers])) for p in ("actual", *PARTS)}
     return {"model": label, "text": text, "context": context, "setting": s.name, "layers": layers, "mean": mean,
             "seconds": round(time.perf_counter() - t0, 1)}

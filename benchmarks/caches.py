@@ -117,10 +117,9 @@ def _hook_peer_attention(model: nn.Module, peer: Peer) -> None:
     mod = sys.modules[type(model).__module__]
     if mod.__name__ in peer.hooked:
         return
-    original = mod.scaled_dot_product_attention
     PeerCache = peer.module.TurboQuantKVCache
 
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    def peer_attention(attend, queries, keys, values, cache, scale, mask, sinks):
         if isinstance(cache, PeerCache):
             if queries.shape[-2] == 1:
                 return cache.decode_attention(queries, keys_state=keys, values_state=values, scale=scale, mask=mask)
@@ -129,9 +128,9 @@ def _hook_peer_attention(model: nn.Module, peer: Peer) -> None:
                 return out
             k, v = cache.dequantize(keys, values)
             return mx.fast.scaled_dot_product_attention(queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return attend(queries, keys, values, cache, scale, mask, sinks)
 
-    mod.scaled_dot_product_attention = sdpa
+    common.wrap_attention(mod, peer_attention)  # for the rest of the process
     peer.hooked.add(mod.__name__)
 
 
@@ -213,14 +212,31 @@ def digest(x) -> str:
     return hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()
 
 
+def pass_code(s: Setting) -> str | None:
+    """The library code a pass of setting s runs, which its checkpoint records (Checkpoint's `code`): None for
+    mlx-lm's own caches (float, mlx), which run no tq_mlx code, so that their checkpoints (and the float log-probs
+    on disk) hold across library changes; common.library_fingerprint() for every other."""
+    # sources, not commit + dirty: a docs/benchmarks commit keeps an hours-long pass; a shared tree is always dirty
+    return None if s.kind in ("float", "mlx") else common.library_fingerprint()
+
+
+def saved_metadata(path: Path) -> dict[str, str]:
+    """A checkpoint's metadata (save_prompt_cache's `metadata`) from its safetensors header, its arrays not read."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k[2:]: v for k, v in header.get("__metadata__", {}).items() if k.startswith("0.")}
+
+
 class Checkpoint:
     """A long pass's cache on disk: saved with the pass's offset and figures so far at most every
     CHECKPOINT_SECONDS, so that the same command resumes the pass after a stop (a 32k pass on Qwen2.5-Coder-1.5B
     outlives a working session here), and removed when the pass is done. Name it by what the pass reads (tokens,
-    setting), not by the library's code: after changing what a config does, delete the *.partial.safetensors."""
+    setting). With `code` (pass_code: the fingerprint of the library code the pass runs) the checkpoint records it,
+    and one made by other library code (or before checkpoints recorded it) is not resumed: the pass starts afresh,
+    so that no pass mixes library versions."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, code: str | None = None):
+        self.path, self.code = path, code
         self.started = self.saved_at = time.perf_counter()
         self.seconds_before = 0.0  # what the pass ran before its last stop
 
@@ -231,6 +247,11 @@ class Checkpoint:
     def resume(self, cache: list) -> tuple[int, dict]:
         """(offset, figures so far) of the saved pass, its cache put in `cache`; (0, {}) when none is saved."""
         if not self.path.exists():
+            return 0, {}
+        if self.code is not None and (made := saved_metadata(self.path).get("library")) != self.code:
+            print(f"    not resuming {self.path}: made by "
+                  + (f"other library code ({made[:12]}, this is {self.code[:12]})" if made else
+                     "library code it does not record") + "; starting afresh", flush=True)
             return 0, {}
         saved, meta = tq_mlx.load_prompt_cache(str(self.path), return_metadata=True)
         cache[:] = saved
@@ -244,7 +265,8 @@ class Checkpoint:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name.replace(".partial.", ".partial-tmp."))
         save_prompt_cache(str(tmp), cache, metadata={"offset": str(offset), "out": json.dumps(out or {}),
-                                                  "seconds": str(self.seconds())})
+                                                  "seconds": str(self.seconds()),
+                                                  **({"library": self.code} if self.code is not None else {})})
         tmp.rename(self.path)  # whole or absent: a session that stops mid-write leaves the previous checkpoint
         self.saved_at = time.perf_counter()
 

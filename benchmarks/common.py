@@ -2,11 +2,15 @@
 
 Each script prints its table, then writes benchmarks/results/<name>.json (rows + metadata) and
 benchmarks/results/<name>.md (the same table with the date and machine), which readme_tables.py copies into
-docs/benchmarks.md (and a headline of them into the README).
+docs/benchmarks.md (and a headline of them into the README). What attention sees is read through one spy
+(attention_spy, wrap_attention).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import json
 import math
 import os
@@ -15,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -56,20 +60,56 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+
+_SAID: set[str] = set()
+
+
+def code_version() -> dict:
+    """{"commit", "dirty", "library"} of this run, for every results file (metadata) and checkpoint (caches.py).
+
+    commit: HEAD's short hash, None where git cannot answer for REPO (a copy of the tree without .git, say: git's
+    reason is printed once, as results written that way once carried a silent null); dirty: whether any tracked
+    file differs from HEAD (None with no commit); library: library_fingerprint(), which a copy of the tree has too."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "tq_mlx"], capture_output=True, text=True)
-        if out.returncode:
-            return None
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        return None
+        head, status = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain", "--untracked-files=no")
+        commit = head.stdout.strip() if head.returncode == 0 else None
+        why = (head.stderr.strip().splitlines() or [f"git exited {head.returncode}"])[-1] if commit is None else None
+    except OSError as e:
+        commit, status, why = None, None, f"{type(e).__name__}: {e}"
+    if why and why not in _SAID:
+        _SAID.add(why)
+        print(f"benchmarks: no commit recorded for {REPO} ({why})", file=sys.stderr, flush=True)
+    dirty = None if commit is None or status.returncode else bool(status.stdout.strip())
+    return {"commit": commit, "dirty": dirty, "library": library_fingerprint()}
+
+
+def fingerprint(package: Path, kernels: dict[str, str]) -> str:
+    """sha256 over a package's *.py sources (by path inside it) and the Metal kernel sources (by name)."""
+    h = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")):
+        h.update(f"{f.relative_to(package).as_posix()}\0".encode() + f.read_bytes() + b"\0")
+    for name in sorted(kernels):
+        h.update(f"{name}.metal\0{kernels[name]}\0".encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def library_fingerprint() -> str:
+    """The fingerprint of the library code this process runs: tq_mlx's sources where it was imported from and the
+    Metal sources its kernels were built from, taken once (the first call; files edited later are not this run's)."""
+    import tq_mlx
+    from tq_mlx.kernels import launch
+
+    return fingerprint(Path(tq_mlx.__file__).resolve().parent, launch.SOURCES)
 
 
 # Every benchmark process runs with the allocator setting the command-line tools use (tq_mlx.integration.
 # tune_malloc), for every cache it compares, so that no path pays a page fault per transient buffer.
 MALLOC_TUNED = tune_malloc()
+library_fingerprint()  # taken as the process starts, beside its imports of tq_mlx
 
 
 def metadata(**extra: Any) -> dict:
@@ -93,7 +133,7 @@ def metadata(**extra: Any) -> dict:
         "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
         "malloc_tuned": MALLOC_TUNED,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "commit": _git_commit(),
+        **code_version(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     meta.update(extra)
@@ -231,3 +271,40 @@ def load_mlx_vlm_turboquant():
         return mod, MLX_VLM.split("==")[1], None
     except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
         return None, None, f"{MLX_VLM} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+
+
+# --- the attention spy -------------------------------------------------------------------------------------------
+
+
+def wrap_attention(module, around) -> Callable[[], None]:
+    """Route the attention of a model module's layers through `around`: they call the module's by-name
+    `scaled_dot_product_attention` (mlx-lm's, or tq_mlx.hook's stand-in once the hook is installed), which
+    becomes one calling around(attend, queries, keys, values, cache, scale, mask, sinks), where
+    attend(queries, keys, values, cache, scale, mask, sinks) is the function it wrapped. The wrapper keeps `around`
+    as its attribute of that name. Returns the undo, which puts the wrapped function back."""
+    wrapped = module.scaled_dot_product_attention
+
+    def attend(queries, keys, values, cache, scale, mask, sinks=None):
+        return wrapped(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        return around(attend, queries, keys, values, cache, scale, mask, sinks)
+
+    sdpa.around = around
+    module.scaled_dot_product_attention = sdpa
+
+    def undo() -> None:
+        module.scaled_dot_product_attention = wrapped
+
+    return undo
+
+
+@contextlib.contextmanager
+def attention_spy(model, around):
+    """wrap_attention on the module of the model's class (where its attention layers look the function up) while
+    the block runs: around(attend, queries, keys, values, cache, scale, mask, sinks) sees every attention call."""
+    undo = wrap_attention(sys.modules[type(model).__module__], around)
+    try:
+        yield
+    finally:
+        undo()

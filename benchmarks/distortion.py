@@ -100,7 +100,14 @@ def main() -> None:
             rows.append(r)
             print(row_text(r))
     if args.json:
-        meta = {"machine": platform.platform(), "device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d")}
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import common  # the code version every results file records (imported late: it tunes the allocator)
+
+        meta = {"machine": platform.platform(), "device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"),
+                **common.code_version()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")

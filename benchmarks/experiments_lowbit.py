@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402,F401
+import common  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import mlx_lm.models.llama as mlx_llama  # noqa: E402
 from mlx_lm.models.cache import _BaseCache, create_attention_mask  # noqa: E402
@@ -236,20 +236,18 @@ class FakeTQCache(_BaseCache):
                     blk[2], blk[3] = kb, vb
 
 
+def fake_cache_attention(attend, queries, keys, values, cache, scale, mask, sinks):
+    """Attention of a llama layer (through common.wrap_attention): a FakeTQCache hands its decoded tokens over."""
+    if isinstance(cache, FakeTQCache):
+        cache.observe(queries)
+        cache.prepare()
+        keys, values = cache.keys, cache.values
+    return attend(queries, keys, values, cache, scale, mask, sinks)
+
+
 def install_wrapper():
-    orig = mlx_llama.scaled_dot_product_attention
-    if getattr(orig, "_lowbit", False):
-        return
-
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, FakeTQCache):
-            cache.observe(queries)
-            cache.prepare()
-            keys, values = cache.keys, cache.values
-        return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    sdpa._lowbit = True
-    mlx_llama.scaled_dot_product_attention = sdpa
+    if getattr(mlx_llama.scaled_dot_product_attention, "around", None) is not fake_cache_attention:
+        common.wrap_attention(mlx_llama, fake_cache_attention)  # for the rest of the process
 
 
 def wo_colnorms(model, layer: int, H: int, D: int) -> mx.array:
@@ -350,6 +348,7 @@ def run(args):
             on_disk["rows"][sp.name]["texts"].update(row["texts"])
             on_disk["rows"][sp.name].setdefault("layer_stats", {}).update(row.get("layer_stats", {}))
             on_disk["rows"][sp.name]["bits_32k"] = row["bits_32k"]
+            on_disk["rows"][sp.name].setdefault("code", {})[text] = common.code_version()  # of the run behind each text
             jpath.write_text(json.dumps(on_disk, indent=1))  # merged: other runs may have written meanwhile
             print(f"{text} {sp.name} bits32k {row['bits_32k']:.3f}: "
                   + ", ".join(f"@{c}: KL {r['kl']:.4f}±{r['kl_se']:.4f} dPPL {r['ppl_delta_pct']:+.1f}%"

@@ -374,7 +374,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
                 cache = make_cache(model, s)
                 res, _ = run_pass(model, cache, ids, contexts, args.chunk, args.eval_tokens, refs.get(text),
                                   store=stored if s.kind == "float" else None,
-                                  checkpoint=caches.Checkpoint(stored.partial(max(contexts), s)) if s.kind in ("float", "tq") else None)
+                                  checkpoint=caches.Checkpoint(stored.partial(max(contexts), s), caches.pass_code(s))
+                                  if s.kind in ("float", "tq") else None)
                 protected, widths, values = protected_layers(cache), widened_layers(cache), value_layers(cache)
                 del cache
             if s.kind == "float":

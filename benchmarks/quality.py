@@ -173,7 +173,7 @@ def needle_probe(model, tokenizer, s: Setting, length: int, depth: float, chunk:
         done = store / f"{stem}.json"
         if done.exists():
             return {**json.loads(done.read_text()), "from_disk": True}
-        checkpoint = caches.Checkpoint(store / f"{stem}.partial.safetensors")
+        checkpoint = caches.Checkpoint(store / f"{stem}.partial.safetensors", caches.pass_code(s))
     t = time.perf_counter()
     out = greedy(model, make_cache(model, s), prompt, 24, chunk, set(tokenizer.eos_token_ids), checkpoint)
     answer = tokenizer.decode(out)
@@ -192,22 +192,17 @@ def needle_probe(model, tokenizer, s: Setting, length: int, depth: float, chunk:
 
 def capture_qkv(model: nn.Module, ids: list[int]) -> tuple[list[tuple[mx.array, mx.array, mx.array]], float]:
     """(queries, keys, values) of every attention layer (after RoPE) for one forward of ids, and the scale."""
-    mod = sys.modules[type(model).__module__]
-    original = mod.scaled_dot_product_attention
     seen: list = []
     scale = []
 
-    def capture(queries, keys, values, cache, scale_, mask, sinks=None, **kw):
+    def capture(attend, queries, keys, values, cache, scale_, mask, sinks):
         seen.append((queries, keys, values))
         scale.append(scale_)
-        return original(queries, keys, values, cache=cache, scale=scale_, mask=mask, sinks=sinks)
+        return attend(queries, keys, values, cache, scale_, mask, sinks)
 
-    mod.scaled_dot_product_attention = lambda q, k, v, cache=None, scale=1.0, mask=None, sinks=None: capture(q, k, v, cache, scale, mask, sinks)
-    try:
+    with common.attention_spy(model, capture):
         model(mx.array(ids)[None])
         mx.eval(seen)
-    finally:
-        mod.scaled_dot_product_attention = original
     return seen, scale[0]
 
 

@@ -95,13 +95,15 @@ def main() -> None:
     cache = mixed_cache(model, widths)
     # checkpointed as long_context.py's passes are (a pass to 32k outlasts a session here): the same command resumes
     mark = caches.Setting(f"value widths {widths} beside {BY_WIDTH[4]}", "mix")
-    res, _ = lc.run_pass(model, cache, ids, [args.context], 512, 512, ref, checkpoint=ref.partial(args.context, mark))
+    checkpoint = caches.Checkpoint(ref.partial(args.context, mark), caches.pass_code(mark))
+    res, _ = lc.run_pass(model, cache, ids, [args.context], 512, 512, ref, checkpoint=checkpoint)
     r, fl = res[args.context], ref.row([args.context])[args.context]
     keys = chosen_key_widths(cache)
     row = {"model": label, "text": args.text, "context": args.context, "value_widths": widths,
            "from_window": args.from_window, "kl": r["kl"], "kl_se": r["kl_se"],
            "ppl_delta_pct": 100 * (r["ppl"] / fl["ppl"] - 1), "bits_real": r["bits_real"], "key_widths": keys,
-           "bits_32k": bits_at(mcfg, LONG, widths, cache), "seconds": round(time.perf_counter() - t0, 1)}
+           "bits_32k": bits_at(mcfg, LONG, widths, cache), "seconds": round(time.perf_counter() - t0, 1),
+           **common.code_version()}  # rows of several runs share one file (and its first run's meta)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "value_mix.json"

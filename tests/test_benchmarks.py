@@ -62,9 +62,21 @@ def speed(results_dir) -> dict:
     return run_script("speed", results_dir)
 
 
+def _git(*args: str) -> str | None:
+    out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    return None if out.returncode else out.stdout.strip()
+
+
 def _meta_ok(meta: dict) -> None:
-    for k in ("date", "machine", "mlx", "mlx_lm", "backend"):
+    for k in ("date", "machine", "mlx", "mlx_lm", "backend", "library"):
         assert meta.get(k), k
+    # the code that measured it: a commit of this repository (None only where git cannot answer for it), and
+    # whether tracked files differed from it
+    if _git("rev-parse", "HEAD") is None:
+        assert meta["commit"] is None and meta["dirty"] is None
+    else:
+        assert meta["commit"] and _git("cat-file", "-e", f"{meta['commit']}^{{commit}}") is not None
+        assert isinstance(meta["dirty"], bool)
 
 
 def test_memory_real_caches_match_formula(memory: dict) -> None:

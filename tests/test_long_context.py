@@ -249,12 +249,13 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every chunk that scores nothing
     with pytest.raises(KeyboardInterrupt):
         lc.run_pass(Stopping(model, after=6), model.make_cache(), ids, contexts, chunk, scored, None, store=store,
-                    checkpoint=Checkpoint(store.partial(320)))
+                    checkpoint=Checkpoint(store.partial(320), caches.pass_code(caches.FLOAT)))
     assert store.partial(320).exists() and store.has([96]) and not store.has([320])
+    assert "library" not in caches.saved_metadata(store.partial(320))  # float runs mlx-lm's code alone
 
     resumed = Stopping(model)
     got, _ = lc.run_pass(resumed, model.make_cache(), ids, contexts, chunk, scored, None, store=store,
-                         checkpoint=Checkpoint(store.partial(320)))
+                         checkpoint=Checkpoint(store.partial(320), caches.pass_code(caches.FLOAT)))
     assert resumed.calls == 320 // chunk - 6  # from its checkpoint on, not from the start
     assert not store.partial(320).exists()  # a finished pass leaves no checkpoint behind
     for c in contexts:
@@ -272,9 +273,10 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     assert path != store.partial(320) and path != store.partial(320, dataclasses.replace(s, config=TurboQuantConfig()))
     with pytest.raises(KeyboardInterrupt):
         lc.run_pass(Stopping(model, after=7), lc.make_cache(model, s), ids, contexts, chunk, scored, store,
-                    checkpoint=Checkpoint(path))
+                    checkpoint=Checkpoint(path, caches.pass_code(s)))
     cache, resumed = lc.make_cache(model, s), Stopping(model)
-    got, _ = lc.run_pass(resumed, cache, ids, contexts, chunk, scored, store, checkpoint=Checkpoint(path))
+    got, _ = lc.run_pass(resumed, cache, ids, contexts, chunk, scored, store,
+                         checkpoint=Checkpoint(path, caches.pass_code(s)))
     assert resumed.calls == 320 // chunk - 7 and not path.exists() and lc.widened_layers(cache) == widths
     for c in contexts:
         assert got[c]["kl"] == pytest.approx(want[c]["kl"], rel=1e-4), c
@@ -283,6 +285,113 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
     # A checkpoint of other tokens (another text, another tokenizer) is not this pass's
     other = lc.FloatReference("tiny", "random", ids[:200] + [(t + 1) % VOCAB for t in ids[200:]], chunk, scored)
     assert other.partial(320) != store.partial(320)
+
+
+def test_a_checkpoint_made_by_other_library_code_is_not_resumed(tmp_path, monkeypatch, capsys) -> None:
+    # A pass that resumes runs one library version: a TurboQuant pass's checkpoint records the fingerprint of the
+    # library code that made it, and one made by other code, or before checkpoints recorded it, is not resumed (the
+    # pass starts afresh, one line says why, and gives an unbroken pass's figures); the same code resumes it. The
+    # float pass runs mlx-lm's KVCache alone: its checkpoints and log-probs on disk keep their names and resume
+    # whatever the library.
+    import caches
+    import common
+    import long_context as lc
+    from caches import FLOAT, Checkpoint, Setting
+
+    from tests.support.tiny_models import VOCAB, tiny_llama
+    from tq_mlx import TurboQuantConfig
+
+    monkeypatch.setenv("TQ_MLX_CACHE", str(tmp_path))
+    model, args = tiny_llama()
+    monkeypatch.setattr(lc, "_MODEL_CONFIG", [{"model_type": "llama", **dataclasses.asdict(args)}])
+    ids = np.random.default_rng(1).integers(0, VOCAB, 170).tolist()
+    contexts, chunk, scored = [64, 160], 32, 32
+    store = lc.FloatReference("tiny", "random", ids, chunk, scored)
+    lc.run_pass(model, model.make_cache(), ids, contexts, chunk, scored, None, store=store)
+    assert store.dir == tmp_path / "logprobs" / "tiny-random-c32-e32"  # the float pass's files, named as before
+    assert store.partial(160).name == f"160-{caches.digest(ids[:161])[:16]}.partial.safetensors"
+
+    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=32, compress_block=32, sinks=4, decay_after=64))
+    this = common.library_fingerprint()
+    assert caches.pass_code(FLOAT) is None and caches.pass_code(s) == this and len(this) == 64
+    want, _ = lc.run_pass(model, lc.make_cache(model, s), ids, contexts, chunk, scored, store)
+    path = store.partial(160, s)
+    monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)
+
+    def stop(code):
+        with pytest.raises(KeyboardInterrupt):
+            lc.run_pass(Stopping(model, after=3), lc.make_cache(model, s), ids, contexts, chunk, scored, store,
+                        checkpoint=Checkpoint(path, code))
+        capsys.readouterr()
+
+    def resume(code):
+        resumed = Stopping(model)
+        got, _ = lc.run_pass(resumed, lc.make_cache(model, s), ids, contexts, chunk, scored, store,
+                             checkpoint=Checkpoint(path, code))
+        assert got == want and not path.exists(), code
+        return resumed.calls, capsys.readouterr().out
+
+    for made, said in (("0" * 64, "made by other library code (000000000000, this is " + this[:12] + ")"),
+                       (None, "made by library code it does not record")):
+        stop(made)
+        assert caches.saved_metadata(path).get("library") == made
+        calls, out = resume(this)
+        assert calls == 160 // chunk and f"not resuming {path}: {said}; starting afresh" in out, made
+    stop(this)
+    assert caches.saved_metadata(path)["library"] == this
+    calls, out = resume(this)
+    assert calls == 160 // chunk - 3 and "resumed at 96 tokens" in out  # the same code: from its checkpoint on
+
+    # the float pass's checkpoint records no library code and resumes under any
+    with pytest.raises(KeyboardInterrupt):
+        lc.run_pass(Stopping(model, after=3), model.make_cache(), ids, contexts, chunk, scored, None, store=store,
+                    checkpoint=Checkpoint(store.partial(160), caches.pass_code(FLOAT)))
+    assert "library" not in caches.saved_metadata(store.partial(160))
+    resumed = Stopping(model)
+    lc.run_pass(resumed, model.make_cache(), ids, contexts, chunk, scored, None, store=store,
+                checkpoint=Checkpoint(store.partial(160), caches.pass_code(FLOAT)))
+    assert resumed.calls == 160 // chunk - 3
+
+
+def test_results_record_the_commit_and_whether_the_tree_was_dirty(tmp_path, monkeypatch, capsys) -> None:
+    # Every results file's meta (common.metadata) says which code measured it: the commit, whether tracked files
+    # differed from it, and the library's fingerprint. Where git cannot answer (a copy of the tree without .git)
+    # the commit is None and one line says why, and the fingerprint is still there.
+    import subprocess
+
+    import common
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(common.REPO), *a], capture_output=True, text=True)
+
+    meta = common.metadata()
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        assert meta["commit"] is None and meta["dirty"] is None
+    else:
+        assert meta["commit"] == head.stdout.strip()
+        assert meta["dirty"] is bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+    assert meta["library"] == common.library_fingerprint()
+
+    capsys.readouterr()
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    monkeypatch.setattr(common, "_SAID", set())
+    assert common.code_version() == common.code_version() == {"commit": None, "dirty": None,
+                                                              "library": common.library_fingerprint()}
+    err = capsys.readouterr().err
+    assert err.count(f"no commit recorded for {tmp_path} (") == 1 and "not a git repository" in err
+
+    # the fingerprint is of the library's sources: any of its .py files or Metal sources, nothing else
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    base = common.fingerprint(pkg, {"k": "kernel"})
+    (pkg / "README.md").write_text("docs")
+    assert common.fingerprint(pkg, {"k": "kernel"}) == base
+    assert common.fingerprint(pkg, {"k": "kernel2"}) != base
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert common.fingerprint(pkg, {"k": "kernel"}) != base
 
 
 def test_value_mix_gives_each_layer_the_value_width_asked_and_counts_its_bits() -> None:
@@ -310,9 +419,26 @@ def test_value_mix_gives_each_layer_the_value_width_asked_and_counts_its_bits() 
             vm.layer_widths(3, v4, v3)
 
 
+def held(cache: list) -> list:
+    """All a cache holds, layer by layer (its class, offset and every part of its state, arrays by a hash of their
+    bytes): two caches that took the same tokens the same way give equal lists."""
+    import hashlib
+
+    from mlx.utils import tree_flatten
+
+    out = []
+    for i, c in enumerate(cache):
+        out += [(f"{i}.class", type(c).__name__), (f"{i}.offset", c.offset)]
+        out += [(f"{i}.{k}", (v.dtype, v.shape, hashlib.sha256(np.array(v).tobytes()).hexdigest()) if isinstance(v, mx.array) else v)
+                for k, v in tree_flatten(c.state)]
+    return out
+
+
 def test_a_needle_probe_stopped_midway_resumes_and_a_finished_one_is_read_from_disk(tmp_path, monkeypatch) -> None:
     # A needle probe at 32k outlives a session too: stopped in its prefill, the same probe resumes from its
-    # checkpoint and answers what an unbroken probe answers; finished, it is read back, not run again.
+    # checkpoint and ends with the cache an unbroken probe ends with, bit for bit (every layer's offset and state:
+    # the prompt and the answer's tokens, which the tiny model's answer, spaces, cannot show); finished, it is read
+    # back, not run again.
     import caches
     import quality
     from caches import FLOAT, Setting
@@ -323,13 +449,15 @@ def test_a_needle_probe_stopped_midway_resumes_and_a_finished_one_is_read_from_d
     model, _ = tiny_llama()
     tok = tiny_tokenizer()
     monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)
-    monkeypatch.setattr(quality, "make_cache", lambda _, s: caches.make_cache(model, s))  # the model, not Stopping
+    made = []  # the probes' caches, as needle_probe builds them (a resumed one is filled in place)
+    monkeypatch.setattr(quality, "make_cache", lambda _, s: made.append(caches.make_cache(model, s)) or made[-1])
     tq = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=96,
                                                           key_error=0.01))
     for s in (FLOAT, tq):
         store = tmp_path / s.kind
         unbroken = Stopping(model)
         want = quality.needle_probe(unbroken, tok, s, 400, 0.5, 32)
+        want_held = held(made[-1])
         with pytest.raises(KeyboardInterrupt):
             quality.needle_probe(Stopping(model, after=5), tok, s, 400, 0.5, 32, store=store)
         assert len(list(store.glob("*.partial.safetensors"))) == 1 and not list(store.glob("*.json"))
@@ -338,6 +466,11 @@ def test_a_needle_probe_stopped_midway_resumes_and_a_finished_one_is_read_from_d
         got = quality.needle_probe(resumed, tok, s, 400, 0.5, 32, store=store)
         assert resumed.calls == unbroken.calls - 5, s.kind  # from its checkpoint on, not from the start
         assert got["answer"] == want["answer"] and got["hit"] == want["hit"] and got["prompt_tokens"] > 350, s.kind
+        got_held = held(made[-1])
+        assert [k for k, _ in got_held] == [k for k, _ in want_held], s.kind
+        for (k, a), (_, b) in zip(got_held, want_held):
+            assert a == b, (s.kind, k)
+        assert made[-1][0].offset == got["prompt_tokens"] - 1 + 24, s.kind  # the prompt and the answer's tokens
         assert not list(store.glob("*.partial.safetensors")) and len(list(store.glob("*.json"))) == 1
 
         again = Stopping(model, after=0)  # would stop at its first call

@@ -2,9 +2,11 @@
 
 It keeps every flag of mlx_lm.generate and adds the `--tq-*` flags (flags.py); `--model smollm2-135m` is tq-chat's
 demo model, and `--max-kv-size` below the float window fits the window to it (config.fit_max_kv_size). The model
-is patched as it loads (`mlx_lm.utils.load_model`, which `mlx_lm.utils.load` looks up at call time), so every
-mlx-lm code path that builds a cache builds TurboQuant caches (mlx-lm-integration.md §3). `--kv-bits` alone
-selects mlx-lm's own affine cache instead; mixing it with `--tq-*` flags is refused. A float prompt-cache file is converted as it loads (convert.py).
+is patched as it loads (`mlx_lm.utils.load_model`, which `mlx_lm.utils.load` looks up at call time, replaced by
+tq_mlx.hook while the command runs, as are the names of mlx_lm.generate it calls), so every mlx-lm code path that
+builds a cache builds TurboQuant caches (mlx-lm-integration.md §3). `--kv-bits` alone selects mlx-lm's own affine
+cache instead; mixing it with `--tq-*` flags is refused. A float prompt-cache file is converted as it loads
+(convert.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import sys
 from typing import Iterator
 
+from . import hook
 from .config import TurboQuantConfig
 from .convert import compress_float_cache, converted_config
 from .display import describe_config, summary_line
@@ -24,26 +27,24 @@ from .flags import add_cache_args, config_or_error, exit_without_teardown, first
 
 @contextlib.contextmanager
 def patched_loading(config: TurboQuantConfig | None) -> Iterator[None]:
-    """While active, every model mlx_lm.utils.load / load_model loads is patched with TurboQuant caches."""
+    """While active, every model mlx_lm.utils.load / load_model loads is patched with TurboQuant caches (tq_mlx.hook's
+    "load_model" part)."""
     import mlx_lm.utils as utils
 
     from .integration import patch_model
 
-    original = utils.load_model
     if config is None:
         yield
         return
+    original = hook.original(utils, "load_model")
 
     def load_model(*args, **kwargs):
         model, model_config = original(*args, **kwargs)
         patch_model(model, config)
         return model, model_config
 
-    utils.load_model = load_model
-    try:
+    with hook.installed("load_model", {"mlx_lm.utils.load_model": load_model}):
         yield
-    finally:
-        utils.load_model = original
 
 
 class _Parsed:
@@ -138,7 +139,6 @@ def generate_main(argv: list[str] | None = None) -> int:
 
         use_openblas("tq-generate")
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     from .integration import tune_malloc
 
@@ -159,7 +159,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     used: list = []
     loaded: dict = {}  # the --prompt-cache-file, once gen.main has loaded it
 
-    original_generate, original_load, original_load_cache = gen.generate, gen.load, gen.load_prompt_cache
+    original_generate, original_load = gen.generate, gen.load
 
     def generate(model, tokenizer, prompt, verbose=False, **kwargs):
         if loaded and config is not None and kwargs.get("prompt_cache") is loaded["cache"]:
@@ -172,11 +172,12 @@ def generate_main(argv: list[str] | None = None) -> int:
                       f"to {describe_config(converted_config(config))} for this run (the file is unchanged; it holds "
                       f"no queries to weigh the keys by)", file=sys.stderr, flush=True)
             kwargs["prompt_cache"] = cache
-        # Build the cache here, exactly as generate_step / speculative_generate_step would, to read it after.
+        # Build the cache here, exactly as generate_step / speculative_generate_step would (their make_prompt_cache
+        # is tq_mlx.hook's once the model is patched: it passes --max-kv-size on), to read it after.
         if kwargs.get("prompt_cache") is None:
-            cache = make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
+            cache = hook.make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
             if kwargs.get("draft_model") is not None:
-                cache = cache + make_prompt_cache(kwargs["draft_model"])
+                cache = cache + hook.make_prompt_cache(kwargs["draft_model"])
             kwargs["prompt_cache"] = cache
         used.append((kwargs["prompt_cache"], len(model.layers)))
         return original_generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
@@ -190,26 +191,26 @@ def generate_main(argv: list[str] | None = None) -> int:
                             tensor_group=None if args.pipeline else group, return_config=return_config,
                             tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code)
 
-    setup = gen.setup_arg_parser
-    gen.setup_arg_parser, gen.generate = (lambda: _Parsed(args)), generate
-    gen.load_prompt_cache = _prompt_cache_loader(args, loaded)
-    gen.load = _loading_errors_in_one_line(load if distributed else original_load, gen.DEFAULT_MODEL)
+    names = {  # what gen.main calls, while it runs (tq_mlx.hook's "tq-generate" part)
+        "mlx_lm.generate.setup_arg_parser": lambda: _Parsed(args),
+        "mlx_lm.generate.generate": generate,
+        "mlx_lm.generate.load_prompt_cache": _prompt_cache_loader(args, loaded),
+        "mlx_lm.generate.load": _loading_errors_in_one_line(load if distributed else original_load, gen.DEFAULT_MODEL),
+    }
     try:
-        # Every rank computes the same answer; rank 0 prints it.
-        with patched_loading(config), open(os.devnull, "w") as null:
-            with contextlib.redirect_stdout(null if group.rank() else sys.stdout):
-                gen.main()
-        if distributed:
-            # Generation leaves a step in flight: finish it on every rank before any exits and closes its
-            # connections under a peer still receiving.
-            mx.synchronize()
-            mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+        with hook.installed("tq-generate", names):
+            # Every rank computes the same answer; rank 0 prints it.
+            with patched_loading(config), open(os.devnull, "w") as null:
+                with contextlib.redirect_stdout(null if group.rank() else sys.stdout):
+                    gen.main()
+            if distributed:
+                # Generation leaves a step in flight: finish it on every rank before any exits and closes its
+                # connections under a peer still receiving.
+                mx.synchronize()
+                mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
     except ValueError as e:
         print(f"tq-generate: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        gen.setup_arg_parser, gen.generate, gen.load = setup, original_generate, original_load
-        gen.load_prompt_cache = original_load_cache
     if used and group.rank() == 0:
         cache, n_layers = used[-1]
         line = summary_line(cache[:n_layers])

@@ -14,7 +14,9 @@
   heap; the command-line tools and benchmarks call it.
 
 Importing tq_mlx changes nothing in mlx-lm: make_prompt_cache, patch_model and load_prompt_cache install the
-attention hook (tq_mlx.hook.install_attention_hook), and a cache built by hand installs it at its first update.
+attention hook (tq_mlx.hook, where every name tq_mlx replaces in mlx-lm is installed and uninstalled), patch_model
+also the make_prompt_cache that passes --max-kv-size on, and a cache built by hand installs the hook at its first
+update.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .architectures import FLOAT_FETCH, fetch_for
 from .blas import warn_reference_blas
 from .cache import TurboQuantKVCache
 from .config import TurboQuantConfig, check_max_size
-from .hook import install_attention_hook
+from .hook import install, install_attention_hook
 from .architectures import AttentionLayout, attention_layout
 from .rope import Rope, probe
 
@@ -304,7 +306,9 @@ def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.
     """From now on mlx-lm builds TurboQuant caches for this model (generate, stream_generate, chat, server).
 
     Validates the model at once (raises like make_prompt_cache). Calling it again changes the config. A later
-    mlx-lm make_prompt_cache(model, max_kv_size=N) (--max-kv-size) builds bounded TurboQuant caches.
+    mlx-lm make_prompt_cache(model, max_kv_size=N) (--max-kv-size) builds bounded TurboQuant caches: it installs
+    tq_mlx.hook's "make_prompt_cache" part, which passes the bound to model.make_cache(max_kv_size=N) (a
+    make_prompt_cache imported by name before this call, outside mlx-lm, is mlx-lm's own, which drops it).
     """
     config = config or TurboQuantConfig()
     make_prompt_cache(model, config)  # validate now (raises before touching the model), not at the first request
@@ -312,17 +316,15 @@ def patch_model(model: nn.Module, config: TurboQuantConfig | None = None) -> nn.
         original = getattr(model, "make_cache", None)
         model._tq_make_cache = original if original is not None else (lambda: [KVCache() for _ in model.layers])
 
-    def make_cache() -> list[Any]:
-        # mlx-lm's make_prompt_cache(model, max_kv_size) calls model.make_cache() without the bound
-        # (cache.py:31-32); read it from that caller's frame so a bounded request is honoured, not dropped.
-        caller = sys._getframe(1)
-        bound = None
-        if caller.f_code is mlx_cache.make_prompt_cache.__code__:
-            bound = caller.f_locals.get("max_kv_size")
-        return make_prompt_cache(model, config, max_kv_size=bound)
+    def make_cache(max_kv_size: int | None = None) -> list[Any]:
+        return make_prompt_cache(model, config, max_kv_size=max_kv_size)
 
+    # mlx-lm's make_prompt_cache(model, max_kv_size) calls model.make_cache() without the bound (cache.py:31-32);
+    # tq_mlx.hook's stand-in for it (the "make_prompt_cache" part) passes the bound to a make_cache that takes it.
+    make_cache.takes_max_kv_size = True
     model.make_cache = make_cache
     model._tq_config = config
+    install("make_prompt_cache")
     return model
 
 

@@ -2,24 +2,24 @@
 
 It keeps every flag of mlx_lm.server and adds the `--tq-*` flags (flags.py) to mlx-lm's own parser (server_parser),
 so `--help` and the usage line show them all; `--model smollm2-135m` is tq-chat's demo model. Every model the
-server loads is patched (`ModelProvider._load`), so every mlx-lm code path that builds a cache builds TurboQuant
-caches (mlx-lm-integration.md §3); `--kv-bits` alone selects mlx-lm's own affine cache instead, and mixing it with
-`--tq-*` flags is refused. The model given by --model is loaded before the server listens: one that cannot load
-(or be compressed) is a one-line error and exit code 2. A request longer than --tq-max-context is refused with
-HTTP 400 before any forward, and every error goes out as OpenAI's error object.
+server loads is patched (`ModelProvider._load`: tq_mlx.hook installs the subclasses while the server runs), so every
+mlx-lm code path that builds a cache builds TurboQuant caches (mlx-lm-integration.md §3); `--kv-bits` alone selects
+mlx-lm's own affine cache instead, and mixing it with `--tq-*` flags is refused. The model given by --model is
+loaded before the server listens: one that cannot load (or be compressed) is a one-line error and exit code 2. A
+request longer than --tq-max-context is refused with HTTP 400 before any forward, and every error goes out as
+OpenAI's error object.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
 import threading
 import types
-from typing import Iterator
 
+from . import hook
 from .config import TurboQuantConfig
 from .display import describe_config
 from .flags import add_cache_args, config_or_error, count_arg, exit_without_teardown, first_line, model_arg
@@ -166,18 +166,13 @@ class _Built(Exception):
         self.parser = parser
 
 
-@contextlib.contextmanager
-def _parser_class(server, cls: type) -> Iterator[None]:
-    """While active, mlx_lm.server's main builds its parser as `cls` (it calls argparse.ArgumentParser inline)."""
+def _argparse_with(cls: type) -> types.ModuleType:
+    """argparse with `cls` as its ArgumentParser: mlx_lm.server's main calls argparse.ArgumentParser inline, so with
+    this as mlx_lm.server's `argparse` (tq_mlx.hook's "tq-server" part) it builds its parser as `cls`."""
     proxy = types.ModuleType("argparse")
     proxy.__dict__.update(vars(argparse))
     proxy.ArgumentParser = cls
-    saved = server.argparse
-    server.argparse = proxy
-    try:
-        yield
-    finally:
-        server.argparse = saved
+    return proxy
 
 
 def server_parser(server) -> argparse.ArgumentParser:
@@ -193,7 +188,7 @@ def server_parser(server) -> argparse.ArgumentParser:
                 raise _Built(self)
             return super().parse_args(args, namespace)
 
-    with _parser_class(server, Capture):
+    with hook.installed("tq-server", {"mlx_lm.server.argparse": _argparse_with(Capture)}):
         try:
             server.main()
         except _Built as built:
@@ -353,24 +348,26 @@ def server_main(argv: list[str] | None = None) -> int:
                 pass
             if provider.load_error is not None:
                 raise ValueError(provider.load_error)
-        return saved[2](host, port, response_generator, **{**kwargs, "handler_class": APIHandler})
+        return serve(host, port, response_generator, **{**kwargs, "handler_class": APIHandler})
 
     class Parsed(argparse.ArgumentParser):
         def parse_args(self, *_, **__) -> argparse.Namespace:
             return args  # parsed above, with the cache flags
 
-    saved = server.ModelProvider, server.ResponseGenerator, server._run_http_server, server.scan_cache_dir
-    server.ModelProvider, server.ResponseGenerator, server._run_http_server = (ModelProvider, ResponseGenerator,
-                                                                               run_http_server)
-    server.scan_cache_dir = _scan_cache_or_empty(saved[3])
+    serve = server._run_http_server
+    names = {  # what server.main reaches, while it runs (tq_mlx.hook's "tq-server" part)
+        "mlx_lm.server.ModelProvider": ModelProvider,
+        "mlx_lm.server.ResponseGenerator": ResponseGenerator,
+        "mlx_lm.server._run_http_server": run_http_server,
+        "mlx_lm.server.scan_cache_dir": _scan_cache_or_empty(server.scan_cache_dir),
+        "mlx_lm.server.argparse": _argparse_with(Parsed),
+    }
     try:
-        with _parser_class(server, Parsed):
+        with hook.installed("tq-server", names):
             server.main()
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        server.ModelProvider, server.ResponseGenerator, server._run_http_server, server.scan_cache_dir = saved
     return 0
 
 
