@@ -305,15 +305,16 @@ def shown_key_widths(bits: str, n_layers: int, config) -> list[int | None]:
     """Each attention layer's key width as a bits summary names it ("L0 K4→3/V4 after 6144 · L1-4 K5→4/..."):
     estimate_kv_bytes's key_widths. A protected (K8) layer is priced at the most the keys take where they widen,
     as protect_layer_bytes counts beyond it; a layer at the configured bits keeps None."""
-    from tq_mlx.config import WIDEST_KEY_BITS
+    from tq_mlx.plan import layer_plan
 
+    widen = layer_plan(config).keys.widen
     widths: list[int | None] = [None] * n_layers
     for layers, label in re.findall(r"L([\d,-]+) (\S+)", bits):
         w = int(re.match(r"K(\d+)", label).group(1))
         if w == config.key_bits:
             continue
         if label.startswith("K8"):
-            w = WIDEST_KEY_BITS if config.layer_widens(config.key_bits) else None
+            w = widen.max_bits if widen is not None else None
         for i in layer_indices(layers):
             widths[i] = w
     return widths

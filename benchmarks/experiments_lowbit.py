@@ -3,7 +3,7 @@
 Not a benchmark of the package: a quantize-dequantize ("fake quant") twin of TurboQuantKVCache that allows
 per-layer bits, query-aware per-channel key scaling, weight-aware value scaling and temporal decay, without
 touching tq_mlx. Compressed tokens are encoded with tq_mlx's own quantizer (TurboQuantMSE, same seeds as
-TurboQuantKVCache: cache.layer_seed), centering (calibration_mean), power-of-two scale (calibration_scale) and
+TurboQuantKVCache: plan.layer_seed), centering (calibration_mean), power-of-two scale (calibration_scale) and
 key protection (bias_outlier_factor), calibrated on the first `window` tokens after the sinks exactly as
 stream.CompressedStream does; the float buffer then holds the decoded value, and attention is mlx's float SDPA
 (the same scores as tq_mlx's attention up to float rounding). Validated against the real cache (see --validate).
@@ -36,7 +36,7 @@ import long_context_settings as lc_settings  # noqa: E402
 
 import caches  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.cache import layer_seed  # noqa: E402
+from tq_mlx.plan import layer_seed  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.memory import turboquant_layer_bytes  # noqa: E402
 from tq_mlx.quantizer import MSECodes, TurboQuantMSE  # noqa: E402

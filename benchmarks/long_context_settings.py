@@ -16,6 +16,7 @@ from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
+from tq_mlx.plan import layer_plan  # noqa: E402
 
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
@@ -278,7 +279,7 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
     config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
     args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
-    decay = dict(decay_bits=config.layer_decay_bits(n_att // 2, n_att))
+    decay = dict(decay_bits=layer_plan(config, n_att // 2, n_att).decay_bits)
     base = turboquant_layer_bytes(*args, **decay)
     extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
     extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())

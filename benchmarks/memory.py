@@ -38,6 +38,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
 from tq_mlx.architectures import attention_layout  # noqa: E402
 from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
+from tq_mlx.plan import layer_plan  # noqa: E402
 
 CONFIGS = common.BENCH_DIR / "configs"
 CONTEXTS = (8192, 32768, 131072, 262144)
@@ -184,7 +185,7 @@ def run(args) -> dict:
         n_att = len(lay.full_layers)
         for b, cfg in configs.items():
             for a in range(n_att):
-                kb, vb = cfg.layer_bits(a, n_att)
+                kb, vb = layer_plan(cfg, a, n_att).bits
                 needed[(*geometry(lay), kb, vb, layer_kind(lay))] = dataclasses.replace(
                     cfg, key_bits=kb, value_bits=vb, boundary_layers=0)
 
@@ -230,7 +231,7 @@ def run(args) -> dict:
                 kv[ctx] = est
                 if "config" in spec:
                     cfg = spec["config"]
-                    layers = [fills[(*geometry(lay), *cfg.layer_bits(a, n_att), layer_kind(lay))] for a in range(n_att)]
+                    layers = [fills[(*geometry(lay), *layer_plan(cfg, a, n_att).bits, layer_kind(lay))] for a in range(n_att)]
                     total = sum(f[ctx] for f in layers) + sliding_float16_bytes(lay, ctx)
                     real[ctx] = total
                     exact[ctx] = estimate_kv_bytes(cfg_json, ctx, cfg, key_widths=[f["key_width"] for f in layers])

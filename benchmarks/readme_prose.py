@@ -179,7 +179,7 @@ def bound_floor_values() -> tuple:
     from tq_mlx import TurboQuantConfig
 
     d = TurboQuantConfig()
-    return (d.sinks + d.window + d.compress_block_size - 1,)
+    return (d.bound_floor,)
 
 
 BOUNDS = (4096, 256)  # the --max-kv-size the README prices

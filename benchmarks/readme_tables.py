@@ -191,13 +191,15 @@ def default_words(d) -> str:
 
 
 def widest_words(d) -> str:
-    """Why the table's TurboQuant bytes are a bound when keys widen by their error."""
+    """Why the table's TurboQuant bytes are a bound when keys widen by their error, and what it leaves out."""
     from tq_mlx.config import WIDEST_KEY_BITS
 
     if d.key_error is None:
         return ""
-    return (f"; every layer's keys priced at K{WIDEST_KEY_BITS}, the most they take, so a real cache holds at most "
-            f"this (what the layers of two real models took: [Quality at long context](#quality-at-long-context))")
+    return (f"; every layer's keys priced at K{WIDEST_KEY_BITS}, the most they take by their error, so a real cache "
+            f"holds at most this, plus what `--plan` adds for each layer whose keys protect themselves at "
+            f"K{d.protect_bits:g} (what the layers of two real models took: "
+            f"[Quality at long context](#quality-at-long-context))")
 
 
 def measured_contexts(results: Path | None, suffix: str) -> str:

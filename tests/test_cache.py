@@ -140,9 +140,9 @@ def test_config_rejects_bad_values(kwargs, words):
 
 def test_layer_bits_boundary():
     c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
-    got = [c.layer_bits(i, 6) for i in range(6)]
+    got = [layer_plan(c, i, 6).bits for i in range(6)]
     assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
-    assert TurboQuantConfig(key_bits=3).layer_bits(0, 6) == (3, 4)  # the default value_bits
+    assert layer_plan(TurboQuantConfig(key_bits=3), 0, 6).bits == (3, 4)  # the default value_bits
     cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
     assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
     # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.

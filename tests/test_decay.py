@@ -55,22 +55,22 @@ def sdpa_on_decoded(q, kv, scale=0.125, mask=None):
 def test_config_round_trips_and_boundary_layers_do_not_decay():
     c = TurboQuantConfig(decay_after=2048, decay_key_bits=3.0, decay_value_bits=2, boundary_layers=1)
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and isinstance(c.decay_key_bits, int)
-    assert c.layer_decay_bits(0, 4) == (None, None) and c.layer_decay_bits(3, 4) == (None, None)
-    assert c.layer_decay_bits(1, 4) == (3, 2)
+    assert layer_plan(c, 0, 4).decay_bits == (None, None) and layer_plan(c, 3, 4).decay_bits == (None, None)
+    assert layer_plan(c, 1, 4).decay_bits == (3, 2)
     # The default decays its keys (K4 to K3; values keep V4), but not in its boundary layers, nor with
     # decay_after=None. Every integer width decays by one rule (keys one bit less down to 3, values not unless
     # asked); fractional, 8-bit and floor widths keep theirs, and with nothing to decay nothing does.
-    assert TurboQuantConfig().layer_decay_bits(1, 4) == (3, None)
-    assert TurboQuantConfig(boundary_layers=1).layer_decay_bits(0, 4) == (None, None)
-    assert TurboQuantConfig(decay_after=None).layer_decay_bits(1, 4) == (None, None)
-    assert TurboQuantConfig(value_bits=3).layer_decay_bits(1, 4) == (3, None)
-    assert TurboQuantConfig(key_bits=5, value_bits=5).layer_decay_bits(1, 4) == (4, None)
+    assert layer_plan(TurboQuantConfig(), 1, 4).decay_bits == (3, None)
+    assert layer_plan(TurboQuantConfig(boundary_layers=1), 0, 4).decay_bits == (None, None)
+    assert layer_plan(TurboQuantConfig(decay_after=None), 1, 4).decay_bits == (None, None)
+    assert layer_plan(TurboQuantConfig(value_bits=3), 1, 4).decay_bits == (3, None)
+    assert layer_plan(TurboQuantConfig(key_bits=5, value_bits=5), 1, 4).decay_bits == (4, None)
     assert TurboQuantConfig(key_bits=3, value_bits=3).decay_after is None
     assert TurboQuantConfig(key_bits=8, value_bits=8).decay_after is None
     assert TurboQuantConfig(key_bits=3.5, value_bits=2.5).decay_after is None
     assert TurboQuantConfig(key_bits=4, value_bits=4, qjl=True).decay_after is None
     # values decay when asked, by the same validation as keys
-    assert TurboQuantConfig(decay_value_bits=2).layer_decay_bits(1, 4) == (3, 2)
+    assert layer_plan(TurboQuantConfig(decay_value_bits=2), 1, 4).decay_bits == (3, 2)
     d = TurboQuantConfig()
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
 

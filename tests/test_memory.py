@@ -46,6 +46,7 @@ from tq_mlx.memory import (
     widen_layer_bytes,
 )
 from tq_mlx.quantizer import MSE_BITS, PROD_BITS, constant_arrays
+from tq_mlx.plan import layer_plan
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
@@ -315,7 +316,7 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
         M = cfg.sinks + cfg.window + K - 1  # the least bound the cache takes
     H, D, n_max = 2, 64, 150
     model = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D}
-    decays = [b is not None for b in cfg.layer_decay_bits(0, None)]
+    decays = [b is not None for b in layer_plan(cfg, 0, None).decay_bits]
     k, v = mx.random.normal((1, H, n_max, D), key=mx.random.key(1)), mx.random.normal((1, H, n_max, D))
     cache = TurboQuantKVCache(cfg, max_size=M)
 
@@ -325,8 +326,8 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
             lays[0].sinks, lays[0].window, lays[0].compressed, lays[0].dropped), (name, M, n)
         assert cache.n_decayed == tuple(lay.decayed for lay in lays), (name, M, n)
         bound = dict(max_kv_size=cache.max_size, float_bytes=4, heads=H)
-        q = dict(qjl=cfg.layer_qjl(cfg.key_bits), center=bool(cfg.center_keys), weigh=cfg.weigh_keys)
-        kd, vd = cfg.layer_decay_bits(0, None)
+        q = dict(qjl=layer_plan(cfg).keys.qjl, center=bool(cfg.center_keys), weigh=cfg.weigh_keys)
+        kd, vd = layer_plan(cfg, 0, None).decay_bits
         width = cache.key_bits if cache.key_stream.widened else None  # the keys' choice (key_error)
         assert cache.key_stream.nbytes == stream_bytes(cfg, n, D, cfg.key_bits, decay_bits=kd, widened=width, **q,
                                                        **bound)

@@ -4,6 +4,7 @@ decayed tokens at the decay bits, fresh codes in a buffer of fixed size."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -189,3 +190,29 @@ def test_decay_bits_per_value_at_32k_by_hand():
         weighed = dataclasses.replace(cfg, weigh_keys=True)  # and the keys' query weights: B·H·D float32
         assert estimate_kv_bytes(model, ctx, weighed, dtype="float16") == layer + H * 4 * D
         assert round(layer * 8 / (ctx * H * D * 2), 2) == want
+
+
+def test_the_planned_bound_names_what_a_protecting_layer_adds():
+    # A layer whose keys protect themselves (a channel that barely varies: bias_outlier_factor above
+    # protect_factor) holds K8 codes that do not decay: more than the estimate's "every layer's keys at the most
+    # key_error gives". The bound a plan states is the estimate plus protect_layer_bytes per such layer.
+    from tests.support.memory import fed
+    from tq_mlx.memory import estimate_kv_bytes, protect_layer_bytes
+
+    cfg = TurboQuantConfig(window=64)
+    H, D, n = 2, 64, 3000
+    model = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D}
+    k1, k2 = mx.random.split(mx.random.key(3))
+    keys = mx.concatenate([40.0 + 0.01 * mx.random.normal((1, H, n, 1), key=k1),
+                           mx.random.normal((1, H, n, D - 1), key=k2)], axis=-1)
+    cache = TurboQuantKVCache(cfg, head_dim=D)
+    fed(cache, keys, mx.random.normal((1, H, n, D)))
+    mx.eval(cache.held_arrays())
+    assert cache.protected
+    estimate = estimate_kv_bytes(model, n, cfg, dtype="float32")
+    extra = protect_layer_bytes(model, n, cfg, dtype="float32")
+    assert estimate < cache.nbytes == estimate + extra, (estimate, cache.nbytes, extra)
+    # and the README, where it calls the planner's figure a bound, says so
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    bound = next(line for line in readme.splitlines() if "so a real cache holds at most this" in line)
+    assert "for each layer whose keys protect themselves" in bound

@@ -26,6 +26,7 @@ RANKS = {
     "demo": 1,  # the demo model: fetched from PyPI, checked, converted once (gguf_convert) into ~/.cache/tq-mlx
     "config": 2,
     "layout": 3,  # what a config holds at N tokens, and its bytes: arithmetic only
+    "plan": 3.5,  # one plan per layer: what each stream holds and does, and its bytes (the cache and planner read it)
     "calibration": 4, "codec": 4,  # a stream's calibration; a stream's state, saved and loaded
     "view": 4,  # what attention reads of a stream, and the reference encode and decode of its codes
     "values": 4.5,  # the error old values would give at fewer bits, measured on the first window (value_error)

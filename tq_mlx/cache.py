@@ -24,12 +24,13 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from .batch import BatchTurboQuantKVCache
 from .codebook import MIN_DIM
 from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int, check_max_size
+from .plan import LayerPlan, layer_plan
 from .architectures import FETCHES
 from .hook import install_attention_hook
 from .kernels import dispatch_dequantize, dispatch_encode, float_tokens
 from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
 from .rope import Rope
-from .codec import STATE_PARTS, batch_heads, make_quantizer, unique_arrays
+from .codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream import CompressedStream
 from .view import StreamView
 
@@ -42,12 +43,6 @@ STATE_VERSION = 10
 READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
-
-
-def layer_seed(seed: int, layer_index: int, side: int) -> int:
-    """The rotation/projection seed of one side (0 keys, 1 values) of one layer. Groups of a fractional-bit
-    quantizer use seed and seed + 1, so seeds are spaced by 8."""
-    return (seed * 100_003 + layer_index) * 16 + 8 * side
 
 
 class _unbounded_only:
@@ -113,14 +108,11 @@ class TurboQuantKVCache(_BaseCache):
         self.layer_index = int(layer_index)
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
         self.n_attention_layers = n_attention_layers
-        if n_attention_layers is None:
-            self.config_bits = self.config.key_bits, self.config.value_bits
-        else:
-            self.config_bits = self.config.layer_bits(self.attention_index, n_attention_layers)
         self.expected_head_dim = head_dim
-        # the keys' RoPE (tq_mlx.rope.probe of the model's layer), for centering before it (config.center_keys
-        # "rope"); None: one mean after RoPE. Only keys of per-head caches ("codes", "float") are rotated.
-        self.rope = rope if self.config.center_keys == "rope" and not self.k_eq_v and fetch != "latent" else None
+        self.plan = self._plan(rope is not None)
+        # the keys' RoPE (tq_mlx.rope.probe of the model's layer), for centering before it where the plan says;
+        # None: one mean after RoPE
+        self.rope = rope if self.plan.keys.rope else None
         self.max_size = None if max_size is None else check_max_size(max_size, self.config)
         self.n_dropped = 0  # tokens dropped by the bound (offset = held tokens + n_dropped)
         self.offset = 0
@@ -136,21 +128,25 @@ class TurboQuantKVCache(_BaseCache):
     def bits(self):
         return self.key_bits
 
+    def _plan(self, rope: bool) -> LayerPlan:
+        """This layer's plan (tq_mlx.plan): every per-layer rule of the streams it builds."""
+        return layer_plan(self.config, self.attention_index, self.n_attention_layers, fetch=self.fetch,
+                          k_eq_v=self.k_eq_v, rope=rope, layer_index=self.layer_index)
+
     @property
     def key_bits(self) -> float:
         """Bits of the keys' codes: the layer's configured bits, protect_bits once the key stream protected
         itself at calibration (TurboQuantConfig.protect_factor), or the width it chose (key_error)."""
-        return self.key_stream.quantizer.bits if self.key_stream else self.config_bits[0]
+        return self.key_stream.quantizer.bits if self.key_stream else self.plan.keys.bits
 
     @property
     def value_bits(self) -> float:
-        # A latent layer's "values" are its rope key, which scores like a key: it takes the key bits.
-        return self.config_bits[0] if self.fetch == "latent" else self.config_bits[1]
+        """Bits of the values' codes (a latent layer's rope key takes the key bits: tq_mlx.plan)."""
+        return self.plan.values.bits if self.plan.values is not None else self.plan.bits[1]
 
     @property
     def qjl(self) -> bool:
-        return isinstance(self.key_stream.quantizer, TurboQuantProd) if self.key_stream else \
-            self.config.layer_qjl(self.config_bits[0])
+        return isinstance(self.key_stream.quantizer, TurboQuantProd) if self.key_stream else self.plan.keys.qjl
 
     @property
     def protected(self) -> bool:
@@ -167,7 +163,7 @@ class TurboQuantKVCache(_BaseCache):
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Raise ValueError, naming the layer, unless this cache can store heads of these sizes (values may be
         zero-wide: an indexer's cache that stores keys alone, minimax_m3_vl.py:264)."""
-        for name, d, bits in (("key", key_dim, self.config_bits[0]), ("value", value_dim, self.value_bits)):
+        for name, d, bits in (("key", key_dim, self.plan.keys.bits), ("value", value_dim, self.value_bits)):
             if name == "value" and (d == 0 or self.k_eq_v):
                 continue
             if d < MIN_DIM:
@@ -179,13 +175,12 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def decay_bits(self) -> tuple[int | None, int | None]:
-        """(keys, values): the bits compressed tokens decay to (config.decay_after), None where they do not. A
-        latent layer's rope key (its value stream) decays like keys; a protected key stream does not decay, a
-        widened one (key_error) by the same step."""
-        kb, vb = self.config.layer_decay_bits(self.attention_index, self.n_attention_layers)
-        vb = kb if self.fetch == "latent" else vb  # the rope key decays even where the latent protected itself
+        """(keys, values): the bits compressed tokens decay to (config.decay_after), None where they do not: the
+        plan's, a widened key stream's by the same step, none for protected keys, and the bits values chose by
+        their error (value_error) where fewer than theirs."""
+        kb, vb = self.plan.decay_bits
         if self.key_stream is not None and self.key_stream.widened:
-            kb = self.config.widened_decay_bits(self.key_bits, kb)
+            kb = self.plan.keys.decay_at(self.key_bits)
         v = self.value_stream
         if v is not None and v.value_sums is not None:  # values by their error: the bits chosen, if fewer
             vb = v.value_width if v.value_width is not None and v.value_width < self.value_bits else None
@@ -193,34 +188,12 @@ class TurboQuantKVCache(_BaseCache):
 
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
         self.check_dims(key_dim, value_dim)
-        c = self.config
-        common = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
-                      encoder=dispatch_encode, decoder=dispatch_dequantize)
-        seeds = [layer_seed(c.seed, self.layer_index, side) for side in (0, 1)]
-        kb = self.config_bits[0]
-        protect = None if c.protect_factor is None else (c.protect_factor, c.protect_bits)
-        # widths by error for keys at the layer's configured bits (a boundary layer keeps its boundary_bits)
-        widen = (c.key_error, WIDEST_KEY_BITS) if c.layer_widens(kb) else None
-        decay = self.decay_bits
-        narrow = None
-        if self.fetch == "codes" and c.layer_narrows(self.config_bits[1], self.attention_index, self.n_attention_layers):
-            narrow = (c.value_error, c.decay_after)
-
-        def decay_of(dim, side):
-            bits = decay[side]
-            return None if bits is None else (c.decay_after, make_quantizer(int(dim), bits, False, seeds[side],
-                                                                             c.norm_dtype))
-
-        self.key_stream = CompressedStream(make_quantizer(int(key_dim), kb, c.layer_qjl(kb), seeds[0], c.norm_dtype),
-                                           name="k", center=bool(c.center_keys), protect=protect,
-                                           decay=decay_of(key_dim, 0),
-                                           rope=self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim
-                                           else None, weigh=c.weigh_keys and self.fetch == "codes", widen=widen,
-                                           **common)
-        self.value_stream = None if value_dim == 0 or self.k_eq_v else CompressedStream(
-            make_quantizer(int(value_dim), self.value_bits, False, seeds[1], c.norm_dtype),
-            name="v", center=bool(c.center_keys) if self.fetch == "latent" else c.center_values,
-            decay=decay_of(value_dim, 1), narrow=narrow, **common)
+        self.plan = p = self._plan(self.rope is not None)  # a loaded state may have changed fetch or K=V
+        coders = dict(encoder=dispatch_encode, decoder=dispatch_dequantize)
+        rope = self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim else None
+        self.key_stream = CompressedStream(p.keys, key_dim, rope=rope, **coders)
+        self.value_stream = None if value_dim == 0 or p.values is None else CompressedStream(p.values, value_dim,
+                                                                                             **coders)
 
     @property
     def key_dim(self) -> int:
@@ -579,9 +552,13 @@ class TurboQuantKVCache(_BaseCache):
             return
         self._make_streams(counts["key_dim"], counts["value_dim"])
         if protected:
+            if self.key_stream.protect is None:
+                raise bad(f"protected keys, but K{self.key_bits:g} keys do not protect at "
+                          f"protect_bits={config.protect_bits:g}")
             self.key_stream.set_protected(True)
         elif key_bits is not None and key_bits != self.key_bits:
-            if self.key_stream.widen is None or not n_c or key_bits not in range(int(self.key_bits), WIDEST_KEY_BITS + 1):
+            widen = self.key_stream.widen
+            if widen is None or not n_c or key_bits not in range(int(self.key_bits), widen.max_bits + 1):
                 raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error and compressed "
                           f"tokens, up to {WIDEST_KEY_BITS} bits")
             self.key_stream.set_bits(int(key_bits))

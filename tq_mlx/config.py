@@ -8,8 +8,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
-
 from .quantizer import PROD_BITS, check_bits, format_bits
 
 
@@ -269,11 +267,6 @@ class TurboQuantConfig:
         return cls(key_bits=bits, value_bits=bits, **kwargs)
 
     @property
-    def norm_dtype(self) -> mx.Dtype:
-        """How stored norms are kept (quantizer.NORM_DTYPES): float16, or a uint8 log code at norm_bits 8."""
-        return mx.float16 if self.norm_bits == 16 else mx.uint8
-
-    @property
     def decayed_bits(self) -> tuple[float, float]:
         """(key_bits, value_bits) of decayed tokens: each side's decay bits, or its own where it does not decay."""
         return self.decay_key_bits or self.key_bits, self.decay_value_bits or self.value_bits
@@ -283,42 +276,11 @@ class TurboQuantConfig:
         """Tokens compressed at a time when the window overflows."""
         return self.compress_block if self.compress_block is not None else min(max(self.window, 1), COMPRESS_BLOCK)
 
-    def layer_bits(self, attention_index: int, n_attention_layers: int) -> tuple[float, float]:
-        """(key_bits, value_bits) of the attention layer `attention_index` (0-based among attention layers)."""
-        n = self.boundary_layers
-        if n and (attention_index < n or attention_index >= n_attention_layers - n):
-            return max(self.key_bits, self.boundary_bits), max(self.value_bits, self.boundary_bits)
-        return self.key_bits, self.value_bits
-
-    def layer_decay_bits(self, attention_index: int, n_attention_layers: int | None) -> tuple[int | None, int | None]:
-        """(decay_key_bits, decay_value_bits) of an attention layer: (None, None) without decay and in boundary
-        layers, which keep their boundary_bits at every age."""
-        n = self.boundary_layers
-        if self.decay_after is None or (n and n_attention_layers is not None and (
-                attention_index < n or attention_index >= n_attention_layers - n)):
-            return None, None
-        return self.decay_key_bits, self.decay_value_bits
-
-    def layer_widens(self, key_bits: float) -> bool:
-        """Whether keys at a layer's key_bits choose their width by their error (key_error): at the config's own
-        bits (a boundary layer keeps its boundary_bits) below WIDEST_KEY_BITS."""
-        return self.key_error is not None and key_bits == self.key_bits and key_bits < WIDEST_KEY_BITS
-
-    def layer_narrows(self, value_bits: float, attention_index: int, n_attention_layers: int | None) -> bool:
-        """Whether an attention layer's values choose the bits they decay to by their error (value_error): at the
-        config's own value bits, in a layer that decays (not a boundary layer)."""
-        return (self.value_error is not None and value_bits == self.value_bits
-                and self.layer_decay_bits(attention_index, n_attention_layers) != (None, None))
-
-    def widened_decay_bits(self, bits: int, decay_bits: int | None) -> int | None:
-        """The bits keys widened to `bits` (key_error) decay to: the layer's decay_bits lowered by as many bits as
-        the keys were widened (K4 -> K3 becomes K6 -> K5); None where the layer does not decay."""
-        return None if decay_bits is None else int(decay_bits) + int(bits) - int(self.key_bits)
-
-    def layer_qjl(self, key_bits: float) -> bool:
-        """Whether keys at key_bits use QJL: TurboQuant_prod needs integer bits 1-4, so an 8-bit boundary
-        layer keeps plain MSE codes."""
-        return self.qjl and key_bits in PROD_BITS
+    @property
+    def bound_floor(self) -> int:
+        """The least max_kv_size a cache of this config takes: sinks + window + compress_block - 1 (the float
+        sinks and window are never dropped, and a bound drops whole compress blocks)."""
+        return self.sinks + self.window + self.compress_block_size - 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -422,7 +384,7 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
         return config
     check_int("max_kv_size", max_kv_size, 1)
     block = config.compress_block_size
-    if config.sinks + config.window + block - 1 <= max_kv_size:
+    if config.bound_floor <= max_kv_size:
         return config
     sinks = min(config.sinks, max_kv_size)
     room = max_kv_size - sinks + 1  # window + 2 blocks
@@ -440,7 +402,7 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
 def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
     """max_size (max_kv_size) as an int, or ValueError: the float sinks and window are never dropped, so the
     bound must hold them and one compress block less a token."""
-    least = config.sinks + config.window + config.compress_block_size - 1
+    least = config.bound_floor
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
         raise ValueError(
             f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from .cache import TurboQuantKVCache
 from .config import WIDEST_KEY_BITS, TurboQuantConfig, bits_label
 from .memory import Saving, flat_caches
+from .plan import layer_plan
 from .quantizer import format_bits
 
 
@@ -58,7 +59,7 @@ def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: 
     are never dropped): keeping 4 sinks, a 217-token window and compress blocks of 36"."""
     if fitted == config:
         return None
-    least = config.sinks + config.window + config.compress_block_size - 1
+    least = config.bound_floor
     return (f"--max-kv-size {max_kv_size:,} is below sinks + window + compress block - 1 = {least:,} tokens (the "
             f"float sinks and window are never dropped): keeping {fitted.sinks} sinks, a {fitted.window}-token "
             f"window and compress blocks of {fitted.compress_block_size}")
@@ -97,11 +98,8 @@ def decay_label(key_bits: float, value_bits: float, qjl: bool = False,
 def config_label(config, attention_index: int = 0, n_attention_layers: int | None = None) -> str:
     """A config's bits as decay_label words them, for one attention layer (by default one that is not a boundary
     layer): "K4→3/V3→2 after 2048"."""
-    kb, vb = config.key_bits, config.value_bits
-    if n_attention_layers is not None:
-        kb, vb = config.layer_bits(attention_index, n_attention_layers)
-    return decay_label(kb, vb, config.layer_qjl(kb), config.layer_decay_bits(attention_index, n_attention_layers),
-                       config.decay_after)
+    plan = layer_plan(config, attention_index, n_attention_layers)
+    return decay_label(*plan.bits, plan.keys.qjl, plan.decay_bits, config.decay_after)
 
 
 def cache_decay_bits(c: TurboQuantKVCache) -> tuple[int | None, int | None]:

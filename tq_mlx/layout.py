@@ -57,6 +57,13 @@ def decayed_split(n_fresh: int, n_window: int, age: int | None, compress_block: 
     return min(n_fresh, -(-(n_fresh + n_window - age) // compress_block) * compress_block)
 
 
+def widened_decay(decay_bits: int, bits: float, width: float) -> int:
+    """The bits codes of a stream configured at `bits` and decaying to `decay_bits` decay to once it codes at
+    `width` (keys widened by their error): lowered by as many bits as the codes were widened (K4 -> K3 becomes
+    K6 -> K5)."""
+    return int(decay_bits) + int(width) - int(bits)
+
+
 def fresh_bound(age: int, window: int, compress_block: int) -> int:
     """The most fresh codes a decaying stream can hold: the window keeps at least window - compress_block + 1
     tokens once anything is compressed, and fresh plus window tokens stay within `age`."""
@@ -265,7 +272,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         total += constant_bytes(dim, bits)
     elif widened is not None and widened != bits:
         if decay_bits is not None:
-            decay_bits = config.widened_decay_bits(widened, decay_bits)
+            decay_bits = widened_decay(decay_bits, bits, widened)
             total += constant_bytes(dim, decay_bits)
         bits = widened
         total += constant_bytes(dim, bits)

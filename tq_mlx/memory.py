@@ -19,6 +19,7 @@ the summary's). `estimate_mlx_lm_bytes` is that reference before any model is lo
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import mlx.core as mx
@@ -26,8 +27,10 @@ import mlx.core as mx
 from .architectures import attention_layout, text_config
 from .attention import tile_size
 from .cache import TurboQuantKVCache
-from .config import WIDEST_KEY_BITS, check_max_size
-from .layout import stream_bytes, token_layout
+from .config import check_max_size
+from .layout import token_layout
+from .plan import LayerPlan, Narrow, layer_bytes, layer_plan
+from .quantizer import PROD_BITS
 
 FLOAT16_BYTES = 2
 SAVED_AGAINST = "against mlx-lm's own cache for the same tokens (KVCache in the model's dtype, 256 tokens at a time)"
@@ -95,38 +98,30 @@ def turboquant_layer_bytes(
     weighted: bool | None = None, key_width: int | None = None, value_width: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
-    bounded caches token by token): its streams as the cache builds them, each priced by layout.stream_bytes.
+    bounded caches token by token): tq_mlx.plan.layer_bytes of the plan of a layer of this kind (latent, K=V,
+    RoPE-centered where rope_pairs is given), its bits and decay as given.
 
-    Keys and values are two streams with their own widths (key_dim != value_dim for MLA: latent and rope key). A
-    latent layer stores its rope key (the value stream) at the key bits, centered like keys (it enters the
-    scores), and decays it at the key's decay bits; a K=V layer (Gemma 4's attention_k_eq_v) holds one stream,
-    its values at the key bits, and derives the keys on each fetch; zero-wide values (an indexer's keys-only
-    cache) hold no value stream. protected: the key stream protected itself at calibration (codes at
-    config.protect_bits that do not decay; the values keep theirs).
-    decay_bits = (keys, values), the bits this layer's old tokens decay to (config.layer_decay_bits: (None, None)
-    in boundary layers); None: the config's own. rope_pairs: keys centered before RoPE (config.center_keys "rope"
-    on a layer whose RoPE rotates that many channel pairs); None: not. weighted: the keys are weighed by the
-    queries (config.weigh_keys on a per-head layer whose attention sees the cache's views; None:
-    config.weigh_keys unless latent or K=V). max_kv_size: a bounded cache. key_width: the bits the keys chose
-    at calibration (config.key_error; None: key_bits). value_width: the values choose the bits they decay to by
-    their error (config.value_error), these (value_bits: they keep theirs); None: they do not choose.
+    key_bits, value_bits: the layer's configured bits (a latent layer's rope key takes key_bits). decay_bits =
+    (keys, values): the bits its old tokens decay to (None: the plan's, a middle layer's). weighted: the keys
+    are weighed by the queries (None: as the plan says). protected, key_width, value_width: what the layer chose
+    at its first compression (plan.layer_bytes).
     """
-    k_decay, v_decay = config.layer_decay_bits(0, None) if decay_bits is None else decay_bits
-    if weighted is None:
-        weighted = config.weigh_keys and not latent and not k_eq_v
-    common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
-    total = stream_bytes(config, tokens, key_dim, key_bits, qjl=config.layer_qjl(key_bits), decay_bits=k_decay,
-                         protected=protected, widened=key_width, center=bool(config.center_keys), weigh=weighted,
-                         rope_pairs=rope_pairs if config.center_keys == "rope" else None, **common)
-    if value_dim and not k_eq_v:
-        if latent:
-            value_bits, v_decay, v_center = key_bits, k_decay, bool(config.center_keys)
-        else:
-            v_center = config.center_values
-        narrow = None if latent else value_width
-        total += stream_bytes(config, tokens, value_dim, value_bits, decay_bits=v_decay, center=v_center,
-                              narrow=narrow, **common)
-    return total
+    plan = layer_plan(config, fetch="latent" if latent else "codes", k_eq_v=k_eq_v, rope=rope_pairs is not None)
+    kd, vd = plan.decay_bits if decay_bits is None else decay_bits
+    age = config.decay_after
+    keys = replace(plan.keys, bits=key_bits, qjl=config.qjl and key_bits in PROD_BITS,
+                   decay=None if kd is None else (age, kd),
+                   weigh=plan.keys.weigh if weighted is None else weighted)
+    values = plan.values
+    if latent:
+        values = replace(values, bits=key_bits, decay=keys.decay)
+    elif values is not None:
+        values = replace(values, bits=value_bits, decay=None if vd is None else (age, vd),
+                         narrow=Narrow(config.value_error, age) if value_width is not None else None)
+    plan = replace(plan, keys=keys, values=values)
+    return layer_bytes(plan, tokens, n_kv_heads, key_dim, value_dim, batch=batch, float_bytes=float_bytes,
+                       max_kv_size=max_kv_size, rope_pairs=rope_pairs, protected=protected, key_width=key_width,
+                       value_width=value_width)
 
 
 FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -162,7 +157,7 @@ def estimate_kv_bytes(
     the references, the model's dtype next to TurboQuant, as RotatingKVCache holds); KV-shared layers hold
     nothing; linear-attention state (fixed size) is not counted. TurboQuant's float sinks and window hold the
     model's dtype (kv_float_bytes: `dtype`, else torch_dtype). Temporal decay (config.decay_after) is priced per
-    layer (config.layer_decay_bits: boundary layers do not decay), as turboquant_layer_bytes says.
+    layer (tq_mlx.plan.layer_plan: boundary layers do not decay), as turboquant_layer_bytes says.
 
     max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
     RotatingKVCache, decoding); TurboQuant follows layout.token_layout (decoding token by token).
@@ -170,7 +165,8 @@ def estimate_kv_bytes(
     Keys by their error (config.key_error) choose their bits at calibration, from their own tokens and queries:
     key_widths gives each attention layer's choice (chosen_key_widths of a live cache; None: the layer kept its
     bits), and without it every layer that may widen is priced at WIDEST_KEY_BITS, so the estimate bounds the
-    cache (it equals it when every layer took the most). Values by their error (config.value_error) choose the
+    cache (it equals it when every layer took the most) but for layers whose keys protect themselves at
+    protect_bits (chosen by their calibration tokens, which no plan knows): each adds protect_layer_bytes. Values by their error (config.value_error) choose the
     bits they decay to once the window's last queries came: value_widths gives each attention layer's choice
     (chosen_value_widths; None: not chosen), and a layer without one is priced keeping its value bits, the most.
     """
@@ -195,18 +191,14 @@ def estimate_kv_bytes(
         raise ValueError(f"value_widths has {len(value_widths)} entries, the model {n_att} attention layers")
     for a in range(n_att):
         if config is not None:
-            kb, vb = config.layer_bits(a, n_att)
-            weighted = config.weigh_keys and lay.fetch == "codes"
-            width = None
-            if widens(config, kb, weighted, lay):
-                width = WIDEST_KEY_BITS if key_widths is None else key_widths[a]
-            v_width = None
-            if narrows(config, vb, a, n_att, lay):
-                v_width = int(vb) if value_widths is None or value_widths[a] is None else value_widths[a]
-            total += turboquant_layer_bytes(ctx, H, dk, dv, kb, vb, config, batch, float_bytes, max_kv_size,
-                                            latent=lay.latent, k_eq_v=lay.k_eq_v,
-                                            decay_bits=config.layer_decay_bits(a, n_att), rope_pairs=lay.rope_pairs,
-                                            weighted=weighted, key_width=width, value_width=v_width)
+            plan = model_layer_plan(config, lay, a, n_att)
+            width = v_width = None
+            if plan.keys.widen is not None:
+                width = plan.keys.widen.max_bits if key_widths is None else key_widths[a]
+            if plan.values is not None and plan.values.narrow is not None:
+                v_width = int(plan.values.bits) if value_widths is None or value_widths[a] is None else value_widths[a]
+            total += layer_bytes(plan, ctx, H, dk, dv, batch=batch, float_bytes=float_bytes, max_kv_size=max_kv_size,
+                                 rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
@@ -214,17 +206,11 @@ def estimate_kv_bytes(
     return total
 
 
-def widens(config, key_bits: float, weighted: bool, lay) -> bool:
-    """Whether a layer's keys at key_bits may take more bits by their error (config.layer_widens): weighed keys
-    (their error is measured on their queries) in a per-head layer (not latent, K=V)."""
-    return config.layer_widens(key_bits) and weighted and not lay.latent and not lay.k_eq_v
-
-
-def narrows(config, value_bits: float, attention_index: int, n_attention_layers: int, lay) -> bool:
-    """Whether a layer's values choose the bits they decay to by their error (config.layer_narrows): in a per-head
-    layer whose attention sees the cache's views (it hands them the queries), with a value stream of its own."""
-    return (config.layer_narrows(value_bits, attention_index, n_attention_layers) and lay.fetch == "codes"
-            and not lay.latent and not lay.k_eq_v and bool(lay.v_head_dim))
+def model_layer_plan(config, lay, attention_index: int, n_attention_layers: int) -> LayerPlan:
+    """The plan of one attention layer of a model whose config.json reads as `lay` (attention_layout): what
+    make_prompt_cache builds for it (tq_mlx.plan.layer_plan with the layout's fetch, K=V and RoPE)."""
+    return layer_plan(config, attention_index, n_attention_layers, fetch=lay.fetch, k_eq_v=lay.k_eq_v,
+                      rope=lay.rope_pairs is not None)
 
 
 def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
@@ -273,13 +259,14 @@ def protect_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | No
     layer's own calibration tokens, so a plan can only price one): its key stream at protect_bits, its values
     unchanged (a latent layer's rope key keeps the key bits), and the stream keeps its configured quantizer's
     constants next to the protecting one. Protected keys do not decay (config.decay_after): with decay this is
-    also the decayed key codes turned back into protect_bits codes. 0 if protection is off or not above the key
-    bits."""
-    if config.protect_factor is None or config.protect_bits <= config.key_bits:
+    also the decayed key codes turned back into protect_bits codes. 0 where the middle layer's keys do not
+    protect (protection off, or not above the key bits)."""
+    plan = _middle_plan(model_config, config)
+    if plan is None or plan.keys.protect is None:
         return 0
     # beyond what the estimate priced the layer at: the most its keys may widen to, where they may
-    base = {"key_width": WIDEST_KEY_BITS} if _middle_layer_widens(model_config, config) else {}
-    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, base, protected=True)
+    base = {"key_width": plan.keys.widen.max_bits} if plan.keys.widen is not None else {}
+    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, base, protected=True)
 
 
 def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
@@ -288,9 +275,10 @@ def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None
     key_bits: the widened codes, decaying by the configured step, and the widened quantizers' constants. Each
     layer chooses by its own calibration tokens and queries, so estimate_kv_bytes prices the most and overstates
     a layer that keeps its bits by this. 0 where keys do not widen (no key_error, unweighed, latent, K=V)."""
-    if not _middle_layer_widens(model_config, config):
+    plan = _middle_plan(model_config, config)
+    if plan is None or plan.keys.widen is None:
         return 0
-    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {}, key_width=WIDEST_KEY_BITS)
+    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {}, key_width=plan.keys.widen.max_bits)
 
 
 def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
@@ -299,35 +287,29 @@ def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | Non
     value_error gives. Each layer chooses by its own window's queries, so estimate_kv_bytes prices them kept and
     overstates a layer that decays them to 2 by this. 0 where values do not choose (no value_error, a layer whose
     attention does not take the cache's views, latent, K=V)."""
-    lay = attention_layout(model_config)
-    n_att = len(lay.full_layers)
-    vb = config.layer_bits(n_att // 2, n_att)[1] if n_att else 0
-    if not n_att or not narrows(config, vb, n_att // 2, n_att, lay):
+    plan = _middle_plan(model_config, config)
+    if plan is None or plan.values is None or plan.values.narrow is None or not attention_layout(model_config).v_head_dim:
         return 0
-    return _layer_extra(model_config, ctx, config, dtype, batch, max_kv_size, {"value_width": 2}, value_width=int(vb))
+    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": 2},
+                        value_width=int(plan.values.bits))
 
 
-def _middle_layer_widens(model_config: dict, config) -> bool:
-    """Whether the keys of the middle attention layer (the one _layer_extra prices) may widen by their error."""
+def _middle_plan(model_config: dict, config) -> LayerPlan | None:
+    """The plan of the middle attention layer (boundary layers have their own bits), None without one."""
     lay = attention_layout(model_config)
     n_att = len(lay.full_layers)
-    return bool(n_att) and widens(config, config.layer_bits(n_att // 2, n_att)[0],
-                                  config.weigh_keys and lay.fetch == "codes", lay)
+    return model_layer_plan(config, lay, n_att // 2, n_att) if n_att else None
 
 
-def _layer_extra(model_config: dict, ctx: int, config, dtype, batch: int, max_kv_size, base: dict,
+def _layer_extra(model_config: dict, ctx: int, plan: LayerPlan, dtype, batch: int, max_kv_size, base: dict,
                  **change) -> int:
-    """The bytes a middle attention layer (boundary layers have their own bits) adds at ctx with `change` (a
-    keyword of turboquant_layer_bytes) over `base` (keywords too)."""
+    """The bytes a layer of `plan` adds at ctx with `change` (a keyword of plan.layer_bytes) over `base`
+    (keywords too)."""
     lay = attention_layout(model_config)
-    n_att = len(lay.full_layers)
-    if not n_att:
-        return 0
-    kb, vb = config.layer_bits(n_att // 2, n_att)
-    args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim, kb, vb, config, batch,
-            kv_float_bytes(model_config, dtype), max_kv_size)
-    flags = dict(latent=lay.latent, k_eq_v=lay.k_eq_v, decay_bits=config.layer_decay_bits(n_att // 2, n_att))
-    return turboquant_layer_bytes(*args, **change, **flags) - turboquant_layer_bytes(*args, **base, **flags)
+    args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim)
+    common = dict(batch=batch, float_bytes=kv_float_bytes(model_config, dtype), max_kv_size=max_kv_size)
+    # the keys' RoPE is not priced here: it is the same with and without the change
+    return layer_bytes(plan, *args, **change, **common) - layer_bytes(plan, *args, **base, **common)
 
 
 # --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------

@@ -47,6 +47,7 @@ from .calibration import QuerySums, calibrate, has_channel_order, key_width, nee
 from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer,
                     moved, quantizer_as_written, read_state, state_arrays)
 from .layout import decayed_split, fresh_bound, overflow, window_capacity
+from .plan import StreamPlan
 from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from .rope import Rope, centers
 from .values import ValueSums
@@ -61,62 +62,48 @@ class Decay(NamedTuple):
     quantizer: TurboQuantMSE
 
 
-class Protect(NamedTuple):
-    """Key protection: quantize at `bits` when the calibration's bias_outlier_factor exceeds `factor`."""
-
-    factor: float
-    bits: float
-
-
-class Widen(NamedTuple):
-    """Key widths by error (config.key_error): the fewest bits up to `max_bits` whose logit error on the
-    calibration queries is at most `target` (calibration.key_width)."""
-
-    target: float
-    max_bits: int
-
-
 # --- the stream --------------------------------------------------------------------------------------------
 
 
 class CompressedStream:
     """One side of a layer's cache: float sinks, TurboQuant codes, a float window (see the module docstring).
 
-    The sinks and the window keep the dtype of the tokens appended (the model's, as mlx-lm's KVCache does), so
-    they overflow exactly when the model does. name ("k" or "v") prefixes the stream's arrays in a cache's state
-    and in error messages. `encoder` has `encode`'s signature and `decoder` `decode`'s; the cache passes the
-    kernel dispatch (tq_mlx.kernels.dispatch_encode, dispatch_dequantize).
+    It does what its plan (tq_mlx.plan.StreamPlan, of the layer's LayerPlan) says, for heads of `dim` channels;
+    `rope` is the layer's RoPE where the plan centers keys before it. The sinks and the window keep the dtype of
+    the tokens appended (the model's, as mlx-lm's KVCache does), so they overflow exactly when the model does.
+    The plan's name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages.
+    `encoder` has `encode`'s signature and `decoder` `decode`'s; the cache passes the kernel dispatch
+    (tq_mlx.kernels.dispatch_encode, dispatch_dequantize).
 
-    protect (Protect): deciding reads one number back from the device, once per stream and sequence, at its
+    protect (plan.Protect): deciding reads one number back from the device, once per stream and sequence, at its
     first compression; every later append is graph construction. decay (Decay): temporal decay (the module
     docstring). A protected stream does not decay: what made it protect its keys holds at every age. widen
-    (Widen): with query weights, the first compression also chooses the keys' width from their logit error on
+    (plan.Widen): with query weights, the first compression also chooses the keys' width from their logit error on
     the calibration queries (one more number read back, once the queries came); a widened stream decays by
     the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.values): the
     stream decays its tokens older than `age` to the bits it chooses once attention handed it the queries of its
     window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
 
-    def __init__(self, quantizer: TurboQuantMSE | TurboQuantProd, *, name: str, sinks: int, window: int,
-                 compress_block: int, step: int, center: bool, encoder: Callable = encode, decoder: Callable = decode,
-                 protect: tuple[float, float] | None = None, decay: tuple[int, TurboQuantMSE] | None = None,
-                 rope: Rope | None = None, weigh: bool = False, widen: tuple[float, int] | None = None,
-                 narrow: tuple[float, int] | None = None):
-        decay = None if decay is None else Decay(*decay)
+    def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, decoder: Callable = decode,
+                 rope: Rope | None = None):
+        self.plan = plan
+        quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype)
+        decay = None if plan.decay is None else Decay(plan.decay[0], make_quantizer(
+            int(dim), plan.decay[1], False, plan.seed, plan.norm_dtype))
+        name = plan.name
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
-                                  or isinstance(quantizer, TurboQuantProd) or decay.quantizer.dim != quantizer.dim
-                                  or decay.quantizer.seed != quantizer.seed):
+                                  or isinstance(quantizer, TurboQuantProd)):
             raise ValueError(f"stream {name}: decay needs one-group MSE quantizers of one dim and seed")
         self.quantizer, self.name, self.encoder, self.decoder = quantizer, name, encoder, decoder
         self.decay = self.base_decay = decay  # decay: that of the width the stream codes at (widen)
         self.decayed = None  # MSECodes buffers (B, H, capacity, ...) of the decay quantizer
-        self.base_quantizer, self.protect = quantizer, None if protect is None else Protect(*protect)
-        self.widen = None if widen is None or not weigh else Widen(*widen)  # the error needs the queries
+        self.base_quantizer, self.protect, self.widen = quantizer, plan.protect, plan.widen
         self._protected = False
         # the most tokens the sinks and the window hold (the config's sinks and window; self.sinks and
         # self.window are their buffers)
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
-            sinks, window, compress_block, step, center)
+            plan.sinks, plan.window, plan.compress_block, plan.step, plan.center)
         self.n_sinks = self.n_decayed = self.n_fresh = self.n_window = 0  # tokens held, part by part
         self.codes = None  # MSECodes / ProdCodes buffers (B, H, capacity, ...)
         self.sinks = None  # (B, H, max_sinks, D) the tokens' float dtype
@@ -124,18 +111,18 @@ class CompressedStream:
         self.mean = None  # (B, H, D) float32, with the first compressed tokens (if center)
         self.perm = None  # (H, D) int32, with the first compressed tokens (fractional bits)
         self.scale = None  # (B, H) float32 power of two, with the first compressed tokens
-        self.rope = rope if center else None  # center before RoPE (tq_mlx.rope): mean is then μ0
+        self.rope = rope if plan.center else None  # center before RoPE (tq_mlx.rope): mean is then μ0
         self.n_dropped = 0  # compressed tokens a bound dropped: positions continue past them
         # Query-aware weights (tq_mlx.calibration): the queries of the calibration tokens, summed per channel as
         # attention shows them (observe), fix `weights` with the first compression.
-        self.weigh = weigh
+        self.weigh = plan.weigh
         self.weights = None  # (B, H, D) float32, with the first compressed tokens (weigh)
         self.query_sums = QuerySums()
         # values by their error: the decay's age, the bits chosen (None: not yet) and the sums they come from
         self.narrow_age, self.value_width, self.value_sums = None, None, None
-        if narrow is not None and window:
-            target, self.narrow_age = narrow
-            self.value_sums = ValueSums(sinks, window, quantizer, target)
+        if plan.narrow is not None and plan.window:
+            self.narrow_age = plan.narrow.age
+            self.value_sums = ValueSums(plan.sinks, plan.window, quantizer, plan.narrow.target)
 
     @property
     def dim(self) -> int:
@@ -375,7 +362,7 @@ class CompressedStream:
         self.quantizer = make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype)
         if d is not None:
             dq = d.quantizer
-            self.decay = Decay(d.age, make_quantizer(dq.dim, dq.bits + bits - q.bits, False, dq.seed, dq.norm_dtype))
+            self.decay = Decay(d.age, make_quantizer(dq.dim, self.plan.decay_at(bits), False, dq.seed, dq.norm_dtype))
 
     @property
     def value_seen(self) -> tuple[int, int]:
