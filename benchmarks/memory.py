@@ -102,8 +102,8 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
             m = min(big if aligned else K, T - n)
             a = n % POOL if n % POOL + m <= POOL else 0
             keys, _ = cache.update_and_fetch(pool_k[:, :, a : a + m], pool_v[:, :, a : a + m])
-            if getattr(keys, "observe", None) is not None:  # as attention does: queries for the keys' weights
-                keys.observe(pool_k[:, :, a : a + m])
+            if getattr(keys, "learn", None) is not None:  # as the hook does: queries for the keys' weights
+                keys.learn(pool_k[:, :, a : a + m], keys, None)
             n += m
             mx.eval(cache.held_arrays())
         assert cache.offset == T

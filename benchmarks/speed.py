@@ -88,8 +88,8 @@ def fill(cache: list, ctx: int, n_kv: int, head_dim: int, chunk: int = 2048, see
         while n < ctx:
             m = min(chunk, ctx - n)
             keys, _ = c.update_and_fetch(k[:, :, :m], k[:, :, :m])
-            if getattr(keys, "observe", None) is not None:  # as attention does: queries for the keys' weights
-                keys.observe(k[:, :, :m])
+            if getattr(keys, "learn", None) is not None:  # as the hook does: queries for the keys' weights
+                keys.learn(k[:, :, :m], keys, None)
             n += m
         caches.eval_cache([c])
 

@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 
 def dequantized(h: StreamView) -> np.ndarray:
@@ -39,8 +43,9 @@ def dequantized(h: StreamView) -> np.ndarray:
 
 def attended(h: StreamView, queries: mx.array) -> StreamView:
     """The view attention reads for these queries: a key stream that weighs its keys takes the queries of its
-    calibration tokens first (CompressedStream.observe), which may code its first compression again."""
-    return h if h.observe is None else h.observe(queries)
+    calibration tokens first (its cache's learning step, TurboQuantKVCache.learn), which may code its first
+    compression again."""
+    return h if h.learn is None else h.learn(queries, h, None)[0]
 
 
 def reference_attention(queries, K, V, scale, mask, sinks=None) -> np.ndarray:

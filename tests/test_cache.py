@@ -11,6 +11,11 @@ import pytest
 
 from tests.support.host_sync import HostSync, forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+from tq_mlx.plan import layer_plan
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 
 def chunks(rng, lengths, B=1, H=2, D=64, shift=1.0):

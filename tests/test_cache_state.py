@@ -15,6 +15,10 @@ from tests.test_cache import chunks, fill
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.packing import packed_words
 from tq_mlx.rotation import hadamard_base
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 
 # --- memory honesty -----------------------------------------------------------------------------

@@ -18,6 +18,11 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.attention import aligned_segments
 from tq_mlx.kernels import float_tokens
 from tq_mlx.layout import decayed_split, fresh_bound
+from tq_mlx.plan import layer_plan
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 D = 64
 BASE = dict(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2)

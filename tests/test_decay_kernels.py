@@ -40,6 +40,7 @@ from tests.test_values import cache as value_cache, data as value_data
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import aligned_segments, keys_are_values
+from tq_mlx.batch import learned
 from tq_mlx.config import PRESETS
 from tq_mlx.quantizer import TurboQuantMSE
 from tq_mlx.view import decode as stream_decode
@@ -337,9 +338,9 @@ def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
     v = mx.array(rng.standard_normal((1, 2, n, 128)).astype(np.float16))
     for a in range(0, n, 2048):
         keys, values = cache.update_and_fetch(k[:, :, a : a + 2048], v[:, :, a : a + 2048])
-        if keys.observe is not None:  # the queries a model's attention hands a stream that weighs its keys
+        if keys.learn is not None:  # the queries a model's attention hands a stream that weighs its keys
             L = min(2048, n - a)
-            keys.observe(mx.array(4 * rng.standard_normal((1, 8, L, 128)).astype(np.float32)))  # errs above 0.1
+            keys.learn(mx.array(4 * rng.standard_normal((1, 8, L, 128)).astype(np.float32)), keys, values)  # errs above 0.1
     # each side decays as the preset says (the default: its keys, at whatever width their error chose)
     assert (keys.n_decayed > 0) == (cfg.decay_after is not None and cfg.decay_key_bits is not None)
     assert (values.n_decayed > 0) == (cfg.decay_after is not None and cfg.decay_value_bits is not None)
@@ -359,6 +360,7 @@ def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator
     k, v, q = value_data(340)
     cache = value_cache(value_error=target)  # test_values' layer: head_dim 64, window 96, decay after 160
     kv = cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    kv = learned(q[:, :, :300], *kv, 0.125)  # the cache learns from the queries first, as in the hook
     mx.eval(K.dispatch_attention(q[:, :, :300], *kv, 0.125, "causal"))  # the reference path: the choice
     assert cache.value_width == width and cache.n_decayed[1] > 0
     K.set_backend("metal")
@@ -372,6 +374,7 @@ def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator
             assert values.decayed.quantizer.bits == width and values.quantizer.bits == 4
             mask = "causal" if L > 1 else None
             qs = q[:, :, t : t + L]
+            keys, values = learned(qs, keys, values, 0.125)
             got = K.dispatch_attention(qs, keys, values, 0.125, mask)
             assert_close(got, K.decode_attention_reference(qs, keys, values, 0.125, mask), mx.float32)
             t += L

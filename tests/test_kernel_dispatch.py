@@ -26,6 +26,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
 )
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.batch import learned
 from tq_mlx.view import encode as stream_encode
 from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
 from tq_mlx.rotation import Rotation
@@ -297,6 +298,9 @@ def test_kernels_take_the_streams_scale_and_float_tokens_in_the_models_dtype(emu
     k = ((normal(rng, (1, 2, 70, 64)) + 0.7) * magnitude).astype(dtype)
     v = (normal(rng, (1, 2, 70, 64)) * magnitude).astype(dtype)
     keys, values = cache.update_and_fetch(k, v)
+    # the cache learns from the prefill's queries first, as in the hook (its own generator: the draws below stay)
+    prefill_q = (normal(np.random.default_rng(6), (1, 4, 70, 64)) / magnitude).astype(dtype)
+    keys, values = learned(prefill_q, keys, values, 0.125)
     assert keys.window.dtype == keys.sinks.dtype == dtype and keys.scale is not None and values.scale is not None
     for L in (1, 3):
         q = (normal(rng, (1, 4, L, 64)) / magnitude).astype(dtype)

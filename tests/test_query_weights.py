@@ -1,7 +1,7 @@
 """Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.calibration.query_weights).
 
 * query_weights: w² ∝ rms(q)/rms(k) per channel (per RoPE pair), geometric mean 1, bounded; exact scores;
-* the stream takes the queries of its calibration tokens from attention (observe): whether the prompt comes in
+* the stream takes the queries of its calibration tokens from its cache's learning step (observe): whether the prompt comes in
   one piece, in chunks or token by token, the weights and the codes are the same; a first compression coded
   before its queries came is coded again before anything attends it, and no float copy is kept once attention
   ran; where queries and keys load different channels, the weights cut the attention error;
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
+import tq_mlx.attention
 
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     Emu, _clean_dispatch, assert_close, emulator, normal,
@@ -26,9 +27,14 @@ from tests.test_rope import model_rope, rope_views
 from tq_mlx import kernels as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import turboquant_attention
+from tq_mlx.batch import learned
 from tq_mlx.rope import probe
 from tq_mlx.calibration import WEIGHT_RANGE, query_weights
 from tq_mlx.view import decode as stream_decode
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 D = 64
 
@@ -142,11 +148,13 @@ def test_first_compression_is_coded_again_before_it_is_attended():
     cache = TurboQuantKVCache(cfg(key_error=None), head_dim=D)  # widths by error: their own tests below
     kh, vh = cache.update_and_fetch(keys, values)  # one chunk: its queries come with its attention
     s = cache.key_stream
-    assert kh.observe is not None and kh.weights is None and s.query_sums.pending is not None
-    out = turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+    assert kh.learn is not None and kh.weights is None and s.query_sums.pending is not None
+    with pytest.raises(ValueError, match="learns from the queries"):  # attention only reads: learning comes first
+        tq_mlx.attention.turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+    out = turboquant_attention(queries, *learned(queries, kh, vh, D**-0.5), D**-0.5, "causal")
     assert s.query_sums.pending is None and s.query_sums.total is None and s.weights is not None  # no float copy left behind
     k2, _ = cache.keys_and_values()
-    assert k2.observe is None and k2.weights is s.weights
+    assert k2.learn is None and k2.weights is s.weights
     # the output is attention over the codes the stream now holds
     again = turboquant_attention(queries, k2, vh, D**-0.5, "causal")
     assert float(mx.max(mx.abs(out - again))) < 1e-5

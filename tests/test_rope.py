@@ -33,6 +33,10 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import turboquant_attention
 from tq_mlx.rope import Rope, n_pairs, probe, rotate, score_bias, centers
 from tq_mlx.view import decode as stream_decode
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 SCALINGS = {
     "plain": None,

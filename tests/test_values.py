@@ -19,6 +19,10 @@ from tq_mlx.config import derive_config, value_widths
 from tq_mlx.layout import stream_bytes, value_error_span
 from tq_mlx.memory import chosen_value_widths, estimate_kv_bytes
 from tq_mlx.values import ValueSums
+from tests.support.learning import learning
+
+# the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
+turboquant_attention = learning(turboquant_attention)
 
 D = 64
 BASE = dict(window=96, compress_block=32, sinks=4, decay_after=160)

@@ -364,14 +364,13 @@ def _output(state: Softmax, values: StreamView) -> mx.array:
     return out / state.total
 
 
-def observed(queries: mx.array, keys: StreamView, values: StreamView, scale: float) -> tuple[StreamView, StreamView]:
-    """The views to attend once their streams took the queries they want (observe): the keys' first (their
-    weights, query_weights), then the values' with the keys' view (the bits they decay to, tq_mlx.values)."""
-    if keys.observe is not None:
-        keys = keys.observe(queries, scale)
-    if isinstance(values, StreamView) and values.observe is not None:
-        values = values.observe(queries, scale, keys)
-    return keys, values
+def check_learned(keys: StreamView) -> None:
+    """Attention only reads: a key view whose cache still wants the queries must go through that cache's learning
+    step first (tq_mlx.batch.learned, which the attention hook calls), else its codes may be superseded."""
+    if keys.learn is not None:
+        raise ValueError("these views' cache still learns from the queries that attend them (key weights and "
+                         "widths, value widths): call tq_mlx.batch.learned(queries, keys, values, scale) first and "
+                         "attend the views it returns (the attention hook, tq_mlx.hook.fetched_attention, does)")
 
 
 def turboquant_attention(
@@ -396,7 +395,7 @@ def turboquant_attention(
     if not isinstance(keys, StreamView):
         raise TypeError(f"turboquant_attention takes a StreamView, got {type(keys).__name__} (batch views: "
                         f"tq_mlx.batch.batch_view_attention)")
-    keys, values = observed(queries, keys, values, scale)
+    check_learned(keys)
     if values.weights is not None:
         raise ValueError("values view with query weights: only key streams weigh their tokens")
     if keys.n_coded == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):

@@ -72,6 +72,24 @@ def causal_if_plain(mask):
     return "causal" if isinstance(mask, mx.array) and _PLAIN_MASKS.get(id(mask)) is mask else mask
 
 
+def learned(queries: mx.array, keys, values, scale: float):
+    """The views to attend once their caches learned from these queries (TurboQuantKVCache.learn: key weights
+    and widths, value widths, the re-coding they cause): the one step, once per forward and layer, before the
+    attention that reads them. A key view carries its cache's step while the cache wants the queries; batch
+    views learn row by row with each row's own queries. Anything else is returned as it is."""
+    if isinstance(keys, StreamView):
+        return keys.learn(queries, keys, values, scale) if keys.learn is not None else (keys, values)
+    if not isinstance(keys, BatchView) or all(k is None or k.learn is None for k in keys.rows):
+        return keys, values
+    L = queries.shape[2]
+    rows_k, rows_v = list(keys.rows), list(values.rows)
+    for i, (k, v, (start, count)) in enumerate(zip(keys.rows, values.rows, keys.spans)):
+        if k is not None and count and k.learn is not None:
+            q = queries[i : i + 1, :, start : start + count] if count < L else queries[i : i + 1]
+            rows_k[i], rows_v[i] = k.learn(q, k, v, scale)
+    return keys._replace(rows=tuple(rows_k)), values._replace(rows=tuple(rows_v))
+
+
 def batch_view_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
                          sinks: mx.array | None = None, attend: Callable = turboquant_attention) -> mx.array:
     """Attention over batch views, row by row with `attend` (the reference by default; tq_mlx.hook passes

@@ -323,12 +323,30 @@ class TurboQuantKVCache(_BaseCache):
             values = floats(k)
             return self._derived_keys(values), values
         if v is None:  # zero-wide values
-            return (k if self.fetch == "codes" else floats(k)), mx.zeros((*self.batch_heads(), k.n_tokens, 0), dtype)
+            return (self._learning(k) if self.fetch == "codes" else floats(k)), mx.zeros(
+                (*self.batch_heads(), k.n_tokens, 0), dtype)
         if self.fetch == "codes":
-            return k, v
+            return self._learning(k), v
         if self.fetch == "latent" and n_new == 1:
             return k, floats(v)
         return floats(k), floats(v)
+
+    def _learning(self, keys: StreamView) -> StreamView:
+        """The key view, carrying this cache's learning step while a stream wants the queries that attend it."""
+        wants = any(s.wants_queries for s in self.streams)
+        return keys._replace(learn=self.learn) if wants else keys
+
+    def learn(self, queries: mx.array, keys: StreamView, values, scale: float | None = None):
+        """What the cache learns from the queries (B, n_q_heads, L, D) that attend its last L tokens, in one step
+        before attention reads its views (tq_mlx.batch.learned calls it, from the attention hook): the key stream
+        sums them for its weights and width (a first compression coded before they came is coded again), then the
+        value stream measures, on the keys' view, the error its old values would give at fewer bits. Returns the
+        views to attend (keys, values); `values` as given when the value stream learns nothing."""
+        keys = self.key_stream.observe(queries, scale) if self.key_stream.wants_queries else self.key_stream.view()
+        v = self.value_stream
+        if v is not None and v.wants_queries and isinstance(values, StreamView):
+            values = v.observe(queries, scale, keys)
+        return keys._replace(learn=None), values
 
     def keys_and_values(self) -> tuple[StreamView, StreamView]:
         """Views of everything stored, without appending: for models whose KV-shared layers read another

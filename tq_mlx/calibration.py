@@ -8,8 +8,8 @@ the extra bit (outlier_order), and with query weights the weights w (query_weigh
 queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor), and with a
 key error target keys may take more bits (logit_error, key_width).
 
-Query weights (`weigh`, keys only): attention hands the stream the queries that attend it (CompressedStream.observe,
-called first by every attention entry on a view that carries it), and QuerySums adds the squares of those at the
+Query weights (`weigh`, keys only): the cache's learning step (TurboQuantKVCache.learn, before attention reads the
+views) hands the stream the queries that attend it (CompressedStream.observe), and QuerySums adds the squares of those at the
 calibration positions per channel. With the first compression the stream fixes weights w per (batch, kv head,
 channel) and codes (x - c)·w; attention divides the query by w instead, so every score stays exact while the
 codes' error moves to the channels the queries hardly read. A chunk whose own queries are among the

@@ -13,30 +13,72 @@ anything else to mlx-lm's own functions:
   BatchView           (a batch cache's rows) -> row by row, each row as above (tq_mlx.batch.batch_view_attention)
   float arrays        (a float fetch, decoded from the codes) -> mx.fast.scaled_dot_product_attention
 
-Importing tq_mlx changes nothing in mlx-lm: tq_mlx.integration's make_prompt_cache, patch_model and
-load_prompt_cache install the hook, and so does a cache's first update_and_fetch (a cache built by hand).
+The patch. Every assignment tq_mlx makes into an mlx-lm module is `install`'s: the table (`replaced()`) holds each
+name's owner, name and original, and `uninstall` puts every original back (and deletes the names that were new),
+in the loaded mlx-lm modules that imported a replaced name by name meanwhile too. The parts:
+
+  "attention"          base's quantized_scaled_dot_product_attention and the by-name scaled_dot_product_attention
+                       of every loaded mlx_lm.models module -> the stand-ins; BatchTurboQuantKVCache and the given
+                       cache classes registered by name in mlx_lm.models.cache, where load_prompt_cache looks a
+                       file's classes up
+  "make_prompt_cache"  mlx_lm.models.cache.make_prompt_cache and its by-name imports in loaded mlx_lm modules
+                       (generate, server, chat, cache_prompt, evaluate) -> make_prompt_cache here: mlx-lm's drops
+                       max_kv_size for a model with make_cache (cache.py:31-32), this one passes it to a make_cache
+                       that takes it (`takes_max_kv_size`: tq_mlx.integration.patch_model's)
+  "load_model", "tq-generate", "tq-server"
+                       the names tq-generate and tq-server give (mlx_lm.utils.load_model; mlx_lm.generate's parser,
+                       generate, load and load_prompt_cache; mlx_lm.server's ModelProvider, ResponseGenerator,
+                       _run_http_server, scan_cache_dir and argparse), each installed while the command runs
+                       (`installed`)
+
+Importing tq_mlx changes nothing in mlx-lm. tq_mlx.integration's make_prompt_cache and load_prompt_cache install
+"attention", patch_model "attention" and "make_prompt_cache", and a cache's first update_and_fetch "attention" (a
+cache built by hand); installing a part again also covers the mlx-lm modules loaded since.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
-from typing import Any
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
-from .batch import BatchTurboQuantKVCache, BatchView, batch_view_attention, causal_if_plain
+from .batch import BatchTurboQuantKVCache, BatchView, batch_view_attention, causal_if_plain, learned
 from .kernels import dispatch_attention
 from .view import StreamView
 
 _VIEWS = (BatchView, StreamView)
+PARTS = ("attention", "make_prompt_cache", "load_model", "tq-generate", "tq-server")
+MISSING = object()  # the original of a name that did not exist (uninstall deletes it)
+
+
+class Replaced(NamedTuple):
+    """One name tq_mlx replaced in mlx-lm: owner.name was `original` (MISSING: no such name), is `value`."""
+
+    owner: Any
+    name: str
+    original: Any
+    value: Any
+    part: str
+
+
+_TABLE: dict[tuple[int, str], Replaced] = {}  # (id(owner), name) -> what install replaced there
+_SCANNED: dict[str, int] = {}  # part -> len(sys.modules) at its last scan of by-name imports
+
+
+# --- the attention entry ---------------------------------------------------------------------------------------
 
 
 def fetched_attention(queries: mx.array, keys, values, scale: float, mask=None, sinks: mx.array | None = None):
     """softmax(scale·q·Kᵀ + mask)·V over what a TurboQuant cache fetched (see the module docstring): views on the
     codes through the kernels or the reference, batch views row by row, float fetches with mx.fast's SDPA.
-    sinks: learned per-head sink logits, as mx.fast.scaled_dot_product_attention's."""
+    sinks: learned per-head sink logits, as mx.fast.scaled_dot_product_attention's. The caches learn from the
+    queries first (tq_mlx.batch.learned), in one step before the attention that reads their views."""
+    keys, values = learned(queries, keys, values, scale)
     if isinstance(keys, BatchView):
         return batch_view_attention(queries, keys, values, scale, causal_if_plain(mask), sinks,
                                     attend=dispatch_attention)

@@ -27,7 +27,8 @@ token's position p = sinks + tokens a bound dropped + t, so a constant part of t
 k_proj bias) leaves the codes instead of rotating through them; otherwise c_t = μ. With a window, the
 calibration tokens are exactly the first `window` tokens after the sinks (all of them are at hand at the first
 compression), so it does not depend on how the prompt was fed (one shot, chunks, token by token, or trimmed).
-Query weights need the queries of those tokens: attention hands them over (`observe`), and a first compression
+Query weights need the queries of those tokens: the cache's learning step hands them over (`observe`, from
+TurboQuantKVCache.learn, before attention reads the views), and a first compression
 coded before they came is coded again when they do (`_settle`, before anything attends the codes); the view
 update_and_fetch returns is then superseded by the one attention reads.
 
@@ -244,8 +245,8 @@ class CompressedStream:
 
     @property
     def wants_queries(self) -> bool:
-        """Whether attention should hand this stream its queries (observe): weights not fixed yet, or the values'
-        decay bits not chosen yet."""
+        """Whether the cache's learning step should hand this stream its queries (observe): weights not fixed yet,
+        or the values' decay bits not chosen yet."""
         return (self.weigh and (self.query_sums.pending is not None or self.scale is None)
                 or self.value_sums is not None and self.value_width is None)
 
@@ -254,7 +255,7 @@ class CompressedStream:
         those at calibration positions (the first `window` after the sinks) to the query sums; then finish a
         first compression that waited for them. A value stream choosing its decay bits (narrow) takes them with
         the keys' view they read, and chooses once the last of its window's came (one value read back).
-        Returns the view to attend (no further observe); otherwise graph construction only."""
+        Returns the view to attend; otherwise graph construction only."""
         if self.value_sums is not None and self.value_width is None and keys is not None:
             self.value_sums.add(queries, keys, self.view(), queries.shape[3] ** -0.5 if scale is None else scale,
                                 self.n_tokens)
@@ -266,7 +267,7 @@ class CompressedStream:
             end = self.max_sinks + self.max_window if self.max_window else self.n_tokens
             self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
         self._settle()
-        view = self.view()._replace(observe=None)
+        view = self.view()
         sums = [a for a in (self.query_sums.total, self.value_sums and self.value_sums.errors) if a is not None]
         if sums:
             # Still calibrating or choosing, so the window holds tokens: the float tokens attention reads carry the
@@ -398,7 +399,6 @@ class CompressedStream:
             rope=self.rope,
             position=self._position(0),
             weights=self.weights,
-            observe=self.observe if self.wants_queries else None,
         )
 
     def trim(self, n: int) -> None:

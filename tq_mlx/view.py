@@ -47,9 +47,10 @@ class StreamView(NamedTuple):
     position: int = 0  # the position of the first compressed token of this view (decayed ones first)
     # Query-aware key weights (B, H, D) float32: compressed token t holds (x_t - c_t)·w / scale (None: 1).
     weights: mx.array | None = None
-    # Set while the stream still wants the queries attending it (query_weights): attention calls
-    # observe(queries) first and attends the view it returns (see CompressedStream.observe).
-    observe: Callable | None = None
+    # Set on a key view while its cache still wants the queries attending it (key weights and widths, value
+    # widths): the cache's learning step, TurboQuantKVCache.learn(queries, keys, values, scale) -> the views to
+    # attend, called once per forward before attention (tq_mlx.batch.learned); attention only reads views.
+    learn: Callable | None = None
 
     @property
     def n_sinks(self) -> int:

@@ -21,18 +21,18 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from tests.support.tiny_models import tiny_hybrid, tiny_llama, tiny_qwen3
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import observed
+from tq_mlx.batch import learned
 from tq_mlx.memory import chosen_key_widths, chosen_value_widths, estimate_kv_bytes
 
 
 def fed(cache, keys: mx.array, values: mx.array) -> None:
     """update_and_fetch as a model's layer calls it: its attention then hands the views the queries they want, so
     a key stream that weighs its keys sums them and fixes its weights, and a value stream choosing its decay bits
-    measures them (tq_mlx.attention.observed), as they do in a model."""
+    measures them (the cache's learning step, tq_mlx.batch.learned), as they do in a model."""
     kh, vh = cache.update_and_fetch(keys, values)
-    if any(getattr(x, "observe", None) is not None for x in (kh, vh)):
+    if getattr(kh, "learn", None) is not None:
         B, H, L, _ = keys.shape
-        observed(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)), kh, vh, kh.head_dim**-0.5)
+        learned(mx.random.normal((B, 2 * H, L, kh.head_dim), key=mx.random.key(L)), kh, vh, kh.head_dim**-0.5)
 
 
 def held_estimate(model_config: dict, n: int, cfg, caches, **kw) -> int:

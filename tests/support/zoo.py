@@ -415,14 +415,14 @@ def paths_ran(counts: Counter) -> frozenset[str]:
 def decoded_attention(mp) -> None:
     """While mp is active, attention on views decodes them to float (float_tokens) and runs mlx's SDPA instead of
     attending the codes: the same stored tokens, so the codes path must give the same logits to rounding. The
-    views' query observation (query weights) runs first, as on the codes."""
+    caches' learning step (query weights) runs first, as on the codes."""
     floats, _ = tq_function("float_tokens")
 
     def make(_):
         def attend(queries, keys, values, scale, mask=None, sinks=None, **_kwargs):
             same = keys is values
-            if getattr(keys, "observe", None) is not None:
-                keys = keys.observe(queries, scale)
+            if getattr(keys, "learn", None) is not None:  # the caches learn first, as in the hook
+                keys, values = keys.learn(queries, keys, values, scale)
             k = floats(keys, mx.float32)
             v = k if same else floats(values, mx.float32)
             out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask,

@@ -18,7 +18,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..attention import keys_are_values, observed, turboquant_attention
+from ..attention import check_learned, keys_are_values, turboquant_attention
 from ..quantizer import TurboQuantProd
 from ..rotation import Rotation
 from ..view import StreamView
@@ -172,8 +172,8 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None, "causal"
     or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
     everything else."""
-    if isinstance(keys, StreamView):  # their streams take these queries first (weights, value decay bits)
-        keys, values = observed(queries, keys, values, scale)
+    if isinstance(keys, StreamView):
+        check_learned(keys)
     factory = metal_kernel or _factory or _default_factory()
     kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4
