@@ -2,7 +2,8 @@
 
 A Setting names one cache: mlx-lm's KVCache (float) or QuantizedKVCache, a TurboQuantConfig spelled out in full, or
 mlx-vlm's TurboQuantKVCache (a peer from PyPI, hooked into the mlx-lm model's attention the way mlx-vlm routes it).
-quality.py, long_context.py, speed.py and experiments_lowbit.py build their caches here and count their bits here.
+quality.py, long_context.py, speed.py and experiments/experiments_lowbit.py build their caches here and count their
+bits here.
 """
 
 from __future__ import annotations
@@ -178,9 +179,9 @@ def kv_geometry(model_config: dict) -> tuple[int, int, int]:
 
 
 def bits_per_value(cache: list, tokens: int, geometry: tuple[int, int, int]) -> float:
-    n_att, H, D = geometry
+    """What a prompt cache holds at `tokens` tokens (its caches' own nbytes), in common.bits_per_value."""
     total = sum(c.nbytes for c in cache if hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c))
-    return total * 8 / (tokens * n_att * H * D * 2)
+    return common.bits_per_value(total, tokens, geometry)
 
 
 def _is_peer(c) -> bool:
@@ -190,7 +191,6 @@ def _is_peer(c) -> bool:
 def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ctx: int = LONG_CONTEXT,
               key_widths: list | None = None) -> float | None:
     """Bits/value at ctx tokens; TurboQuant's with the key widths its layers chose in the run (key_error)."""
-    n_att, H, D = geometry
     if s.kind == "tq":
         b = estimate_kv_bytes(model_config, ctx, s.config, key_widths=key_widths)
     elif s.kind == "mlx":
@@ -199,7 +199,7 @@ def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ct
         b = estimate_kv_bytes(model_config, ctx)
     else:
         return None
-    return b * 8 / (ctx * n_att * H * D * 2)
+    return common.bits_per_value(b, ctx, geometry)
 
 
 # --- passes that outlive a session ------------------------------------------------------------------------------

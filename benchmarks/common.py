@@ -1,8 +1,8 @@
-"""What the benchmark scripts share: run metadata, markdown tables, and where results are written.
+"""What the benchmark scripts share: run metadata, markdown tables, bits per value, and where results are written.
 
 Each script prints its table, then writes benchmarks/results/<name>.json (rows + metadata) and
-benchmarks/results/<name>.md (the same table with the date and machine), which readme_tables.py copies into
-docs/benchmarks.md (and a headline of them into the README). What attention sees is read through one spy
+benchmarks/results/<name>.md (the same table with the date and machine), which tools/docs/readme_tables.py copies
+into docs/benchmarks.md (and a headline of them into the README). What attention sees is read through one spy
 (attention_spy, wrap_attention).
 """
 
@@ -182,6 +182,13 @@ def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.{digits}f}{suffix}"
+
+
+def bits_per_value(nbytes: float, tokens: int, geometry: Sequence[int]) -> float:
+    """The one bits/value accounting of every table (float16 = 16): nbytes · 8 / (tokens · attention layers · kv
+    heads · head_dim · 2), geometry = (attention layers, kv heads, head_dim)."""
+    n_att, heads, dim = geometry
+    return nbytes * 8 / (tokens * n_att * heads * dim * 2)
 
 
 def write_results(name: str, payload: dict, markdown: str, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:

@@ -73,7 +73,7 @@ HEADER = (
 
 
 def row_text(r: dict) -> str:
-    """One row of the table, as printed (and as docs/benchmarks.md shows it: benchmarks/docs_assets.py)."""
+    """One row of the table, as printed (and as docs/benchmarks.md shows it: tools/docs/docs_assets.py)."""
     return (
         f"{r['dim']:>4} {r['bits']:>2} | {r['d_mse']:8.5f} {r['d_mse_optimum']:8.5f} {r['d_mse_paper']:6.3f} "
         f"{r['lower_bound']:7.4f} {r['mse_ratio_to_bound']:5.2f} | {r['d_prod']:8.4f} "

@@ -7,9 +7,9 @@ the setting makes it. On that last chunk:
   KL      mean over its 512 positions of KL(p_float ‖ p_cache), p = the model's next-token distribution;
           the float cache (mlx-lm KVCache) fed the same way is the reference. The headline: less noisy than PPL.
   PPL     exp(mean NLL) of its 512 next tokens; ΔPPL against the float cache.
-  bits    bits/value on one accounting for every row: bytes · 8 / (tokens · attention layers · kv heads ·
-          head_dim · 2), float parts (float cache, sinks, window, affine scales) counted in float16, at the
-          largest measured context and at 32k (TurboQuant rows: tq_mlx.memory.estimate_kv_bytes).
+  bits    bits/value on one accounting for every row (common.bits_per_value: bytes · 8 / (tokens · attention
+          layers · kv heads · head_dim · 2)), float parts (float cache, sinks, window, affine scales) counted in
+          float16, at the largest measured context and at 32k (TurboQuant rows: tq_mlx.memory.estimate_kv_bytes).
 
 The computation is causal and every cache here depends only on the tokens before it, so one pass over the
 longest context gives every shorter one too: the chunk ending at 1k in a 4k pass is exactly the last chunk of a
@@ -32,47 +32,9 @@ and are measured only at the end (their float passes may be cached earlier; noth
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/long_context.py [--quick]
 
-The table in docs/benchmarks.md came from six processes (up to four side by side on the 2-core CPU, shared with other jobs;
-about two hours of wall time), then --merge (rows of the same model from several runs are joined):
-
-    long_context.py --models smollm2 --texts britannica --settings float,default,rot4,k4v4 --out A1a
-    long_context.py --models smollm2 --texts hamlet --settings float,default,rot4,k4v4 --needles "" --out A2
-    long_context.py --models smollm2 --texts britannica --settings float,k3v3,k2.5v2,previous,k4v2,k2v2 \
-        --needles "" --out A1b
-    long_context.py --models smollm2 --texts britannica --settings float,k4v1,k3v1,k2v2w1024 --needles "" --out A1c
-    long_context.py --models smollm2 --texts britannica,hamlet --settings float,k3v3n8,k4v4n8 --needles "" --out A3
-    long_context.py --models smollm2 --texts britannica,hamlet --settings float,mlx4,mlx8,peer4 --needles "" --out A4
-    long_context.py --models smollm2 --texts britannica,hamlet --settings float,k3v2w1824,k2v1w2240 --needles "" \
-        --out A5
-    long_context.py --models qwen05 --texts britannica,hamlet --settings float,default,noprotect,rot4 --out B
-    long_context.py --models qwen15 --texts britannica,hamlet --settings float,default,noprotect --out C
-    long_context.py --merge A1a/long_context.json A2/long_context.json A1b/long_context.json \
-        A1c/long_context.json B/long_context.json C/long_context.json
-    long_context.py --merge benchmarks/results/long_context.json A3/long_context.json A4/long_context.json \
-        A5/long_context.json   (2026-11-25, later)
-
-Then values stopped being centered by default (rows measured before carry "values centered" in their names:
-canonical_name), a third text came in (kjv: apt-get install bible-kjv) and contexts past 8k (--contexts,
---qwen-contexts): on top of the table above, with values centered (the default then)
-
-    long_context.py --models smollm2 --texts britannica --contexts 1024,2048,4096,8192,16384 \
-        --settings float,default --needles "" --out L1          (and --texts hamlet --out L2)
-    long_context.py --models qwen05 --texts britannica --qwen-contexts 1024,2048,4096,8192,16384 \
-        --settings float,default --needles "" --no-peers --out L3
-
-and with the new default (values not centered)
-
-    long_context.py --models smollm2 --texts britannica --settings float,default,k3v2w1824,k2v1w2240 --needles "" \
-        --out N1                                                  (and --texts hamlet --out N2)
-    long_context.py --models smollm2 --texts kjv --settings float,default,k3v2w1824,k2v1w2240,k4v4n8,rot4 \
-        --needles "" --out N3
-    long_context.py --models qwen05 --texts britannica,hamlet --settings float,default --needles "" --no-peers \
-        --out N4
-    long_context.py --models qwen15 --texts britannica,hamlet --settings float,default --needles "" --no-peers \
-        --out N5
-    long_context.py --models smollm2 --texts kjv --settings float,k2v2w1408n8,k2v1w2496n8 --needles "" --out C1
-        (and --texts britannica --out C2, --texts hamlet --out C3: 2.74 bits/value at 32k with 8-bit norms)
-    long_context.py --merge benchmarks/results/long_context.json L1/... L2/... L3/... N1/... ... C3/...
+The table in docs/benchmarks.md joins many runs, each of some models, texts and settings, with --merge (rows of
+the same model from several runs are joined); results/long_context.json's meta.runs records each run's command,
+date and machine.
 
 Work is done most important first (float, the default, K4/V4, the window rows, rotation + affine, ...; the first
 text before the second); once --budget is spent the remaining passes are skipped and say so. The JSON is
@@ -127,7 +89,8 @@ class RotatedAffineCache(KVCache):
 
     A quality model, not a memory one: it keeps the float buffer of KVCache and overwrites each compressed
     token with its quantized-dequantized value rotated back (attention on H·diag(s)k with the query rotated the
-    same way gives the same scores, up to float rounding). Its bits/value come from the formula (bits_long).
+    same way gives the same scores, up to float rounding). Its bits/value come from the formula
+    (long_context_settings.bits_at).
     """
 
     def __init__(self, layer: int, quant_bits: int = 4, group_size: int = 64, sinks: int = 4, window: int = 128,
@@ -309,7 +272,7 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
             mx.eval(kl)
             r["kl"] = kl.mean().item()
             r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))
-            r["kl_max"] = kl.max().item()  # one token can move the mean: 1.8 of 512 tokens is 0.0035 (DEFAULTS.md)
+            r["kl_max"] = kl.max().item()  # one token can move the mean (experiments/HISTORY.md)
         caches.eval_cache(cache)
         r["bits_real"] = caches.bits_per_value(cache, b, caches.kv_geometry(_MODEL_CONFIG[0]))
         if reference is None and store is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402,F401  (puts the repo on sys.path)
+import common  # noqa: E402  (puts the repo on sys.path)
 from caches import FLOAT, PEER4, Setting, kv_geometry  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
@@ -21,7 +21,7 @@ from tq_mlx.plan import layer_plan  # noqa: E402
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
 
-# Settings are spelled out from BASE, the library defaults until 2026-11-26 (K4/V3, 16-bit norms, no decay), so a
+# Settings are spelled out from BASE, the library defaults before decay (K4/V3, 16-bit norms, no decay), so a
 # later change of the defaults never changes what a row measures; DEFAULTS spells today's default out
 # (tests/test_benchmarks.py checks that DEFAULT is TurboQuantConfig()).
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
@@ -109,9 +109,9 @@ def centering_tag(center_values: bool) -> str:
 
 
 def canonical_name(row: dict) -> str:
-    """A stored TurboQuant row's name under the current defaults. The default was K4/V3 with 16-bit norms and no
-    decay until 2026-11-26, and centered values too until 2026-11-25: a row of an earlier default says which, and
-    a spelled-out row of today's default is the default's row, so rows of either kind never merge into one."""
+    """A stored TurboQuant row's name under the current defaults. A row of an earlier default (K4/V3 with 16-bit
+    norms and no decay; before that with centered values too) says which, and a spelled-out row of today's default
+    is the default's row, so rows of either kind never merge into one."""
     cfg, name = row.get("config"), row["setting"]
     if row.get("kind") != "tq" or not cfg:
         return name
@@ -166,17 +166,17 @@ ROT_WINDOW: dict[str, int] = {}
 _DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
 K4V3 = tq(4, 3, UNTIL)
-# the default until 2026-11-28: keys not widened by their error, values decayed to V2 with the keys
+# an earlier default: keys not widened by their error, values decayed to V2 with the keys
 DECAY_V2 = tq(4, 4, "the default until 2026-11-27", **dict(_DEFAULT, decay_value_bits=2, key_error=None))
-# the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed (2026-11-26)
+# the default's bits with keys centered before RoPE, not weighed: the default until its keys were weighed
 DEFAULT_ROPE = tq(4, 4, **dict(_DEFAULT, weigh_keys=False, decay_value_bits=2, key_error=None))
-# ... with the key mean taken after RoPE: the default for a few hours of 2026-11-26
+# ... with the key mean taken after RoPE: briefly the default before that
 DEFAULT_MEAN = tq(4, 4, **dict(_DEFAULT, center_keys=True, weigh_keys=False, decay_value_bits=2, key_error=None))
 # the compact preset: K4/V3, 8-bit norms, tokens past 4096 at K2/V2; and its rows from before keys were weighed
 _COMPACT = dict(_DEFAULT, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None)
 COMPACT = tq(4, 3, "compact", **_COMPACT)
 COMPACT_ROPE = tq(4, 3, **dict(_COMPACT, weigh_keys=False))
-# the quality preset: 8-bit keys, no decay (K4/V4 with a 1696-token window until 2026-11-27: K4V4_N8 below)
+# the quality preset: 8-bit keys, no decay (before, K4/V4 with a larger window: K4V4_N8 below)
 QUALITY = tq(8, 4, "quality", **dict(_DEFAULT, decay_after=None, decay_key_bits=None, decay_value_bits=None,
                                      key_error=None))
 PREVIOUS = tq(4, 3, "the previous default", window=128, compress_block=None)
@@ -190,14 +190,14 @@ K2V2 = tq(2, 2, window=512, compress_block=128)
 K4V1 = tq(4, 1, window=1024, compress_block=128)
 K3V1 = tq(3, 1, window=1024, compress_block=128)
 K2V2_1024 = tq(2, 2, window=1024, compress_block=128)
-# 8-bit (log-coded) norms pay for a bigger window: 0.125 bits/value at head_dim 64 is 256 window tokens at 32k.
-K3V3_N8 = tq(3, 3, window=896, compress_block=64, norm_bits=8)  # 3.49 bits/value at 32k
-K4V4_N8 = tq(4, 4, window=1696, compress_block=64, norm_bits=8)  # 4.77: rotation + affine 4-bit's bits
-# Fewer code bits for a large window, compressed 64 at a time (the window buffer counts in full either way): 45% /
-# 55% of a 4k context stays float, 6-7% of 32k.
-K3V2_W1824 = tq(3, 2, window=1824, compress_block=64)  # 3.50 bits/value at 32k
-K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)  # 2.75
-# 8-bit norms pay for the window at 2.74 bits: 2-bit values and a 1408-token window, or 1-bit values and 2496
+# 8-bit (log-coded) norms pay for a bigger window at the same bits/value at 32k.
+K3V3_N8 = tq(3, 3, window=896, compress_block=64, norm_bits=8)
+K4V4_N8 = tq(4, 4, window=1696, compress_block=64, norm_bits=8)  # at rotation + affine 4-bit's bits
+# Fewer code bits for a large window, compressed 64 at a time, at issue 14's bits/value budgets at 32k (the window
+# buffer counts in full either way; so large a window flatters short contexts).
+K3V2_W1824 = tq(3, 2, window=1824, compress_block=64)
+K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)
+# 8-bit norms pay for the window at the lower budget: 2-bit values and a larger window, or 1-bit values and larger
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one of these is that row
@@ -253,7 +253,7 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
         b = n_att * per_layer
     else:
         return None
-    return b * 8 / (ctx * n_att * H * D * 2)
+    return common.bits_per_value(b, ctx, (n_att, H, D))
 
 
 def chosen_widths(r: dict, part: str) -> dict[int, int]:
@@ -285,4 +285,4 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
     kept = turboquant_layer_bytes(*args, value_width=int(config.value_bits), **decay)
     extra += sum(turboquant_layer_bytes(*args, value_width=b, **decay) - kept for b in values.values())
-    return extra * 8 / (ctx * n_att * H * D * 2)
+    return common.bits_per_value(extra, ctx, (n_att, H, D))

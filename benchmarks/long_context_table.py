@@ -1,9 +1,10 @@
-"""long_context.py's tables and notes from its JSON alone (readme_tables.py and plots.py read them too), and
---merge: runs of different models, settings or contexts joined into one results file."""
+"""long_context.py's tables and notes from its JSON alone (tools/docs/readme_tables.py and plots.py read them
+too), and --merge: runs of different models, settings or contexts joined into one results file."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from long_context_settings import (  # noqa: E402
-    ALL, DEFAULT, EVAL, LONG, PRESET_NAMES, TRAINED_CONTEXT, base_name, canonical_name, config_text, protection_bits)
+    ALL, DEFAULT, EVAL, LONG, MODELS, PRESET_NAMES, TRAINED_CONTEXT, base_name, canonical_name, config_text,
+    protection_bits)
 
 
 TEXT_LABEL = {"britannica": "Brit", "hamlet": "Hamlet", "kjv": "KJV", "code": "Code"}
@@ -164,9 +166,45 @@ def _protection_note(results: dict) -> str:
             + "; no layer in the other rows." + more)
 
 
+def runs_of(meta: dict, model: str | None = None) -> list[dict]:
+    """The runs a results file holds (a merged file's meta["runs"], else the one run its meta is); with `model`
+    ("smollm2", ...) those that measured it: the models their --models named (long_context.py's default: all)."""
+    runs = meta.get("runs") or [meta]
+    if model is None:
+        return runs
+
+    def models(command: str | None) -> list[str]:
+        m = re.search(r"--models[ =](\S+)", command or "")
+        return m.group(1).split(",") if m else list(MODELS)
+
+    return [r for r in runs if model in models(r.get("command"))]
+
+
+def runs_text(meta: dict, model: str | None = None) -> str:
+    """When and where the rows were measured: "date · machine · cpu, OpenBLAS" for one run; for a merged file the
+    number of runs, the first and last date, and each machine (a merged file's own date is its first run's only)."""
+    runs = runs_of(meta, model) or [meta]
+    dates = sorted(r["date"] for r in runs)
+    when = dates[0] if len(runs) == 1 else f"{len(runs)} runs, {dates[0]} to {dates[-1]}"
+    machines = Counter(r["machine"] for r in runs)
+    where = (next(iter(machines)) if len(machines) == 1
+             else " and ".join(f"{m} ({n} run{'s' if n > 1 else ''})" for m, n in machines.most_common()))
+    blas = sum(bool(r.get("openblas_preloaded")) for r in runs)
+    blas = ", OpenBLAS" if blas == len(runs) else f", OpenBLAS in {blas} of them" if blas else ""
+    return f"{when} · {where} · {'/'.join(sorted({r['backend'] for r in runs}))}{blas}"
+
+
+def meta_text(meta: dict) -> str:
+    """common.meta_line, with the dates and machines of every run a merged file joined."""
+    if not meta.get("runs"):
+        return common.meta_line(meta)
+    versions = sorted({f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}" for r in meta["runs"]})
+    return f"{runs_text(meta)} · {' / '.join(versions)} · `{meta['command']}`"
+
+
 def render(results: dict, level: str = "###") -> str:
     body, notes = report(results)
-    return (f"{level} Quality at long context\n\n{common.meta_line(results['meta'])}\n\n{body}\n\n"
+    return (f"{level} Quality at long context\n\n{meta_text(results['meta'])}\n\n{body}\n\n"
             + "\n".join(f"* {n}" for n in notes))
 
 

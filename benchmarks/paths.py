@@ -5,8 +5,8 @@ mx.fast.scaled_dot_product_attention). TurboQuant runs `TurboQuantConfig()` as a
 before a RoPE (a Llama-style one of 128 dims), weighed by the queries of the first prefill chunk, and past
 `decay_after` tokens decayed. Times are this machine's (CPU, reference path; ratios matter, not the absolute
 figures): the caches of one layer shape take turns step by step, so load from other processes hits them alike.
-The transient is the float bytes a step materializes beyond the cache. readme_tables.py writes the README's
-per-path table from results/paths.json.
+The transient is the float bytes a step materializes beyond the cache. tools/docs/readme_tables.py writes the
+README's per-path table from results/paths.json.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/paths.py [--quick]
         [--contexts 4096 16384] [--steps 16] [--out benchmarks/results]

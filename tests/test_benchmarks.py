@@ -20,6 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
+EXPERIMENTS = REPO / "experiments"  # the one-off probes (each puts benchmarks/ on sys.path)
+TOOLS = REPO / "tools" / "docs"  # the docs generators
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 pytestmark = pytest.mark.slow
@@ -267,7 +269,7 @@ def _tables_cmd(results_dir: Path, tmp_path: Path) -> tuple[list[str], Path, Pat
     docs.write_text("# x\n\n<!-- benchmark-results:start -->\nOLD-SECTION-PLACEHOLDER\n<!-- benchmark-results:end -->\n\ntail\n")
     readme.write_text("# r\n\n<!-- headline-results:start -->\nOLD-HEADLINE\n<!-- headline-results:end -->\n\nmiddle\n\n"
                       "<!-- path-results:start -->\nOLD-PATHS\n<!-- path-results:end -->\n\nend\n")
-    cmd = [sys.executable, str(BENCH / "readme_tables.py"), "--docs", str(docs), "--readme", str(readme), "--results",
+    cmd = [sys.executable, str(TOOLS / "readme_tables.py"), "--docs", str(docs), "--readme", str(readme), "--results",
            str(results_dir), "--suffix=-quick", "--write"]
     return cmd, docs, readme
 
@@ -414,7 +416,7 @@ def test_serve_quick_load_test_against_mlx_lm_server(results_dir: Path, tmp_path
 def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rotating_bias() -> None:
     # key_error.py's "rope" centering stands for a cache that subtracts RoPE_p(μ0): its RoPE must be mlx's
     # (non-traditional) one, and a key that is a constant before RoPE plus noise must center to the noise.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import key_error as ke
 
     rng = np.random.default_rng(0)
@@ -434,7 +436,7 @@ def test_key_error_models_rope_as_mlx_does_and_its_rope_centering_removes_a_rota
 def test_score_bias_shifts_only_the_coded_tokens_and_moves_their_mass_with_the_sign() -> None:
     # score_bias.py: a > 0 adds a·σ² to the coded tokens' scores (more mass on them), a < 0 takes it away; the
     # float sinks and window are never shifted, and 8-bit codes with no shift give nearly float attention.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import score_bias as sb
 
     rng = np.random.default_rng(2)
@@ -451,7 +453,7 @@ def test_score_bias_shifts_only_the_coded_tokens_and_moves_their_mass_with_the_s
 def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diagonal() -> None:
     # key_error.py's "matrix" mode is the full-matrix form of the cache's weights: on diagonal second moments it
     # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.calibration.query_weights does before its clip.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import key_error as ke
 
     rng = np.random.default_rng(1)
@@ -468,7 +470,7 @@ def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diago
 def test_key_error_allocated_codes_are_turboquant_groups_with_the_bits_where_the_energy_is() -> None:
     # key_error.py's "allocated" mode says what bit allocation would add: each group must be TurboQuant_mse
     # itself, and the extra bit must go to the pairs that hold the energy, so that it beats one even code there.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import key_error as ke
 
     from tq_mlx.codebook import lloyd_max
@@ -494,7 +496,7 @@ def test_key_error_allocated_codes_are_turboquant_groups_with_the_bits_where_the
 
 def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> None:
     # attention_mass.py decides whether float "heavy hitter" tokens could pay: its shares must be the softmax's.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import attention_mass as am
 
     H, Hq, T, L, D, lo, hi = 2, 4, 300, 16, 8, 4, 200
@@ -514,7 +516,7 @@ def test_attention_mass_measures_the_coded_share_and_finds_a_heavy_hitter() -> N
 def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
     # attribution.py says which side and which tokens a layer's error comes from: "all" must be what the cache
     # attends, a part with no tokens must cost nothing, and each part must be the error of its own tokens.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import attribution as at
 
     from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
@@ -547,7 +549,7 @@ def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
     # forecasts it without codes: on values whose errors are independent (no common part) the forecast must be what
     # real codes give; values sharing a large mean keep it in every output (less error) while their errors
     # correlate (codes err more than the forecast); widths must follow the target.
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(EXPERIMENTS))
     import value_widths as vw
 
     from tq_mlx.codebook import lloyd_max

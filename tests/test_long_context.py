@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+EXPERIMENTS = BENCH.parent / "experiments"  # value_mix.py
 sys.path.insert(0, str(BENCH))
 
 
@@ -398,6 +399,7 @@ def test_value_mix_gives_each_layer_the_value_width_asked_and_counts_its_bits() 
     # value_mix.py measures value widths per layer before the cache chooses them: layer i's cache must be the one
     # of its width's setting (values decaying to V2, V3 or keeping V4, the same keys everywhere), the bits must be
     # each layer's share, and a layer list that names a layer twice or past the model is refused.
+    sys.path.insert(0, str(EXPERIMENTS))
     import long_context_settings as lcs
     import value_mix as vm
 

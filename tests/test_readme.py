@@ -2,8 +2,8 @@
 
 Every `mlx_lm.*` / `tq_mlx.*` name they mention exists; the README's Python runs as written (a tiny model stands in
 for the hub's); what the README says about prompt-cache files holds in a fresh process; every local link and
-anchor resolves; the generated tables match benchmarks/results/*.json; benchmarks/plots.py draws the pictures from
-that JSON; every picture and command output the docs show is what `python benchmarks/docs_assets.py` makes now.
+anchor resolves; the generated tables match benchmarks/results/*.json; tools/docs/plots.py draws the pictures from
+that JSON; every picture and command output the docs show is what `python tools/docs/docs_assets.py` makes now.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "DEFAULTS.md"]
+TOOLS = REPO / "tools" / "docs"  # the docs generators (each puts benchmarks/ on sys.path)
+DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "DEFAULTS.md",
+        REPO / "experiments" / "README.md"]
 
 NAME = re.compile(r"(?<![\w./-])((?:mlx_lm|tq_mlx)(?:\.[A-Za-z_]\w*)+)")
 FROM_IMPORT = re.compile(r"^\s*from ((?:mlx_lm|tq_mlx)[\w.]*) import ([\w, ]+)$", re.M)
@@ -193,9 +195,19 @@ def test_readme_is_a_front_page_with_its_two_commands() -> None:
         assert f"({picture})" in text and (REPO / picture).stat().st_size > 10_000
 
 
+def test_every_probe_in_experiments_has_its_claim_and_results() -> None:
+    # experiments/README.md's table: one row per probe (its claim, command and results file; the links resolve above)
+    text = (REPO / "experiments" / "README.md").read_text()
+    rows = {m.group(1) for m in re.finditer(r"^\| \[(\w+\.py)\]\(\1\) \|", text, re.M)}
+    assert rows == {p.name for p in (REPO / "experiments").glob("*.py")}, "experiments/README.md: a row per probe"
+    for name in rows:
+        results = REPO / "experiments" / "results" / name.replace(".py", ".json")
+        assert results.exists() == (f"](results/{results.name})" in text), name
+
+
 def test_generated_tables_match_the_results() -> None:
     # docs/benchmarks.md's tables and the README's headline tables, rendered again from benchmarks/results/*.json
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "readme_tables.py"), "--check"], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(TOOLS / "readme_tables.py"), "--check"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -205,7 +217,7 @@ def test_per_path_table_is_generated_from_the_default_measured() -> None:
     # file measured TurboQuantConfig() as it is now (a new default needs python benchmarks/paths.py again).
     import json
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(TOOLS))
     import readme_tables
 
     from tq_mlx import TurboQuantConfig
@@ -230,18 +242,19 @@ def test_per_path_table_is_generated_from_the_default_measured() -> None:
 def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     import matplotlib  # noqa: F401  (in the test extra, so this test runs wherever the tests do: no skip)
 
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plots.py"), "--out", str(tmp_path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(TOOLS / "plots.py"), "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("kl_vs_bits.png", "memory_vs_context.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
-        assert (REPO / "docs" / name).exists(), f"docs/{name}: run python benchmarks/plots.py"
-    sys.path.insert(0, str(REPO / "benchmarks"))
+        assert (REPO / "docs" / name).exists(), f"docs/{name}: run python tools/docs/plots.py"
+    sys.path.insert(0, str(TOOLS))
     import json
 
+    import plots  # (puts benchmarks/ on sys.path)
+
     import long_context_settings as lc_settings
-    import plots
 
     # every setting and peer of the long-context JSON measured at 8k is a point, the default among them
     lc = json.loads((REPO / "benchmarks" / "results" / "long_context.json").read_text())
@@ -253,11 +266,11 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     assert len(names) == len(rows)
 
 
-# --- every generated picture and example: benchmarks/docs_assets.py ---------------------------------------------
+# --- every generated picture and example: tools/docs/docs_assets.py ---------------------------------------------
 
 
 def _docs_assets():
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(TOOLS))
     import docs_assets
 
     return docs_assets
@@ -267,7 +280,7 @@ def test_pictures_examples_and_screenshot_are_what_docs_assets_makes_now() -> No
     # docs/*.png against their sidecars (the data drawn, never pixels), every command output in docs/ between
     # generated-example markers run again (tq-chat --plan and tq-generate on the demo model), and the app
     # screenshot's panel drawn again from its snapshot. The tables have their own test above.
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "docs_assets.py"), "--check", "--only", "pictures",
+    proc = subprocess.run([sys.executable, str(TOOLS / "docs_assets.py"), "--check", "--only", "pictures",
                            "--only", "examples", "--only", "screenshot"], cwd=REPO, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -275,7 +288,7 @@ def test_pictures_examples_and_screenshot_are_what_docs_assets_makes_now() -> No
 
 def test_every_picture_in_the_docs_is_generated_and_checked() -> None:
     # each picture README.md and docs/ show is one docs_assets.py makes (and so --check checks)
-    shot = _docs_assets().SHOT  # (puts benchmarks/ on sys.path)
+    shot = _docs_assets().SHOT  # (puts tools/docs/ on sys.path)
     import plots
 
     made = {f"{name}.png" for name in plots.FIGURES} | {shot.name}
@@ -290,7 +303,7 @@ def test_the_picture_check_catches_a_stale_picture(tmp_path: Path) -> None:
     import json
     import shutil
 
-    _docs_assets()  # (puts benchmarks/ on sys.path)
+    _docs_assets()  # (puts tools/docs/ on sys.path)
     import plots
 
     lc, models = plots.load_inputs()
@@ -333,11 +346,11 @@ def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch:
     assert any("sha256" in p for p in problems(lambda s: s.__setitem__("png_sha256", "0" * 64)))
 
 
-# --- every number in the README's prose is generated (benchmarks/readme_prose.py: FIGURES, ALLOWED) --------------
+# --- every number in the README's prose is generated (tools/docs/readme_prose.py: FIGURES, ALLOWED) --------------
 
 
 def _readme_prose():
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(TOOLS))
     import readme_prose
 
     return readme_prose
@@ -346,7 +359,7 @@ def _readme_prose():
 def test_every_number_in_the_readme_is_generated_or_allowed() -> None:
     # Outside the generated blocks and code, each number README.md shows is a readme_prose.FIGURES figure equal to
     # what the code and benchmarks/results give now, or one of the few ALLOWED non-results (a version, a model's
-    # name, a CLI example). `python benchmarks/readme_tables.py --check` says the same (the test above runs it).
+    # name, a CLI example). `python tools/docs/readme_tables.py --check` says the same (the test above runs it).
     rt = _readme_prose()
     text = README.read_text()
     problems, fixed = rt.readme_problems(text)
@@ -419,7 +432,7 @@ def test_readme_tables_check_names_a_stale_prose_figure(tmp_path: Path) -> None:
     text = README.read_text()
     m = rt.figure_pattern(fig.text).search(text)
     readme.write_text(text[:m.start(1)] + "900" + text[m.end(1):])
-    cmd = [sys.executable, str(REPO / "benchmarks" / "readme_tables.py"), "--readme", str(readme), "--docs",
+    cmd = [sys.executable, str(TOOLS / "readme_tables.py"), "--readme", str(readme), "--docs",
            str(tmp_path / "benchmarks.md"), "--prose"]
     (tmp_path / "benchmarks.md").write_text((REPO / "docs" / "benchmarks.md").read_text())
     proc = subprocess.run([*cmd, "--check"], cwd=REPO, capture_output=True, text=True, timeout=300)

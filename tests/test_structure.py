@@ -164,6 +164,8 @@ MAX_LINES = 600
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(PACKAGE.parent)) for p in
                                         [*MODULES.values(), *(PACKAGE.parent / "app").glob("*.py"),
                                          *(PACKAGE.parent / "benchmarks").glob("*.py"),
+                                         *(PACKAGE.parent / "experiments").glob("*.py"),
+                                         *(PACKAGE.parent / "tools").rglob("*.py"),
                                          *(p for p in (PACKAGE.parent / "tests").rglob("*.py") if p.read_text().strip())]))
 def test_modules_are_small_and_say_what_they_own(path):
     src = (PACKAGE.parent / path).read_text()

@@ -71,7 +71,7 @@ def bias_outlier_factor(x: mx.array, mean: mx.array) -> mx.array:
     TurboQuant's error is isotropic after the rotation: per direction it is ε·mean‖x - μ‖²/D. A query along μ
     sees scores that spread by std(u·(x - μ)), u = μ/‖μ‖. Queries of layers with large key offsets (Qwen2's
     key biases) point there, and in such layers the keys hardly vary along it: Qwen2.5-Coder-0.5B's layer 0
-    scores 9.5, every other layer of it and of SmolLM2 at most 2.7 (benchmarks/DEFAULTS.md)."""
+    scores 9.5, every other layer of it and of SmolLM2 at most 2.7 (experiments/HISTORY.md)."""
     d = x - mean[:, :, None, :]
     ok, n = _finite_tokens(d)
     d = mx.where(ok, d, 0.0)
@@ -113,7 +113,7 @@ def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.arra
     heads; later queries and single heads differ, and where the weights are small the keys' error grows by 1/w.
     So the weights take half its exponent, w² ∝ (rms(q)/rms(k))^½: on Qwen2.5-Coder-0.5B's keys at 4 bits the
     relative score error goes from 0.077 to 0.059 (0.054 at the optimum), and KL at 8k is lower than with the
-    full exponent (benchmarks/DEFAULTS.md). Statistics are per RoPE pair (pair_mean); the weights have geometric
+    full exponent (experiments/HISTORY.md). Statistics are per RoPE pair (pair_mean); the weights have geometric
     mean 1 and stay within WEIGHT_RANGE of it."""
     ok, n = _finite_tokens(calib)
     k_sq = mx.sum(mx.where(ok, calib * calib, 0.0), axis=2) / mx.maximum(n, 1)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-# Every width up to 8: the quantizers use 1-6 and 8 (quantizer.CODE_BITS); benchmarks/key_error.py also codes
+# Every width up to 8: the quantizers use 1-6 and 8 (quantizer.CODE_BITS); experiments/key_error.py also codes
 # channel groups at 7 bits (bits ± 1 around 2-7) to measure bit allocation.
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 MIN_DIM = 16

@@ -12,7 +12,7 @@ from .quantizer import PROD_BITS, check_bits, format_bits
 
 
 # Tokens compressed at a time by default: small blocks keep the window near full (between window - 127 and
-# window tokens), and blocks of 64 measured worse than 128 (benchmarks/DEFAULTS.md).
+# window tokens), and blocks of 64 measured worse than 128 (experiments/HISTORY.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
@@ -87,7 +87,7 @@ class TurboQuantConfig:
     the error at 16k), and each layer's keys take the fewest bits from K4 up to K6 whose attention-logit error on
     its first window's queries is at most KEY_ERROR (key_error): that is what holds both Qwen2.5-Coder models under
     KL 0.01 at 16k (and Qwen2.5-Coder-0.5B at 32k), for about 1.5 bits/value more at 32k than decayed K3/V2 values
-    (DEFAULTS.md). A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
+    (benchmarks/DEFAULTS.md). A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times

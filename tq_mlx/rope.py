@@ -2,7 +2,7 @@
 
 Keys reach the cache after RoPE: k_p = R(p) k'_p at position p. A constant part of k' (Qwen2's k_proj bias)
 turns into R(p) μ0, which rotates with the position, so one mean μ after RoPE leaves most of it in the vectors
-and the codes spend their bits on it (benchmarks/key_error.py: Qwen2.5-Coder-0.5B's score error halves when the
+and the codes spend their bits on it (experiments/key_error.py: Qwen2.5-Coder-0.5B's score error halves when the
 mean is taken before RoPE). With a `Rope`, the key stream subtracts R(p) μ0 from the key at position p, μ0
 the mean of R(p)⁻¹ k_p over the calibration tokens, and adds it back: decoding adds R(p) μ0, attention adds
 q·R(p) μ0 to each compressed token's score (or, in the reference with a prefill chunk's many query rows, R(p) μ0

@@ -11,7 +11,7 @@ among many as decayed tokens are read, and the relative error of their outputs,
 
 with v̂ the old values as the stream codes them and v̂ᵇ those re-coded at b bits (as decay re-codes them, from
 their codes), gives the fewest bits whose error is at most the target. On three models the window's figure ranks
-the layers as later queries reading decayed tokens see them (Pearson 0.93-0.95; benchmarks/DEFAULTS.md).
+the layers as later queries reading decayed tokens see them (Pearson 0.93-0.95; experiments/HISTORY.md).
 
 Both sums add over queries, so the choice hardly depends on how the prompt is fed (one chunk, chunks, token by
 token): the queries read keys and values as the cache holds them when they come, codes or float (old values not

@@ -24,7 +24,7 @@ the spread of the exact scores over the keys (the same measure for every model),
 Queries are the last 256 of a --context-token Britannica prefix, keys all of it; calibration tokens are the
 cache's (the window after 4 sinks). Not a quality figure: it says which centering a model's keys call for.
 
-    python benchmarks/key_error.py --models qwen05,smollm2 --context 4096 --bits 3,4
+    python experiments/key_error.py --models qwen05,smollm2 --context 4096 --bits 3,4
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -49,6 +50,8 @@ from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
 from tq_mlx.rotation import Rotation  # noqa: E402
 from tq_mlx.rope import probe  # noqa: E402
 from tq_mlx.calibration import query_weights  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
@@ -193,7 +196,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--context", type=int, default=4096, help="prefix tokens (a multiple of 128)")
     ap.add_argument("--bits", default="3,4", help="key bits, comma list")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     if args.context % BLOCK or args.context <= QUERIES:
         raise SystemExit(f"--context must be a multiple of {BLOCK} above {QUERIES}, got {args.context}")

@@ -11,7 +11,7 @@ away, a layer whose outputs are small next to its values (they cancel) does not.
 part break the independence (their errors correlate), and there the forecast falls short of real codes.
 Queries are those of a --context-token Britannica prefix; not a quality figure (long_context.py is).
 
-    python benchmarks/value_widths.py --models qwen05,qwen15,smollm2 --context 2048 --targets 0.05,0.1,0.15
+    python experiments/value_widths.py --models qwen05,qwen15,smollm2 --context 2048 --targets 0.05,0.1,0.15
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -32,6 +33,8 @@ from key_error import MODELS, QUERIES  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 BITS = (2, 3, 4)
 AGE = 256  # the window's old tokens: at least this many positions before its first query read
@@ -128,7 +131,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen05,qwen15,smollm2", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--context", type=int, default=2048, help="prefix tokens (at least sinks + 2 windows + 256)")
     ap.add_argument("--targets", default="0.05,0.1,0.15", help="value error targets, comma list")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
     least = d.sinks + 2 * d.window + QUERIES

@@ -6,13 +6,14 @@ touching tq_mlx. Compressed tokens are encoded with tq_mlx's own quantizer (Turb
 TurboQuantKVCache: plan.layer_seed), centering (calibration_mean), power-of-two scale (calibration_scale) and
 key protection (bias_outlier_factor), calibrated on the first `window` tokens after the sinks exactly as
 stream.CompressedStream does; the float buffer then holds the decoded value, and attention is mlx's float SDPA
-(the same scores as tq_mlx's attention up to float rounding). Validated against the real cache (see --validate).
+(the same scores as tq_mlx's attention up to float rounding). Validated against the real cache (the real_*
+settings run TurboQuantKVCache itself).
 
 Bits/value at 32k: tq_mlx.memory.turboquant_layer_bytes per layer with that layer's bits (float parts in
 float16), plus the per-channel scale vectors (float32 per layer and kv head), plus decay's savings.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/experiments_lowbit.py \
-        --texts britannica --settings k3v3w512,... --out benchmarks/experiments_out/NAME
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python experiments/experiments_lowbit.py \
+        --texts britannica --settings k3v3w512,... --out experiments/out/NAME
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402
 import mlx.core as mx  # noqa: E402
@@ -283,7 +285,7 @@ def bits_at(spec: Spec, mcfg: dict, ctx: int = LONG) -> float:
         for i in range(n_att):
             groups = sum(1 if b == int(b) else 2 for b in spec.bits(i))
             total -= cap * H * groups * (16 - spec.norm_bits) // 8
-    bits = total * 8 / (ctx * n_att * H * D * 2)
+    bits = common.bits_per_value(total, ctx, (n_att, H, D))
     if spec.decay:  # compressed tokens of age >= threshold (from the newest token) hold fewer code bits
         S = min(ctx, spec.sinks)
         n_c = overflow(ctx - S, spec.window, spec.block)
@@ -296,7 +298,7 @@ def bits_at(spec: Spec, mcfg: dict, ctx: int = LONG) -> float:
             for j, (thr, kb2, vb2) in enumerate(levels):
                 n_here = counts[j] - (counts[j + 1] if j + 1 < len(levels) else 0)
                 saved += n_here * H * D * ((kb0 - min(kb0, kb2)) + (vb0 - min(vb0, vb2)))
-        bits -= saved / (ctx * n_att * H * D * 2)
+        bits -= common.bits_per_value(saved / 8, ctx, (n_att, H, D))  # saved is in bits
     return bits
 
 
@@ -389,7 +391,7 @@ add("k4v4w1024_qk", kb=4, vb=4, window=1024, kscale="qk")
 add("k3v3w512_qkp", kb=3, vb=3, window=512, kscale="qkp")
 add("k3v3w512_qkp_c2", kb=3, vb=3, window=512, kscale="qkp", smax=2.0)
 add("k3v3w512_wo", kb=3, vb=3, window=512, vscale="wo")
-# 8-bit log norms: 0.125 bits/value back, spent on the window
+# 8-bit log norms: the bits they save, spent on the window
 add("k3v3w768b64n8", kb=3, vb=3, window=768, block=64, norm_bits=8)
 add("k3v3w512n8", kb=3, vb=3, window=512, norm_bits=8)
 add("k2v2w1392b64n8", kb=2, vb=2, window=1392, block=64, norm_bits=8)

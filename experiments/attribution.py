@@ -14,7 +14,7 @@ Each figure is the relative error of the layer's attention output, ‖o − o_fl
 queries, per kv head (its query heads together) and for the layer. A layer's error is not the model's: later
 layers may amplify or damp it (long_context.py measures the end, KL).
 
-    python benchmarks/attribution.py --models qwen05 --texts britannica --context 8192
+    python experiments/attribution.py --models qwen05 --texts britannica --context 8192
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -35,6 +36,8 @@ import long_context  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
 from tq_mlx.view import StreamView, decode  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 CHUNK = 512
 PARTS = ("all", "keys", "values", "keys decayed", "keys fresh", "values decayed", "values fresh")
@@ -131,7 +134,7 @@ def main() -> None:
     ap.add_argument("--texts", default="britannica", help=f"comma list of {','.join(TEXTS)}")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
     ap.add_argument("--setting", default="default", help="a long_context.py --settings key (default: default)")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     texts = long_context.text_names(args.texts)
     if args.context % CHUNK or args.context < 4 * CHUNK:

@@ -13,7 +13,7 @@ The cache's geometry: 4 float sinks, the last 768 tokens float (the window), the
 centered as the cache does (one mean before RoPE); queries the last 256 of a --context-token Britannica prefix.
 Not a quality figure (long_context.py is): it says whether a score shift is worth building.
 
-    python benchmarks/score_bias.py --models qwen05,qwen15 --context 4096 --bits 3,4
+    python experiments/score_bias.py --models qwen05,qwen15 --context 4096 --bits 3,4
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -36,6 +37,8 @@ from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 
 def layer_row(q: mx.array, k: mx.array, v: mx.array, scale: float, base: float, bits: list[int],
@@ -93,7 +96,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096, help="prefix tokens (more than the window, sinks and queries)")
     ap.add_argument("--bits", default="3,4", help="key bits, comma list of whole numbers 2 to 8")
     ap.add_argument("--shifts", default="0.5,0,-0.25,-0.5", help="a in a·σ², comma list")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
     if args.context <= d.sinks + d.window + QUERIES:

@@ -1,11 +1,11 @@
 """Every generated table, picture and example in README.md and docs/, made by one command and checked by a test.
 
-    python benchmarks/docs_assets.py                  # make them all again from the code and benchmarks/results/
-    python benchmarks/docs_assets.py --check          # exit 1 if a committed one differs from what this would make
-    python benchmarks/docs_assets.py --only examples  # one part: tables, pictures, examples, screenshot
+    python tools/docs/docs_assets.py                  # make them all again from the code and benchmarks/results/
+    python tools/docs/docs_assets.py --check          # exit 1 if a committed one differs from what this would make
+    python tools/docs/docs_assets.py --only examples  # one part: tables, pictures, examples, screenshot
 
-tables      README's headline tables, docs/benchmarks.md's tables: benchmarks/readme_tables.py (--write / --check)
-pictures    docs/kl_vs_bits.png, docs/memory_vs_context.png and their JSON sidecars: benchmarks/plots.py; --check
+tables      README's headline tables, docs/benchmarks.md's tables: tools/docs/readme_tables.py (--write / --check)
+pictures    docs/kl_vs_bits.png, docs/memory_vs_context.png and their JSON sidecars: tools/docs/plots.py; --check
             compares the data drawn (points, curves, labels) and the PNG's sha256 with the sidecar, never pixels
 examples    the command outputs shown in docs/, between `<!-- generated-example:NAME:start/end -->` markers: the
             commands run again (tq-chat --plan, tq-generate on the demo model, the distortion table from its JSON);
@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the docs scripts beside this one, then the benchmarks' modules they render
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 
@@ -47,7 +48,7 @@ DOCS = REPO / "docs"
 PARTS = ("tables", "pictures", "examples", "screenshot")
 
 # The machine the examples and the screenshot describe (pinned, so that they do not depend on where they are
-# made or checked): the Linux x86_64 machine of benchmarks/results, 25.3 GB of physical memory.
+# made or checked): the Linux x86_64 machine of benchmarks/results.
 MACHINE = dict(available=25_276_510_208, source="physical memory")
 
 
@@ -424,8 +425,9 @@ def screenshot_settings(facts: dict, config, make_plan):
 
 
 def tables(write: bool) -> list[str]:
-    proc = subprocess.run([sys.executable, str(common.BENCH_DIR / "readme_tables.py"), "--write" if write else
-                           "--check"], cwd=REPO, capture_output=True, text=True)
+    script = Path(__file__).resolve().parent / "readme_tables.py"
+    proc = subprocess.run([sys.executable, str(script), "--write" if write else "--check"], cwd=REPO,
+                          capture_output=True, text=True)
     print(proc.stdout, end="")
     return [] if proc.returncode == 0 else [f"tables: {proc.stdout}{proc.stderr}".strip()]
 
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(p)
     if problems:
-        print("stale: python benchmarks/docs_assets.py makes them again")
+        print("stale: python tools/docs/docs_assets.py makes them again")
         return 1
     print("up to date" if args.check else "done")
     return 0

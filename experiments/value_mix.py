@@ -1,11 +1,12 @@
-"""What a value width per layer would do, before the cache can choose one: the default's keys (K4 widened by their
-error up to K6, one bit narrower past 6144), and values that past 6144 tokens decay to V2, to V3 or not at all (V4),
-layer by layer, as given or as benchmarks/value_widths.py's first window chose them for a value error target. The
-cache of each layer is the one its spelled-out setting builds (long_context_settings), so this measures widths the
-library cannot yet choose by itself; KL and ΔPPL are against the float log-probs long_context.py stored.
+"""What a value width per layer would do, measured before the cache chose one itself (value_error): the
+default's keys (K4 widened by their error up to K6, one bit narrower past 6144), and values that past 6144 tokens
+decay to V2, to V3 or not at all (V4), layer by layer, as given or as experiments/value_widths.py's first window
+chose them for a value error target. The cache of each layer is the one its spelled-out setting builds
+(long_context_settings), so this measures the widths whatever the cache would choose; KL and ΔPPL are against the
+float log-probs long_context.py stored.
 
-    python benchmarks/value_mix.py --model qwen05 --text britannica --context 16384 --v4 0,3,9,11,16,22
-    python benchmarks/value_mix.py --model qwen05 --text britannica --context 16384 --from-window 0.05
+    python experiments/value_mix.py --model qwen05 --text britannica --context 16384 --v4 0,3,9,11,16,22
+    python experiments/value_mix.py --model qwen05 --text britannica --context 16384 --from-window 0.05
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -27,6 +29,8 @@ import long_context_settings as lcs  # noqa: E402
 from long_context_settings import LONG, MODELS, parse_setting  # noqa: E402
 from tq_mlx.architectures import load_model_config  # noqa: E402
 from tq_mlx.memory import chosen_key_widths  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 # the setting whose cache a layer takes, by the bits its values decay to past 6144 (4: they keep theirs)
 BY_WIDTH = {4: "k4v4w768b128d6144k3v4n8rqe0.1", 3: "k4v4w768b128d6144k3v3n8rqe0.1", 2: "k4v4w768b128d6144k3v2n8rqe0.1"}
@@ -69,7 +73,7 @@ def main() -> None:
     ap.add_argument("--v3", default="", help="layers whose values decay to 3 bits, comma list (the rest: 2)")
     ap.add_argument("--from-window", type=float, default=None,
                     help="widths value_widths.py's first window chose for this value error target (its json)")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     from tests.support import real_models
 
@@ -77,7 +81,7 @@ def main() -> None:
     mcfg = load_model_config(getattr(real_models, path_fn)())
     n_att = caches.kv_geometry(mcfg)[0]
     if args.from_window is not None:
-        chosen = json.loads((common.RESULTS / "value_widths.json").read_text())["models"][args.model]["widths"]
+        chosen = json.loads((RESULTS / "value_widths.json").read_text())["models"][args.model]["widths"]
         if f"{args.from_window:g}" not in chosen:
             raise SystemExit(f"value_widths.json has targets {', '.join(chosen)} for {args.model}, not {args.from_window:g}")
         widths = chosen[f"{args.from_window:g}"]

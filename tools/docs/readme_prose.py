@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the docs scripts beside this one, then the benchmarks' modules they render
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "benchmarks")]
 
 import common  # noqa: E402
 
@@ -54,11 +55,12 @@ def _model_config(name: str = REFERENCE_MODEL) -> dict:
 
 def _bits_per_value(config, ctx: int, name: str = REFERENCE_MODEL) -> float:
     """Bits per value of a TurboQuantConfig at ctx tokens on a model, float parts in float16 (as long_context.py
-    counts them): 16 x its bytes / float16's."""
+    counts them)."""
+    import caches
     from tq_mlx.memory import estimate_kv_bytes
 
     mc = _model_config(name)
-    return 16 * estimate_kv_bytes(mc, ctx, config, dtype="float16") / estimate_kv_bytes(mc, ctx)
+    return common.bits_per_value(estimate_kv_bytes(mc, ctx, config, dtype="float16"), ctx, caches.kv_geometry(mc))
 
 
 def _ctx(c: int) -> str:
@@ -187,7 +189,7 @@ BOUNDS = (4096, 256)  # the --max-kv-size the README prices
 
 def bound_values() -> tuple:
     """What a bounded default cache saves on REFERENCE_MODEL against mlx-lm's RotatingKVCache of the same size, at
-    128k tokens (tq_mlx.memory.planned_saving; the bound fitted as the commands fit it): "2.53x", or "nothing"."""
+    128k tokens (tq_mlx.memory.planned_saving; the bound fitted as the commands fit it): "N.NNx", or "nothing"."""
     from tq_mlx.config import derive_config
     from tq_mlx.memory import planned_saving
 

@@ -1,10 +1,10 @@
 """The pictures in README.md and docs/, drawn from the benchmarks' JSON (matplotlib: `pip install ".[plot]"`).
 
-    python benchmarks/plots.py                 # writes docs/kl_vs_bits.png and docs/memory_vs_context.png
-    python benchmarks/plots.py --out /tmp/p    # somewhere else
-    python benchmarks/plots.py --check         # exit 1 if docs/'s pictures are stale (needs no matplotlib)
+    python tools/docs/plots.py                 # writes docs/kl_vs_bits.png and docs/memory_vs_context.png
+    python tools/docs/plots.py --out /tmp/p    # somewhere else
+    python tools/docs/plots.py --check         # exit 1 if docs/'s pictures are stale (needs no matplotlib)
 
-(`python benchmarks/docs_assets.py` runs this with every other generated picture and example.) Next to each
+(`python tools/docs/docs_assets.py` runs this with every other generated picture and example.) Next to each
 PNG, a JSON sidecar holds what it draws (every point, curve and label) and the PNG's sha256: --check compares
 that data with what the code and results give now, never pixels. Every label lies inside the picture: the KL
 picture is as wide as its key, and a picture with a label cut at its edge is not written.
@@ -27,7 +27,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the docs scripts beside this one, then the benchmarks' modules they render
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "benchmarks")]
 
 import common  # noqa: E402
 
@@ -125,10 +126,21 @@ def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> dict:
         "legend": [lab for _, _, lab in STYLE.values()] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in texts],
         "key_title": f"settings (bits/val @{at}, number as on the plot)",
         "key": [f"{i:>2}  {p['bits']:5.2f}  {p['name']}" for i, p in enumerate(pts, 1)],
-        "footnote": f"From benchmarks/results/long_context.json ({lc['meta']['date']}). Bar: the spread over the "
+        "footnote": f"From benchmarks/results/long_context.json ({measured(lc, model)}). Bar: the spread over the "
                     "texts. KL below 1e-5 drawn at 1e-5.",
         "points": [dict(n=i, **p) for i, p in enumerate(pts, 1)],
     }
+
+
+def measured(lc: dict, model: str) -> str:
+    """When the model's rows were measured: "33 runs, 2026-11-25 to 2026-11-28" (a merged file's own date is its
+    first run's only)."""
+    import long_context_table as lc_table
+
+    runs = lc_table.runs_of(lc["meta"], model) or [lc["meta"]]
+    days = sorted({r["date"][:10] for r in runs})
+    return (f"{len(runs)} run{'s' if len(runs) > 1 else ''}, " if len(runs) > 1 else "") + (
+        days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}")
 
 
 def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT) -> Path:
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         for p in problems:
             print(p)
         if problems:
-            raise SystemExit("stale pictures: python benchmarks/plots.py (or benchmarks/docs_assets.py) redraws them")
+            raise SystemExit("stale pictures: python tools/docs/plots.py (or tools/docs/docs_assets.py) redraws them")
         print("pictures up to date")
         return
     out = Path(args.out)

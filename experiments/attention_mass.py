@@ -12,7 +12,7 @@ long_context.py feeds it):
   average over the queries (per kv head: what one set of kept tokens could catch, chosen with hindsight);
 * per-query top32: the same with the best 32 tokens chosen for each query apart (an upper bound no cache reaches).
 
-    python benchmarks/attention_mass.py --models qwen05 --texts britannica --context 8192
+    python experiments/attention_mass.py --models qwen05 --texts britannica --context 8192
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -33,6 +34,8 @@ import long_context  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
 from tq_mlx import TurboQuantConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 CHUNK = 512
 TOPS = (32, 128)
@@ -93,7 +96,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen05,smollm2", help=f"comma list of {','.join(lc_settings.MODELS)}")
     ap.add_argument("--texts", default="britannica", help=f"comma list of {','.join(TEXTS)}")
     ap.add_argument("--context", type=int, default=8192, help=f"tokens (a multiple of {CHUNK})")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     texts = long_context.text_names(args.texts)
     d = TurboQuantConfig()

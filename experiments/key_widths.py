@@ -9,7 +9,7 @@ Keys are centered before RoPE and weighed by the calibration queries, as the def
 are the last 256 of a --context-token Britannica prefix, keys all of it. Not a quality figure: long_context.py
 measures what a setting does to the model's output.
 
-    python benchmarks/key_widths.py --models qwen05,qwen15,smollm2 --context 2048 --targets 0.1,0.15,0.2
+    python experiments/key_widths.py --models qwen05,qwen15,smollm2 --context 2048 --targets 0.1,0.15,0.2
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the probes beside this one, then the benchmarks' modules they measure with
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
 import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
@@ -33,6 +34,8 @@ from tq_mlx.calibration import key_width, logit_error, query_weights  # noqa: E4
 from tq_mlx.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
 from tq_mlx.rope import probe  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 
 BITS = (4, 5, 6)
 
@@ -91,7 +94,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen05,qwen15,smollm2", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--context", type=int, default=2048, help="prefix tokens (above the window + sinks + 256)")
     ap.add_argument("--targets", default="0.1,0.15,0.2", help="key_error targets, comma list")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
     if args.context < d.sinks + d.window + QUERIES:
