@@ -34,15 +34,44 @@ from .codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream import CompressedStream
 from .view import StreamView
 
-# Version 2 renamed the config's `block` to `compress_block`; version 3 added each stream's `scale` and float
-# buffers in the model's dtype; version 4 whether the keys protected themselves; version 5 the fetch (what
-# update_and_fetch returns, tq_mlx.architectures); version 6 temporal decay (n_decayed, each stream's decayed
-# codes); version 7 each stream's RoPE (keys centered before RoPE: tq_mlx.rope); version 10 the values' decay bits
-# chosen by their error and the sums they come from (value_error). Earlier files still load.
 STATE_VERSION = 10
 READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# The fields of a state's meta each version added, with the meaning their absence had before (version 2 renamed
+# the config's `block`, TurboQuantConfig.from_dict reads either; 3 added each stream's `scale` and float buffers in
+# the model's dtype, 7 each stream's RoPE: arrays, read by tq_mlx.codec).
+ADDED_FIELDS = {
+    4: {"key_protected": False},  # whether the keys protected themselves
+    5: {"fetch": "codes", "max_size": None, "n_dropped": 0, "k_eq_v": False},  # fetch (tq_mlx.architectures), bounds
+    6: {"n_decayed": [0, 0]},  # temporal decay
+    9: {"key_bits": None, "query_count": None},  # widths by error; the queries summed for the weights
+    10: {"value_width": None, "value_seen": [0, 0]},  # values by their error and the sums they come from
+}
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
+
+
+def migrated(meta: dict) -> dict:
+    """A state's meta (TurboQuantKVCache.state) as this version writes it, from any readable version: the one place
+    earlier files are read (ADDED_FIELDS). ValueError for a version this tq-mlx cannot read; KeyError for a field
+    no version lets a file leave out."""
+    version = meta.get("version")
+    if version not in READABLE_STATE_VERSIONS:
+        newer = isinstance(version, int) and version > STATE_VERSION
+        raise ValueError(
+            f"TurboQuantKVCache state version {version!r} was written by "
+            f"{'a newer' if newer else 'an unknown'} tq-mlx; this tq-mlx reads versions "
+            f"{', '.join(map(str, READABLE_STATE_VERSIONS))}"
+        )
+    out = dict(meta)
+    fields = dict(meta["config"])
+    if version < 4 and fields.get("compress_block", fields.get("block")) is None and fields.get("window"):
+        fields["compress_block"] = fields.pop("block", None) or fields["window"]  # None meant the window
+    out["config"] = fields
+    for added in ADDED_FIELDS.values():  # a field left out reads as its absence did, whatever the version says
+        for name, absent in added.items():
+            out.setdefault(name, absent)
+    out["version"] = STATE_VERSION
+    return out
 
 
 class _unbounded_only:
@@ -502,45 +531,35 @@ class TurboQuantKVCache(_BaseCache):
             meta, arrays = dict(meta), dict(arrays)
         except (TypeError, ValueError):
             raise ValueError("TurboQuantKVCache state must be (meta dict, arrays dict)") from None
-        version = meta.get("version")
-        if version not in READABLE_STATE_VERSIONS:
-            newer = isinstance(version, int) and version > STATE_VERSION
-            raise ValueError(
-                f"TurboQuantKVCache state version {version!r} was written by "
-                f"{'a newer' if newer else 'an unknown'} tq-mlx; this tq-mlx reads versions "
-                f"{', '.join(map(str, READABLE_STATE_VERSIONS))}"
-            )
         try:
-            fields = dict(meta["config"])
-            if version < 4 and fields.get("compress_block", fields.get("block")) is None and fields.get("window"):
-                fields["compress_block"] = fields.pop("block", None) or fields["window"]  # None meant the window
-            config = TurboQuantConfig.from_dict(fields)
+            meta = migrated(meta)
+            config = TurboQuantConfig.from_dict(meta["config"])
             self.__init__(config, meta["layer_index"], meta["attention_index"], meta["n_attention_layers"])
             self.expected_head_dim = meta["head_dim"]
             counts = {n: check_int(n, meta[n], 0) for n in ("offset", "n_sinks", "n_compressed", "n_window",
                                                              "key_dim", "value_dim")}
             calibrated = bool(meta["calibrated"])
-            protected = bool(meta.get("key_protected", False))  # absent before version 4
-            key_bits = meta.get("key_bits")  # absent before version 9: the configured (or protected) bits
-            query_count = meta.get("query_count")  # absent before version 9
+            protected = bool(meta["key_protected"])
+            key_bits = meta["key_bits"]  # None: the configured (or protected) bits
+            query_count = meta["query_count"]
             query_count = None if query_count is None else check_int("query_count", query_count, 0)
-            value_width = meta.get("value_width")  # absent before version 10
-            value_seen = meta.get("value_seen", [0, 0])
+            value_width = meta["value_width"]
+            value_seen = meta["value_seen"]
             if not isinstance(value_seen, (list, tuple)) or len(value_seen) != 2:
                 raise ValueError(f"TurboQuantKVCache state has value_seen {value_seen!r}; expected [start, end]")
             value_seen = tuple(check_int("value_seen", t, 0) for t in value_seen)
-            fetch = meta.get("fetch", "codes")  # absent before version 5
+            fetch = meta["fetch"]
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
             self.fetch = fetch
-            max_size = meta.get("max_size")  # absent before version 5
+            max_size = meta["max_size"]
             self.max_size = None if max_size is None else check_max_size(max_size, config)
-            n_dropped = check_int("n_dropped", meta.get("n_dropped", 0), 0)
-            n_decayed = meta.get("n_decayed", [0, 0])  # absent before version 6
+            n_dropped = check_int("n_dropped", meta["n_dropped"], 0)
+            n_decayed = meta["n_decayed"]
             if not isinstance(n_decayed, (list, tuple)) or len(n_decayed) != 2:
                 raise ValueError(f"TurboQuantKVCache state has n_decayed {n_decayed!r}; expected [keys, values]")
             n_decayed = [check_int("n_decayed", d, 0) for d in n_decayed]
-            self.k_eq_v = bool(meta.get("k_eq_v", False))  # absent before version 5
+            self.k_eq_v = bool(meta["k_eq_v"])
         except KeyError as e:
             raise ValueError(f"TurboQuantKVCache state is missing {e}") from None
 
