@@ -40,7 +40,7 @@ def test_config_defaults_and_from_bits():
     assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, "rope", False)
     assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
-    assert c.norm_bits == 8 and c.norm_dtype == mx.uint8
+    assert c.norm_bits == 8 and layer_plan(c).keys.norm_dtype == mx.uint8
     assert c.weigh_keys is True
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
     assert TurboQuantConfig(window=32).compress_block_size == 32

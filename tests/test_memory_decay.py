@@ -24,6 +24,7 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
 from tq_mlx.codec import make_quantizer
 from tq_mlx.display import bits_summary, config_label, decay_label, window_text
 from tq_mlx.layout import buffer_layout
+from tq_mlx.plan import layer_plan
 from tq_mlx.memory import (
     bounded_tokens,
     cache_bytes,
@@ -182,8 +183,8 @@ def test_decay_bits_per_value_at_32k_by_hand():
         codes = 1536 * (per_token[4] + per_token[3]) + 30720 * (per_token[3] + per_token[2])
         floats = (4 + 768) * 2 * D * 2  # sinks and window, keys and values
         centering = 4 * (D + 2)  # μ (keys), a scale per stream
-        constants = sum(a.nbytes for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0,
-                                                                                               cfg.norm_dtype)))
+        norms = layer_plan(cfg).keys.norm_dtype
+        constants = sum(a.nbytes for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0, norms)))
         layer = H * (codes + floats + centering) + constants
         model = {"num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": H, "head_dim": D}
         assert estimate_kv_bytes(model, ctx, cfg, dtype="float16") == layer
