@@ -215,6 +215,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
 def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None) -> list[dict]:
     """Every variant through the dispatchers with the kernels forced on: what each first-use self-check decided."""
     from tq_mlx import kernels as K
+    from tq_mlx.batch import learned
     from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
 
     if skip:
@@ -242,8 +243,9 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
                             keys, values = cache.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             for L, mask in ((1, None), (40, "causal")):
-                                mx.eval(K.dispatch_attention(_normal(rng, (1, 8, L, dim), dt), keys, values,
-                                                             dim ** -0.5, mask))
+                                q = _normal(rng, (1, 8, L, dim), dt)
+                                keys, values = learned(q, keys, values, dim ** -0.5)  # as the attention hook does
+                                mx.eval(K.dispatch_attention(q, keys, values, dim ** -0.5, mask))
                             mx.eval(K.dispatch_dequantize(keys, dt))
                             rot = values.quantizer.groups[0].rotation  # d/4 dims for fractional bits
                             mx.eval(K.dispatch_rotate(_normal(rng, (3, rot.dim), dt), rot, True))
