@@ -130,6 +130,8 @@ def test_install_is_idempotent_and_leaves_a_wrapper_of_ours_alone(pristine):
     assert hook.replaced() == table
     ours = mlx_base.quantized_scaled_dot_product_attention
     assert ours is hook.quantized_scaled_dot_product_attention
+    mlx_own = hook.original(mlx_base, "quantized_scaled_dot_product_attention")  # the table forgets it on uninstall
+    assert mlx_own is not ours
 
     def theirs(*args, **kwargs):
         return ours(*args, **kwargs)
@@ -141,8 +143,8 @@ def test_install_is_idempotent_and_leaves_a_wrapper_of_ours_alone(pristine):
         hook.uninstall()
         assert mlx_base.quantized_scaled_dot_product_attention is theirs  # theirs to undo
     finally:
-        mlx_base.quantized_scaled_dot_product_attention = hook.original(mlx_base, "quantized_scaled_dot_product_attention")
-    assert mlx_base.quantized_scaled_dot_product_attention is not ours
+        mlx_base.quantized_scaled_dot_product_attention = mlx_own
+    assert hook.original(mlx_base, "quantized_scaled_dot_product_attention") is mlx_own
     with pytest.raises(ValueError, match="mlx-lm's modules only"):
         hook.install("tq-generate", {"tq_mlx.cache.TurboQuantKVCache": None})
     with pytest.raises(ValueError, match="no part 'hook'"):

@@ -4,11 +4,17 @@ A kernel build is: prelude.h + the rewritten MLX source (``#line`` mapped to
 ``<kernel>.metal``) + generated glue calling the kernel from the runtime,
 compiled by clang and linked with a cached runtime object. Results are cached
 under ``$TQ_EMULATOR_CACHE`` (default ``~/.cache/tq-mlx/emulator``) by a hash of
-everything that goes into them.
+everything that goes into them, shared by every process that uses the folder
+(pytest-xdist workers, runs side by side, later runs): a file in it is written
+to a temporary name and renamed into place, so it is whole when it exists, and
+one process builds an entry while any other that wants it waits on a lock file
+(``locks/``), then finds it built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -179,15 +185,43 @@ def _atomic_output(final: Path) -> Path:
     return Path(tmp)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader (clang, another process) never sees it half written."""
+    tmp = _atomic_output(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """Hold ``locks/<out's name>.lock`` in the cache folder while building ``out``: a second process that
+    needs the same entry waits, then finds it in the cache, instead of compiling it a second time."""
+    locks = out.parent / "locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{out.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _support_object(c: Compiler, src: Path, mode: BuildMode) -> Path:
     flags = list(COMMON_FLAGS + RUNTIME_FLAGS) + (list(ASAN_FLAGS) if mode.asan else [])
     key = _hash(c.ident, " ".join(flags), src.read_bytes(), RUNTIME_H.read_bytes())
     out = cache_dir() / f"{src.stem}-{'asan' if mode.asan else 'run'}-{key}.o"
-    if not out.exists():
-        tmp = _atomic_output(out)
-        _run(list(c.argv) + flags + ["-I", str(HERE), "-c", str(src), "-o", str(tmp)],
-             f"compiling {src.name}")
-        os.replace(tmp, out)
+    if out.exists():
+        return out
+    with _build_lock(out):
+        if not out.exists():  # (else another process built it while this one waited)
+            tmp = _atomic_output(out)
+            try:
+                _run(list(c.argv) + flags + ["-I", str(HERE), "-c", str(src), "-o", str(tmp)],
+                     f"compiling {src.name}")
+            except EmulatorCompileError:
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(tmp, out)
     return out
 
 
@@ -271,25 +305,32 @@ def build_kernel_binary(g: GeneratedKernel, atomic_outputs: bool, mode: BuildMod
     tu_path = d / f"{g.kernel_name[:80]}-{key}.cpp"
     out = d / (f"{g.kernel_name[:80]}-{key}" + (".asan" if mode.asan else ".so"))
     warn_path = out.with_suffix(out.suffix + ".log")
-    if out.exists():
+
+    def cached() -> Built:  # (the log is renamed into place before the binary: present whenever it is)
         return Built(out, warn_path.read_text() if warn_path.exists() else "", tu_path)
-    tu_path.write_text(tu)
+
+    if out.exists():
+        return cached()
     objs = [str(_support_object(c, RUNTIME_CPP, mode))]
     if mode.asan:
         objs.append(str(_support_object(c, DRIVER_CPP, mode)))
-    tmp = _atomic_output(out)
-    link = ["-o", str(tmp), "-pthread", "-lm"] + ([] if mode.asan else ["-shared"])
-    try:
-        proc = _run(
-            list(c.argv) + flags + ["-I", str(HERE), "-isystem", str(INCLUDE), "-x", "c++", str(tu_path), "-x", "none"]
-            + objs + link,
-            f"compiling kernel {g.kernel_name}",
-        )
-    except EmulatorCompileError:
-        tmp.unlink(missing_ok=True)
-        raise
-    warn_path.write_text(proc.stderr)
-    os.replace(tmp, out)
+    with _build_lock(out):
+        if out.exists():  # another process built it while this one waited
+            return cached()
+        _write_atomic(tu_path, tu)
+        tmp = _atomic_output(out)
+        link = ["-o", str(tmp), "-pthread", "-lm"] + ([] if mode.asan else ["-shared"])
+        try:
+            proc = _run(
+                list(c.argv) + flags + ["-I", str(HERE), "-isystem", str(INCLUDE), "-x", "c++", str(tu_path),
+                                        "-x", "none"] + objs + link,
+                f"compiling kernel {g.kernel_name}",
+            )
+        except EmulatorCompileError:
+            tmp.unlink(missing_ok=True)
+            raise
+        _write_atomic(warn_path, proc.stderr)
+        os.replace(tmp, out)
     return Built(out, proc.stderr, tu_path)
 
 

