@@ -31,19 +31,20 @@ def main() -> int:
 
     import mlx.core as mx
     import tq_mlx
-    from tq_mlx import kernels as K
+    from tq_mlx import attention as K
+    from tq_mlx.batch import learned
     from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
 
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     pkg = Path(tq_mlx.__file__).resolve().parent
     if pkg.parent != site or pkg.is_relative_to(repo):
         fail(f"tq_mlx imported from {pkg}, not from {site}")
-    metal_dir = pkg / "metal_kernels"
+    metal_dir = pkg / "attention"
     installed = {f.stem: f.read_text() for f in sorted(metal_dir.glob("*.metal"))}
     if set(installed) != set(K.KERNEL_NAMES):
         fail(f"{metal_dir} holds {sorted(installed)}, expected {sorted(K.KERNEL_NAMES)}")
     if K.SOURCES != installed:
-        fail(f"tq_mlx.kernels.SOURCES is not the text of {metal_dir}")
+        fail(f"tq_mlx.attention.SOURCES is not the text of {metal_dir}")
     print(f"kernel sources: {len(installed)} files in {metal_dir}")
 
     import emulator  # a copy of tests/emulator
@@ -77,6 +78,7 @@ def main() -> int:
         if not keys.n_coded:
             fail("the cache compressed no token: encode never ran")
         q = normal(1, 4, 1, 64)
+        keys, values = learned(q, keys, values, 0.125)  # the caches learn from the queries first, as the hook does
         checks = [
             ("decode_attention", K.dispatch_attention(q, keys, values, 0.125),
              K.decode_attention_reference(q, keys, values, 0.125)),
@@ -92,6 +94,7 @@ def main() -> int:
         if not k96.n_coded or k96.perm is None:
             fail("the 3.5/2.5-bit cache compressed no token with a channel order")
         q96 = normal(1, 4, 1, 96)
+        k96, v96 = learned(q96, k96, v96, 0.1)
         checks.append(("decode_attention K3.5/V2.5 d96", K.dispatch_attention(q96, k96, v96, 0.1),
                        K.decode_attention_reference(q96, k96, v96, 0.1)))
         x = normal(3, 64).astype(mx.float32)

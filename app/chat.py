@@ -2,7 +2,7 @@
 
 Model download/loading and every generation run in thread workers, never in the event loop; they talk to the
 app with messages (Textual's post_message is thread-safe). The memory panel is fed ChatSession.snapshot(),
-whose KV numbers come from tq_mlx.memory.cache_bytes.
+whose KV numbers come from tq_mlx.planner.memory.cache_bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Markdown
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.display import config_label, format_bytes, saving_text, window_text
-from tq_mlx.memory import FLOAT_BYTES
+from tq_mlx.planner.display import config_label, format_bytes, saving_text, window_text
+from tq_mlx.planner.memory import FLOAT_BYTES
 
 from .models import ModelSource, ModelUnavailable, download
 from .plan import Plan, format_ctx
@@ -53,7 +53,7 @@ EVENT_LOG_ENV = "TQ_CHAT_EVENT_LOG"
 
 def screenshot_dir() -> Path:
     """Where a bare /screenshot goes: screenshots/ in tq-mlx's cache folder ($TQ_MLX_CACHE or ~/.cache/tq-mlx)."""
-    from tq_mlx.demo import cache_dir
+    from tq_mlx.models.demo import cache_dir
 
     return cache_dir() / "screenshots"
 

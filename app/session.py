@@ -20,9 +20,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_reduce
 
-from tq_mlx import display, memory
+from tq_mlx.planner import display
+from tq_mlx.planner import memory
 from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.display import describe_config
+from tq_mlx.planner.display import describe_config
 
 FILE_FORMAT = "tq-chat/1"
 

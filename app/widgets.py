@@ -10,7 +10,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Label, Markdown, ProgressBar, Static
 
-from tq_mlx.display import format_bytes, planned_text, saving_text, window_text
+from tq_mlx.planner.display import format_bytes, planned_text, saving_text, window_text
 
 
 class ChatMessage(Markdown):
@@ -64,7 +64,7 @@ def _tps(x: float) -> str:
 
 
 class MemoryPanel(Static):
-    """The live memory panel. `stats` is ChatSession.snapshot(): KV numbers from tq_mlx.memory.cache_bytes,
+    """The live memory panel. `stats` is ChatSession.snapshot(): KV numbers from tq_mlx.planner.memory.cache_bytes,
     the same function tq-generate's summary uses, saved against mlx-lm's own cache for the same tokens
     (memory.SAVED_AGAINST); with the plan (stats["plan"], tq_chat.plan.Plan) also what the cache reaches at --ctx,
     as --plan says it."""

@@ -25,8 +25,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache  # 
 import tq_mlx  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
-from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
-from tq_mlx.quantizer import format_bits  # noqa: E402
+from tq_mlx.planner.memory import estimate_kv_bytes  # noqa: E402
+from tq_mlx.quant.quantizer import format_bits  # noqa: E402
 
 LONG_CONTEXT = 32768
 
@@ -172,7 +172,7 @@ def eval_cache(cache: list) -> None:
 
 def kv_geometry(model_config: dict) -> tuple[int, int, int]:
     """(attention layers, kv heads, head_dim)."""
-    from tq_mlx.architectures import attention_layout
+    from tq_mlx.models.architectures import attention_layout
 
     lay = attention_layout(model_config)
     return len(lay.full_layers), lay.n_kv_heads, lay.head_dim

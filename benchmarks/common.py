@@ -101,7 +101,7 @@ def library_fingerprint() -> str:
     """The fingerprint of the library code this process runs: tq_mlx's sources where it was imported from and the
     Metal sources its kernels were built from, taken once (the first call; files edited later are not this run's)."""
     import tq_mlx
-    from tq_mlx.kernels import launch
+    from tq_mlx.attention import launch
 
     return fingerprint(Path(tq_mlx.__file__).resolve().parent, launch.SOURCES)
 

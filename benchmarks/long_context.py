@@ -9,7 +9,7 @@ the setting makes it. On that last chunk:
   PPL     exp(mean NLL) of its 512 next tokens; ΔPPL against the float cache.
   bits    bits/value on one accounting for every row (common.bits_per_value: bytes · 8 / (tokens · attention
           layers · kv heads · head_dim · 2)), float parts (float cache, sinks, window, affine scales) counted in
-          float16, at the largest measured context and at 32k (TurboQuant rows: tq_mlx.memory.estimate_kv_bytes).
+          float16, at the largest measured context and at 32k (TurboQuant rows: tq_mlx.planner.memory.estimate_kv_bytes).
 
 The computation is causal and every cache here depends only on the tokens before it, so one pass over the
 longest context gives every shorter one too: the chunk ending at 1k in a 4k pass is exactly the last chunk of a
@@ -65,7 +65,7 @@ from long_context_settings import (  # noqa: E402
     ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting)
 from long_context_table import merge, render, write  # noqa: E402
 from caches import Setting  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 
 

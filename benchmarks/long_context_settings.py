@@ -15,7 +15,7 @@ from caches import FLOAT, PEER4, Setting, kv_geometry  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
-from tq_mlx.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
+from tq_mlx.planner.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
 from tq_mlx.plan import layer_plan  # noqa: E402
 
 LONG = 32768
@@ -270,7 +270,7 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     """What the layers that protected their keys or widened them add to a TurboQuant row's bits/value at ctx
     tokens: their key streams at protect_bits, not decaying, or at the bits they chose, decaying a step; and what
     the layers whose old values chose fewer bits (value_error) take off the value bits bits_at prices them at
-    (tq_mlx.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
+    (tq_mlx.planner.memory.turboquant_layer_bytes; every such layer at the most bits over the row's texts)."""
     n = max((len(c.get("protected_layers", ())) for c in r["texts"].values()), default=0)
     widths, values = chosen_widths(r, "key_widths"), chosen_widths(r, "value_widths")
     cfg = r.get("config")

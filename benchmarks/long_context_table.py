@@ -104,7 +104,7 @@ def report(results: dict) -> tuple[str, list[str]]:
         "each from its start. float32 weights and activations, MLX CPU.",
         "bits/val: bytes · 8 / (tokens · attention layers · kv heads · head_dim · 2) with every float part (the "
         "float cache, TurboQuant's sinks and window, affine scales and biases) counted in float16, so 16 = a "
-        "float16 cache; TurboQuant rows from tq_mlx.memory.estimate_kv_bytes (real caches match it, see Memory). "
+        "float16 cache; TurboQuant rows from tq_mlx.planner.memory.estimate_kv_bytes (real caches match it, see Memory). "
         "* = measured nbytes of the peer's cache in this float32 run." + _protection_note(results),
         "TurboQuant rows: library defaults otherwise, i.e. " + config_text(DEFAULT.config) + "; each row names "
         "what it changes.",

@@ -8,7 +8,7 @@ issue (machine: chip, macOS, mlx version, Metal device info).
                QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL
                (a compile error or an exception is a FAIL with its message; a case a launcher does not take,
                such as the WHT at head_dim 80, is listed with the reason the reference path runs instead)
-  self_checks  the same variants through tq_mlx.kernels' dispatchers (plus the default K4/V3): each variant's
+  self_checks  the same variants through tq_mlx.attention' dispatchers (plus the default K4/V3): each variant's
                first-use self-check, passed or disabled with its reason (what a user's run would do)
   decode       one decode step of one layer (1 query token) at 4k..128k context, model-like shapes (32 Q / 8 KV
                heads at head_dim 128; 16 Q / 2 KV heads at head_dim 256), the library's default sinks and window:
@@ -133,10 +133,10 @@ def _cases(dry: bool):
 
 def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None) -> list[dict]:
     """Each kernel launcher against its reference twin; `factory` None means mx.fast.metal_kernel."""
-    from tq_mlx import kernels as K
-    from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
-    from tq_mlx.rotation import Rotation
-    from tq_mlx.view import StreamView
+    from tq_mlx import attention as K
+    from tq_mlx.quant.quantizer import TurboQuantMSE, TurboQuantProd
+    from tq_mlx.quant.rotation import Rotation
+    from tq_mlx.stream.view import StreamView
 
     rng = np.random.default_rng(0)
     rows = []
@@ -214,7 +214,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
 
 def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None) -> list[dict]:
     """Every variant through the dispatchers with the kernels forced on: what each first-use self-check decided."""
-    from tq_mlx import kernels as K
+    from tq_mlx import attention as K
     from tq_mlx.batch import learned
     from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
 
@@ -288,8 +288,8 @@ def _peak_bytes(fn) -> int:
 
 def random_handle(quantizer, H: int, n: int, n_sinks: int, n_window: int, seed: int):
     """A cache handle of n compressed tokens: random words are valid codes, so nothing needs encoding."""
-    from tq_mlx.quantizer import ProdCodes, TurboQuantProd
-    from tq_mlx.view import StreamView
+    from tq_mlx.quant.quantizer import ProdCodes, TurboQuantProd
+    from tq_mlx.stream.view import StreamView
 
     rng = np.random.default_rng(seed)
     D = quantizer.dim
@@ -312,8 +312,8 @@ def timing_rows(kind: str, contexts, shapes, bits, chunk: int, sinks: int, windo
                 with_reference: bool, factory, skip: str | None = None) -> list[dict]:
     """kind 'decode' (1 query token) or 'prefill' (`chunk` query tokens, causal): fused kernel vs SDPA fp16 vs
     the reference, one layer, with each path's peak memory."""
-    from tq_mlx import kernels as K
-    from tq_mlx.quantizer import TurboQuantMSE
+    from tq_mlx import attention as K
+    from tq_mlx.quant.quantizer import TurboQuantMSE
 
     kw = {"metal_kernel": factory} if factory else {}
     L = 1 if kind == "decode" else chunk

@@ -11,7 +11,7 @@ and the rope key (qk_rope_head_dim wide, its value stream) per token and layer.
 The TurboQuant figures are read from real TurboQuantKVCache objects: one layer's cache per (kv heads,
 key dim, value dim, bits) is filled with random keys and values to each context, block by block as decoding fills it,
 and its `nbytes` times the number of attention layers is the model's figure. The script asserts that this
-equals tq_mlx.memory.estimate_kv_bytes exactly, for every cell. The float16 and affine figures come from that
+equals tq_mlx.planner.memory.estimate_kv_bytes exactly, for every cell. The float16 and affine figures come from that
 formula and are checked against real mlx-lm KVCache / QuantizedKVCache objects at the smallest context.
 
 "Smallest Mac" is the smallest of 16/24/32/48/64/128 GB whose GPU working set (--usable, default 75% of RAM)
@@ -36,8 +36,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
-from tq_mlx.architectures import attention_layout  # noqa: E402
-from tq_mlx.memory import estimate_kv_bytes  # noqa: E402
+from tq_mlx.models.architectures import attention_layout  # noqa: E402
+from tq_mlx.planner.memory import estimate_kv_bytes  # noqa: E402
 from tq_mlx.plan import layer_plan  # noqa: E402
 
 CONFIGS = common.BENCH_DIR / "configs"
@@ -123,7 +123,7 @@ def _timed_fill(n_kv: int, head_dim: int, value_dim: int, config: dict, contexts
 
 def check_mlx_caches(n_kv: int, head_dim: int, value_dim: int, ctx: int) -> dict:
     """Real mlx-lm float16 KVCache and QuantizedKVCache 8/4-bit bytes for one layer at ctx tokens vs the formula."""
-    from tq_mlx.memory import affine_kv_bytes, float16_kv_bytes
+    from tq_mlx.planner.memory import affine_kv_bytes, float16_kv_bytes
 
     k = mx.random.normal((1, n_kv, ctx, head_dim)).astype(mx.float16)
     v = mx.random.normal((1, n_kv, ctx, value_dim)).astype(mx.float16)
@@ -152,7 +152,7 @@ def layer_kind(lay) -> str:
 
 def sliding_float16_bytes(lay, ctx: int) -> int:
     """What the float sliding-window layers hold at ctx (the same in every column)."""
-    from tq_mlx.memory import float16_kv_bytes
+    from tq_mlx.planner.memory import float16_kv_bytes
 
     H, dk, dv = lay.sliding_geometry
     return sum(float16_kv_bytes(min(ctx, w), H, dk, dv) for _, w in lay.sliding_layers)
@@ -396,7 +396,7 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "tokens in every column (float16, by the formula, not a filled cache).",
         f"TurboQuant columns: TurboQuantConfig defaults (window {cfg['window']} float16 tokens, {cfg['sinks']} sinks, "
         f"centering {cfg['center_keys']}/{cfg['center_values']}, boundary layers {cfg['boundary_layers']}); "
-        f"figures are tq_mlx.memory.estimate_kv_bytes, which prices keys that widen by their error "
+        f"figures are tq_mlx.planner.memory.estimate_kv_bytes, which prices keys that widen by their error "
         f"(key_error {cfg.get('key_error')}) at the most they take (K6): what a plan says. Real TurboQuantKVCache "
         f"objects (one layer per geometry and bit width, filled to each context with random keys and the queries "
         f"that weigh them, times the attention layers) hold exactly what it gives with the widths they chose, never "

@@ -29,7 +29,7 @@ from mlx_lm.models.base import scaled_dot_product_attention as mlx_sdpa  # noqa:
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
-from tq_mlx.rope import probe  # noqa: E402
+from tq_mlx.models.rope import probe  # noqa: E402
 
 from tq_mlx.hook import install_attention_hook  # noqa: E402  (mlx-lm's attention reaches the views, as in a model)
 

@@ -1,4 +1,4 @@
-"""Peak MLX memory of a real prefill + decode, against what the planner predicts (tq_mlx.memory.estimate_peak_bytes).
+"""Peak MLX memory of a real prefill + decode, against what the planner predicts (tq_mlx.planner.memory.estimate_peak_bytes).
 
 Each cell runs in its own process (MLX's peak counter and allocator cache start fresh): load the model in float32,
 prefill `ctx` random tokens in `--step`-token chunks through mlx-lm's generate_step, decode 4 tokens, and read
@@ -20,9 +20,9 @@ from pathlib import Path
 import common  # noqa: E402  (puts the repo on sys.path)
 
 from tq_mlx import TurboQuantConfig
-from tq_mlx.architectures import load_model_config
-from tq_mlx.display import format_bytes
-from tq_mlx.memory import estimate_peak_bytes
+from tq_mlx.models.architectures import load_model_config
+from tq_mlx.planner.display import format_bytes
+from tq_mlx.planner.memory import estimate_peak_bytes
 
 _CELL = r"""
 import json, sys, time
@@ -87,7 +87,7 @@ def main() -> None:
     notes = [
         "float32 weights (538 MB) on MLX's CPU back end; peak = mx.get_peak_memory() over the prefill and 4 "
         "decoded tokens, in a fresh process per cell.",
-        "predicted = tq_mlx.memory.estimate_peak_bytes from config.json and the weights' bytes: what `tq-chat "
+        "predicted = tq_mlx.planner.memory.estimate_peak_bytes from config.json and the weights' bytes: what `tq-chat "
         "--plan` shows. Its two constants (FLOAT_SCORE_COPIES, TQ_SCORE_TILES) were measured on this model; "
         "Qwen2.5-Coder-0.5B at 2k checked them (see docs/benchmarks.md).",
         "transient = peak - weights - KV: flat in the context for TurboQuant (tiles of scores), growing with it "

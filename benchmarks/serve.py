@@ -68,7 +68,7 @@ def serve(kind: str, argv: list[str]) -> int:
     """Run tq-server ('tq') or mlx_lm.server ('float') with `argv`, batches observed."""
     observe_batches()
     if kind == "tq":
-        from tq_mlx.server import server_main
+        from tq_mlx.cli.server import server_main
 
         return server_main(argv)
     import mlx_lm.server as server
@@ -261,7 +261,7 @@ ALIGN = "llrrrrrrrr"
 
 def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
     """(headers, rows, notes) of the markdown table, from the saved JSON."""
-    from tq_mlx.display import format_bytes
+    from tq_mlx.planner.display import format_bytes
 
     s = res["settings"]
     load = ", ".join(f"{x:.1f}" for x in res["meta"]["load_average"] or [])
@@ -345,8 +345,8 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from tests.support.real_models import SMOLLM2, prepare_model
-    from tq_mlx.display import describe_config
-    from tq_mlx.flags import add_cache_args, config_from_args
+    from tq_mlx.planner.display import describe_config
+    from tq_mlx.cli.flags import add_cache_args, config_from_args
 
     model = prepare_model(SMOLLM2, "float32")  # float16 matmuls bypass BLAS on a CPU
     *prompts, warm_up = passages(load_tokenizer(model), max(ns) + 1, prompt_tokens)
@@ -379,7 +379,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--serve":
-        from tq_mlx.flags import exit_without_teardown
+        from tq_mlx.cli.flags import exit_without_teardown
 
         exit_without_teardown(serve(sys.argv[2], sys.argv[3:]))
     main()

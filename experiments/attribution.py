@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import long_context  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
-from tq_mlx.view import StreamView, decode  # noqa: E402
+from tq_mlx.stream.view import StreamView, decode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 

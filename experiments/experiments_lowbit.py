@@ -9,7 +9,7 @@ stream.CompressedStream does; the float buffer then holds the decoded value, and
 (the same scores as tq_mlx's attention up to float rounding). Validated against the real cache (the real_*
 settings run TurboQuantKVCache itself).
 
-Bits/value at 32k: tq_mlx.memory.turboquant_layer_bytes per layer with that layer's bits (float parts in
+Bits/value at 32k: tq_mlx.planner.memory.turboquant_layer_bytes per layer with that layer's bits (float parts in
 float16), plus the per-channel scale vectors (float32 per layer and kv head), plus decay's savings.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python experiments/experiments_lowbit.py \
@@ -39,10 +39,10 @@ import long_context_settings as lc_settings  # noqa: E402
 import caches  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.plan import layer_seed  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.memory import turboquant_layer_bytes  # noqa: E402
-from tq_mlx.quantizer import MSECodes, TurboQuantMSE  # noqa: E402
-from tq_mlx.calibration import bias_outlier_factor, calibration_mean, calibration_scale, outlier_order  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.planner.memory import turboquant_layer_bytes  # noqa: E402
+from tq_mlx.quant.quantizer import MSECodes, TurboQuantMSE  # noqa: E402
+from tq_mlx.stream.calibration import bias_outlier_factor, calibration_mean, calibration_scale, outlier_order  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 
 N_LAYERS = 30

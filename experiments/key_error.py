@@ -10,7 +10,7 @@ the spread of the exact scores over the keys (the same measure for every model),
 * block: one μ per block of 128 tokens (what per-block means would store: D float16 per block and head);
 * rope: one μ0 before RoPE, subtracted as RoPE_p(μ0) at each position p (no storage; attention would add
   q·RoPE_p(μ0) back per token);
-* weighted: rope, and the keys coded times the cache's query weights (tq_mlx.calibration.query_weights, from the
+* weighted: rope, and the keys coded times the cache's query weights (tq_mlx.stream.calibration.query_weights, from the
   queries at the calibration positions), the query divided by them;
 * matrix: rope, and the keys coded times a full matrix A per kv head instead of per-channel weights, the query
   times A⁻ᵀ (scores exact): A = M^(1/4) with M = Σk^(-1/2) (Σk^(1/2) Σq Σk^(1/2))^(1/2) Σk^(-1/2) from the
@@ -44,12 +44,12 @@ import numpy as np  # noqa: E402
 
 import quality  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.codebook import lloyd_max  # noqa: E402
-from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
-from tq_mlx.rotation import Rotation  # noqa: E402
-from tq_mlx.rope import probe  # noqa: E402
-from tq_mlx.calibration import query_weights  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
+from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.quant.rotation import Rotation  # noqa: E402
+from tq_mlx.models.rope import probe  # noqa: E402
+from tq_mlx.stream.calibration import query_weights  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 

@@ -1,6 +1,6 @@
 """Where the key error comes from, layer by layer, and what key_error chooses: per attention layer, the RMS error of
 the attention logits that keys coded at 4, 5 and 6 bits give, as the cache predicts it at its first compression
-(tq_mlx.calibration.logit_error on the calibration tokens and their queries) and as real codes give it to later
+(tq_mlx.stream.calibration.logit_error on the calibration tokens and their queries) and as real codes give it to later
 queries, with the attention-weighted error those queries' softmax sees (½·Var_p(δ), the KL of one head's
 attention to first order); then the widths TurboQuantConfig(key_error=E) takes per layer for each --targets E,
 and beside them the widths each kv head alone would take (a forecast: the cache chooses one width per layer).
@@ -29,11 +29,11 @@ import numpy as np  # noqa: E402
 import quality  # noqa: E402
 from key_error import MODELS, QUERIES, centered_means  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.calibration import key_width, logit_error, query_weights  # noqa: E402
-from tq_mlx.codebook import lloyd_max  # noqa: E402
-from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
-from tq_mlx.rope import probe  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.stream.calibration import key_width, logit_error, query_weights  # noqa: E402
+from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
+from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.models.rope import probe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 

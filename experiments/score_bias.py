@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 import quality  # noqa: E402
 from key_error import MODELS, QUERIES, centered_means  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.codebook import lloyd_max  # noqa: E402
-from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
+from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 

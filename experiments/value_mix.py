@@ -27,8 +27,8 @@ import caches  # noqa: E402
 import long_context as lc  # noqa: E402
 import long_context_settings as lcs  # noqa: E402
 from long_context_settings import LONG, MODELS, parse_setting  # noqa: E402
-from tq_mlx.architectures import load_model_config  # noqa: E402
-from tq_mlx.memory import chosen_key_widths  # noqa: E402
+from tq_mlx.models.architectures import load_model_config  # noqa: E402
+from tq_mlx.planner.memory import chosen_key_widths  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
 

@@ -6,7 +6,7 @@ tests share expensive module fixtures (SHARED_SETUP) each run whole on one worke
 rather than once on each worker; and with a worker per core each worker's OpenBLAS (CI preloads it) runs one
 thread, not a thread per core in each worker (OPENBLAS_NUM_THREADS, unless set). The emulator's compiled kernels
 and the real models are cached on disk under file locks, shared by the workers (tests/emulator/build.py,
-tq_mlx.demo.cache_lock)."""
+tq_mlx.models.demo.cache_lock)."""
 
 import os
 

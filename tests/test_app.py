@@ -17,9 +17,9 @@ from tq_chat.plan import make_plan
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.architectures import load_model_config
-from tq_mlx.display import bits_summary, format_bytes
-from tq_mlx.machine import weight_bytes
+from tq_mlx.models.architectures import load_model_config
+from tq_mlx.planner.display import bits_summary, format_bytes
+from tq_mlx.planner.machine import weight_bytes
 
 
 TIMEOUT = 60  # seconds any single wait in the app may take

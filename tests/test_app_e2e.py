@@ -1,7 +1,7 @@
 """tq-chat end to end: the real command on the demo model (SmolLM2-135M-Instruct), in a real terminal.
 
 Types a question, reads a sensible answer and the memory panel off the screen, checks the panel against
-tq_mlx.memory's estimate for the tokens it shows, saves an SVG screenshot (/screenshot) and quits.
+tq_mlx.planner.memory's estimate for the tokens it shows, saves an SVG screenshot (/screenshot) and quits.
 The terminal is a pseudo-terminal read through pyte (pexpect + pyte, both from PyPI: nothing from apt), and
 tmux as well where it is installed (CI). Set TQ_CHAT_SCREENSHOT=/some/file.svg to keep the screenshot
 (docs/tq-chat.png is made by `python tools/docs/docs_assets.py`).
@@ -30,9 +30,9 @@ import pyte
 import pytest
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.architectures import load_model_config
-from tq_mlx.display import format_bytes
-from tq_mlx.memory import estimate_kv_bytes
+from tq_mlx.models.architectures import load_model_config
+from tq_mlx.planner.display import format_bytes
+from tq_mlx.planner.memory import estimate_kv_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 140, 44

@@ -16,11 +16,11 @@ from tq_chat.models import ALIASES, ModelUnavailable, resolve
 from tq_chat.plan import format_ctx, format_plan, make_plan, max_context, with_bits
 from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.flags import config_from_args
-from tq_mlx.architectures import load_model_config
-from tq_mlx.display import format_bytes
-from tq_mlx.machine import weight_bytes
-from tq_mlx.memory import decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes
+from tq_mlx.cli.flags import config_from_args
+from tq_mlx.models.architectures import load_model_config
+from tq_mlx.planner.display import format_bytes
+from tq_mlx.planner.machine import weight_bytes
+from tq_mlx.planner.memory import decayed_tokens, estimate_kv_bytes, estimate_peak_bytes, protect_layer_bytes
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
 
 
 def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
-    from tq_mlx.memory import widen_layer_bytes
+    from tq_mlx.planner.memory import widen_layer_bytes
 
     cfg = load_model_config(tiny_model_dir)
     config = TurboQuantConfig(key_error=0.1)
@@ -134,7 +134,7 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
 
 
 def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
-    from tq_mlx.memory import narrow_layer_bytes
+    from tq_mlx.planner.memory import narrow_layer_bytes
 
     cfg = load_model_config(tiny_model_dir)
     config = TurboQuantConfig(value_error=0.05)
@@ -201,7 +201,7 @@ def test_refuses_what_does_not_fit_and_suggests(tiny_model_dir, monkeypatch, cap
     # room for the predicted peak with a 2-bit KV cache of 64k tokens (tq-chat prefills 512 tokens at a time):
     # the default 4 bits do not fit
     room = estimate_peak_bytes(cfg, 65536, TurboQuantConfig.from_bits(2), weights=weights, prefill_step=512)
-    monkeypatch.setattr("tq_mlx.machine.available_memory", lambda: int(room / 0.9) + 1)
+    monkeypatch.setattr("tq_mlx.planner.machine.available_memory", lambda: int(room / 0.9) + 1)
     monkeypatch.setattr("tq_chat.chat.ChatApp.run", lambda self: pytest.fail("must not start"))
     assert cli.main([str(tiny_model_dir), "--ctx", "64k"]) == 1
     err = capsys.readouterr().err

@@ -11,10 +11,10 @@ from tq_chat.plan import format_plan, make_plan
 from tests.test_app import panel_text
 from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.architectures import load_model_config
-from tq_mlx.display import format_bytes, saving_words
-from tq_mlx.machine import weight_bytes
-from tq_mlx.memory import chosen_key_widths, estimate_kv_bytes
+from tq_mlx.models.architectures import load_model_config
+from tq_mlx.planner.display import format_bytes, saving_words
+from tq_mlx.planner.machine import weight_bytes
+from tq_mlx.planner.memory import chosen_key_widths, estimate_kv_bytes
 
 
 # --- the conversation engine on its own -----------------------------------------------------------------------
@@ -70,8 +70,8 @@ def fed_session(path: Path, config: TurboQuantConfig, n: int, ctx: int = 1024):
                          ids=["nothing compressed yet", "compressed"])
 def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_dir, config, n):
     from tq_chat.widgets import MemoryPanel
-    from tq_mlx.display import saving_text, summary_line, window_text
-    from tq_mlx.memory import Saving, cache_bytes
+    from tq_mlx.planner.display import saving_text, summary_line, window_text
+    from tq_mlx.planner.memory import Saving, cache_bytes
 
     session = fed_session(tiny_model_dir, config, n)
     s = cache_bytes(session.cache)
@@ -104,8 +104,8 @@ def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_di
 
 def test_the_first_screen_shows_what_the_cache_reaches_at_ctx(tiny_model_dir):
     from tq_chat.widgets import MemoryPanel
-    from tq_mlx.display import planned_text
-    from tq_mlx.memory import planned_saving
+    from tq_mlx.planner.display import planned_text
+    from tq_mlx.planner.memory import planned_saving
 
     cfg = load_model_config(tiny_model_dir)
     session = fed_session(tiny_model_dir, TurboQuantConfig(), 0, ctx=4096)
@@ -123,7 +123,7 @@ def test_presets_on_a_short_prompt_show_what_they_hold_now_and_will_save_at_ctx(
     # At 53 tokens the presets' constants decide what they hold (compact's decay quantizers hold the most): the
     # panel shows that as it is, and next to it the saving each reaches at --ctx, which orders them as they are.
     from tq_chat.widgets import MemoryPanel
-    from tq_mlx.display import planned_text
+    from tq_mlx.planner.display import planned_text
 
     cfg = load_model_config(tiny_model_dir)
     planned = {}

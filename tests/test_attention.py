@@ -389,7 +389,7 @@ def test_keys_that_are_the_values_with_an_additive_mask():
     # the float64 softmax over the dequantized latent, and at 8 bits mlx-lm's float attention on the latent.
     from mlx_lm.models.base import scaled_dot_product_attention
 
-    from tq_mlx.attention import keys_are_values
+    from tq_mlx.attention.reference import keys_are_values
 
     rng = np.random.default_rng(12)
     B, R, D = 2, 16, 64

@@ -423,7 +423,7 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli.server import server_main; sys.exit(server_main())",
            "--model", str(path), "--host", "127.0.0.1", "--port", str(port), "--tq-bits", "4"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)

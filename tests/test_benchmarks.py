@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end at their --quick sizes and write sane JSON (what CI exercises).
 
 Each script runs once per module in a subprocess, into a temporary results folder; the tests read its JSON.
-memory.py asserts real TurboQuantKVCache nbytes == tq_mlx.memory.estimate_kv_bytes itself (a mismatch is a
+memory.py asserts real TurboQuantKVCache nbytes == tq_mlx.planner.memory.estimate_kv_bytes itself (a mismatch is a
 non-zero exit); the checks here repeat that from the JSON and add range checks.
 """
 
@@ -315,7 +315,7 @@ def test_readme_tables_render(memory: dict, quality: dict, long_context: dict, s
 
 
 def test_peak_quick_planner_tracks_the_measured_peak(results_dir: Path) -> None:
-    # A real SmolLM2 prefill + decode per cache, in fresh processes, against tq_mlx.memory.estimate_peak_bytes.
+    # A real SmolLM2 prefill + decode per cache, in fresh processes, against tq_mlx.planner.memory.estimate_peak_bytes.
     rows = run_script("peak", results_dir)["rows"]
     assert {r["cache"] for r in rows} == {"float", "tq"}
     for r in rows:
@@ -452,7 +452,7 @@ def test_score_bias_shifts_only_the_coded_tokens_and_moves_their_mass_with_the_s
 
 def test_key_error_matrix_weights_are_the_channel_weights_when_moments_are_diagonal() -> None:
     # key_error.py's "matrix" mode is the full-matrix form of the cache's weights: on diagonal second moments it
-    # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.calibration.query_weights does before its clip.
+    # must give w = (E q² / E k²)^(1/8) with geometric mean 1, as tq_mlx.stream.calibration.query_weights does before its clip.
     sys.path.insert(0, str(EXPERIMENTS))
     import key_error as ke
 
@@ -473,8 +473,8 @@ def test_key_error_allocated_codes_are_turboquant_groups_with_the_bits_where_the
     sys.path.insert(0, str(EXPERIMENTS))
     import key_error as ke
 
-    from tq_mlx.codebook import lloyd_max
-    from tq_mlx.quantizer import TurboQuantMSE
+    from tq_mlx.quant.codebook import lloyd_max
+    from tq_mlx.quant.quantizer import TurboQuantMSE
 
     rng = np.random.default_rng(2)
     x = mx.array(rng.standard_normal((300, 64)).astype(np.float32))
@@ -552,7 +552,7 @@ def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
     sys.path.insert(0, str(EXPERIMENTS))
     import value_widths as vw
 
-    from tq_mlx.codebook import lloyd_max
+    from tq_mlx.quant.codebook import lloyd_max
 
     H, Hq, N, D = 2, 4, 600, 64
     rng = np.random.default_rng(0)

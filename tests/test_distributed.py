@@ -216,7 +216,7 @@ def test_pipeline_matches_single_process(qwen2_dir, single, tmp_path):
 
 # As the tq-generate command does: exit without MLX's teardown, which can abort (losing buffered output, and
 # making mlx.launch stop the other rank).
-GENERATE = [sys.executable, "-c", "import sys; from tq_mlx.flags import exit_without_teardown; from tq_mlx.generate import generate_main; "
+GENERATE = [sys.executable, "-c", "import sys; from tq_mlx.cli.flags import exit_without_teardown; from tq_mlx.cli.generate import generate_main; "
             "exit_without_teardown(generate_main(sys.argv[1:]))"]
 
 
@@ -270,7 +270,7 @@ def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir,
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = [sys.executable, "-c", "import sys; from tq_mlx.server import server_main; sys.exit(server_main())",
+    server = [sys.executable, "-c", "import sys; from tq_mlx.cli.server import server_main; sys.exit(server_main())",
               "--model", str(qwen2_dir), "--port", str(port), "--pipeline", *TQ_FLAGS]
     log = tmp_path / "server.log"
     with open(log, "w") as f:
@@ -298,11 +298,11 @@ def _worker(model_dir: str, mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "worker":
-        from tq_mlx.flags import exit_without_teardown
+        from tq_mlx.cli.flags import exit_without_teardown
 
         _worker(*sys.argv[2:])
         # mlx.launch stops every rank once one exits with an error, and MLX's exit-time teardown can abort
-        # (tq_mlx.flags.exit_without_teardown): a rank done first could take down a peer still writing its result.
+        # (tq_mlx.cli.flags.exit_without_teardown): a rank done first could take down a peer still writing its result.
         exit_without_teardown(0)
     else:
         sys.exit(f"usage: {sys.argv[0]} worker MODEL_DIR tensor|pipeline OUT_PATTERN")

@@ -114,8 +114,8 @@ def test_wht128_wrong_lane_shuffle_gives_wrong_result(emulator):
     assert np.abs(bad - ref).max() > 0.1
 
 
-# tq-mlx's bit planes (metal_kernels/common.metal, as the codec and attention kernels use them) against
-# tq_mlx/packing.py at every code width: 1, 2, 4, 8 bits one plane; 3, 5, 6 bits a low plane of 2, 4, 4 bits and
+# tq-mlx's bit planes (tq_mlx/attention/common.metal, as the codec and attention kernels use them) against
+# tq_mlx/quant/packing.py at every code width: 1, 2, 4, 8 bits one plane; 3, 5, 6 bits a low plane of 2, 4, 4 bits and
 # a high plane of 1, 1, 2 bits.
 PLANES = """
     // One SIMD group per vector of D codes: lane l reads codes [l*E, l*E + E) with tq_code and packs them again
@@ -146,8 +146,8 @@ PLANES = """
 @pytest.mark.parametrize("dim", [64, 512])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
 def test_tq_bit_planes_match_packing_all_schedules(emulator, bits, dim):
-    from tq_mlx.kernels import SOURCES
-    from tq_mlx.packing import pack, packed_words, planes
+    from tq_mlx.attention import SOURCES
+    from tq_mlx.quant.packing import pack, packed_words, planes
 
     rows, W = 9, packed_words(dim, bits)  # 9 SIMD groups, 4 per threadgroup: the last threadgroup is partial
     assert 32 * W == dim * bits  # exactly b bits per code: no padding at these dims

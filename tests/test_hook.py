@@ -51,8 +51,8 @@ def pristine():
 
 def test_every_part_installs_in_one_table_and_uninstall_restores_every_name(pristine, monkeypatch, tmp_path):
     from tests.test_cli import save_tiny_model
-    from tq_mlx.generate import generate_main
-    from tq_mlx.server import server_main
+    from tq_mlx.cli.generate import generate_main
+    from tq_mlx.cli.server import server_main
 
     gen, server = sys.modules["mlx_lm.generate"], sys.modules["mlx_lm.server"]
     model_dir = save_tiny_model(tmp_path / "tiny")
@@ -204,7 +204,7 @@ def test_importing_tq_mlx_changes_nothing_and_uninstall_leaves_mlx_lm_as_it_was(
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["modules"] > 150, r["modules"]  # the models and the rest of mlx-lm were watched, not a few
-    assert {"tq_mlx.hook", "tq_mlx.generate", "tq_mlx.server", "tq_mlx.kernels.dispatch"} <= set(r["tq_mlx"])
+    assert {"tq_mlx.hook", "tq_mlx.cli.generate", "tq_mlx.cli.server", "tq_mlx.attention.dispatch"} <= set(r["tq_mlx"])
     assert r["import"] == [], f"importing tq_mlx changed mlx-lm: {r['import']}"
     assert r["installed"] == ["attention", "make_prompt_cache"] and r["bounded"] == 16
     assert r["uninstall"] == [], f"uninstall left mlx-lm changed: {r['uninstall']}"

@@ -170,7 +170,7 @@ def test_unsupported_models_fail_before_any_work(models):
 
 def test_models_that_post_process_their_fetch_get_float_tensors_from_compressed_storage(models):
     model = models["qwen3"]
-    model.model_type = "gemma2"  # tq_mlx.architectures.FLOAT_FETCH: gemma2 computes attention by hand
+    model.model_type = "gemma2"  # tq_mlx.models.architectures.FLOAT_FETCH: gemma2 computes attention by hand
     try:
         cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=8, compress_block=4, sinks=2))
     finally:
@@ -414,8 +414,8 @@ def test_a_converted_float_cache_says_its_keys_are_unweighed_and_the_planner_agr
     says so (weigh_keys False, which describe_config names), they hold no weights, and the planner's bytes for
     that config equal what they hold (it counts no weights they do not have)."""
     from tq_mlx.convert import compress_float_cache, converted_config
-    from tq_mlx.display import describe_config
-    from tq_mlx.memory import turboquant_layer_bytes
+    from tq_mlx.planner.display import describe_config
+    from tq_mlx.planner.memory import turboquant_layer_bytes
 
     model, _ = tiny_llama()
     float_cache = mlx_cache.make_prompt_cache(model)

@@ -27,11 +27,11 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, assert_codes_equal, cache_step, emulator, ids, normal,
     numpy_views, run_decode,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.view import encode as stream_encode
-from tq_mlx.packing import packed_words, unpack
-from tq_mlx.quantizer import MSE_BITS, PROD_BITS
+from tq_mlx.stream.view import encode as stream_encode
+from tq_mlx.quant.packing import packed_words, unpack
+from tq_mlx.quant.quantizer import MSE_BITS, PROD_BITS
 
 
 # ---------------------------------------------------------------- on the real cache

@@ -24,12 +24,12 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, assert_codes_equal, cache_step, emulator,
     handle, ids, normal, planted, quantizer, run_decode, small_problem,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.batch import learned
-from tq_mlx.view import encode as stream_encode
-from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd
-from tq_mlx.rotation import Rotation
+from tq_mlx.stream.view import encode as stream_encode
+from tq_mlx.quant.quantizer import TurboQuantMSE, TurboQuantProd
+from tq_mlx.quant.rotation import Rotation
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,9 +21,9 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, case_id, emulator, handle, make_mask, mla_step, normal,
     planted, quantizer, run_masked, small_problem,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import keys_are_values
+from tq_mlx.attention.reference import keys_are_values
 
 
 # ====================================== 11. learned sinks, array masks, MLA (keys are values, additive mask)

@@ -1,4 +1,4 @@
-"""The Metal kernels (tq_mlx.kernels) against their pure-MLX reference twins, under the CPU MSL emulator.
+"""The Metal kernels (tq_mlx.attention) against their pure-MLX reference twins, under the CPU MSL emulator.
 
 Nothing here runs on a GPU: the emulator compiles the exact source MLX would build and runs every Metal
 thread as a fiber (tests/emulator). The matrix is split by job over four files, with their shared helpers and
@@ -34,9 +34,9 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     BITS, DIMS, DTYPES, QJL_BITS, SCHEDULES, Emu, _clean_dispatch, assert_close, assert_codes_equal, cache_step,
     emulator, handle, ids, normal, quantizer, run_decode,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import StreamView
-from tq_mlx.rotation import Rotation
+from tq_mlx.quant.rotation import Rotation
 
 
 # ==================================================================== 1. rotation

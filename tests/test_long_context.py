@@ -115,7 +115,7 @@ def test_long_context_counts_the_bits_old_values_chose() -> None:
     # layer 3 decayed its old values to 3 bits in one text and 2 in the other: priced at 3 (the most); layer 5
     # kept V4, as bits_at prices every layer. Tokens past 6144 decay in whole blocks: 26,624 of the 32,768 are old
     # (decayed_tokens), so V3 instead of V4 there takes about 1 bit off 1/48 of the values on 26,624/32,768 tokens.
-    from tq_mlx.memory import decayed_tokens
+    from tq_mlx.planner.memory import decayed_tokens
 
     old = decayed_tokens(32768, None, setting.config)
     got = lc.protection_bits(row, g, 32768)

@@ -1,4 +1,4 @@
-"""tq_mlx.memory: the estimate from config.json equals what the caches really hold: after a prefill and token by
+"""tq_mlx.planner.memory: the estimate from config.json equals what the caches really hold: after a prefill and token by
 token, with cache_bytes and the bits summaries; config.json layouts; weights and the machine; tq_mlx.layout's token
 counts and bytes of every part, from the bit widths alone (issue 33); and one meaning of "saved".
 
@@ -28,13 +28,13 @@ from tests.support.memory import (  # noqa: F401  (models: module fixture)
     real_config,
 )
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
-from tq_mlx.architectures import attention_layout
-from tq_mlx.codec import make_quantizer
+from tq_mlx.models.architectures import attention_layout
+from tq_mlx.stream.codec import make_quantizer
 from tq_mlx.config import WIDEST_KEY_BITS
-from tq_mlx.display import bits_summary, format_bytes
-from tq_mlx.machine import available_memory, weight_bytes
+from tq_mlx.planner.display import bits_summary, format_bytes
+from tq_mlx.planner.machine import available_memory, weight_bytes
 from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout
-from tq_mlx.memory import (
+from tq_mlx.planner.memory import (
     affine_kv_bytes,
     cache_bytes,
     chosen_key_widths,
@@ -45,7 +45,7 @@ from tq_mlx.memory import (
     turboquant_layer_bytes,
     widen_layer_bytes,
 )
-from tq_mlx.quantizer import MSE_BITS, PROD_BITS, constant_arrays
+from tq_mlx.quant.quantizer import MSE_BITS, PROD_BITS, constant_arrays
 from tq_mlx.plan import layer_plan
 
 
@@ -248,7 +248,7 @@ def test_plan_says_which_layers_are_compressed_and_which_stay_float():
 
 
 def test_peak_estimate_is_flat_for_turboquant_and_grows_with_the_float_cache():
-    from tq_mlx.memory import estimate_peak_bytes
+    from tq_mlx.planner.memory import estimate_peak_bytes
 
     cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
            "hidden_size": 576, "intermediate_size": 1536, "torch_dtype": "float32"}
@@ -361,7 +361,8 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
 
 
 def test_pricing_builds_no_quantizer_or_rotation(monkeypatch):
-    from tq_mlx import quantizer, rotation
+    from tq_mlx.quant import quantizer
+    from tq_mlx.quant import rotation
 
     def refuse(*args, **kwargs):
         raise AssertionError("pricing a cache built a quantizer or a rotation")
@@ -382,7 +383,7 @@ def test_pricing_builds_no_quantizer_or_rotation(monkeypatch):
 def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
     from mlx_lm.models.cache import RotatingKVCache
 
-    from tq_mlx.memory import SAVED_AGAINST, Saving, estimate_mlx_lm_bytes, planned_saving
+    from tq_mlx.planner.memory import SAVED_AGAINST, Saving, estimate_mlx_lm_bytes, planned_saving
 
     model, args = models["llama"]
     cfg = TurboQuantConfig(window=16, sinks=2)
@@ -415,7 +416,7 @@ def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
 
 
 def test_an_empty_turboquant_cache_already_says_where_compression_starts(models):
-    from tq_mlx.display import window_text
+    from tq_mlx.planner.display import window_text
 
     model, _ = models["llama"]
     s = cache_bytes(make_prompt_cache(model, TurboQuantConfig()))

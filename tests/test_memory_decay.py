@@ -1,4 +1,4 @@
-"""tq_mlx.memory: the estimate from config.json equals what the caches really hold under temporal decay (issue 23):
+"""tq_mlx.planner.memory: the estimate from config.json equals what the caches really hold under temporal decay (issue 23):
 decayed tokens at the decay bits, fresh codes in a buffer of fixed size."""
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from tests.support.memory import (  # noqa: F401  (models: module fixture)
     sliding_cache,
 )
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
-from tq_mlx.codec import make_quantizer
-from tq_mlx.display import bits_summary, config_label, decay_label, window_text
+from tq_mlx.stream.codec import make_quantizer
+from tq_mlx.planner.display import bits_summary, config_label, decay_label, window_text
 from tq_mlx.layout import buffer_layout
 from tq_mlx.plan import layer_plan
-from tq_mlx.memory import (
+from tq_mlx.planner.memory import (
     bounded_tokens,
     cache_bytes,
     decayed_tokens,
     estimate_kv_bytes,
     turboquant_layer_bytes,
 )
-from tq_mlx.quantizer import constant_arrays
+from tq_mlx.quant.quantizer import constant_arrays
 
 
 
@@ -143,7 +143,7 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
 
 
 def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
-    from tq_mlx.memory import protect_layer_bytes
+    from tq_mlx.planner.memory import protect_layer_bytes
 
     cfg = TurboQuantConfig(protect_factor=1.0, window=32, step=64, decay_after=64, decay_key_bits=3,
                            decay_value_bits=2)
@@ -198,7 +198,7 @@ def test_the_planned_bound_names_what_a_protecting_layer_adds():
     # protect_factor) holds K8 codes that do not decay: more than the estimate's "every layer's keys at the most
     # key_error gives". The bound a plan states is the estimate plus protect_layer_bytes per such layer.
     from tests.support.memory import fed
-    from tq_mlx.memory import estimate_kv_bytes, protect_layer_bytes
+    from tq_mlx.planner.memory import estimate_kv_bytes, protect_layer_bytes
 
     cfg = TurboQuantConfig(window=64)
     H, D, n = 2, 64, 3000

@@ -1,4 +1,4 @@
-"""tq_mlx.memory: the estimate from config.json equals what the caches really hold, for MLA latents, Gemma 4 /
+"""tq_mlx.planner.memory: the estimate from config.json equals what the caches really hold, for MLA latents, Gemma 4 /
 gpt-oss layer kinds, decode-to-float and bounded caches (issue 21)."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from tests.support.memory import (
     sliding_cache,
 )
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.architectures import attention_layout
-from tq_mlx.display import format_bytes
+from tq_mlx.models.architectures import attention_layout
+from tq_mlx.planner.display import format_bytes
 from tq_mlx.layout import buffer_layout
-from tq_mlx.memory import (
+from tq_mlx.planner.memory import (
     bounded_tokens,
     cache_bytes,
     estimate_kv_bytes,
@@ -227,7 +227,7 @@ def test_mla_hybrids_count_only_their_latent_layers():
 
 
 def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
-    from tq_mlx.memory import protect_layer_bytes
+    from tq_mlx.planner.memory import protect_layer_bytes
 
     cfg = TurboQuantConfig(protect_factor=1.0, window=32, step=64)
     cache = TurboQuantKVCache(cfg, fetch="latent")

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache
 import tq_mlx
 import tq_mlx.hook as tq_hook
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.view import StreamView
+from tq_mlx.stream.view import StreamView
 from tests.support import zoo
 from tests.test_zoo import CONFIG, DRAWS, teacher_forced
 
@@ -215,7 +215,7 @@ def test_bounded_cache_keeps_what_rotating_kv_cache_keeps():
 
 
 def test_bounded_cache_drops_whole_blocks_and_prices_as_the_planner_says():
-    from tq_mlx.memory import bounded_tokens
+    from tq_mlx.planner.memory import bounded_tokens
 
     config = TurboQuantConfig(window=8, compress_block=4, sinks=2)
     c = TurboQuantKVCache(config, max_size=20)

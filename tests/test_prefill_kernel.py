@@ -1,4 +1,4 @@
-"""prefill_attention (metal_kernels/prefill_attention.metal) against the reference attention, under the CPU MSL
+"""prefill_attention (tq_mlx/attention/prefill_attention.metal) against the reference attention, under the CPU MSL
 emulator (tests/emulator): nothing here runs on a GPU.
 
 * shapes: K4/V3 (the default until 2026-11-26) first, QJL keys, K != V bits, head_dim 64 and 128 (32, 256, 512 and K 128 / V 64
@@ -32,7 +32,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
     BARRIER, SCHEDULES, Counting, Emu, _clean_dispatch, assert_close, cache_step, case_id, emulator, handle, ids,
     make_mask, mla_step, normal, numpy_views, quantizer, run_masked,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 
 

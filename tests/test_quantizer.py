@@ -1,4 +1,4 @@
-"""The paper's quantizers (tq_mlx.quantizer): TurboQuantMSE's distortion at the optimum, 5- and 6-bit codes,
+"""The paper's quantizers (tq_mlx.quant.quantizer): TurboQuantMSE's distortion at the optimum, 5- and 6-bit codes,
 fractional widths and outlier channels, TurboQuantProd's unbiased inner products, seeds, dtypes, degenerate vectors,
 no host sync, 8-bit norms, and bad input."""
 
@@ -10,7 +10,7 @@ import pytest
 import mlx.core as mx
 
 from tq_mlx import TurboQuantMSE, TurboQuantProd
-from tq_mlx.codebook import lloyd_max
+from tq_mlx.quant.codebook import lloyd_max
 
 D_MSE_128 = {1: 0.3609, 2: 0.1160, 3: 0.03397, 4: 0.00931}
 
@@ -48,7 +48,7 @@ def test_mse_5_and_6_bits_match_the_codebook(d, bits):
 @pytest.mark.parametrize("bits", [5, 6])
 def test_5_and_6_bit_codes_are_the_nearest_centroids(bits):
     # The binary search over 2^bits - 1 boundaries picks the nearest centroid of every rotated coordinate.
-    from tq_mlx.packing import unpack
+    from tq_mlx.quant.packing import unpack
 
     d = 96
     x = mx.random.normal((300, d), key=mx.random.key(bits))
@@ -63,7 +63,7 @@ def test_5_and_6_bit_codes_are_the_nearest_centroids(bits):
 
 def test_check_bits_keeps_the_config_widths():
     # 5 and 6 bits are config widths now that every kernel takes them (kernels.KERNEL_BITS); 7 is not.
-    from tq_mlx.quantizer import CODE_BITS, MSE_BITS, QUANTIZER_BITS, check_bits
+    from tq_mlx.quant.quantizer import CODE_BITS, MSE_BITS, QUANTIZER_BITS, check_bits
 
     assert CODE_BITS == (1, 2, 3, 4, 5, 6, 8) and MSE_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
     assert QUANTIZER_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
@@ -236,7 +236,7 @@ def test_bad_input(x, match):
 
 # --- 8-bit norms: a uint8 log code ------------------------------------------------------------------------------
 def test_uint8_norms_are_a_log_code_within_2_2_percent():
-    from tq_mlx.quantizer import load_norms, saturate
+    from tq_mlx.quant.quantizer import load_norms, saturate
 
     n = mx.array(np.geomspace(2.0**-7.9, 2.0**7.8, 4001).astype(np.float32))
     back = load_norms(saturate(n, mx.uint8))

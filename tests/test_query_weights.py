@@ -1,4 +1,4 @@
-"""Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.calibration.query_weights).
+"""Query-aware key weights (TurboQuantConfig(weigh_keys=True), tq_mlx.stream.calibration.query_weights).
 
 * query_weights: w² ∝ rms(q)/rms(k) per channel (per RoPE pair), geometric mean 1, bounded; exact scores;
 * the stream takes the queries of its calibration tokens from its cache's learning step (observe): whether the prompt comes in
@@ -18,19 +18,19 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-import tq_mlx.attention
+import tq_mlx.attention.reference
 
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     Emu, _clean_dispatch, assert_close, emulator, normal,
 )
 from tests.test_rope import model_rope, rope_views
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import turboquant_attention
+from tq_mlx.attention.reference import turboquant_attention
 from tq_mlx.batch import learned
-from tq_mlx.rope import probe
-from tq_mlx.calibration import WEIGHT_RANGE, query_weights
-from tq_mlx.view import decode as stream_decode
+from tq_mlx.models.rope import probe
+from tq_mlx.stream.calibration import WEIGHT_RANGE, query_weights
+from tq_mlx.stream.view import decode as stream_decode
 from tests.support.learning import learning
 
 # the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
@@ -150,7 +150,7 @@ def test_first_compression_is_coded_again_before_it_is_attended():
     s = cache.key_stream
     assert kh.learn is not None and kh.weights is None and s.query_sums.pending is not None
     with pytest.raises(ValueError, match="learns from the queries"):  # attention only reads: learning comes first
-        tq_mlx.attention.turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+        tq_mlx.attention.reference.turboquant_attention(queries, kh, vh, D**-0.5, "causal")
     out = turboquant_attention(queries, *learned(queries, kh, vh, D**-0.5), D**-0.5, "causal")
     assert s.query_sums.pending is None and s.query_sums.total is None and s.weights is not None  # no float copy left behind
     k2, _ = cache.keys_and_values()
@@ -317,10 +317,10 @@ def test_attention_on_weighted_codes_matches_float64(kb, qjl, center):
 
 
 # ===================================================================================== key widths by error
-from tq_mlx.calibration import key_width, logit_error  # noqa: E402
-from tq_mlx.codebook import lloyd_max  # noqa: E402
-from tq_mlx.display import bits_summary, describe_config  # noqa: E402
-from tq_mlx.quantizer import TurboQuantMSE  # noqa: E402
+from tq_mlx.stream.calibration import key_width, logit_error  # noqa: E402
+from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
+from tq_mlx.planner.display import bits_summary, describe_config  # noqa: E402
+from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6])
@@ -443,7 +443,7 @@ def test_key_error_is_validated_and_derived():
 def test_the_width_reads_one_number_per_stream_and_decode_then_reads_none(monkeypatch):
     # The default chooses widths (key_error at K4): the first compression reads its logit error back once, as key
     # protection reads its factor; every later update and attention builds its graph without a host sync.
-    import tq_mlx.stream as stream
+    import tq_mlx.stream.compressed as stream
     from tests.support.host_sync import forbid_host_sync
 
     reads = []

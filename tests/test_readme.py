@@ -26,9 +26,14 @@ DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "DE
 
 NAME = re.compile(r"(?<![\w./-])((?:mlx_lm|tq_mlx)(?:\.[A-Za-z_]\w*)+)")
 FROM_IMPORT = re.compile(r"^\s*from ((?:mlx_lm|tq_mlx)[\w.]*) import ([\w, ]+)$", re.M)
-# tq_mlx's modules named on their own in backticks, as the design notes do: `packing.unpack_lookup`
-SUBMODULE = re.compile(r"`((?:codebook|rotation|packing|quantizer|config|stream|attention|kernels|cache|memory|"
-                       r"integration|batch|blas|cli)\.(?!py\b)[A-Za-z_]\w*)")
+# tq_mlx's modules named on their own in backticks, as the design notes do (`packing.unpack_lookup`): the short
+# name and the module it names
+SHORT = {"codebook": "quant.codebook", "rotation": "quant.rotation", "packing": "quant.packing",
+         "quantizer": "quant.quantizer", "config": "config", "stream": "stream.compressed",
+         "attention": "attention.reference", "kernels": "attention", "cache": "cache", "memory": "planner.memory",
+         "integration": "integration", "batch": "batch", "blas": "blas", "cli": "cli", "plan": "plan",
+         "calibration": "stream.calibration", "codec": "stream.codec", "view": "stream.view", "hook": "hook"}
+SUBMODULE = re.compile(r"`((" + "|".join(SHORT) + r")\.(?!py\b)[A-Za-z_]\w*)")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -55,7 +60,7 @@ def resolve(dotted: str) -> object:
 
 
 def mentioned_names(text: str) -> set[str]:
-    names = set(NAME.findall(text)) | {f"tq_mlx.{n}" for n in SUBMODULE.findall(text)}
+    names = set(NAME.findall(text)) | {f"tq_mlx.{SHORT[m]}{n[len(m):]}" for n, m in SUBMODULE.findall(text)}
     for module, imported in FROM_IMPORT.findall(text):
         names |= {f"{module}.{n.strip()}" for n in imported.split(",") if n.strip()}
     return names
@@ -81,7 +86,7 @@ def test_the_name_check_catches_the_names_that_never_existed() -> None:
             resolve(name)
     assert resolve("mlx_lm.models.cache.load_prompt_cache") is not None
     assert mentioned_names("from tq_mlx import TurboQuantMSE, Nope\n`packing.unpack_lookup` `cache.py`") == {
-        "tq_mlx.TurboQuantMSE", "tq_mlx.Nope", "tq_mlx.packing.unpack_lookup"}
+        "tq_mlx.TurboQuantMSE", "tq_mlx.Nope", "tq_mlx.quant.packing.unpack_lookup"}
 
 
 @pytest.mark.filterwarnings("ignore::tq_mlx.blas.ReferenceBLASWarning")  # the README says how to get OpenBLAS
@@ -323,7 +328,7 @@ def test_the_picture_check_catches_a_stale_picture(tmp_path: Path) -> None:
 
 def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The panel's text is drawn again from the screenshot's snapshot, its KV figures derived again from
-    # tq_mlx.memory, the config from today's flags: each, changed, is found.
+    # tq_mlx.planner.memory, the config from today's flags: each, changed, is found.
     import json
     import shutil
 

@@ -1,4 +1,4 @@
-"""Keys centered before RoPE (TurboQuantConfig(center_keys="rope"), tq_mlx.rope).
+"""Keys centered before RoPE (TurboQuantConfig(center_keys="rope"), tq_mlx.models.rope).
 
 * probe reads mlx-lm's rope modules (split and traditional pairs, partial rotary dims, Llama 3 and YaRN scaling)
   into pairs and frequencies that reproduce the module at far positions, and refuses what is not a rotation;
@@ -28,11 +28,11 @@ from tests.emulator import metal_kernel as emulator_kernel
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     SCHEDULES, Emu, _clean_dispatch, assert_close, emulator, make_mask, normal,
 )
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.attention import turboquant_attention
-from tq_mlx.rope import Rope, n_pairs, probe, rotate, score_bias, centers
-from tq_mlx.view import decode as stream_decode
+from tq_mlx.attention.reference import turboquant_attention
+from tq_mlx.models.rope import Rope, n_pairs, probe, rotate, score_bias, centers
+from tq_mlx.stream.view import decode as stream_decode
 from tests.support.learning import learning
 
 # the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
@@ -143,7 +143,7 @@ def test_same_attention_as_the_tokens_decoded(fold_rows, monkeypatch):
     """Scores on the codes plus q·R(p) μ0 equal scores on the decoded tokens (what decode-to-float attends):
     with few query rows the bias goes on the scores, with many (FOLD_ROWS, a prefill chunk; lowered here so the
     queries stay past the calibration tokens) the centers go on the tile's keys."""
-    import tq_mlx.attention as A
+    import tq_mlx.attention.reference as A
 
     L = 40
     if fold_rows is not None:

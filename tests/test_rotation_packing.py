@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-from tq_mlx.packing import SUPPORTED_BITS, lookup_table, pack, packed_words, planes, unpack, unpack_lookup
-from tq_mlx.rotation import Rotation, hadamard_base
+from tq_mlx.quant.packing import SUPPORTED_BITS, lookup_table, pack, packed_words, planes, unpack, unpack_lookup
+from tq_mlx.quant.rotation import Rotation, hadamard_base
 
 # Sizes MLX must not be trusted with (wrong result at 36, heap corruption at 60/100/144/200) go dense.
 UNSAFE = [36, 60, 72, 100, 120, 136, 144, 200]

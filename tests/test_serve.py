@@ -17,9 +17,9 @@ import pytest
 
 from tests.support.blas import reference_blas_env
 from tests.test_cli import save_tiny_model
-from tq_mlx.server import context_bound
-from tq_mlx.memory import max_context
-from tq_mlx.memory import estimate_peak_bytes
+from tq_mlx.cli.server import context_bound
+from tq_mlx.planner.memory import max_context
+from tq_mlx.planner.memory import estimate_peak_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -147,7 +147,7 @@ def test_max_context_is_the_largest_context_whose_planned_peak_fits(config):
 
 
 def test_context_bound_is_the_trained_context_unless_memory_is_shorter(monkeypatch):
-    import tq_mlx.machine as machine
+    import tq_mlx.planner.machine as machine
 
     assert context_bound(SMOLLM2_CONFIG, 538_000_000, None) == (8192, "the model's trained context")
     # A machine with room for the weights and about 3,000 tokens of the float cache's plan.
@@ -227,7 +227,7 @@ def test_bad_requests_get_openai_errors_with_the_right_status(tmp_path):
 def test_server_help_is_one_usage_block_with_the_turboquant_flags():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", "from tq_mlx.server import server_command; server_command()",
+    proc = subprocess.run([sys.executable, "-c", "from tq_mlx.cli.server import server_command; server_command()",
                            "--help"], capture_output=True, text=True, timeout=300, env=reference_blas_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("usage:") == 1 and proc.stdout.startswith("usage: tq-server")

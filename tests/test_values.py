@@ -1,4 +1,4 @@
-"""Values by their error (TurboQuantConfig.value_error, tq_mlx.values): each layer's value stream measures on its
+"""Values by their error (TurboQuantConfig.value_error, tq_mlx.stream.values): each layer's value stream measures on its
 first window how much its attention outputs would move with old values re-coded at fewer bits, and decays them
 to the fewest bits that keep that error under the target; the config, the choice, its independence from how the
 prompt is fed, state, trim, bytes and host synchronization."""
@@ -17,8 +17,8 @@ from tests.support.tiny_models import tiny_llama
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache, turboquant_attention
 from tq_mlx.config import derive_config, value_widths
 from tq_mlx.layout import stream_bytes, value_error_span
-from tq_mlx.memory import chosen_value_widths, estimate_kv_bytes
-from tq_mlx.values import ValueSums
+from tq_mlx.planner.memory import chosen_value_widths, estimate_kv_bytes
+from tq_mlx.stream.values import ValueSums
 from tests.support.learning import learning
 
 # the caches learn from the queries first, as the attention hook runs it (attention itself only reads)
@@ -144,7 +144,7 @@ def test_the_error_is_the_output_error_of_re_coded_old_values():
         ValueSums.choose = orig
     vs = c.value_stream
     keys_view, values_view = c.keys_and_values()
-    from tq_mlx.values import first_tokens
+    from tq_mlx.stream.values import first_tokens
 
     kf, vf = first_tokens(keys_view, last), first_tokens(values_view, last)
     qs = q[:, :, first:last].reshape(1, 2, 2 * (last - first), D) * D**-0.5
@@ -155,7 +155,7 @@ def test_the_error_is_the_output_error_of_re_coded_old_values():
     old = vf[:, :, a:b]
     sc = vs.scale[:, :, None, None]
     for i, bits in enumerate((2, 3)):
-        from tq_mlx.codec import make_quantizer
+        from tq_mlx.stream.codec import make_quantizer
 
         qb = make_quantizer(D, bits, False, vs.quantizer.seed, vs.quantizer.norm_dtype)
         e = p[..., a:b] @ (qb.dequantize(qb.quantize(old / sc)) * sc - old)
@@ -293,7 +293,7 @@ def test_a_model_prices_the_widths_it_chose():
 
 
 def test_the_summary_names_each_layers_choice():
-    from tq_mlx.display import bits_summary
+    from tq_mlx.planner.display import bits_summary
 
     model, _ = tiny_llama(layers=3)
     cfg = TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08)

@@ -5,7 +5,7 @@ reason and the way out. A crash mid-forward or a silently float model fails.
 
 The fetch path each model takes (on the codes, latent, decode-to-float) is the one that ran: tq_mlx's attention
 on the codes and its float decode are wrapped and counted (tests/support/zoo.watch_paths), and what ran must be
-what tq_mlx.architectures says. The default config (query-weighed keys centered before RoPE, decaying their keys to K3)
+what tq_mlx.models.architectures says. The default config (query-weighed keys centered before RoPE, decaying their keys to K3)
 runs at its low bits too, its attention on the codes checked against the same codes decoded. Sparse attention
 (deepseek_v32, glm_moe_dsa) picks its tokens below the context and is compared on the float run's picks.
 
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 import tq_mlx
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.kernels import kernels_enabled
+from tq_mlx.attention import kernels_enabled
 from tests.support import zoo
 
 CONFIG = TurboQuantConfig(key_bits=8, value_bits=8, window=8, compress_block=4, sinks=2)
@@ -132,7 +132,7 @@ def outcome(arch: str) -> tuple[str, str]:
     err = min(errs)
     assert err < zoo.tolerance(arch), f"8-bit logits {err:.2e} from the float cache (best of {errs})"
     ran, expected = zoo.paths_ran(counts), expected_paths(model, cache)
-    assert ran == expected, f"ran {sorted(ran)} ({dict(counts)}), tq_mlx.architectures says {sorted(expected)}"
+    assert ran == expected, f"ran {sorted(ran)} ({dict(counts)}), tq_mlx.models.architectures says {sorted(expected)}"
     if not kernels_enabled():  # every attention on the codes ran the reference
         assert counts["reference"] == counts["codes"] + counts["latent"], dict(counts)
     nested = any(type(c) is CacheList for c in cache)
@@ -155,7 +155,7 @@ def outcome(arch: str) -> tuple[str, str]:
 
 
 def expected_paths(model, cache) -> frozenset[str]:
-    """The fetch paths tq_mlx.architectures sends the model's fed TurboQuant layers to: its fetch, or
+    """The fetch paths tq_mlx.models.architectures sends the model's fed TurboQuant layers to: its fetch, or
     decode-to-float for K=V layers (one stream, keys derived from the values)."""
     fetch = tq_mlx.integration.model_fetch(model)
     return frozenset("float" if c.k_eq_v else fetch for _, c in _flat(cache)
@@ -257,7 +257,7 @@ def test_afm7_bound_fails_noisy_codes():
 def test_models_that_only_cast_what_they_fetch_stay_on_the_codes(arch):
     # stablelm casts the fetched keys to float32 (stablelm.py:119-120), phi and phixtral read the fetched values'
     # dtype to cast the output back (phi.py:102, phixtral.py:80): nothing that needs the tokens in float.
-    from tq_mlx.architectures import fetch_for
+    from tq_mlx.models.architectures import fetch_for
 
     assert fetch_for({arch}) == "codes"
     kind, detail = outcome(arch)

@@ -5,17 +5,17 @@ installed by make_prompt_cache, patch_model and load_prompt_cache, and by a hand
 update_and_fetch.
 """
 
-from .attention import turboquant_attention
+from .attention.reference import turboquant_attention
 from .batch import BatchTurboQuantKVCache
 from .cache import TurboQuantKVCache
-from .codebook import lloyd_max
+from .quant.codebook import lloyd_max
 from .config import TurboQuantConfig
 from .integration import load_prompt_cache, make_prompt_cache, patch_model, unpatch_model, validate_prompt_cache
-from .memory import cache_bytes, estimate_kv_bytes
-from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
-from .rotation import Rotation
-from .stream import CompressedStream
-from .view import StreamView
+from .planner.memory import cache_bytes, estimate_kv_bytes
+from .quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from .quant.rotation import Rotation
+from .stream.compressed import CompressedStream
+from .stream.view import StreamView
 
 __version__ = "0.1.0"
 

@@ -27,9 +27,9 @@ import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .attention import turboquant_attention
-from .codec import unique_arrays
-from .view import StreamView
+from .attention.reference import turboquant_attention
+from .stream.codec import unique_arrays
+from .stream.view import StreamView
 
 BATCH_STATE_VERSION = 1
 NO_END = -1  # a row whose real tokens are not cut by right padding (an int32, for save_prompt_cache)
@@ -93,7 +93,7 @@ def learned(queries: mx.array, keys, values, scale: float):
 def batch_view_attention(queries: mx.array, keys: BatchView, values: BatchView, scale: float, mask=None,
                          sinks: mx.array | None = None, attend: Callable = turboquant_attention) -> mx.array:
     """Attention over batch views, row by row with `attend` (the reference by default; tq_mlx.hook passes
-    tq_mlx.kernels.dispatch_attention) on each row's own views and queries, stacked; padding query positions
+    tq_mlx.attention.dispatch_attention) on each row's own views and queries, stacked; padding query positions
     get zeros. queries (B, n_q_heads, L, D); sinks (learned per-head logits) go to every row."""
     B, Hq, L, _ = queries.shape
     if len(keys.rows) != B:

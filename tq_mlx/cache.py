@@ -1,7 +1,7 @@
 """TurboQuantKVCache: mlx-lm's KV cache protocol over two compressed streams, one for keys, one for values.
 
 It reads like mlx-lm's KVCache with codes instead of floats: update_and_fetch appends to both streams
-(tq_mlx.stream: float16 sinks, TurboQuant codes, a float16 window) and returns their `StreamView`s, which
+(tq_mlx.stream.compressed: float16 sinks, TurboQuant codes, a float16 window) and returns their `StreamView`s, which
 mlx-lm's attention routes to `quantized_scaled_dot_product_attention` because the cache has `bits`; the
 attention hook (tq_mlx.hook) takes them from there. tq_mlx.integration installs it when it builds or loads
 caches, and a cache installs it at its first update_and_fetch (a cache built by hand), never at import or
@@ -22,26 +22,26 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .batch import BatchTurboQuantKVCache
-from .codebook import MIN_DIM
+from .quant.codebook import MIN_DIM
 from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int, check_max_size
 from .plan import LayerPlan, layer_plan
-from .architectures import FETCHES
+from .models.architectures import FETCHES
 from .hook import install_attention_hook
-from .kernels import dispatch_dequantize, dispatch_encode, float_tokens
-from .quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
-from .rope import Rope
-from .codec import STATE_PARTS, batch_heads, unique_arrays
-from .stream import CompressedStream
-from .view import StreamView
+from .attention import dispatch_dequantize, dispatch_encode, float_tokens
+from .quant.quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
+from .models.rope import Rope
+from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
+from .stream.compressed import CompressedStream
+from .stream.view import StreamView
 
 STATE_VERSION = 10
 READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 # The fields of a state's meta each version added, with the meaning their absence had before (version 2 renamed
 # the config's `block`, TurboQuantConfig.from_dict reads either; 3 added each stream's `scale` and float buffers in
-# the model's dtype, 7 each stream's RoPE: arrays, read by tq_mlx.codec).
+# the model's dtype, 7 each stream's RoPE: arrays, read by tq_mlx.stream.codec).
 ADDED_FIELDS = {
     4: {"key_protected": False},  # whether the keys protected themselves
-    5: {"fetch": "codes", "max_size": None, "n_dropped": 0, "k_eq_v": False},  # fetch (tq_mlx.architectures), bounds
+    5: {"fetch": "codes", "max_size": None, "n_dropped": 0, "k_eq_v": False},  # fetch (tq_mlx.models.architectures), bounds
     6: {"n_decayed": [0, 0]},  # temporal decay
     9: {"key_bits": None, "query_count": None},  # widths by error; the queries summed for the weights
     10: {"value_width": None, "value_seen": [0, 0]},  # values by their error and the sums they come from
@@ -96,7 +96,7 @@ class TurboQuantKVCache(_BaseCache):
     it among the attention layers for config.boundary_layers. Given head_dim, the streams are built now, so
     the first update does no setup work (some rotations read an array back to the host when built).
 
-    fetch (tq_mlx.architectures) says what update_and_fetch returns; storage is the same two compressed
+    fetch (tq_mlx.models.architectures) says what update_and_fetch returns; storage is the same two compressed
     streams whatever it is:
       "codes"   views of both streams, for attention on the codes (the attention hook)
       "latent"  multi-head latent attention: the keys are the latent, the values the rope key. A one-token
@@ -113,7 +113,7 @@ class TurboQuantKVCache(_BaseCache):
     max_size bounds the tokens held, as mlx-lm's RotatingKVCache does for --max-kv-size: before each update the
     oldest compressed tokens are dropped in whole compress blocks (K), so that decode attends to at most
     max_size tokens (a prefill chunk of L to max_size - 1 + L, as RotatingKVCache); the sinks and the float
-    window are never dropped (tq_mlx.memory.bounded_tokens prices it).
+    window are never dropped (tq_mlx.planner.memory.bounded_tokens prices it).
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class TurboQuantKVCache(_BaseCache):
         self.n_attention_layers = n_attention_layers
         self.expected_head_dim = head_dim
         self.plan = self._plan(rope is not None)
-        # the keys' RoPE (tq_mlx.rope.probe of the model's layer), for centering before it where the plan says;
+        # the keys' RoPE (tq_mlx.models.rope.probe of the model's layer), for centering before it where the plan says;
         # None: one mean after RoPE
         self.rope = rope if self.plan.keys.rope else None
         self.max_size = None if max_size is None else check_max_size(max_size, self.config)
@@ -323,7 +323,7 @@ class TurboQuantKVCache(_BaseCache):
         """Before an update, drop the oldest compressed tokens (whole blocks of K) so that at most max_size - 1
         earlier tokens remain, as RotatingKVCache(max_size, keep=sinks) keeps max_size - 1 tokens before each
         update: decode attends to at most max_size tokens, a prefill chunk of L to max_size - 1 + L. Token by
-        token, K·⌈(offset - max_size)/K⌉ are dropped in all (tq_mlx.memory.bounded_tokens)."""
+        token, K·⌈(offset - max_size)/K⌉ are dropped in all (tq_mlx.planner.memory.bounded_tokens)."""
         drop = self._pending_drop(self.offset - n_new)
         if drop > 0:
             for s in self.streams:

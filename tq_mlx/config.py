@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .quantizer import PROD_BITS, check_bits, format_bits
+from .quant.quantizer import PROD_BITS, check_bits, format_bits
 
 
 # Tokens compressed at a time by default: small blocks keep the window near full (between window - 127 and
@@ -89,7 +89,7 @@ class TurboQuantConfig:
     KL 0.01 at 16k (and Qwen2.5-Coder-0.5B at 32k), for about 1.5 bits/value more at 32k than decayed K3/V2 values
     (benchmarks/DEFAULTS.md). A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
     protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
-    mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.rope): KL at 8k
+    mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.models.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
     per-channel weights from the queries of the calibration tokens, the queries divided by them (weigh_keys,
     exact): KL at 4k 0.0120 -> 0.0061 on Qwen2.5-Coder-0.5B (Britannica), and SmolLM2 finds at 8k the needles
@@ -124,17 +124,17 @@ class TurboQuantConfig:
     # where it applies (auto_key_error), None elsewhere.
     key_error: float | None | str = AUTO
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
-    # measured on its first window (tq_mlx.values): past decay_after, its values decay to the fewest bits from 2
+    # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
     # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the window's
     # last third came. Needs integer value_bits of 3 to 7, no decay_value_bits and a window of 3 or more; caches
     # whose attention takes views ("codes" fetch) choose, the others keep their bits. None: every layer's values
     # follow decay_value_bits.
     value_error: float | None = None
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
-    # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.rope), in the layers whose RoPE
+    # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.models.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
     weigh_keys: bool = True  # code keys times per-channel weights from the queries that attend the calibration
-    # tokens, the queries divided by them (exact; tq_mlx.calibration.query_weights), in caches whose attention takes
+    # tokens, the queries divided by them (exact; tq_mlx.stream.calibration.query_weights), in caches whose attention takes
     # views ("codes" fetch); other caches code plain keys. On since 2026-11-26, issue 23 (benchmarks/DEFAULTS.md)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)

@@ -8,8 +8,8 @@ points both at this module's stand-ins, which send what a TurboQuant cache fetch
 anything else to mlx-lm's own functions:
 
   StreamView          (one cache's views on the codes; MLA's latent is one view as keys and values)
-                      -> tq_mlx.kernels.dispatch_attention: a kernel on Metal, else the reference
-                      (tq_mlx.attention.turboquant_attention)
+                      -> tq_mlx.attention.dispatch_attention: a kernel on Metal, else the reference
+                      (tq_mlx.attention.reference.turboquant_attention)
   BatchView           (a batch cache's rows) -> row by row, each row as above (tq_mlx.batch.batch_view_attention)
   float arrays        (a float fetch, decoded from the codes) -> mx.fast.scaled_dot_product_attention
 
@@ -48,8 +48,8 @@ import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchTurboQuantKVCache, BatchView, batch_view_attention, causal_if_plain, learned
-from .kernels import dispatch_attention
-from .view import StreamView
+from .attention import dispatch_attention
+from .stream.view import StreamView
 
 _VIEWS = (BatchView, StreamView)
 PARTS = ("attention", "make_prompt_cache", "load_model", "tq-generate", "tq-server")

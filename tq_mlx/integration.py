@@ -32,13 +32,13 @@ import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import CacheList, KVCache
 
-from .architectures import FLOAT_FETCH, fetch_for
+from .models.architectures import FLOAT_FETCH, fetch_for
 from .blas import warn_reference_blas
 from .cache import TurboQuantKVCache
 from .config import TurboQuantConfig, check_max_size
 from .hook import install, install_attention_hook
-from .architectures import AttentionLayout, attention_layout
-from .rope import Rope, probe
+from .models.architectures import AttentionLayout, attention_layout
+from .models.rope import Rope, probe
 
 WAY_OUT = "use mlx-lm's own cache for this model (drop the TurboQuant options)"
 
@@ -102,7 +102,7 @@ ROPE_NAMES = ("rope", "rotary_emb", "rotary", "rotary_embedding")  # what mlx-lm
 
 
 def layer_rope(model: nn.Module, i: int) -> Rope | None:
-    """The RoPE of layer i's keys, read off its rope module (tq_mlx.rope.probe), or None: the attention's own
+    """The RoPE of layer i's keys, read off its rope module (tq_mlx.models.rope.probe), or None: the attention's own
     (`rope`, `rotary_emb`, ...), else the one module of the layer with such a name. Layers that apply RoPE as a
     function of a frequency array (nanochat), or not at all, give None: their keys keep the mean."""
     head_dim = layer_geometry(model, i)[0]
@@ -159,7 +159,7 @@ def pipeline_stage(model: nn.Module) -> tuple[int, int | None]:
 
 
 def model_fetch(model: nn.Module) -> str:
-    """What this model's caches fetch (tq_mlx.architectures): "codes", "latent" or "float"."""
+    """What this model's caches fetch (tq_mlx.models.architectures): "codes", "latent" or "float"."""
     return fetch_for(_model_types(model))
 
 
@@ -253,7 +253,7 @@ def make_prompt_cache(model: nn.Module, config: TurboQuantConfig | None = None,
 
     What the caches hand back to the model (views for attention on the codes, the latent of multi-head latent
     attention, or float tensors decoded from the codes for models that post-process them) comes from
-    tq_mlx.architectures; the storage is compressed in every case.
+    tq_mlx.models.architectures; the storage is compressed in every case.
 
     Raises ValueError naming the layer, the reason and the way out, before building anything, if a layer
     cannot be compressed (head_dim too small or incompatible with fractional bits), if no layer holds a

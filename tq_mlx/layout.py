@@ -1,9 +1,9 @@
 """Where a stream's tokens sit and what they cost: pure integer arithmetic over a config, a token count and a bound.
 
-A stream (tq_mlx.stream) keeps its tokens in four parts, oldest first: float sinks, decayed codes, fresh codes
+A stream (tq_mlx.stream.compressed) keeps its tokens in four parts, oldest first: float sinks, decayed codes, fresh codes
 and a float window; a cache bounded to max_kv_size drops its oldest compressed tokens. The stream asks the rules
 here what to compress (`overflow`), decay (`decayed_split`, `fresh_bound`) and how large its window buffer is
-(`window_capacity`); tq_mlx.memory and the planner ask `token_layout`, `buffer_layout` and `stream_bytes` what a
+(`window_capacity`); tq_mlx.planner.memory and the planner ask `token_layout`, `buffer_layout` and `stream_bytes` what a
 context costs. Nothing here builds a quantizer or a rotation: code and constant bytes come from the bit widths
 (quantizer.split_dims, packing.packed_words, rotation.hadamard_base), and tests/test_memory.py checks them against
 real quantizers and caches byte for byte.
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .config import value_widths
-from .packing import packed_words
-from .quantizer import split_dims
-from .rotation import hadamard_base
+from .quant.packing import packed_words
+from .quant.quantizer import split_dims
+from .quant.rotation import hadamard_base
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
 # codes of this many bits or more keep float16 norms whatever norm_bits says (codec.make_quantizer): the uint8 log
@@ -33,7 +33,7 @@ FLOAT32 = 4  # bytes of the float32 and int32 arrays a stream holds (μ, scale, 
 def window_capacity(recent: int, window: int) -> int:
     """Tokens the float window buffer holds once `recent` tokens have arrived after the sinks: steps of
     WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
-    the token count alone, so a short chat holds only what it uses and tq_mlx.memory stays exact."""
+    the token count alone, so a short chat holds only what it uses and tq_mlx.planner.memory stays exact."""
     if window == 0 or recent <= 0:
         return 0
     if recent > window:
@@ -232,7 +232,7 @@ def part_bytes(config, tokens: int, dim: int, bits: float, qjl: bool = False, de
 
 def value_error_span(sinks: int, window: int) -> tuple[int, int]:
     """The positions [first, last) of the queries whose attention outputs the values' error is measured on
-    (config.value_error, tq_mlx.values): the window's last third."""
+    (config.value_error, tq_mlx.stream.values): the window's last third."""
     return sinks + window - window // 3, sinks + window
 
 

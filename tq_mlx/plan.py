@@ -5,7 +5,7 @@ place among the attention layers, its fetch, K=V, whether its RoPE can be read) 
 bits each side starts at, the widest its keys may take (key_error) or protect at, the bits and age its old
 tokens decay at, the window, sinks, compress block and step, whether keys are weighed and centered (before
 RoPE or not), the norms, and whether values choose their decay bits by their error. TurboQuantKVCache builds its
-streams from it (tq_mlx.stream reads a StreamPlan) and the planner prices it (`layer_bytes`, tq_mlx.memory):
+streams from it (tq_mlx.stream.compressed reads a StreamPlan) and the planner prices it (`layer_bytes`, tq_mlx.planner.memory):
 neither derives a per-layer rule of its own, so a rule changes in one place.
 
 Pure: no array is built here; bytes come from tq_mlx.layout's arithmetic.
@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .config import WIDEST_KEY_BITS, TurboQuantConfig
 from .layout import stream_bytes, widened_decay
-from .quantizer import PROD_BITS
+from .quant.quantizer import PROD_BITS
 
 
 class Protect(NamedTuple):
@@ -41,7 +41,7 @@ class Widen(NamedTuple):
 class Narrow(NamedTuple):
     """Values by their error (config.value_error): tokens older than `age` decay to the fewest bits of
     config.value_widths whose attention-output error on the window's queries is at most `target`
-    (tq_mlx.values), or keep theirs."""
+    (tq_mlx.stream.values), or keep theirs."""
 
     target: float
     age: int
@@ -49,7 +49,7 @@ class Narrow(NamedTuple):
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """What one stream (one side of a layer) holds and does; tq_mlx.stream.CompressedStream follows it.
+    """What one stream (one side of a layer) holds and does; tq_mlx.stream.compressed.CompressedStream follows it.
 
     bits, qjl: its codes at the start. decay (age, bits): compressed tokens older than `age` re-coded at `bits`
     (None: never; decay_at gives the bits for codes of another width). protect: keys that protect themselves
@@ -93,7 +93,7 @@ class StreamPlan:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What one attention layer's cache holds: its fetch (tq_mlx.architectures; K=V layers "float"), its key
+    """What one attention layer's cache holds: its fetch (tq_mlx.models.architectures; K=V layers "float"), its key
     stream, its value stream (None for K=V: the key stream holds the values and serves both sides), and the
     configured bits of the layer (`bits`: boundary layers have their own)."""
 

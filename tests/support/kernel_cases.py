@@ -1,6 +1,6 @@
 """Helpers and fixtures shared by the kernel tests (tests/test_kernels.py, test_kernel_cache.py,
 test_kernel_dispatch.py, test_kernel_masks.py, and test_decay_kernels.py, test_rope.py, test_prefill_kernel.py,
-test_query_weights.py), which run the Metal kernels (tq_mlx.kernels) under the CPU MSL emulator (tests/emulator):
+test_query_weights.py), which run the Metal kernels (tq_mlx.attention) under the CPU MSL emulator (tests/emulator):
 
 - the matrix's axes `DIMS`, `BITS`, `QJL_BITS`, `DTYPES`, `SCHEDULES` and the output tolerance `TOL`;
 - the fixtures `emulator` (module scope: skips without the emulator) and `_clean_dispatch` (autouse: a fresh
@@ -29,10 +29,10 @@ import mlx.core as mx
 
 from tests.emulator import metal_kernel as emulator_kernel
 from tests.emulator import require_emulator
-from tq_mlx import kernels as K
+from tq_mlx import attention as K
 from tq_mlx import StreamView, TurboQuantConfig, TurboQuantKVCache
-from tq_mlx.packing import unpack
-from tq_mlx.quantizer import TurboQuantMSE, TurboQuantProd, load_norms
+from tq_mlx.quant.packing import unpack
+from tq_mlx.quant.quantizer import TurboQuantMSE, TurboQuantProd, load_norms
 
 DIMS = (64, 128, 256)
 BITS = (1, 2, 3, 4, 5, 6, 8)  # quantizer.CODE_BITS: the config takes all but 5 and 6 (yet)

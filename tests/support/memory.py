@@ -1,4 +1,4 @@
-"""Helpers shared by the tq_mlx.memory tests (tests/test_memory.py, tests/test_memory_layer_kinds.py and
+"""Helpers shared by the tq_mlx.planner.memory tests (tests/test_memory.py, tests/test_memory_layer_kinds.py and
 tests/test_memory_decay.py), which check that the estimate from config.json equals what the caches really hold:
 
 - `fed`, `fill`: caches fed as a model's layers feed them; `held_estimate`: the estimate with the key widths a
@@ -22,7 +22,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from tests.support.tiny_models import tiny_hybrid, tiny_llama, tiny_qwen3
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.batch import learned
-from tq_mlx.memory import chosen_key_widths, chosen_value_widths, estimate_kv_bytes
+from tq_mlx.planner.memory import chosen_key_widths, chosen_value_widths, estimate_kv_bytes
 
 
 def fed(cache, keys: mx.array, values: mx.array) -> None:

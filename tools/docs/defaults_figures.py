@@ -266,7 +266,7 @@ def json_value(stem: str, *words: str) -> str:
 
 def config_value(name: str) -> str:
     from tq_mlx import TurboQuantConfig, config
-    from tq_mlx.quantizer import format_bits
+    from tq_mlx.quant.quantizer import format_bits
 
     preset, _, field = name.rpartition(".")
     if not preset and hasattr(config, name) and name.isupper():

@@ -14,7 +14,7 @@ screenshot  docs/tq-chat.png: tq-chat itself (the README's command), driven head
             made a PNG with cairosvg (`pip install cairosvg`) or rsvg-convert. Its sidecar docs/tq-chat.json holds
             what the picture shows (the memory panel's text and the snapshot it is drawn from, the header, the plan
             note, the config): --check draws the panel again from that snapshot with today's code, derives the
-            figures again from tq_mlx.memory, the config from today's flags and the plan from today's planner,
+            figures again from tq_mlx.planner.memory, the config from today's flags and the plan from today's planner,
             without the model, the converter or matplotlib
 
 The demo model (`smollm2-135m`) is fetched and converted on first use. Machine-dependent figures are pinned: the
@@ -56,9 +56,9 @@ MACHINE = dict(available=25_276_510_208, source="physical memory")
 def pinned_machine():
     """tq-chat's plan as on MACHINE: available_memory() and memory_source() pinned."""
     import tq_chat.main
-    import tq_mlx.machine
+    import tq_mlx.planner.machine
 
-    with mock.patch.object(tq_mlx.machine, "available_memory", lambda: MACHINE["available"]), \
+    with mock.patch.object(tq_mlx.planner.machine, "available_memory", lambda: MACHINE["available"]), \
             mock.patch.object(tq_chat.main, "memory_source", lambda: MACHINE["source"]):
         yield
 
@@ -94,7 +94,7 @@ def plan_example() -> str:
 
 def local_paths(text: str) -> str:
     """This machine's folders as every machine has them: tq-mlx's cache as ~/.cache/tq-mlx, the home folder as ~."""
-    from tq_mlx.demo import cache_dir
+    from tq_mlx.models.demo import cache_dir
 
     return text.replace(str(cache_dir()), "~/.cache/tq-mlx").replace(str(Path.home()), "~")
 
@@ -102,7 +102,7 @@ def local_paths(text: str) -> str:
 def generate_example() -> str:
     """tq-generate on the demo model: the command and its closing line (the answer and mlx-lm's speed lines,
     which differ from machine to machine, are left out). 24 tokens of a story: no end of turn comes first."""
-    from tq_mlx.generate import generate_main
+    from tq_mlx.cli.generate import generate_main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -265,7 +265,7 @@ def make_screenshot() -> None:
     docs/tq-chat.png and docs/tq-chat.json."""
     from tq_chat import main as chat
     from tq_chat.chat import ChatApp
-    from tq_mlx.architectures import load_model_config
+    from tq_mlx.models.architectures import load_model_config
 
     made = []
     with pinned_machine(), mock.patch.object(ChatApp, "run", lambda self, *a, **k: made.append(self)):
@@ -331,12 +331,12 @@ def layer_indices(spec: str) -> list[int]:
 
 
 def expected_stats(facts: dict, stats: dict) -> dict:
-    """The panel's KV figures for the screenshot's context, from tq_mlx.memory's and tq_mlx.layout's formulas:
+    """The panel's KV figures for the screenshot's context, from tq_mlx.planner.memory's and tq_mlx.layout's formulas:
     what the live snapshot (the caches' own nbytes) must have shown."""
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.architectures import attention_layout
+    from tq_mlx.models.architectures import attention_layout
     from tq_mlx.layout import token_layout
-    from tq_mlx.memory import FLOAT_BYTES, estimate_kv_bytes, mlx_lm_kv_bytes, protect_layer_bytes
+    from tq_mlx.planner.memory import FLOAT_BYTES, estimate_kv_bytes, mlx_lm_kv_bytes, protect_layer_bytes
 
     config = TurboQuantConfig(**facts["config"])
     mc, tokens, dtype = facts["model_config"], stats["context_tokens"], stats["kv_dtype"]
@@ -361,8 +361,8 @@ def check_screenshot() -> list[str]:
     from tq_chat import main as chat
     from tq_chat.plan import make_plan
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.architectures import attention_layout
-    from tq_mlx.flags import config_from_args
+    from tq_mlx.models.architectures import attention_layout
+    from tq_mlx.cli.flags import config_from_args
 
     side_path = SHOT.with_suffix(".json")
     if not SHOT.exists() or not side_path.exists():

@@ -14,7 +14,7 @@ benchmarks/results/long_context.json on SmolLM2-135M: KL(float ‖ cache) agains
 numbers as the long-context table (bits/val @8k, with the layers whose keys protected themselves).
 
 memory_vs_context.png: KV bytes against context for USER_MODELS (from benchmarks/configs/*.json), in float16, in
-mlx-lm's affine 8-bit and 4-bit QuantizedKVCache and with TurboQuant's defaults: tq_mlx.memory.estimate_kv_bytes,
+mlx-lm's affine 8-bit and 4-bit QuantizedKVCache and with TurboQuant's defaults: tq_mlx.planner.memory.estimate_kv_bytes,
 which memory.py checks byte for byte against real caches.
 """
 
@@ -256,10 +256,10 @@ def user_models(folder: Path | None = None) -> list[dict]:
 
 
 def memory_curves(models: list[dict], contexts: list[int] = MEMORY_CONTEXTS) -> dict[str, dict[str, list[int]]]:
-    """{model name: {cache: KV bytes at each context}} from tq_mlx.memory's formulas."""
+    """{model name: {cache: KV bytes at each context}} from tq_mlx.planner.memory's formulas."""
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.display import config_label
-    from tq_mlx.memory import estimate_kv_bytes
+    from tq_mlx.planner.display import config_label
+    from tq_mlx.planner.memory import estimate_kv_bytes
 
     default = TurboQuantConfig()
     caches = {"float16": {}, "mlx-lm affine 8-bit": {"kv_bits": 8}, "mlx-lm affine 4-bit": {"kv_bits": 4},
@@ -280,7 +280,7 @@ def memory_figure(models: list[dict], contexts: list[int] = MEMORY_CONTEXTS) -> 
     every context) with its end label, and the picture's labels. docs/memory_vs_context.json keeps this."""
     import memory
 
-    from tq_mlx.architectures import attention_layout
+    from tq_mlx.models.architectures import attention_layout
 
     curves = memory_curves(models, contexts)
     panels = []
@@ -292,7 +292,7 @@ def memory_figure(models: list[dict], contexts: list[int] = MEMORY_CONTEXTS) -> 
             "curves": {cache: {"bytes": ys, "label": _gb_label(ys[-1])} for cache, ys in curves[m["name"]].items()},
         })
     return {
-        "suptitle": "KV cache of one sequence against context (tq_mlx.memory.estimate_kv_bytes; benchmarks/configs)",
+        "suptitle": "KV cache of one sequence against context (tq_mlx.planner.memory.estimate_kv_bytes; benchmarks/configs)",
         "xlabel": "context (tokens)",
         "ylabel": "KV cache, GB",
         "xticks": [[c, memory.ctx_label(c) if c else "0"] for c in MEMORY_TICKS],

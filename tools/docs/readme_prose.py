@@ -57,7 +57,7 @@ def _bits_per_value(config, ctx: int, name: str = REFERENCE_MODEL) -> float:
     """Bits per value of a TurboQuantConfig at ctx tokens on a model, float parts in float16 (as long_context.py
     counts them)."""
     import caches
-    from tq_mlx.memory import estimate_kv_bytes
+    from tq_mlx.planner.memory import estimate_kv_bytes
 
     mc = _model_config(name)
     return common.bits_per_value(estimate_kv_bytes(mc, ctx, config, dtype="float16"), ctx, caches.kv_geometry(mc))
@@ -68,7 +68,7 @@ def _ctx(c: int) -> str:
 
 
 def _bits(b) -> str:
-    from tq_mlx.quantizer import format_bits
+    from tq_mlx.quant.quantizer import format_bits
 
     return format_bits(b)
 
@@ -88,7 +88,7 @@ def _decayed_label(c) -> str:
 def intro_values() -> tuple:
     """How many times more tokens fit in float16's memory at 32k, the least over the memory table's models."""
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.memory import estimate_kv_bytes
+    from tq_mlx.planner.memory import estimate_kv_bytes
     import plots
 
     ctx = HEADLINE_CONTEXTS[0]
@@ -122,10 +122,10 @@ def openblas_values() -> tuple:
 
 
 def config_bits_values() -> tuple:
-    """The bits a config takes (tq_mlx.quantizer.MSE_BITS) and TurboQuantConfig()'s bits, key widths and decay."""
+    """The bits a config takes (tq_mlx.quant.quantizer.MSE_BITS) and TurboQuantConfig()'s bits, key widths and decay."""
     from tq_mlx import TurboQuantConfig
     from tq_mlx.config import WIDEST_KEY_BITS
-    from tq_mlx.quantizer import MSE_BITS
+    from tq_mlx.quant.quantizer import MSE_BITS
 
     d = TurboQuantConfig()
     if d.decay_after is None or d.decay_key_bits is None or d.decay_value_bits is not None or d.key_error is None:
@@ -139,7 +139,7 @@ def config_fields_values() -> tuple:
     from tq_mlx import TurboQuantConfig
 
     from tq_mlx.config import DECAY_FLOOR, DECAY_STEP, auto_decay_bits
-    from tq_mlx.quantizer import MSE_BITS
+    from tq_mlx.quant.quantizer import MSE_BITS
 
     d = TurboQuantConfig()
     widest = max(MSE_BITS)
@@ -163,7 +163,7 @@ def presets_values() -> tuple:
     they widen to, as the planner prices them), the reference's head_dim, and what each preset keeps: quality
     no decay, the default keys by their error and decaying, compact decaying, its keys not widened."""
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.architectures import attention_layout
+    from tq_mlx.models.architectures import attention_layout
     from tq_mlx.config import WIDEST_KEY_BITS
 
     ctx = HEADLINE_CONTEXTS[0]
@@ -189,9 +189,9 @@ BOUNDS = (4096, 256)  # the --max-kv-size the README prices
 
 def bound_values() -> tuple:
     """What a bounded default cache saves on REFERENCE_MODEL against mlx-lm's RotatingKVCache of the same size, at
-    128k tokens (tq_mlx.memory.planned_saving; the bound fitted as the commands fit it): "N.NNx", or "nothing"."""
+    128k tokens (tq_mlx.planner.memory.planned_saving; the bound fitted as the commands fit it): "N.NNx", or "nothing"."""
     from tq_mlx.config import derive_config
-    from tq_mlx.memory import planned_saving
+    from tq_mlx.planner.memory import planned_saving
 
     out = []
     for n in BOUNDS:

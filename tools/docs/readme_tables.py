@@ -149,8 +149,8 @@ def memory_headline(full: str, results: Path | None = None, suffix: str = "") ->
     import plots
 
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.architectures import attention_layout, text_config
-    from tq_mlx.display import format_bytes
+    from tq_mlx.models.architectures import attention_layout, text_config
+    from tq_mlx.planner.display import format_bytes
 
     models = plots.user_models()
     curves = plots.memory_curves(models, list(HEADLINE_CONTEXTS))
@@ -171,7 +171,7 @@ def memory_headline(full: str, results: Path | None = None, suffix: str = "") ->
         rows.append(row)
     note = (f"KV cache of one sequence (hybrid models: their attention layers only). TurboQuant: the defaults "
             f"({default_words(d)}, window {d.window}, {d.sinks} sinks); mlx-lm 4-bit: `--kv-bits 4`, groups of 64; "
-            f"'vs float16' at {labels[-1]}. From tq_mlx.memory.estimate_kv_bytes, which `benchmarks/memory.py` checks "
+            f"'vs float16' at {labels[-1]}. From tq_mlx.planner.memory.estimate_kv_bytes, which `benchmarks/memory.py` checks "
             f"byte for byte against real caches (given the key widths they chose){widest_words(d)}. Every bit width, 8k to 256k, and the smallest Mac "
             f"that fits: [{full}#memory]({full}#memory).")
     return f"### Memory\n\n{common.markdown_table(headers, rows)}\n\n{note}{measured_contexts(results, suffix)}"
@@ -314,7 +314,7 @@ def headline(results: Path = common.RESULTS, readme_dir: Path = README.parent, s
 
 
 # The README's per-path table names example architectures of each fetch path: (how the README spells them, the
-# model_types that must take that path in tq_mlx.architectures; none for examples that are kinds of layers).
+# model_types that must take that path in tq_mlx.models.architectures; none for examples that are kinds of layers).
 PATH_EXAMPLES = {
     "codes": [("llama", ["llama"]), ("qwen2/3", ["qwen2", "qwen3"]), ("qwen3.5", ["qwen3_5"]),
               ("mistral", ["mistral"]), ("gemma3", ["gemma3"]), ("gpt-oss (learned sinks)", ["gpt_oss"]),
@@ -346,13 +346,13 @@ def config_words(c: dict) -> str:
 def paths_section(results: Path = common.RESULTS, readme_dir: Path = README.parent, suffix: str = "") -> str:
     """The README's per-path table (between the path-results markers): which architectures take each fetch path
     and what one layer's decode step costs on it against mlx-lm's float cache, from paths<suffix>.json. Raises
-    ValueError if an example architecture does not take its row's path (tq_mlx.architectures.fetch_for)."""
-    from tq_mlx.architectures import fetch_for
+    ValueError if an example architecture does not take its row's path (tq_mlx.models.architectures.fetch_for)."""
+    from tq_mlx.models.architectures import fetch_for
 
     for path, examples in PATH_EXAMPLES.items():
         wrong = [t for _, types in examples for t in types if fetch_for({t}) != path]
         if wrong:
-            raise ValueError(f"README per-path table: {wrong} do not take the {path!r} path (tq_mlx.architectures); "
+            raise ValueError(f"README per-path table: {wrong} do not take the {path!r} path (tq_mlx.models.architectures); "
                              "edit readme_tables.PATH_EXAMPLES")
     file = results / f"paths{suffix}.json"
     if not file.exists():

@@ -1,5 +1,5 @@
 """One side (keys or values) of a layer's KV cache as a compressed stream of tokens, in the token order of
-tq_mlx.view (sinks, decayed codes, fresh codes, the window).
+tq_mlx.stream.view (sinks, decayed codes, fresh codes, the window).
 
 Names: n_<part> counts the tokens a part holds now (n_coded = n_decayed + n_fresh, on a stream and a view
 alike); max_sinks and max_window are the most the sinks and the window hold (the config's `sinks` and
@@ -19,10 +19,10 @@ a token is re-coded exactly once, so the result does not depend on how the token
 the fresh code buffer is allocated for the most fresh tokens there can be (`fresh_bound`) and the oldest are
 shifted out in place; decayed codes grow in steps like fresh ones.
 
-Calibration (tq_mlx.calibration): the first compression fixes, from the calibration tokens, μ (with `center`;
+Calibration (tq_mlx.stream.calibration): the first compression fixes, from the calibration tokens, μ (with `center`;
 turboquant.md §4), the scale, the channel order of fractional bit widths (paper §4.3) and the query weights
 (`weigh`), and compressed token t is coded as ((x_t - c_t)·w / scale)[..., perm]. With a `rope` (keys centered
-before RoPE, tq_mlx.rope) μ0 is the mean of those tokens turned back by their RoPE and c_t = R(p) μ0 at the
+before RoPE, tq_mlx.models.rope) μ0 is the mean of those tokens turned back by their RoPE and c_t = R(p) μ0 at the
 token's position p = sinks + tokens a bound dropped + t, so a constant part of the keys before RoPE (Qwen2's
 k_proj bias) leaves the codes instead of rotating through them; otherwise c_t = μ. With a window, the
 calibration tokens are exactly the first `window` tokens after the sinks (all of them are at hand at the first
@@ -32,8 +32,8 @@ TurboQuantKVCache.learn, before attention reads the views), and a first compress
 coded before they came is coded again when they do (`_settle`, before anything attends the codes); the view
 update_and_fetch returns is then superseded by the one attention reads.
 
-`append` returns a `StreamView` (tq_mlx.view, with the reference `encode` and `decode` of its codes),
-the immutable view of the live tokens that attention reads. tq_mlx.codec writes and reads its state (the
+`append` returns a `StreamView` (tq_mlx.stream.view, with the reference `encode` and `decode` of its codes),
+the immutable view of the live tokens that attention reads. tq_mlx.stream.codec writes and reads its state (the
 arrays a cache saves); tq_mlx.layout counts its parts and their bytes (stream_bytes).
 """
 
@@ -47,10 +47,10 @@ import mlx.core as mx
 from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
 from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer,
                     moved, quantizer_as_written, read_state, state_arrays)
-from .layout import decayed_split, fresh_bound, overflow, window_capacity
-from .plan import StreamPlan
-from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
-from .rope import Rope, centers
+from ..layout import decayed_split, fresh_bound, overflow, window_capacity
+from ..plan import StreamPlan
+from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
+from ..models.rope import Rope, centers
 from .values import ValueSums
 from .view import StreamView, decode, encode
 
@@ -74,14 +74,14 @@ class CompressedStream:
     the tokens appended (the model's, as mlx-lm's KVCache does), so they overflow exactly when the model does.
     The plan's name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages.
     `encoder` has `encode`'s signature and `decoder` `decode`'s; the cache passes the kernel dispatch
-    (tq_mlx.kernels.dispatch_encode, dispatch_dequantize).
+    (tq_mlx.attention.dispatch_encode, dispatch_dequantize).
 
     protect (plan.Protect): deciding reads one number back from the device, once per stream and sequence, at its
     first compression; every later append is graph construction. decay (Decay): temporal decay (the module
     docstring). A protected stream does not decay: what made it protect its keys holds at every age. widen
     (plan.Widen): with query weights, the first compression also chooses the keys' width from their logit error on
     the calibration queries (one more number read back, once the queries came); a widened stream decays by
-    the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.values): the
+    the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.stream.values): the
     stream decays its tokens older than `age` to the bits it chooses once attention handed it the queries of its
     window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
@@ -112,9 +112,9 @@ class CompressedStream:
         self.mean = None  # (B, H, D) float32, with the first compressed tokens (if center)
         self.perm = None  # (H, D) int32, with the first compressed tokens (fractional bits)
         self.scale = None  # (B, H) float32 power of two, with the first compressed tokens
-        self.rope = rope if plan.center else None  # center before RoPE (tq_mlx.rope): mean is then μ0
+        self.rope = rope if plan.center else None  # center before RoPE (tq_mlx.models.rope): mean is then μ0
         self.n_dropped = 0  # compressed tokens a bound dropped: positions continue past them
-        # Query-aware weights (tq_mlx.calibration): the queries of the calibration tokens, summed per channel as
+        # Query-aware weights (tq_mlx.stream.calibration): the queries of the calibration tokens, summed per channel as
         # attention shows them (observe), fix `weights` with the first compression.
         self.weigh = plan.weigh
         self.weights = None  # (B, H, D) float32, with the first compressed tokens (weigh)
@@ -294,7 +294,7 @@ class CompressedStream:
 
     def _fresh_capacity(self) -> int | None:
         """The fresh buffer's capacity once tokens decayed: room for the most fresh codes there can be, so it
-        is allocated once and its size is a function of the config (tq_mlx.memory); None before."""
+        is allocated once and its size is a function of the config (tq_mlx.planner.memory); None before."""
         if not self.n_decayed:
             return None
         return -(-fresh_bound(self.decay.age, self.max_window, self.compress_block) // self.step) * self.step
@@ -459,7 +459,7 @@ class CompressedStream:
         new.value_sums = copy.copy(self.value_sums)  # its sums are replaced, never written in place
         return new
 
-    # --- state: the arrays under "<name>_codes", "<name>_sinks", ... (tq_mlx.codec; the counts are the cache's)
+    # --- state: the arrays under "<name>_codes", "<name>_sinks", ... (tq_mlx.stream.codec; the counts are the cache's)
 
     @property
     def state(self) -> dict:

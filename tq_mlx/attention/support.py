@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import keys_are_values
-from ..quantizer import FLOAT_DTYPES, TurboQuantMSE, TurboQuantProd
-from ..rotation import Rotation
-from ..view import StreamView
+from .reference import keys_are_values
+from ..quant.quantizer import FLOAT_DTYPES, TurboQuantMSE, TurboQuantProd
+from ..quant.rotation import Rotation
+from ..stream.view import StreamView
 from .launch import (KERNEL_BITS, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SUPPORTED_DIMS, _mse, _mx_dtype, _rope_pairs,
                      _rotation_unsupported, _rows_per_threadgroup, _span_codes, _wht)
 

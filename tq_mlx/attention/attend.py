@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..attention import keys_are_values, split_query, turboquant_attention, unrotate
-from ..quantizer import TurboQuantProd
-from ..rope import bias_terms
-from ..view import StreamView
+from .reference import keys_are_values, split_query, turboquant_attention, unrotate
+from ..quant.quantizer import TurboQuantProd
+from ..models.rope import bias_terms
+from ..stream.view import StreamView
 from .codes import rotate
 from .launch import (SPARSE_V_EPSILON, THREADGROUP_MEMORY, _NO_LIMIT, _Codes, _decayed, _default_factory, _dummy,
                      _float_dtype, _floats, _ints, _kernel, _kv_codes, _mask_inputs, _mse, _mx, _partial_layout,
@@ -58,7 +58,7 @@ class _Prepared(NamedTuple):
     q: mx.array  # (B, H, RL, DK) float32 = scale·q, model basis; rows of a kv head: head_in_group·L + token
     q_rot: mx.array  # the keys' rotated basis (× s_k): one WHT, or each group's Π_g (q[order])_g side by side
     qs: mx.array  # S·s_k·scale·q (QJL), else a dummy
-    qmu: mx.array | None  # (B, H, RL) scale·q·μ (keys centered before RoPE: its constant part, tq_mlx.rope)
+    qmu: mx.array | None  # (B, H, RL) scale·q·μ (keys centered before RoPE: its constant part, tq_mlx.models.rope)
     rterms: mx.array  # (B, H, RL, 2·NP) float32 [A | B] of scale·q (keys centered before RoPE), else a dummy
     rfreqs: mx.array  # (NP,) float32 pair frequencies, else a dummy
     np: int  # RoPE pairs (0: keys not centered before RoPE)
@@ -176,7 +176,7 @@ def decode_attention(
 ) -> mx.array:
     """softmax(scale·q·Kᵀ)·V on the codes for 1..8 query tokens, (B, Hq, L, D) -> (B, Hq, L, Dv).
 
-    Same semantics as tq_mlx.attention.turboquant_attention: mask None, "causal" or a bool/additive array,
+    Same semantics as tq_mlx.attention.reference.turboquant_attention: mask None, "causal" or a bool/additive array,
     learned `sinks` (n_q_heads,) or None. Queries are rotated once (WHT kernel); pass 1 reads each compressed
     byte of a kv head once for all R·L query rows of its GQA group (once per chunk of rows where threadgroup
     memory needs chunks), per split of the context, and writes (m, l, acc) with acc in the rotated basis; pass

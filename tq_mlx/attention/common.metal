@@ -297,7 +297,7 @@ METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar*
   return nrm;
 }
 
-// A score under an array mask (tq_mlx.kernels: MASK 0 none or causal, 1 bool, 2 additive) at one (query row,
+// A score under an array mask (tq_mlx.attention: MASK 0 none or causal, 1 bool, 2 additive) at one (query row,
 // token): m is the mask's element there (any value when MASK is 0). A hidden token scores -FLT_MAX, as in the
 // reference (tq_mlx.attention); an additive mask adds to the score.
 template <int MASK, typename M>

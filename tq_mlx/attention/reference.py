@@ -2,7 +2,7 @@
 
 `turboquant_attention(queries, keys, values, scale, mask)` has the signature of mlx-lm's
 `quantized_scaled_dot_product_attention` and takes the two `StreamView`s a `TurboQuantKVCache` returns (one per
-side); tq_mlx.kernels.dispatch_attention shares the signature and falls back to it, and tq_mlx.hook calls that.
+side); tq_mlx.attention.dispatch_attention shares the signature and falls back to it, and tq_mlx.hook calls that.
 
 For one query q (already times `scale`) and kv head, with compressed tokens t quantized as
 (x_t - μ) / s in the quantizer's input basis (channels in `perm` order, each group rotated by its Π_g; s the
@@ -33,10 +33,10 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .quantizer import MSECodes, TurboQuantProd, load_norms
-from .rope import centers, score_bias
-from .codec import code_order
-from .view import StreamView
+from ..quant.quantizer import MSECodes, TurboQuantProd, load_norms
+from ..models.rope import centers, score_bias
+from ..stream.codec import code_order
+from ..stream.view import StreamView
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
 # Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.

@@ -19,9 +19,9 @@ import sys
 import threading
 import types
 
-from . import hook
-from .config import TurboQuantConfig
-from .display import describe_config
+from .. import hook
+from ..config import TurboQuantConfig
+from ..planner.display import describe_config
 from .flags import add_cache_args, config_or_error, count_arg, exit_without_teardown, first_line, model_arg
 
 DESCRIPTION = ("tq-server: an OpenAI-compatible HTTP server (POST /v1/chat/completions and /v1/completions) whose "
@@ -129,10 +129,10 @@ def context_bound(model_config: dict, weights: int, config: TurboQuantConfig | N
                   prefill_step: int = 2048) -> tuple[int | None, str]:
     """tq-server's default --tq-max-context: the model's trained context, or less if one sequence's planned
     peak at it does not fit this machine's memory (machine.available_memory); and a phrase saying which."""
-    from .architectures import attention_layout
-    from .display import format_bytes
-    from .machine import available_memory
-    from .memory import max_context
+    from ..models.architectures import attention_layout
+    from ..planner.display import format_bytes
+    from ..planner.machine import available_memory
+    from ..planner.memory import max_context
 
     try:
         trained = attention_layout(model_config).max_context
@@ -152,7 +152,7 @@ def _model_config(model_path: str) -> dict:
 
     from mlx_lm.utils import hf_repo_to_path
 
-    from .architectures import load_model_config
+    from ..models.architectures import load_model_config
 
     path = Path(model_path)
     return load_model_config(path if path.exists() else hf_repo_to_path(model_path))
@@ -211,13 +211,13 @@ def server_main(argv: list[str] | None = None) -> int:
     the --model loaded before the server listens, and requests longer than --tq-max-context refused with HTTP
     400 (ResponseGenerator and APIHandler subclasses)."""
     if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
-        from .blas import use_openblas
+        from ..blas import use_openblas
 
         use_openblas("tq-server")
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .integration import patch_model, tune_malloc
+    from ..integration import patch_model, tune_malloc
 
     tune_malloc()
     parser = server_parser(server)

@@ -2,7 +2,7 @@
 
 * `cache_bytes(prompt_cache)`: bytes the caches actually hold (each cache's own `nbytes`) against what mlx-lm's own
   `KVCache` would allocate for the same tokens in the model's dtype, and how much of the context is still in
-  TurboQuant's float window (tq_mlx.display words it for the tq-chat panel and tq-generate's summary).
+  TurboQuant's float window (tq_mlx.planner.display words it for the tq-chat panel and tq-generate's summary).
 * `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
   for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. TurboQuant layers are priced by
   tq_mlx.layout (the storage rules the streams follow, no quantizer built) and equal `TurboQuantKVCache.nbytes`
@@ -24,13 +24,13 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import mlx.core as mx
 
-from .architectures import attention_layout, text_config
-from .attention import tile_size
-from .cache import TurboQuantKVCache
-from .config import check_max_size
-from .layout import token_layout
-from .plan import LayerPlan, Narrow, layer_bytes, layer_plan
-from .quantizer import PROD_BITS
+from ..models.architectures import attention_layout, text_config
+from ..attention.reference import tile_size
+from ..cache import TurboQuantKVCache
+from ..config import check_max_size
+from ..layout import token_layout
+from ..plan import LayerPlan, Narrow, layer_bytes, layer_plan
+from ..quant.quantizer import PROD_BITS
 
 FLOAT16_BYTES = 2
 SAVED_AGAINST = "against mlx-lm's own cache for the same tokens (KVCache in the model's dtype, 256 tokens at a time)"
@@ -318,7 +318,7 @@ def _layer_extra(model_config: dict, ctx: int, plan: LayerPlan, dtype, batch: in
 # its normed copy (2·hidden) and the MLP's gate, up and product (3·intermediate) per token, in the model's
 # dtype. Attention: mx.fast.scaled_dot_product_attention on MLX's CPU back end materializes the chunk's
 # float32 scores against the whole context (FLOAT_SCORE_COPIES of them, measured), growing with the context;
-# TurboQuant attention holds about TQ_SCORE_TILES tiles of scores and softmax temporaries (tq_mlx.attention:
+# TurboQuant attention holds about TQ_SCORE_TILES tiles of scores and softmax temporaries (tq_mlx.attention.reference:
 # two MLX streams, each tile scored after the previous merge), flat in the context. Both constants were
 # measured on SmolLM2-135M (float32, CPU, 2048-token chunks at 2k-8k: benchmarks/peak.py) and checked on
 # Qwen2.5-Coder-0.5B. On Metal, SDPA runs fused (no score matrix): the float figure there is a bound, not a

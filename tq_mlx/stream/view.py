@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
-from .rope import Rope, centers
+from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from ..models.rope import Rope, centers
 
 
 class Segment(NamedTuple):
@@ -42,7 +42,7 @@ class StreamView(NamedTuple):
     # The older compressed tokens, re-coded at fewer bits (temporal decay): a codes-only view (no sinks or
     # window; the same mean and scale; its quantizer shares the fresh codes' rotation). They come before `codes`.
     decayed: "StreamView | None" = None
-    # Pre-RoPE centering (tq_mlx.rope): `mean` is μ0, and the token at position p had R(p) μ0 subtracted.
+    # Pre-RoPE centering (tq_mlx.models.rope): `mean` is μ0, and the token at position p had R(p) μ0 subtracted.
     rope: Rope | None = None
     position: int = 0  # the position of the first compressed token of this view (decayed ones first)
     # Query-aware key weights (B, H, D) float32: compressed token t holds (x_t - c_t)·w / scale (None: 1).

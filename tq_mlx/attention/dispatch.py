@@ -18,10 +18,10 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..attention import check_learned, keys_are_values, turboquant_attention
-from ..quantizer import TurboQuantProd
-from ..rotation import Rotation
-from ..view import StreamView
+from .reference import check_learned, keys_are_values, turboquant_attention
+from ..quant.quantizer import TurboQuantProd
+from ..quant.rotation import Rotation
+from ..stream.view import StreamView
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import dequantize, dequantize_reference, encode, encode_reference, rotate, rotate_reference
 from .launch import (MAX_QUERY_TOKENS, _Codes, _decayed, _default_factory, _float_dtype, _kv_codes, _mask_kind,
@@ -91,7 +91,7 @@ def dispatch_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, m
 
 def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *, metal_kernel=None):
     """encode on Metal when enabled, supported and self-checked; encode_reference otherwise. A stream's
-    encoder (tq_mlx.stream.CompressedStream)."""
+    encoder (tq_mlx.stream.compressed.CompressedStream)."""
     factory = metal_kernel or _factory or _default_factory()
     if kernels_enabled() and encode_unsupported(x, quantizer, mean, perm, scale) is None:
         prod = isinstance(quantizer, TurboQuantProd)
@@ -168,7 +168,7 @@ def attention_variant(queries, keys: StreamView, values: StreamView, rows, mask_
 
 
 def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, metal_kernel=None) -> mx.array:
-    """Drop-in for tq_mlx.attention.turboquant_attention on a Metal back end (after a self-check per variant):
+    """Drop-in for tq_mlx.attention.reference.turboquant_attention on a Metal back end (after a self-check per variant):
     decode_attention for 1..8 query tokens, prefill_attention for longer chunks, both with mask None, "causal"
     or a bool/additive array, learned sinks or none, and a compressed context; the reference path for
     everything else."""

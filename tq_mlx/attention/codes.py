@@ -19,7 +19,7 @@ Launch design (grid counts threads; B batch, H kv heads, n tokens, D dims):
                   built by one lane. Dense rather than padded to a power of two, which would store and read more
                   code bytes for the cache's life; Π_g is read at encode only, never at decode
     dequantize    grid 32·B·H·n, threadgroup 256: one SIMD group per token, its words staged once
-Keys centered before RoPE (tq_mlx.rope): encode and dequantize see the centered tokens (the stream subtracts and
+Keys centered before RoPE (tq_mlx.models.rope): encode and dequantize see the centered tokens (the stream subtracts and
 adds R(p)μ0 around them).
 """
 
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..packing import packed_words
-from ..quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
-from ..rotation import Rotation
-from ..codec import code_order
-from ..view import StreamView, decode, encode as stream_encode
+from ..quant.packing import packed_words
+from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from ..quant.rotation import Rotation
+from ..stream.codec import code_order
+from ..stream.view import StreamView, decode, encode as stream_encode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
 from .support import _require, dequantize_unsupported, encode_unsupported, rotation_unsupported
 
@@ -137,7 +137,7 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
     """The compressed tokens of a view in the model basis, (B, H, n_coded, D) `dtype`, mean added."""
     _require(dequantize_unsupported(kv), "dequantize")
     factory = metal_kernel or _default_factory()
-    if kv.rope is not None:  # centered before RoPE: decode the centered tokens, add R(p) μ0 (tq_mlx.rope)
+    if kv.rope is not None:  # centered before RoPE: decode the centered tokens, add R(p) μ0 (tq_mlx.models.rope)
         y = dequantize(kv._replace(mean=None, rope=None, decayed=kv.decayed and kv.decayed._replace(mean=None, rope=None)),
                        mx.float32, metal_kernel=factory)
         return (y + kv.centers()).astype(dtype)

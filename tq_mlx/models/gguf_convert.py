@@ -7,7 +7,7 @@ with ``tokenizers``.  No torch, no transformers model code.
 Supported: ``llama`` (e.g. SmolLM2; undoes llama.cpp's rotary row permutation) and ``qwen2``
 (q/k/v biases, stored unpermuted).  See shared/docs/real-models.md §2.  Needs the `demo` extra
 (``pip install "tq-mlx[demo]"``): gguf and tokenizers are imported in the functions that use them, and
-tq_mlx.demo imports this module only when it converts, so ``import tq_mlx`` works without them.
+tq_mlx.models.demo imports this module only when it converts, so ``import tq_mlx`` works without them.
 
 Output folder: config.json, model.safetensors, tokenizer.json, tokenizer_config.json.
 """
@@ -257,7 +257,7 @@ def convert_gguf(
     return out
 
 
-if __name__ == "__main__":  # python -m tq_mlx.gguf_convert IN.gguf OUT_DIR [dtype]
+if __name__ == "__main__":  # python -m tq_mlx.models.gguf_convert IN.gguf OUT_DIR [dtype]
     if len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m tq_mlx.gguf_convert IN.gguf OUT_DIR [float16|bfloat16|float32]")
+        sys.exit("usage: python -m tq_mlx.models.gguf_convert IN.gguf OUT_DIR [float16|bfloat16|float32]")
     print(convert_gguf(sys.argv[1], sys.argv[2], *(sys.argv[3:])))

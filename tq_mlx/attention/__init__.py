@@ -1,5 +1,7 @@
-"""Metal kernels for TurboQuant's hot paths, each launcher beside its pure-MLX reference twin (docs/kernels.md).
+"""Attention on the codes: the pure-MLX reference (the specification) and the Metal kernels for TurboQuant's hot
+paths, each `.metal` beside its launcher and each launcher beside its reference twin (docs/kernels.md).
 
+    reference  turboquant_attention: softmax(scale·q·Kᵀ + mask)·V read from views on the codes
     launch     the Metal sources, the compiled-kernel cache, and the code, threadgroup and mask layouts
     support    why a kernel cannot take an input (the `*_unsupported` checks)
     codes      rotate, encode and dequantize, and their references
@@ -11,6 +13,7 @@ Module state lives in one module each (SOURCES in launch, the self-check results
 kernel factory in dispatch); this package only re-exports.
 """
 
+from .reference import turboquant_attention
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import dequantize, dequantize_reference, encode, encode_reference, rotate, rotate_reference
 from .dispatch import (BACKENDS, ENV_VAR, AttentionVariant, dispatch_attention, dispatch_dequantize, dispatch_encode,
@@ -32,4 +35,5 @@ __all__ = [
     "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available",
     "prefill_attention", "prefill_attention_reference", "prefill_unsupported", "reset_self_checks", "rotate",
     "rotate_reference", "rotation_unsupported", "self_check_status", "set_backend", "set_kernel_factory",
+    "turboquant_attention",
 ]

@@ -1,7 +1,7 @@
 """Display strings in one place: byte counts, savings, the float window, bit labels of configs and caches.
 
 Every panel, summary and table words its numbers with these (tq-chat's memory panel and plan, tq-generate's
-summary, the benchmarks); the numbers themselves come from tq_mlx.memory. "Saved" always means memory.SAVED_AGAINST
+summary, the benchmarks); the numbers themselves come from tq_mlx.planner.memory. "Saved" always means memory.SAVED_AGAINST
 (mlx-lm's own cache for the same tokens), worded by saving_words from a memory.Saving.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .cache import TurboQuantKVCache
-from .config import WIDEST_KEY_BITS, TurboQuantConfig, bits_label
+from ..cache import TurboQuantKVCache
+from ..config import WIDEST_KEY_BITS, TurboQuantConfig, bits_label
 from .memory import Saving, flat_caches
-from .plan import layer_plan
-from .quantizer import format_bits
+from ..plan import layer_plan
+from ..quant.quantizer import format_bits
 
 
 def format_bytes(n: float) -> str:

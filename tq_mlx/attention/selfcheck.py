@@ -15,10 +15,10 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..attention import keys_are_values
-from ..packing import unpack
-from ..quantizer import FLOAT_DTYPES, TurboQuantProd, load_norms
-from ..view import StreamView
+from .reference import keys_are_values
+from ..quant.packing import unpack
+from ..quant.quantizer import FLOAT_DTYPES, TurboQuantProd, load_norms
+from ..stream.view import StreamView
 from . import launch
 from .codes import encode_reference
 from .launch import KERNEL_NAMES, _decayed, _float_dtype, _mse

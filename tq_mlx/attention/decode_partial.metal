@@ -6,7 +6,7 @@
 //   2. scores, lane = token: s = |k|·Σ_j q'_j c[idx_j] (+ √(π/2)/D·γ·Σ_j (Sq)_j z_j); online softmax per row
 //      (m, l), rescaling the accumulators; sparse V drops weights exp(s - m) below ε/n (n = the split's
 //      tokens): each dropped one is < ε/n of the split's final max weight, so together < ε·l of the split
-//      (l counts them still), and |out - exact| <= ε·max_i |v_i - ν| for every row (tq_mlx/kernels/launch.py);
+//      (l counts them still), and |out - exact| <= ε·max_i |v_i - ν| for every row (tq_mlx/attention/launch.py);
 //   3. stage the value words of tokens some row kept (sparse V also skips their reads);
 //   4. lane = value dims [l*EV, l*EV + EV): acc += p·|v|·c[idx], in the rotated basis.
 // Codes are one group, or two for fractional bits (dims [0, D0) at one bit more, [D0, D) after them, each
@@ -25,7 +25,7 @@
 // Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, KEQV (keys are values), MASK, MT (the mask's type),
 // NR (rows per threadgroup, a power of two), NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1,
 // WK0 and VG, VD0, VB1, WV0 (groups, group 0's dims, group 1's bits, group 0's words), and the layout from
-// tq_mlx.kernels._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
+// tq_mlx.attention._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
 // staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
 constexpr int EV = (DV + 31) / 32;
 constexpr int WJ = (DK + 31) / 32;

@@ -18,10 +18,10 @@ import os
 import sys
 from typing import Iterator
 
-from . import hook
-from .config import TurboQuantConfig
-from .convert import compress_float_cache, converted_config
-from .display import describe_config, summary_line
+from .. import hook
+from ..config import TurboQuantConfig
+from ..convert import compress_float_cache, converted_config
+from ..planner.display import describe_config, summary_line
 from .flags import add_cache_args, config_or_error, exit_without_teardown, first_line, model_arg
 
 
@@ -31,7 +31,7 @@ def patched_loading(config: TurboQuantConfig | None) -> Iterator[None]:
     "load_model" part)."""
     import mlx_lm.utils as utils
 
-    from .integration import patch_model
+    from ..integration import patch_model
 
     if config is None:
         yield
@@ -78,7 +78,7 @@ def _loading_errors_in_one_line(load, default_model: str):
 def _prompt_cache_loader(args: argparse.Namespace, loaded: dict):
     """gen.main's load_prompt_cache: tq_mlx's loader (it registers TurboQuantKVCache, which mlx-lm's loader looks up
     by name), metadata that tq-chat's /save and hand-made files leave out filled in, the file noted in `loaded`."""
-    from .integration import load_prompt_cache
+    from ..integration import load_prompt_cache
 
     def load(file_name, return_metadata=False):
         cache, metadata = load_prompt_cache(file_name, return_metadata=True)
@@ -135,12 +135,12 @@ def generate_parser() -> argparse.ArgumentParser:
 def generate_main(argv: list[str] | None = None) -> int:
     """tq-generate: mlx_lm.generate's main with the model patched, then the KV memory summary."""
     if argv is None:  # the real command line: OpenBLAS on Linux CPU (may restart the process)
-        from .blas import use_openblas
+        from ..blas import use_openblas
 
         use_openblas("tq-generate")
     import mlx.core as mx
 
-    from .integration import tune_malloc
+    from ..integration import tune_malloc
 
     tune_malloc()
     gen = _generate_module()
@@ -165,7 +165,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         if loaded and config is not None and kwargs.get("prompt_cache") is loaded["cache"]:
             cache, n = compress_float_cache(model, loaded["cache"], config, loaded["file"], args.prefill_step_size)
             if n:
-                from .memory import cache_bytes
+                from ..planner.memory import cache_bytes
 
                 tokens = cache_bytes(cache)["tokens"]
                 print(f"tq-generate: {loaded['file']} holds mlx-lm's float cache ({tokens:,} tokens): converted it "

@@ -1,7 +1,7 @@
 """How every kernel is built and launched: the Metal sources, the compiled-kernel cache, argument helpers, and
 the code, threadgroup-memory and mask layouts that the launchers and the support checks share.
 
-Kernel bodies live in metal_kernels/<name>.metal (helpers in common.metal, passed as `header=`). A launcher
+Kernel bodies live beside this file, tq_mlx/attention/<name>.metal (helpers in common.metal, passed as `header=`). A launcher
 computes shapes, grid (in threads) and threadgroup in Python and calls a kernel made by a `metal_kernel` factory:
 `mx.fast.metal_kernel` by default, `tests.emulator.metal_kernel` in the test suite (it returns numpy arrays, which
 `_mx` converts back, so the launcher code is the same on both).
@@ -17,11 +17,11 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..attention import aligned_segments
-from ..quantizer import TurboQuantMSE, TurboQuantProd
-from ..rope import n_pairs
-from ..rotation import Rotation
-from ..view import StreamView
+from .reference import aligned_segments
+from ..quant.quantizer import TurboQuantMSE, TurboQuantProd
+from ..models.rope import n_pairs
+from ..quant.rotation import Rotation
+from ..stream.view import StreamView
 
 SUPPORTED_DIMS = (32, 64, 128, 256, 512)  # the WHT kernels (rotate, encode, dequantize, in-kernel value rotation)
 MIN_DIM, MAX_DIM = 16, 512  # attention and encode_dense: any head dim in this range
@@ -42,9 +42,8 @@ _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 
 
 # ------------------------------------------------------------------------------------------ sources
-# A checkout keeps them beside the package (<repo>/metal_kernels); a wheel installs them as tq_mlx/metal_kernels.
-_PACKAGE = Path(__file__).resolve().parent.parent  # tq_mlx/
-_DIRS = (_PACKAGE.parent / "metal_kernels", _PACKAGE / "metal_kernels")
+# Beside their launchers, in a checkout and in a wheel alike (package data of tq_mlx.attention).
+_DIRS = (Path(__file__).resolve().parent,)
 KERNEL_NAMES = ("common", "wht", "encode", "encode_dense", "dequantize", "decode_partial", "decode_merge",
                 "prefill_attention")
 
@@ -67,7 +66,7 @@ def _default_factory():
 
 def _kernel(factory, name: str, inputs: list[str], outputs: list[str], row_contiguous: bool = True):
     if name not in SOURCES:
-        raise RuntimeError(f"Metal source metal_kernels/{name}.metal not found (looked in {[str(d) for d in _DIRS]})")
+        raise RuntimeError(f"Metal source tq_mlx/attention/{name}.metal not found (looked in {[str(d) for d in _DIRS]})")
     key = (factory, name, tuple(inputs), tuple(outputs), SOURCES[name], SOURCES["common"], row_contiguous)
     k = _KERNELS.get(key)
     if k is None:

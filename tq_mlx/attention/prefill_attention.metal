@@ -28,7 +28,7 @@
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
 // Template: T, TO, DK, DV, KB, VB, QJL, KEQV (keys are values), MASK (0 none or causal, 1 bool, 2 additive),
 // MT (its type), NR, NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
-// tq_mlx.kernels._prefill_layout's
+// tq_mlx.attention._prefill_layout's
 // WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
 constexpr int EV = (DV + 31) / 32;
 constexpr int WJ = (DK + 31) / 32;

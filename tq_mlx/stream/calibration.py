@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .codebook import lloyd_max
-from .quantizer import TurboQuantMSE
-from .rope import Rope, centers, pair_mean, rotate
+from ..quant.codebook import lloyd_max
+from ..quant.quantizer import TurboQuantMSE
+from ..models.rope import Rope, centers, pair_mean, rotate
 
 WEIGHT_RANGE = 4.0  # query weights stay within [1/4, 4] of their geometric mean
 

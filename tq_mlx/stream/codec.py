@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .layout import WIDE_BITS  # 6 and 8 bits (protected keys, boundary layers, K8): codes that want exact norms
-from .quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
-from .rope import Rope
+from ..layout import WIDE_BITS  # 6 and 8 bits (protected keys, boundary layers, K8): codes that want exact norms
+from ..quant.quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from ..models.rope import Rope
 
 
 def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.Dtype = mx.float16
@@ -55,7 +55,7 @@ class StreamState(NamedTuple):
     rope: Rope | None = None  # the RoPE the keys were centered before
     weights: mx.array | None = None  # (B, H, D) float32
     queries: mx.array | None = None  # (B, H, D) float32: summed squared queries (QuerySums.total)
-    errors: mx.array | None = None  # (B, H, widths + 1, span) float32: values' error sums (tq_mlx.values.ValueSums)
+    errors: mx.array | None = None  # (B, H, widths + 1, span) float32: values' error sums (tq_mlx.stream.values.ValueSums)
 
 
 # A stream's arrays, under "<name>_<part>" in a cache's state.

@@ -26,8 +26,8 @@ import mlx.core as mx
 
 from .calibration import calibration_scale
 from .codec import make_quantizer
-from .config import value_widths
-from .layout import value_error_span
+from ..config import value_widths
+from ..layout import value_error_span
 from .view import StreamView, decode
 
 

@@ -232,7 +232,7 @@ def attention_layout(model_config: dict) -> AttentionLayout:
 
 def _rope_pairs(cfg: dict, head_dim: int) -> int | None:
     """Channel pairs a config's RoPE rotates per head (rotary_dim, or partial_rotary_factor of head_dim), None
-    for configs that name no RoPE: what tq_mlx.rope.probe reads off the model (its `rope` module)."""
+    for configs that name no RoPE: what tq_mlx.models.rope.probe reads off the model (its `rope` module)."""
     names = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_emb_base", "rotary_dim", "partial_rotary_factor")
     if not any(n in cfg for n in names):
         return None

@@ -1,0 +1,1 @@
+"""The commands: their cache flags (flags), tq-generate (generate) and tq-server (server)."""
