@@ -8,6 +8,7 @@ whose KV numbers come from tq_mlx.planner.memory.cache_bytes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -58,6 +59,13 @@ def screenshot_dir() -> Path:
     return cache_dir() / "screenshots"
 
 
+def store_text(store) -> str:
+    """The prompt store's figures for /stats: files and bytes of this model and config, the cap, the folder."""
+    st = store.stats()
+    return (f"{st['files']} caches, {format_bytes(st['bytes'])} (folder: {format_bytes(st['all_bytes'])} of "
+            f"{format_bytes(st['max_bytes'])}) in `{st['folder']}`")
+
+
 STATS_INTERVAL = 0.25  # seconds between memory panel refreshes while generating
 
 
@@ -75,6 +83,8 @@ class ChatSettings:
     prefill_step_size: int = 512
     seed: int = 0
     plan: Plan | None = None
+    store_folder: Path | None = None  # the prompt cache on disk (tq_mlx.prompt_cache.store); None: none
+    store_bytes: int = 0  # its cap (--tq-prompt-cache-disk-bytes; 0: none)
 
 
 def model_name(settings: ChatSettings, dtype: str | None) -> str:
@@ -109,9 +119,28 @@ def plan_note(settings: ChatSettings) -> str:
 
 
 class Loaded(Message):
-    def __init__(self, session: ChatSession | None, error: str | None = None):
+    def __init__(self, session: ChatSession | None, error: str | None = None, note: str | None = None):
         super().__init__()
-        self.session, self.error = session, error
+        self.session, self.error, self.note = session, error, note
+
+
+class StoreWarning(Message):
+    """A line the prompt store logged (a file it cannot read or write), for the transcript."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class _StoreLog(logging.Handler):
+    """The prompt store's warnings, posted to the app (post_message is thread-safe)."""
+
+    def __init__(self, app: App):
+        super().__init__(logging.WARNING)
+        self.app = app
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.app.post_message(StoreWarning(record.getMessage()))
 
 
 class Progress(Message):
@@ -212,7 +241,14 @@ class ChatApp(App):
         except Exception as e:  # the app must stay up and say what went wrong
             self.post_message(Loaded(None, f"could not load {s.source.spec}: {type(e).__name__}: {e}"))
         else:
-            self.post_message(Loaded(session))
+            try:
+                note = session.warm_start(lambda done, total: self.post_message(
+                    Progress(f"Prefill of the system prompt {done:,} / {total:,} tokens", done, total)))
+            except Exception as e:  # noqa: BLE001 (the conversation starts without it)
+                session.clear()
+                note = f"The system prompt's cache could not be prepared ({type(e).__name__}: {e}); it is " \
+                       f"prefilled with the first message."
+            self.post_message(Loaded(session, note=note))
 
     def _load_session(self, path: Path) -> ChatSession:
         import mlx.core as mx
@@ -228,7 +264,21 @@ class ChatApp(App):
         return ChatSession(
             model, tokenizer, s.config, s.ctx, model_id=s.source.repo_id or str(path), system=s.system,
             max_tokens=s.max_tokens, sampler=make_sampler(s.temp, s.top_p), prefill_step_size=s.prefill_step_size,
+            store=self._open_store(model, s.source.repo_id or str(path)),
         )
+
+    def _open_store(self, model, name: str):
+        """The prompt cache on disk for this model and config (the disk tier tq-server uses), None if off."""
+        s = self.settings
+        if s.config is None or not s.store_bytes or s.store_folder is None:
+            return None
+        from tq_mlx.prompt_cache.store import PromptStore, log, model_id
+
+        for h in [h for h in log.handlers if isinstance(h, _StoreLog)]:  # an earlier app's, in this process
+            log.removeHandler(h)
+        log.addHandler(_StoreLog(self))
+        store = PromptStore(s.store_folder, s.store_bytes, model_id=model_id(model), config=s.config, model_name=name)
+        return store if store.enabled else None
 
     async def on_loaded(self, message: Loaded) -> None:
         self.status.hide()
@@ -243,11 +293,16 @@ class ChatApp(App):
         self.session = message.session
         self.sub_title = self._subtitle(self.session.dtype)
         self.panel.stats = self._with_plan(self.session.snapshot())
+        if message.note:
+            await self.transcript.add(message.note, "notice")
         await self.transcript.add("Ready. Type a message, or /help for commands.", "notice")
         prompt.placeholder = "Message (/help for commands)"
         prompt.disabled = False
         prompt.focus()
-        self.log_event("ready", context=self.session.cache_offset())
+        self.log_event("ready", context=self.session.cache_offset(), note=message.note)
+
+    async def on_store_warning(self, message: StoreWarning) -> None:
+        await self.transcript.add(message.text, "error")
 
     # --- one turn ----------------------------------------------------------------------------------------
 
@@ -345,6 +400,9 @@ class ChatApp(App):
         r = message.result
         if r.generated == 0 and self._answer is None and r.finish != "stopped":
             await self.transcript.add("(empty answer)", "notice")
+        if r.stored_tokens:
+            await self.transcript.add(f"{r.stored_tokens:,} tokens of this conversation came from the prompt cache on "
+                                      f"disk (no prefill for them).", "notice")
         notes = {
             "stopped": "Stopped. The partial answer stays in the conversation.",
             "context": f"Context limit reached ({self.settings.ctx:,} tokens): /clear to start a new conversation.",
@@ -446,6 +504,7 @@ class ChatApp(App):
             ("MLX active / peak", f"{format_bytes(s['active'])} / {format_bytes(s['peak'])}"),
             ("prefill / decode", f"{s['prompt_tps']:.1f} / {s['decode_tps']:.1f} tok/s"),
             ("turns", str(sum(m["role"] == "user" for m in self.session.messages))),
+            *([("prompt cache on disk", store_text(self.session.store))] if self.session.store else []),
         ]
         table = "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
         await self.transcript.add(table, "notice")

@@ -2,6 +2,7 @@
 
     tq-chat MODEL [--ctx 128k] [--bits 3.5 | --k-bits 4 --v-bits 3] [--max-tokens N] [--temp T]
             [--system TEXT] [--force] [--plan] [--tq-* cache flags]
+            [--tq-prompt-cache-dir DIR] [--tq-prompt-cache-disk-bytes N]
 
 Before anything is loaded (or downloaded) a preflight estimates the weights and the KV cache at --ctx and
 checks them against the memory MLX can use on this machine; it refuses to start when they do not fit, unless
@@ -21,7 +22,8 @@ import re
 import sys
 
 from tq_mlx.models.demo import DEMO_MODELS, DemoUnavailable, demo_spec, prepare_model
-from tq_mlx.cli.flags import add_cache_args, config_from_args, exit_without_teardown
+from tq_mlx.cli.flags import (add_cache_args, add_prompt_store_args, config_from_args, exit_without_teardown,
+                              prompt_store_folder)
 
 from .models import ALIASES, ModelSource, ModelUnavailable, remote_info, resolve
 from .plan import config_only, format_ctx, format_plan, make_plan, memory_source
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="start even if the preflight says it will not fit")
     p.add_argument("--plan", action="store_true", help="print the memory preflight and exit")
     add_cache_args(p, short_aliases=True)
+    add_prompt_store_args(p)
     return p
 
 
@@ -161,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         source=source, ctx=ctx, config=config, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
         system=args.system, dtype=args.dtype, kv_dtype=config_dtype(model_config),
         prefill_step_size=args.prefill_step_size, seed=args.seed, plan=plan,
+        store_folder=prompt_store_folder(args), store_bytes=args.tq_prompt_cache_disk_bytes,
     ))
     app.run()
+    store = getattr(app.session, "store", None)
+    if store is not None and not store.flush(timeout=30):
+        print(f"tq-chat: the last conversation's cache was not written to {store.folder} in time", file=sys.stderr)
     return app.return_code or 0
 
 

@@ -5,6 +5,11 @@ checks that it starts with exactly the tokens already in the cache, and feeds on
 rewrote earlier tokens (a thinking model dropping old <think> blocks, or a re-tokenized answer), the cache is
 trimmed back to the first difference; a cache that cannot be trimmed (hybrid linear-attention state) is
 rebuilt from scratch.
+
+With a prompt store (tq_mlx.prompt_cache.store, the disk tier tq-server uses too) the session starts from the system
+prompt's cache on disk when it is there (`warm_start`: else it prefills the system prompt at once and stores it),
+looks a turn's tokens up there when the cache at hand keeps fewer of them, and stores the cache after every turn,
+so that a later launch with the same model, config and system prompt continues without prefilling them again.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from tq_mlx.cache import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.planner.display import describe_config
 
 FILE_FORMAT = "tq-chat/1"
+STORE_GAIN = 32  # a prompt-store cache is loaded only if it keeps at least this many more tokens than the one at hand
 
 
 def materialize(cache: list) -> None:
@@ -60,6 +66,7 @@ class TurnResult:
     generated: int
     prompt_tps: float
     decode_tps: float
+    stored_tokens: int = 0  # of reused_tokens, those loaded from the prompt store this turn
 
 
 @dataclass
@@ -84,6 +91,7 @@ class ChatSession:
     tokens: list[int] = field(default_factory=list)  # exactly the tokens the cache holds, in order
     speeds: Speeds = field(default_factory=Speeds)
     stop_event: threading.Event = field(default_factory=threading.Event)
+    store: Any = None  # a tq_mlx.prompt_cache.store.PromptStore of this model and config, or None
 
     def __post_init__(self):
         self.weights = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, self.model, 0)
@@ -109,6 +117,7 @@ class ChatSession:
         self.tokens = []
         self.speeds = Speeds()
         self._checkpoint: tuple[int, list] | None = None  # (tokens, saved caches): see _trim_to
+        self.stored_tokens = 0  # tokens the last turn took from the prompt store
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation with the assistant's turn opened."""
@@ -167,21 +176,89 @@ class ChatSession:
         limit = min(len(full), len(self.tokens))
         while p < limit and full[p] == self.tokens[p]:
             p += 1
+        self.stored_tokens = self._from_store(full, p)
+        p = max(p, self.stored_tokens)
         if p == len(full):  # nothing new to feed: re-feed the last token so there is something to run
             p -= 1
         self._trim_to(p)
         reused = len(self.tokens)
         return messages, full[reused:], reused
 
-    def _prefill(self, tokens: list[int], on_progress: Callable[[int, int], None]) -> None:
-        """Feed all but the last of `tokens` in chunks of prefill_step_size (as mlx-lm's generate_step does),
-        reporting progress; the last token goes to stream_generate, which samples from it."""
+    # --- the prompt store --------------------------------------------------------------------------------------
+
+    def _from_store(self, tokens: list[int], have: int, target: int | None = None) -> int:
+        """If the prompt store resumes `tokens` (a prompt of `target` tokens, default these) exactly
+        (tq_mlx.prompt_cache.resume) at least STORE_GAIN tokens further than the `have` the cache at hand keeps, take its cache:
+        returns the tokens it keeps (0: none taken)."""
+        if self.store is None:
+            return 0
+        hit = self.store.lookup(tokens, target)
+        if hit is None or hit.point < have + STORE_GAIN:
+            return 0
+        cache = self.store.load(hit, self.model)
+        if cache is None:  # logged by the store; the cache at hand goes on
+            return 0
+        self.cache, self.tokens, self._checkpoint = cache, list(tokens[: hit.point]), None
+        return hit.point
+
+    def _store_cache(self) -> None:
+        """Keep the cache and its tokens in the prompt store (written on the store's thread)."""
+        if self.store is not None and self.tokens:
+            self.store.save(self.tokens, self.cache)
+
+    def system_prefix(self) -> list[int]:
+        """The tokens every conversation with this system prompt starts with: the rendered system prompt and what
+        the template puts before a user's text (the common prefix of two renders with different user texts)."""
+        if not self.system:
+            return []
+        system = [{"role": "system", "content": self.system}]
+        a, b = (self.render(system + [{"role": "user", "content": t}]) for t in ("a", "b"))
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
+
+    def warm_start(self, on_progress: Callable[[int, int], None] = lambda a, b: None) -> str | None:
+        """Start from the system prompt's cache: loaded from the prompt store when it is there, else prefilled now
+        and stored for the next launch. Returns the line that says which (None: no store or no system prompt)."""
+        prefix = self.system_prefix()
+        if self.store is None or not self.store.enabled or len(prefix) < 2:
+            return None
+        start = time.perf_counter()
+        loaded = self._from_store(prefix, 0, target=len(prefix) + 1)  # a turn adds at least one token
+        rest = prefix[len(self.tokens):]
+        if not rest:
+            return (f"System prompt: {loaded:,} tokens loaded from the prompt cache on disk ({self.store.folder}), "
+                    f"no prefill.")
+
+        def progress(done: int, total: int) -> None:
+            if self.stop_event.is_set():
+                raise _Stopped
+            on_progress(done, total)
+
+        try:
+            self._prefill(rest, progress, keep_last=False)
+        except _Stopped:
+            self.clear()
+            return None
+        self._store_cache()
+        seconds = time.perf_counter() - start
+        if loaded:
+            return (f"System prompt: {loaded:,} of {len(prefix):,} tokens loaded from the prompt cache on disk, "
+                    f"{len(rest):,} prefilled in {seconds:.1f} s.")
+        return (f"System prompt: {len(prefix):,} tokens prefilled in {seconds:.1f} s; its cache is kept on disk "
+                f"({self.store.folder}) for the next launch.")
+
+    def _prefill(self, tokens: list[int], on_progress: Callable[[int, int], None], keep_last: bool = True) -> None:
+        """Feed all but the last of `tokens` (keep_last False: all of them) in chunks of prefill_step_size (as
+        mlx-lm's generate_step does), reporting progress; the last token goes to stream_generate, which samples
+        from it."""
         from mlx_lm.generate import generation_stream
 
-        total, done = len(tokens), 0
+        total, done, last = len(tokens), 0, int(keep_last)
         on_progress(0, total)
-        while total - done > 1:
-            n = min(self.prefill_step_size, total - done - 1)
+        while total - done > last:
+            n = min(self.prefill_step_size, total - done - last)
             with mx.stream(generation_stream):
                 self.model(mx.array(tokens[done : done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
@@ -253,11 +330,12 @@ class ChatSession:
             self.speeds.prefill = None
             self.messages = messages + [{"role": "assistant", "content": text}]
             self._reconcile()
+            self._store_cache()
         if finish == "length" and max_tokens < self.max_tokens:
             finish = "context"
         return TurnResult(
             text=text, finish=finish, new_tokens=len(new), reused_tokens=reused, generated=generated,
-            prompt_tps=self.speeds.prompt_tps, decode_tps=self.speeds.decode_tps,
+            prompt_tps=self.speeds.prompt_tps, decode_tps=self.speeds.decode_tps, stored_tokens=self.stored_tokens,
         )
 
     def _reconcile(self) -> None:

@@ -144,10 +144,12 @@ class Server:
                 for line in text.splitlines() if line.startswith(MARK)]
 
 
-def chat(port: int, content: str, max_tokens: int, timeout: float) -> dict:
-    """One greedy chat completion: {'status', 'body', 'seconds'} (body = the reply or error JSON)."""
-    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                       "temperature": 0.0}).encode()
+def chat(port: int, content: str, max_tokens: int, timeout: float, system: str | None = None) -> dict:
+    """One greedy chat completion: {'status', 'body', 'seconds'} (body = the reply or error JSON); `system`, a
+    system prompt before the user's message."""
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": content}]
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     t = time.perf_counter()

@@ -6,11 +6,23 @@ tests share expensive module fixtures (SHARED_SETUP) each run whole on one worke
 rather than once on each worker; and with a worker per core each worker's OpenBLAS (CI preloads it) runs one
 thread, not a thread per core in each worker (OPENBLAS_NUM_THREADS, unless set). The emulator's compiled kernels
 and the real models are cached on disk under file locks, shared by the workers (tests/emulator/build.py,
-tq_mlx.models.demo.cache_lock)."""
+tq_mlx.models.demo.cache_lock).
 
+The prompt cache on disk that tq-server and tq-chat keep by default (tq_mlx.prompt_cache.store) goes to a folder of
+this run's own, so that no run finds another's caches (the tests that use it give their folder with
+--tq-prompt-cache-dir)."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
+
+FOLDER_ENV = "TQ_MLX_PROMPT_CACHE_DIR"  # tq_mlx.prompt_cache.store.FOLDER_ENV (tests/test_prompt_store.py checks it)
+if not os.environ.get(FOLDER_ENV):
+    os.environ[FOLDER_ENV] = tempfile.mkdtemp(prefix="tq-prompt-cache-tests-")
+    atexit.register(shutil.rmtree, os.environ[FOLDER_ENV], ignore_errors=True)
 
 pytest.register_assert_rewrite("tests.support")
 

@@ -104,7 +104,7 @@ def test_every_part_installs_in_one_table_and_uninstall_restores_every_name(pris
         *(("tq-generate", f"mlx_lm.generate.{n}") for n in ("setup_arg_parser", "generate", "load",
                                                             "load_prompt_cache")),
         *(("tq-server", f"mlx_lm.server.{n}") for n in ("ModelProvider", "ResponseGenerator", "_run_http_server",
-                                                        "scan_cache_dir", "argparse")),
+                                                        "scan_cache_dir", "argparse", "LRUPromptCache")),
     }, sorted(names(everything))
     assert {e.part for e in everything} == set(hook.PARTS)
     assert getattr(seen["loaded"][0].make_cache, "takes_max_kv_size", False)  # loaded through tq_mlx's load_model

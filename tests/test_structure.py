@@ -35,8 +35,10 @@ LAYERS = {
     "planner": (9, {"machine": 0, "memory": 1, "display": 2}),  # what a cache holds and will hold; the machine
     "integration": (10, None),
     "convert": (11, None),
-    "cli": (12, {"flags": 0, "generate": 1, "server": 1}),
-    "__init__": (13, None),
+    # a prompt cache that lasts: exact resume points, the file, the disk store, tq-server's two tiers
+    "prompt_cache": (12, {"file": 0, "resume": 0, "store": 1, "lru": 2}),
+    "cli": (13, {"flags": 0, "generate": 1, "server": 1}),
+    "__init__": (14, None),
 }
 
 

@@ -28,8 +28,8 @@ in the loaded mlx-lm modules that imported a replaced name by name meanwhile too
   "load_model", "tq-generate", "tq-server"
                        the names tq-generate and tq-server give (mlx_lm.utils.load_model; mlx_lm.generate's parser,
                        generate, load and load_prompt_cache; mlx_lm.server's ModelProvider, ResponseGenerator,
-                       _run_http_server, scan_cache_dir and argparse), each installed while the command runs
-                       (`installed`)
+                       _run_http_server, scan_cache_dir, argparse and LRUPromptCache), each installed while the
+                       command runs (`installed`)
 
 Importing tq_mlx changes nothing in mlx-lm. tq_mlx.integration's make_prompt_cache and load_prompt_cache install
 "attention", patch_model "attention" and "make_prompt_cache", and a cache's first update_and_fetch "attention" (a

@@ -83,6 +83,22 @@ def tiny_llama(seed: int = 0, dtype: mx.Dtype = mx.float32, layers: int = 3):
     return _llama(64, layers, seed, dtype)
 
 
+def prefilled(model, tokens: list[int], config=None, cache=None, chunk: int = 64) -> list:
+    """`cache` (else a new TurboQuant prompt cache of `config`) after `model` read `tokens`, `chunk` at a time."""
+    from tq_mlx import make_prompt_cache
+
+    cache = make_prompt_cache(model, config) if cache is None else cache
+    for i in range(0, len(tokens), chunk):
+        model(mx.array(tokens[i:i + chunk])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
+    """n token ids drawn from the tiny models' vocabulary."""
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
 def tiny_llama_hd80(seed: int = 0, dtype: mx.Dtype = mx.float32):
     """llama, head_dim 80 (Hadamard base 20: orthonormal but not self-inverse)."""
     return _llama(80, 2, seed, dtype)

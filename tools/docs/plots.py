@@ -121,7 +121,7 @@ def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> dict:
     texts = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
     return {
         "title": f"{m['model']}: quality against size at {at} tokens",
-        "xlabel": f"bits per value at {at} tokens (16 = float16 cache)",
+        "xlabel": f"bits per value at {at} tokens, float parts in float16 (16 = float16 cache)",
         "ylabel": "KL(float ‖ cache), nats (lower is better)",
         "legend": [lab for _, _, lab in STYLE.values()] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in texts],
         "key_title": f"settings (bits/val @{at}, number as on the plot)",

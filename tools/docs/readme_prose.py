@@ -97,6 +97,21 @@ def intro_values() -> tuple:
     return f"{ratio:.0f}", _ctx(ctx)
 
 
+HEADLINE_MODEL = ("qwen15", "Qwen2.5-Coder-1.5B")  # the real model whose measured widths the headline gives
+HEADLINE_MEASURED = ("8k", "32k")
+
+
+def intro_measured_values() -> tuple:
+    """The bits/value the default held on HEADLINE_MODEL (Britannica, with the widths its layers took; float parts in
+    float16) at 8k and 32k, from benchmarks/results/long_context.json, and what that is against float16."""
+    import defaults_figures
+
+    bits = [float(defaults_figures.lc_value("long_context", HEADLINE_MODEL[0], "default", "britannica", c, "bitsw"))
+            for c in HEADLINE_MEASURED]
+    return (HEADLINE_MODEL[1], f"{bits[0]:.2f}", HEADLINE_MEASURED[0], f"{bits[1]:.2f}", HEADLINE_MEASURED[1],
+            f"{16 / bits[0]:.1f}", f"{16 / bits[1]:.1f}")
+
+
 def picture_values() -> tuple:
     """The mlx-lm caches docs/memory_vs_context.png draws (benchmarks/plots.memory_curves), widest first."""
     import plots
@@ -298,6 +313,26 @@ def protect_values() -> tuple:
     return (_bits(TurboQuantConfig().protect_bits),)
 
 
+PROMPT_CACHE_PREFIX = 16384  # the prefix length the README's prompt-cache sentence quotes (prompt_cache.json)
+
+
+def prompt_cache_values() -> tuple:
+    """The disk tier's default cap (prompt_store.DEFAULT_DISK_BYTES, in GB), then for the PROMPT_CACHE_PREFIX row
+    of benchmarks/results/prompt_cache.json: the prefix, tq-server's time to first token cold, after a memory hit
+    and after a restart, mlx_lm.server's three, and the prefix's cache in MB: tq-server's in memory and on disk,
+    mlx-lm's in memory."""
+    from tq_mlx.prompt_cache.store import DEFAULT_DISK_BYTES
+
+    res = json.loads((common.RESULTS / "prompt_cache.json").read_text())
+    rows = {(r["server"], r["phase"]): r["ttft_s"] for r in res["rows"] if r["prefix"] == PROMPT_CACHE_PREFIX}
+    by = {b["server"]: b for b in res["bytes"] if b["prefix"] == PROMPT_CACHE_PREFIX}
+    phases = ("cold", "memory hit", "after a restart")
+    return (f"{DEFAULT_DISK_BYTES / 1e9:.1f}", f"{PROMPT_CACHE_PREFIX // 1024}k",
+            *(f"{rows[('tq', p)]:.1f}" for p in phases), *(f"{rows[('float', p)]:.1f}" for p in phases),
+            f"{by['tq']['request_cache']['nbytes'] / 1e6:,.0f}", f"{by['tq']['disk_bytes'] / 1e6:,.0f}",
+            f"{by['float']['request_cache']['nbytes'] / 1e6:,.0f}")
+
+
 @functools.cache
 def zoo_rows() -> dict[str, list[str]]:
     """docs/models.md's table (tests/test_zoo.py checks it against what each architecture does): outcome ->
@@ -353,6 +388,8 @@ def mla_default_values() -> tuple:
 
 FIGURES = [
     Figure("intro", "so a Mac holds about {}x more context in the same memory at {} tokens", intro_values),
+    Figure("intro measured", "(the planner's bound, float parts in float16; measured on {}: {} bits/value at {} and {} "
+           "at {} with the widths its layers took, {}x and {}x less than float16;", intro_measured_values),
     Figure("memory picture", "float16, mlx-lm affine {}-bit and {}-bit, TurboQuant's defaults", picture_values),
     Figure("python", "nothing but Python {}+ and pip", python_values),
     Figure("openblas", "libopenblas0-pthread`; ~{}x faster real-model runs", openblas_values),
@@ -384,6 +421,12 @@ FIGURES = [
     Figure("mla", "at {} bits the latent path matches mlx-lm's float cache on the zoo's random models", mla_values),
     Figure("mla default", "stored at the key bits ({} by default). What is not known: the quality at {}-{} bits",
            mla_default_values),
+    Figure("prompt cache", "`--tq-prompt-cache-disk-bytes N` (default {} GB, zero turning it off), so a long system "
+           "prompt is prefilled once, not after every restart. On the demo model here (a CPU) with a {} system prompt, "
+           "the first token came {} s after a cold start, {} s after a memory hit and {} s after a restart, against "
+           "mlx_lm.server's {} s, {} s and {} s (a restart loses its float cache); the prefix's cache took {} MB in "
+           "memory and {} MB on disk, mlx-lm's {} MB (both held in this run's float32: a float16 model's float parts, "
+           "and mlx-lm's whole cache, take half).", prompt_cache_values),
 ]
 
 

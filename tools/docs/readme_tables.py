@@ -27,6 +27,7 @@ what the last full run printed, with its date and machine. The pictures: tools/d
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ COMMANDS = {
                     "(this table: one run per model side by side, joined with --merge; see the script's docstring)",
     "speed": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/speed.py",
     "serve": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/serve.py",
+    "prompt_cache": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python "
+                    "benchmarks/prompt_cache.py",
     "paths": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/paths.py",
 }
 
@@ -69,7 +72,7 @@ def link(path: Path, doc_dir: Path) -> str:
 
 def section(results: Path = common.RESULTS, doc_dir: Path = DOCS.parent, suffix: str = "") -> str:
     """The markdown between the benchmark-results markers, from
-    <results>/{memory,quality,long_context,speed,serve}<suffix>.json (missing ones noted)."""
+    <results>/{memory,quality,long_context,speed,serve,prompt_cache}<suffix>.json (missing ones noted)."""
     import memory
     import quality
     import speed
@@ -93,7 +96,8 @@ def section(results: Path = common.RESULTS, doc_dir: Path = DOCS.parent, suffix:
         parts.append(common.render(title, res["meta"], headers, rows, notes, align, extra) + f"\n\nCommand: `{COMMANDS[name]}`")
         if name == "quality":
             parts.append(long_context_part(results, suffix))
-    parts.append(serve_part(results, suffix))
+    parts.append(script_part("serve", results, suffix))
+    parts.append(script_part("prompt_cache", results, suffix))
     defaults = results.parent / "DEFAULTS.md"
     if defaults.exists():
         parts.append(f"Why the cache's defaults are what they are: [{shown(defaults)}]({link(defaults, doc_dir)}).")
@@ -110,17 +114,17 @@ def long_context_part(results: Path, suffix: str) -> str:
     return lc_table.render(json.loads(path.read_text()), "####") + f"\n\nCommand: `{COMMANDS['long_context']}`"
 
 
-def serve_part(results: Path, suffix: str) -> str:
-    """The '### Serving: concurrent clients' subsection (tq-server against mlx_lm.server), from serve<suffix>.json."""
-    import serve
-
-    path = results / f"serve{suffix}.json"
+def script_part(name: str, results: Path, suffix: str) -> str:
+    """A subsection drawn by benchmark script `name` (its TITLE, report and ALIGN) from <name><suffix>.json: the
+    serving ones ('### Serving: concurrent clients', serve; '### Serving: a repeated long prefix', prompt_cache)."""
+    script = importlib.import_module(name)
+    path = results / f"{name}{suffix}.json"
     if not path.exists():
-        return f"### {serve.TITLE}\n\nNo results yet: run `{COMMANDS['serve']}`."
+        return f"### {script.TITLE}\n\nNo results yet: run `{COMMANDS[name]}`."
     res = json.loads(path.read_text())
-    headers, rows, notes = serve.report(res)
-    table = common.render(serve.TITLE, res["meta"], headers, rows, notes, serve.ALIGN)
-    return f"{table}\n\nCommand: `{COMMANDS['serve']}`"
+    headers, rows, notes = script.report(res)
+    table = common.render(script.TITLE, res["meta"], headers, rows, notes, script.ALIGN)
+    return f"{table}\n\nCommand: `{COMMANDS[name]}`"
 
 
 HEADLINE_QUALITY = [  # the presets' rows come first (lc_settings.HEADLINE_PRESETS names them)
@@ -247,7 +251,7 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
     trained = " (its trained context)" if ctx == lc_settings.TRAINED_CONTEXT["smollm2"] else ""
     note = (f"{m['model']} at {lc_table.ctx_label(ctx)} tokens{trained}: KL(float ‖ cache) in nats of the "
             "next-token distributions over the last 512 tokens, lower is better; bits per value with the float window "
-            f"and sinks counted (* = the peer's bytes as measured). Rows from {lc_table.runs_text(res['meta'], 'smollm2')}. Every setting, two more models, ΔPPL and needles: "
+            f"and sinks counted in float16, as a Mac holds them (* = the peer's bytes as measured in this float32 run). Rows from {lc_table.runs_text(res['meta'], 'smollm2')}. Every setting, two more models, ΔPPL and needles: "
             f"[{full}#quality-at-long-context]({full}#quality-at-long-context).")
     picture = link(common.REPO / "docs" / "kl_vs_bits.png", readme_dir)
     return (f"### Quality at long context\n\n{longest_table(res, full)}\n\n"
@@ -277,7 +281,8 @@ def longest_table(res: dict, full: str) -> str:
         at32 = [0, headers.index("bits/val @32k"), *cols]
         parts.append(common.markdown_table([headers[i] for i in at32], [[r[i] for i in at32] for r in keep]))
         parts.append(f"{m['model']} ({m['geometry']['head_dim']}-dim heads) past 16k tokens: KL(float ‖ cache) and ΔPPL over the "
-                     "last 512 tokens of each context, bits per value at 32k († with the layers whose keys protected "
+                     "last 512 tokens of each context, bits per value at 32k with the float window and sinks in float16, "
+                     "as a Mac holds them († with the layers whose keys protected "
                      f"themselves or took more bits). The target is KL {TARGET_KL:g}: [{full}#quality-at-long-context]({full}#quality-at-long-context).")
     return "\n\n".join(parts)
 

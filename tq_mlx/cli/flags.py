@@ -190,6 +190,56 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     return parser
 
 
+_SIZE_UNITS = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+               "TB": 10**12}
+
+
+def size_arg(text: str) -> int:
+    """argparse type for a byte count: 0, 500M, 10G, 2.5GB (mlx-lm's units, as its --prompt-cache-bytes: decimal)."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGTB ")
+    unit = t[len(digits):].strip()
+    try:
+        value = float(digits) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a byte count like 0, 500M or 10G")
+    return int(value)
+
+
+def add_prompt_store_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the disk tier's flags (--tq-prompt-cache-dir, --tq-prompt-cache-disk-bytes) to `parser` (tq-server and
+    tq-chat, tq_mlx.prompt_cache.store)."""
+    from ..planner.display import format_bytes
+    from ..prompt_cache.store import DEFAULT_DISK_BYTES, FOLDER_ENV, cache_folder
+
+    home = str(Path.home())
+    folder = str(cache_folder())
+    folder = "~" + folder[len(home):] if folder.startswith(home + os.sep) else folder
+    g = parser.add_argument_group(
+        "TurboQuant prompt cache on disk",
+        "Compressed prompt caches kept on disk, found again by their token prefix after a restart (each "
+        "finished request's and conversation's cache, and the system prompt's), for this model and these "
+        "--tq-* settings only; the least recently used go first past the cap.",
+    )
+    g.add_argument("--tq-prompt-cache-dir", dest="tq_prompt_cache_dir", metavar="DIR", default=None,
+                   help=f"the folder (default: ${FOLDER_ENV} if set, else {folder}; created if missing)")
+    g.add_argument("--tq-prompt-cache-disk-bytes", dest="tq_prompt_cache_disk_bytes", type=size_arg, metavar="N",
+                   default=DEFAULT_DISK_BYTES,
+                   help=f"the most bytes the folder's caches take, e.g. 500M, 10G (default "
+                        f"{format_bytes(DEFAULT_DISK_BYTES)}; 0 turns the disk tier off)")
+    return parser
+
+
+def prompt_store_folder(args: argparse.Namespace) -> Path:
+    """The disk tier's folder the flags name (--tq-prompt-cache-dir, else prompt_store.default_folder)."""
+    from ..prompt_cache.store import default_folder
+
+    given = getattr(args, "tq_prompt_cache_dir", None)
+    return Path(given).expanduser() if given else default_folder()
+
+
 def cache_flags_given(args: argparse.Namespace) -> list[str]:
     """The --tq-* flags set on the command line, as option names."""
     return [

@@ -7,7 +7,9 @@ mlx-lm code path that builds a cache builds TurboQuant caches (mlx-lm-integratio
 mlx-lm's own affine cache instead, and mixing it with `--tq-*` flags is refused. The model given by --model is
 loaded before the server listens: one that cannot load (or be compressed) is a one-line error and exit code 2. A
 request longer than --tq-max-context is refused with HTTP 400 before any forward, and every error goes out as
-OpenAI's error object.
+OpenAI's error object. The prompt cache is tq_mlx.prompt_cache.lru's (mlx-lm's LRU and byte cap over the compressed
+caches, hits resumed where they equal a fresh prefill) with a disk tier in --tq-prompt-cache-dir
+(tq_mlx.prompt_cache.store) that outlives restarts; GET /v1/prompt_cache gives its figures.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import types
 from .. import hook
 from ..config import TurboQuantConfig
 from ..planner.display import describe_config
-from .flags import add_cache_args, config_or_error, count_arg, exit_without_teardown, first_line, model_arg
+from .flags import (add_cache_args, add_prompt_store_args, config_or_error, count_arg, exit_without_teardown,
+                    first_line, model_arg, prompt_store_folder)
 
 DESCRIPTION = ("tq-server: an OpenAI-compatible HTTP server (POST /v1/chat/completions and /v1/completions) whose "
                "KV cache is compressed with TurboQuant (the --tq-* flags), with a context bound per request "
@@ -75,7 +78,7 @@ def _openai_error_bytes(data: bytes, handler) -> bytes:
     else (headers, bodies already in that shape) unchanged."""
     if data.strip() == b"Not Found":
         message = (f"no such endpoint: {handler.command} {handler.path} (tq-server serves POST /v1/chat/completions "
-                   f"and /v1/completions, GET /v1/models and /health)")
+                   f"and /v1/completions, GET /v1/models, /v1/prompt_cache and /health)")
         return json.dumps(openai_error(message, 404, code="not_found")).encode()
     try:
         body = json.loads(data)
@@ -203,6 +206,7 @@ def server_parser(server) -> argparse.ArgumentParser:
                        help="refuse (HTTP 400, before any forward) a request whose prompt tokens + max_tokens "
                             "exceed N (default: the model's trained context, or less if one sequence's planned "
                             "peak memory there does not fit this machine; 0: no bound)")
+    add_prompt_store_args(parser)
     return parser
 
 
@@ -234,6 +238,8 @@ def server_main(argv: list[str] | None = None) -> int:
             super().__init__(cli_args)
             self.loaded = threading.Event()  # set once the first load ended, loaded or not
             self.load_error: str | None = None  # the last load's failure, in one line
+            self.stores: dict = {}  # model key -> (its PromptStore, the model): the prompt cache's disk tier
+            providers.append(self)
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             try:
@@ -246,6 +252,7 @@ def server_main(argv: list[str] | None = None) -> int:
                 self.loaded.set()
 
         def _load_patched(self, model_path, adapter_path, draft_model_path):
+            self.stores.clear()  # the last model's store holds that model: let it go with it
             super()._load(model_path, adapter_path, draft_model_path)
             if config is not None:
                 patch_model(self.model, config)
@@ -257,7 +264,22 @@ def server_main(argv: list[str] | None = None) -> int:
                 )
                 batching = "on" if self.is_batchable else "off (a draft model, --pipeline or a cache without merge)"
                 logging.info(f"KV cache: {describe_config(config)}; batching {batching}")
+                self._open_store(model_path)
             self.max_context = self._context_bound(model_path)
+
+        def _open_store(self, model_path) -> None:
+            from ..prompt_cache.store import PromptStore, model_id
+            from ..prompt_cache.lru import MIN_STORED_TOKENS
+
+            why = store_off_reason(args, self.draft_model, self.pipeline_group or self.tensor_group)
+            if why is None:
+                store = PromptStore(prompt_store_folder(args), args.tq_prompt_cache_disk_bytes,
+                                    model_id=model_id(self.model), config=config, model_name=str(model_path),
+                                    min_tokens=MIN_STORED_TOKENS)
+                if store.enabled:
+                    self.stores[self.model_key] = (store, self.model)
+                why = store.describe()
+            logging.info(f"Prompt cache on disk: {why}")
 
         def _context_bound(self, model_path) -> int | None:
             from mlx.utils import tree_flatten
@@ -276,6 +298,11 @@ def server_main(argv: list[str] | None = None) -> int:
             return limit
 
     class ResponseGenerator(server.ResponseGenerator):
+        def _log_cache_stats(self):
+            if not hasattr(self.prompt_cache, "describe"):  # mlx-lm's own (--kv-bits alone)
+                return super()._log_cache_stats()
+            logging.info(self.prompt_cache.describe(self.model_provider.model_key))
+
         def _run_generate(self):
             # mlx_lm.server's, without the traceback when the --model failed to load: server_main says that in
             # one line and exits (run_http_server below waits for the load).
@@ -322,6 +349,17 @@ def server_main(argv: list[str] | None = None) -> int:
                 self.error_param = error[1]
                 raise ValueError(error[0])  # mlx_lm.server's do_POST answers it with 400
 
+        def do_GET(self):
+            if self.path.rstrip("/") != "/v1/prompt_cache":
+                return super().do_GET()
+            cache = self.response_generator.prompt_cache
+            stats = cache.stats(self.response_generator.model_provider.model_key) if hasattr(cache, "stats") else {
+                "object": "prompt_cache", "memory": {"sequences": len(cache), "bytes": cache.nbytes},
+                "disk": {"enabled": False}}
+            self._set_completion_headers(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(stats).encode())
+
         def handle_chat_completions(self):
             self._refuse_bad_body()
             return super().handle_chat_completions()
@@ -354,6 +392,15 @@ def server_main(argv: list[str] | None = None) -> int:
         def parse_args(self, *_, **__) -> argparse.Namespace:
             return args  # parsed above, with the cache flags
 
+    def prompt_cache(max_size):
+        # mlx_lm.server.run builds its LRUPromptCache with --prompt-cache-size alone: ours takes
+        # --prompt-cache-bytes too, and the disk tier of the model the provider loaded
+        from ..prompt_cache.lru import PromptCache
+
+        return PromptCache(max_size, args.prompt_cache_bytes,
+                           stores=lambda key: providers[0].stores.get(key) if providers else None)
+
+    providers: list = []
     serve = server._run_http_server
     names = {  # what server.main reaches, while it runs (tq_mlx.hook's "tq-server" part)
         "mlx_lm.server.ModelProvider": ModelProvider,
@@ -362,13 +409,39 @@ def server_main(argv: list[str] | None = None) -> int:
         "mlx_lm.server.scan_cache_dir": _scan_cache_or_empty(server.scan_cache_dir),
         "mlx_lm.server.argparse": _argparse_with(Parsed),
     }
+    if config is not None:
+        names["mlx_lm.server.LRUPromptCache"] = prompt_cache
     try:
         with hook.installed("tq-server", names):
             server.main()
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _flush_stores(providers)
     return 0
+
+
+def store_off_reason(args: argparse.Namespace, draft_model, distributed) -> str | None:
+    """Why tq-server keeps no prompt caches on disk (None: it does)."""
+    if args.tq_prompt_cache_disk_bytes == 0:
+        return "off (--tq-prompt-cache-disk-bytes 0)"
+    if args.prompt_cache_size == 0:
+        return "off (--prompt-cache-size 0: no prompt cache)"
+    if draft_model is not None:
+        return "off (a draft model's caches are not stored)"
+    if distributed is not None:
+        return "off (a distributed model's caches are not stored)"
+    return None
+
+
+def _flush_stores(providers: list, timeout: float = 30) -> None:
+    """Let the disk tier finish the writes it started (a server stopped with Ctrl+C), at most `timeout` seconds."""
+    for provider in providers:
+        for store, _ in provider.stores.values():
+            if not store.flush(timeout):
+                logging.warning(f"Prompt cache on disk: stopped with writes unfinished in {store.folder} (the "
+                                f"files are whole or absent)")
 
 
 def server_command() -> None:
