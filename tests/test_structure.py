@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,9 +181,13 @@ def test_the_import_checker_resolves_sub_packages():
     assert not _may_import("cache", "planner.memory") and _may_import("planner.memory", "cache")
 
 
-def test_every_sub_package_is_a_layer():
+def test_every_sub_package_is_a_layer_and_goes_into_the_wheel():
     folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert folders == {k for k, (_, mods) in LAYERS.items() if mods is not None}
+    m = re.search(r"^packages = \[(.*?)\]", (PACKAGE.parent / "pyproject.toml").read_text(), re.M | re.S)
+    listed = set(re.findall(r'"([\w.]+)"', m.group(1)))
+    missing = sorted(f"tq_mlx.{f}" for f in folders if f"tq_mlx.{f}" not in listed)
+    assert not missing, f"pyproject.toml's packages leave out {missing}: the wheel would not hold them"
 
 
 # Files hold one concept each, however long it is: no line budget (a concept split by size reads worse).
