@@ -315,18 +315,24 @@ def line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def covered(text: str) -> list[tuple[int, int]]:
-    """Where a number needs no reference: code (fenced, indented, inline), comments, link targets, ALLOWED."""
+def indented_code(text: str) -> list[tuple[int, int]]:
+    """The spans of markdown's indented code blocks: lines of 4 spaces after a blank line, and the lines on."""
     spans = []
-    allowed = (re.compile(p.replace(" ", r"\s+")) for p, _ in ALLOWED)  # a space: any line break too
-    for pattern in (FENCED, INLINE, COMMENT, LINK_TARGET, *allowed):
-        spans += [m.span() for m in pattern.finditer(text)]
     pos, prev_blank, in_code = 0, True, False
-    for line in text.splitlines(keepends=True):  # indented code: 4 spaces after a blank line, and on
+    for line in text.splitlines(keepends=True):
         in_code = line.startswith("    ") and (prev_blank or in_code)
         if in_code:
             spans.append((pos, pos + len(line)))
         prev_blank, pos = not line.strip(), pos + len(line)
+    return spans
+
+
+def covered(text: str) -> list[tuple[int, int]]:
+    """Where a number needs no reference: code (fenced, indented, inline), comments, link targets, ALLOWED."""
+    spans = indented_code(text)
+    allowed = (re.compile(p.replace(" ", r"\s+")) for p, _ in ALLOWED)  # a space: any line break too
+    for pattern in (FENCED, INLINE, COMMENT, LINK_TARGET, *allowed):
+        spans += [m.span() for m in pattern.finditer(text)]
     return spans
 
 

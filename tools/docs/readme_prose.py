@@ -17,6 +17,7 @@ from typing import Callable, Iterable, NamedTuple
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "benchmarks")]
 
 import common  # noqa: E402
+import defaults_figures  # noqa: E402  (its figures and its markdown helpers)
 
 START = "<!-- benchmark-results:start -->"
 END = "<!-- benchmark-results:end -->"
@@ -104,8 +105,6 @@ HEADLINE_MEASURED = ("8k", "32k")
 def intro_measured_values() -> tuple:
     """The bits/value the default held on HEADLINE_MODEL (Britannica, with the widths its layers took; float parts in
     float16) at 8k and 32k, from benchmarks/results/long_context.json, and what that is against float16."""
-    import defaults_figures
-
     bits = [float(defaults_figures.lc_value("long_context", HEADLINE_MODEL[0], "default", "britannica", c, "bitsw"))
             for c in HEADLINE_MEASURED]
     return (HEADLINE_MODEL[1], f"{bits[0]:.2f}", HEADLINE_MEASURED[0], f"{bits[1]:.2f}", HEADLINE_MEASURED[1],
@@ -518,13 +517,7 @@ def covered_spans(text: str, figure_spans: list[tuple[int, int]] = ()) -> list[t
             spans.append((a, text.find(end, a) + len(end)))
     for pattern in (EXAMPLE, FENCED, COMMENT, LINK_TARGET, *(re.compile(p) for p, _ in ALLOWED)):
         spans += [m.span() for m in pattern.finditer(text)]
-    pos, prev_blank, in_code = 0, True, False
-    for line in text.splitlines(keepends=True):  # indented code: 4 spaces after a blank line, and on
-        in_code = line.startswith("    ") and (prev_blank or in_code)
-        if in_code:
-            spans.append((pos, pos + len(line)))
-        prev_blank, pos = not line.strip(), pos + len(line)
-    return spans
+    return spans + defaults_figures.indented_code(text)
 
 
 def uncovered_numbers(text: str, figure_spans: list[tuple[int, int]] = ()) -> list[str]:
