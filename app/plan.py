@@ -283,7 +283,7 @@ def format_plan(plan: Plan) -> str:
     if plan.config:
         rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
                             f"{plan.ctx:,} tokens"),
-                 ("saved", f"{saving_words(plan.saving)} against mlx-lm's own cache")]
+                 ("saved", saving_words(plan.saving, plan.kv_dtype))]
     if plan.config and plan.config.decay_after is not None and plan.attention_layers:
         rows.append(("decay", decay_text(plan)))
     rows += [

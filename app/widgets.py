@@ -88,7 +88,7 @@ class MemoryPanel(Static):
                 ("held", format_bytes(s["kv_bytes"]), "bold"),
                 # what the user would hold without tq-mlx: mlx-lm's KVCache, in the model's dtype
                 (f"mlx-lm {s['kv_dtype'] or 'float'} cache", format_bytes(s["mlx_lm_bytes"]), ""),
-                ("saved", saving_text(s), "bold green" if good else "dim"),
+                ("saved", saving_text(s, basis=False), "bold green" if good else "dim"),
                 *([("compressed", f"{s['compressed_tokens']:,} tokens", "")] if window else []),
                 *([("other cache state", format_bytes(s["other_bytes"]), "")] if s.get("other_bytes") else []),
                 ("context", f"{used:,} / {ctx:,}", "red" if used >= ctx else ""),
@@ -120,7 +120,7 @@ class MemoryPanel(Static):
                 plan = s.get("plan")
                 notes = [window] if window else []
                 if plan is not None and plan.config is not None:  # what the first screen cannot show yet
-                    notes.append(planned_text(plan.saving, plan.ctx))
+                    notes.append(planned_text(plan.saving, plan.ctx, plan.kv_dtype))
                 if notes:
                     parts += [Text(""), *(Text(n, style="dim") for n in notes)]  # the bar leaves its line open
             parts.append(Text(""))

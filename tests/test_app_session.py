@@ -85,7 +85,8 @@ def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_di
             f"{window}") in summary, summary
     # tq-chat's panel
     panel = " ".join(panel_text(MemoryPanel(), session.snapshot()).split())
-    assert f"held {held}" in panel and f"mlx-lm float32 cache {reference}" in panel and f"saved {saved}" in panel
+    assert f"held {held}" in panel and f"mlx-lm float32 cache {reference}" in panel
+    assert f"saved {saving_text(s, basis=False)}" in panel  # the row above names the basis
     assert " ".join(window.split()) in panel
     # --plan for the same state: the same bytes from config.json alone, worded by the same function
     plan = make_plan("tiny", load_model_config(tiny_model_dir), weight_bytes(tiny_model_dir), n, config, 10**10,
@@ -97,7 +98,12 @@ def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_di
     text = format_plan(plan)
     assert f"KV cache    {format_bytes(plan.kv)}  " in text
     assert f"mlx-lm      {reference}  mlx-lm's own float32 cache" in text
-    assert f"saved       {saving_words(plan.saving)} against mlx-lm's own cache" in text
+    # every ratio says what it is against: mlx-lm's cache in the model's dtype (float16 on a Mac)
+    assert f"saved       {saving_words(plan.saving, 'float32')}" in text
+    if plan.saving.saved > 0:
+        assert saving_words(plan.saving, "float32").endswith("x) against mlx-lm's float32 cache")
+    if s["saved_bytes"] > 0:
+        assert saved.endswith("x) against mlx-lm's float32 cache") and f"saved {saved}" in summary
     if n == 42:  # before compression starts the first screen says so, and what --ctx will reach
         assert window == "all 42 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"
 
@@ -114,9 +120,10 @@ def test_the_first_screen_shows_what_the_cache_reaches_at_ctx(tiny_model_dir):
     panel = " ".join(panel_text(MemoryPanel(), {**session.snapshot(), "plan": plan}).split())
     assert ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): compression starts at "
             "token 773") in panel, panel
-    assert planned_text(plan.saving, 4096) in panel
-    assert planned_text(plan.saving, 4096).startswith(f"planned at 4,096 tokens (--ctx): {format_bytes(plan.kv)} held, "
-                                                      f"saved {format_bytes(plan.kv_mlx_lm - plan.kv)} (")
+    assert planned_text(plan.saving, 4096, plan.kv_dtype) in panel
+    assert planned_text(plan.saving, 4096, "float32") == (
+        f"planned at 4,096 tokens (--ctx): {format_bytes(plan.kv)} held, saved "
+        f"{format_bytes(plan.kv_mlx_lm - plan.kv)} ({plan.saving.ratio:.2f}x) against mlx-lm's float32 cache")
 
 
 def test_presets_on_a_short_prompt_show_what_they_hold_now_and_will_save_at_ctx(tiny_model_dir):
@@ -133,6 +140,6 @@ def test_presets_on_a_short_prompt_show_what_they_hold_now_and_will_save_at_ctx(
         plan = make_plan("tiny", cfg, weight_bytes(tiny_model_dir), 4096, config, 10**10, dtype="float32")
         stats = {**session.snapshot(), "plan": plan}
         panel = " ".join(panel_text(MemoryPanel(), stats).split())
-        assert f"held {format_bytes(stats['kv_bytes'])}" in panel and planned_text(plan.saving, 4096) in panel
+        assert f"held {format_bytes(stats['kv_bytes'])}" in panel and planned_text(plan.saving, 4096, plan.kv_dtype) in panel
         planned[name] = plan.saving.ratio
     assert planned["quality"] < planned["default"] < planned["compact"], planned

@@ -575,3 +575,28 @@ def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
     assert vw.value_width(one, 4, 1.0) == 2 and vw.value_width(one, 4, 1e-9) == 4
     assert vw.value_width(one, 4, (one[2] + one[3]) / 2) == 3
     assert vw.correlation([1, 2, 3, 4], [2, 4, 6, 9])[1] == pytest.approx(1.0)
+
+
+def test_tqplus_reads_the_forks_summary_and_its_logits_file(tmp_path: Path) -> None:
+    # benchmarks/tqplus.py: the figures come from llama-perplexity's printed summary (a missing one is an error,
+    # never a zero), and the tokens it fed from its logits file's header, which must equal ours.
+    sys.path.insert(0, str(BENCH))
+    import tqplus
+
+    log = ("====== Perplexity statistics ======\nMean PPL(Q)                   :  19.761615 ±   2.724676\n"
+           "Mean PPL(base)                :  19.670903 ±   2.701994\n"
+           "====== KL divergence statistics ======\nMean    KLD:   0.006550 ±   0.000516\nMaximum KLD:   0.173193\n"
+           "====== Token probability statistics ======\nSame top p: 94.922 ± 0.971 %\n")
+    got = tqplus.parse_output(log)
+    assert (got["kl"], got["kl_se"], got["ppl"], got["same_top_pct"]) == (0.00655, 0.000516, 19.761615, 94.922)
+    assert got["ppl_delta_pct"] == pytest.approx(100 * (19.761615 / 19.670903 - 1))
+    with pytest.raises(RuntimeError, match="kl"):
+        tqplus.parse_output(log.replace("Mean    KLD", "Mean KL"))
+    assert (tqplus.setting_bits("q8_0/turbo3"), tqplus.setting_bits("turbo4/turbo4")) == (5.8125, 4.25)
+    tokens = [151643, 785, 2, 99]
+    path = tmp_path / "base.kld"
+    path.write_bytes(b"_logits_" + np.array([4, 151936, 1, *tokens], dtype=np.int32).tobytes() + b"\0" * 64)
+    assert tqplus.base_tokens(path) == tokens
+    path.write_bytes(b"_notlog_" + path.read_bytes()[8:])
+    with pytest.raises(RuntimeError, match="not a llama-perplexity logits file"):
+        tqplus.base_tokens(path)

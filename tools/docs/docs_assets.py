@@ -34,6 +34,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -267,14 +268,17 @@ def make_screenshot() -> None:
     from tq_chat.chat import ChatApp
     from tq_mlx.models.architectures import load_model_config
 
+    from tq_mlx.prompt_cache.store import FOLDER_ENV
+
     made = []
-    with pinned_machine(), mock.patch.object(ChatApp, "run", lambda self, *a, **k: made.append(self)):
+    # a fresh prompt-cache folder: the picture shows a first launch, not what an earlier run left on disk
+    with (pinned_machine(), mock.patch.object(ChatApp, "run", lambda self, *a, **k: made.append(self)),
+          tempfile.TemporaryDirectory() as fresh, mock.patch.dict(os.environ, {FOLDER_ENV: fresh})):
         rc = chat.main(list(SCREEN_ARGV))
-    if rc != 0 or not made:
-        raise SystemExit(f"tq-chat {' '.join(SCREEN_ARGV)} did not start (exit {rc})")
-    app = made[0]
-    asks = questions()
-    screen = asyncio.run(_drive(app, asks))
+        if rc != 0 or not made:
+            raise SystemExit(f"tq-chat {' '.join(SCREEN_ARGV)} did not start (exit {rc})")
+        app = made[0]
+        screen = asyncio.run(_drive(app, questions()))
     svg = screen["svg"]
     svg_to_png(svg, SHOT)
     stats = stored_stats(screen["stats"])

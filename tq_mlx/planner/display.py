@@ -29,28 +29,33 @@ def format_bytes(n: float) -> str:
     return f"{sign}{n:.{digits}f} {unit}"
 
 
-def saving_words(saving: Saving) -> str:
-    """A memory.Saving, never as a negative number: "8.57 MB (3.65x)" (mlx-lm's bytes / the bytes held), "none
-    yet" while TurboQuant's float window and constants outweigh mlx-lm's buffers, "none" for mlx-lm's own cache,
-    "-" for an empty one. The panel, tq-generate's summary and the plan all word their saving with this."""
+def saving_words(saving: Saving, dtype: str | None = None) -> str:
+    """A memory.Saving, never as a negative number: "8.57 MB (3.65x) against mlx-lm's float16 cache" (mlx-lm's
+    bytes / the bytes held; `dtype` is the basis: the model's dtype, which mlx-lm's cache and TurboQuant's float
+    parts are held in, so a Mac's float16 model gives a float16 ratio and these CPU runs' float32 a float32 one;
+    without it, for a panel whose row above names mlx-lm's cache and its dtype: "8.57 MB (3.65x)"),
+    "none yet" while TurboQuant's float window and constants outweigh mlx-lm's buffers, "none" for mlx-lm's own
+    cache, "-" for an empty one. The panel, tq-generate's summary and the plan all word their saving with this."""
     if not saving.held:
         return "-"
     if saving.saved == 0:
         return "none"
     if saving.saved < 0:
         return "none yet"
-    return f"{format_bytes(saving.saved)} ({saving.ratio:.2f}x)"
+    basis = f" against mlx-lm's {dtype} cache" if dtype else ""
+    return f"{format_bytes(saving.saved)} ({saving.ratio:.2f}x){basis}"
 
 
-def saving_text(s: dict) -> str:
-    """saving_words for cache_bytes(...) (or a dict with its kv_bytes and mlx_lm_bytes)."""
-    return saving_words(Saving(s["kv_bytes"], s["mlx_lm_bytes"]))
+def saving_text(s: dict, basis: bool = True) -> str:
+    """saving_words for cache_bytes(...) (or a dict with its kv_bytes, mlx_lm_bytes and kv_dtype); basis=False
+    leaves the dtype out, for the panel, whose row above names mlx-lm's cache in it."""
+    return saving_words(Saving(s["kv_bytes"], s["mlx_lm_bytes"]), s.get("kv_dtype") if basis else None)
 
 
-def planned_text(saving: Saving, ctx: int) -> str:
+def planned_text(saving: Saving, ctx: int, dtype: str | None = None) -> str:
     """What a plan says the cache reaches at ctx tokens (--ctx): "planned at 8,192 tokens (--ctx): 77.1 MB held,
-    saved 301 MB (4.90x)" (memory.planned_saving)."""
-    return f"planned at {ctx:,} tokens (--ctx): {format_bytes(saving.held)} held, saved {saving_words(saving)}"
+    saved 301 MB (4.90x) against mlx-lm's float16 cache" (memory.planned_saving; dtype the plan's kv_dtype)."""
+    return f"planned at {ctx:,} tokens (--ctx): {format_bytes(saving.held)} held, saved {saving_words(saving, dtype)}"
 
 
 def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: int) -> str | None:
