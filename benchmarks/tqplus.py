@@ -141,16 +141,34 @@ def ours(ctx: int) -> list[dict]:
     return rows
 
 
-def table(results: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["cache", "context", "bits/value", "KL", "ΔPPL", "against"]
+TITLE = "TurboQuant+ side by side (Qwen2.5-Coder-1.5B, Britannica)"
+ALIGN = "lrrrrl"
+
+
+def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
+    """The table: the fork's settings and ours at each context, by bits/value; its notes."""
+    head = ["cache", "context", "bits/value", "KL", "ΔPPL", "KL against"]
     body = []
     for ctx, cells in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
-        items = [(f"TurboQuant+ {s}", setting_bits(s), c["kl"], c["ppl_delta_pct"], "the fork's f16 cache")
+        items = [(f"TurboQuant+ {s} (K/V)", setting_bits(s), c["kl"], c["ppl_delta_pct"], "the fork's f16 cache")
                  for s, c in cells.items() if s != "f16"]
         items += [(r["name"], r["bits"], r["kl"], r["ppl_delta_pct"], "our float cache") for r in ours(int(ctx))]
         for name, bits, kl, dppl, against in sorted(items, key=lambda t: t[1]):
-            body.append([name, ctx, f"{bits:.2f}", f"{kl:.4f}", f"{dppl:+.2f}%", against])
-    return head, body
+            body.append([name, f"{int(ctx) // 1024}k", f"{bits:.2f}", f"{kl:.4f}", f"{dppl:+.2f}%", against])
+    fork = results["fork"]
+    notes = [
+        f"TurboQuant+ at {fork['repository']} @ {str(fork['commit'])[:9]} with "
+        "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored, nothing else), "
+        f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, {results['meta'].get('threads')} threads; "
+        "the GGUF our float32 Qwen2.5-Coder-1.5B is converted from; Britannica, the last 512 predictions of each "
+        "context, the same tokens (checked against the logits file the fork wrote).",
+        "KL against each cache's own float reference: the fork's f16 KV cache on its GGUF weights, ours the "
+        "float32 cache on the same weights dequantized (long_context.json's rows at the same cell).",
+        "bits/value: the fork's types as stored (turbo3 3.125, turbo4 4.25, q8_0 8.5; head_dim 128, no padding; "
+        "no float window); ours as a Mac holds them (window and sinks in float16) with the key widths the layers "
+        "took.",
+    ]
+    return head, body, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,20 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(out_json.read_text()) if out_json.exists() else {"cells": {}}
     if not args.table:
         run(args, results, out_json)
-    head, body = table(results)
-    notes = [
-        f"TurboQuant+ at {results['fork']['repository']} @ {str(results['fork']['commit'])[:9]} with "
-        "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored, nothing else), "
-        f"env {' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, {MODEL} GGUF "
-        "(the weights our float32 model is converted from), text " + TEXT + ", the last 512 predictions of each "
-        "context.",
-        "Each KL is against that cache's own float reference: the fork's f16 KV cache on its GGUF weights, ours the "
-        "float32 cache on the same weights dequantized. bits/value: the fork's types as stored (no float window); "
-        "ours as a Mac holds them (window and sinks in float16, with the key widths the layers took).",
-    ]
-    md = common.render("TurboQuant+ side by side (Qwen2.5-Coder-1.5B, Britannica)", results["meta"], head, body, notes)
+    elif not results["cells"]:
+        raise SystemExit(f"no results in {out_json}: run without --table first")
+    head, body, notes = report(results)
+    md = common.render(TITLE, results["meta"], head, body, notes, ALIGN)
     common.write_results("tqplus", results, md, args.out)
-    print(common.text_table(head, body))
+    print(common.text_table(head, body, ALIGN))
     return 0
 
 

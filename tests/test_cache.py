@@ -121,6 +121,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
         ({"norm_bits": 4}, "norm_bits must be one of (16, 8)"),
         ({"norm_bits": True}, "norm_bits must be one of (16, 8)"),
         ({"qjl": 1}, "qjl must be True or False"),
+        ({"correct_norms": 1}, "correct_norms must be True or False"),
         # temporal decay
         ({"decay_after": None, "decay_key_bits": 3}, "decay_key_bits needs decay_after"),
         ({"decay_after": None, "decay_value_bits": 2}, "decay_value_bits needs decay_after"),
@@ -322,6 +323,32 @@ def test_a_layer_with_biased_keys_protects_its_keys():
     iso = fresh()
     iso.update_and_fetch(x[:, :1], x[:, :1])
     assert (iso.key_bits, iso.protected) == (4, False)
+
+
+def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state():
+    # correct_norms is one config field: the keys' protected quantizer, the values' own and decaying ones take it,
+    # a cache rebuilt from the state codes as the original did, and a config saved before the field codes plainly.
+    x = _biased_keys()
+    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2, decay_after=16,
+                           decay_key_bits=3, decay_value_bits=2, weigh_keys=False, correct_norms=True)
+    c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
+    c.update_and_fetch(x, x)
+    ks, vs = c.key_stream, c.value_stream
+    assert c.protected and ks.quantizer.bits == 8 and vs.decay.quantizer.bits == 2 and vs.n_decayed > 0
+    assert ks.quantizer.correct_norms and vs.quantizer.correct_norms and vs.decay.quantizer.correct_norms
+    d = TurboQuantKVCache()
+    d.state = c.state
+    assert d.config.correct_norms and d.value_stream.decay.quantizer.correct_norms
+    more = mx.random.normal((1, 2, 16, 64), key=mx.random.key(9))
+    for m in (c, d):
+        m.update_and_fetch(more, more)
+    from mlx.utils import tree_flatten
+
+    got, want = tree_flatten(d.state[1]), tree_flatten(c.state[1])
+    assert [k for k, _ in got] == [k for k, _ in want] and all(
+        (a is None and b is None) or mx.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
+    plain = TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "correct_norms"})
+    assert plain.correct_norms is False and TurboQuantKVCache(plain).plan.values.correct_norms is False
 
 
 def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it():

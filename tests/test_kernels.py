@@ -148,6 +148,39 @@ def test_encode_dense_schedules_on_cache_streams(emulator, schedule):
         assert_codes_equal(K.encode(*args, metal_kernel=Emu(schedule)), K.encode_reference(*args), kv.quantizer)
 
 
+# Norm correction (correct_norms): the norm each kernel stores is |x| / |c[idx]|, as the reference's, on the WHT
+# path (MSE and QJL keys, float16 and log-coded norms) and on encode_dense (channel groups, other head dims).
+CORRECTED_CASES = [(128, 2, False, mx.float16, "tq_encode"), (64, 4, False, mx.uint8, "tq_encode"),
+                   (128, 3, True, mx.float16, "tq_encode"), (128, 2.5, False, mx.uint8, "tq_encode_dense"),
+                   (96, 3, False, mx.float16, "tq_encode_dense")]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits,qjl,norms,kernel", CORRECTED_CASES, ids=ids)
+def test_encode_with_corrected_norms_matches_reference(emulator, dim, bits, qjl, norms, kernel):
+    from tq_mlx.stream.codec import make_quantizer
+
+    rng = np.random.default_rng(dim + int(4 * bits))
+    q = make_quantizer(dim, bits, qjl, 3, norms, correct_norms=True)
+    plain = make_quantizer(dim, bits, qjl, 3, norms)
+    x = normal(rng, (1, 2, 33, dim), mx.float32) * 2.0
+    mean = normal(rng, (1, 2, dim)) * 0.5
+    perm = mx.array(np.stack([rng.permutation(dim) for _ in range(2)]).astype(np.int32)) if bits % 1 else None
+    f = Emu()
+    got = K.encode(x, q, mean, perm, metal_kernel=f)
+    assert [launch.name for launch in f.launches] == [kernel]
+    want = K.encode_reference(x, q, mean, perm)
+    assert_codes_equal(got, want, q)
+    # the correction changed the norms (upwards on average: Lloyd-Max codes are shorter than the unit vector), not
+    # the codes
+    base = K.encode_reference(x, plain, mean, perm)
+    assert np.array_equal(np.asarray(base.codes), np.asarray(want.codes))
+    from tq_mlx.quant.quantizer import load_norms
+
+    ratio = np.asarray(load_norms(want.norms)) / np.asarray(load_norms(base.norms))
+    assert ratio.mean() > 1.002 and (ratio != 1).mean() > 0.3, ratio.mean()
+
+
 # ================================================================== 3. dequantize
 DEQUANT_CASES = covering(mx.float16)  # "dequantize to float16 for long prefill chunks"
 

@@ -269,3 +269,23 @@ def test_uint8_norms_add_little_to_the_reconstruction_error(bits):
 def test_norm_dtype_is_checked():
     with pytest.raises(ValueError, match="norm_dtype must be float16, bfloat16, float32 or uint8"):
         TurboQuantMSE(64, 4, norm_dtype=mx.int8)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 4, 6])
+def test_corrected_norms_decode_to_the_tokens_norms_with_the_same_codes(bits):
+    # correct_norms stores |x| / |c[idx]|: the decoded vector's norm is the token's (float32 norms: exactly, up to
+    # rounding), its codes (and with one group its direction) are the plain quantizer's; a zero vector stays zero.
+    x = mx.random.normal((4, 9, 64), key=mx.random.key(int(4 * bits)))
+    x = mx.concatenate([x, mx.zeros((4, 1, 64))], axis=1)
+    q = TurboQuantMSE(64, bits, seed=2, norm_dtype=mx.float32, correct_norms=True)
+    plain = TurboQuantMSE(64, bits, seed=2, norm_dtype=mx.float32)
+    c, p = q.quantize(x), plain.quantize(x)
+    assert np.array_equal(np.asarray(c.codes), np.asarray(p.codes))
+    got, base = np.asarray(q.dequantize(c)), np.asarray(plain.dequantize(p))
+    want = np.linalg.norm(np.asarray(x), axis=-1)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), want, rtol=1e-5, atol=1e-6)
+    assert (np.linalg.norm(base, axis=-1)[:, :9] / want[:, :9]).mean() < 1  # Lloyd-Max codes shrink on average
+    if bits == int(bits):  # one group: the same direction (two groups are each scaled to their own norm)
+        cos = (got * base).sum(-1)[:, :9] / np.linalg.norm(got, axis=-1)[:, :9] / np.linalg.norm(base, axis=-1)[:, :9]
+        np.testing.assert_allclose(cos, 1.0, atol=1e-5)
+    assert not np.asarray(got[:, 9]).any()

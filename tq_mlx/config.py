@@ -139,6 +139,8 @@ class TurboQuantConfig:
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
+    correct_norms: bool = False  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
+    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding
     # Temporal decay: compressed tokens at least decay_after tokens old (counted back from the newest) are
     # re-coded from their codes at decay_key_bits / decay_value_bits (None: that side keeps its bits), in whole
     # compress blocks. None: no decay. Integer bits below the side's own, which must be integer too (the codes
@@ -153,7 +155,7 @@ class TurboQuantConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
-        for name in ("qjl", "center_keys", "center_values", "weigh_keys"):
+        for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms"):
             if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != ("center_keys", "rope"):
                 allowed = "True, False or 'rope'" if name == "center_keys" else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -295,6 +297,7 @@ class TurboQuantConfig:
         d.setdefault("norm_bits", 16)
         d.setdefault("weigh_keys", False)
         d.setdefault("key_error", None)
+        d.setdefault("correct_norms", False)
         for name in ("key_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")

@@ -54,6 +54,8 @@ COMMANDS = {
     "prompt_cache": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python "
                     "benchmarks/prompt_cache.py",
     "paths": "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/paths.py",
+    "tqplus": "python benchmarks/tqplus.py --fork PATH (the fork built with benchmarks/peers/tqplus-scored-tokens.patch; "
+              "see the script's docstring)",
 }
 
 
@@ -72,7 +74,7 @@ def link(path: Path, doc_dir: Path) -> str:
 
 def section(results: Path = common.RESULTS, doc_dir: Path = DOCS.parent, suffix: str = "") -> str:
     """The markdown between the benchmark-results markers, from
-    <results>/{memory,quality,long_context,speed,serve,prompt_cache}<suffix>.json (missing ones noted)."""
+    <results>/{memory,quality,long_context,speed,serve,prompt_cache,tqplus}<suffix>.json (missing ones noted)."""
     import memory
     import quality
     import speed
@@ -98,6 +100,7 @@ def section(results: Path = common.RESULTS, doc_dir: Path = DOCS.parent, suffix:
             parts.append(long_context_part(results, suffix))
     parts.append(script_part("serve", results, suffix))
     parts.append(script_part("prompt_cache", results, suffix))
+    parts.append(script_part("tqplus", results, suffix))
     defaults = results.parent / "DEFAULTS.md"
     if defaults.exists():
         parts.append(f"Why the cache's defaults are what they are: [{shown(defaults)}]({link(defaults, doc_dir)}).")
@@ -116,7 +119,8 @@ def long_context_part(results: Path, suffix: str) -> str:
 
 def script_part(name: str, results: Path, suffix: str) -> str:
     """A subsection drawn by benchmark script `name` (its TITLE, report and ALIGN) from <name><suffix>.json: the
-    serving ones ('### Serving: concurrent clients', serve; '### Serving: a repeated long prefix', prompt_cache)."""
+    serving ones ('### Serving: concurrent clients', serve; '### Serving: a repeated long prefix', prompt_cache) and
+    the peer side by side (tqplus)."""
     script = importlib.import_module(name)
     path = results / f"{name}{suffix}.json"
     if not path.exists():

@@ -83,7 +83,8 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scal
         output_shapes=[(N, W), (N,), (N, D // 32) if prod else (1,), (N,) if prod else (1,)],
         output_dtypes=[mx.uint32, nd, mx.uint32, nd],
         grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", x.dtype), ("NT", nd), ("D", D), ("B", g.bits), ("QJL", prod), ("W", W)],
+        template=[("T", x.dtype), ("NT", nd), ("D", D), ("B", g.bits), ("QJL", prod), ("W", W),
+                  ("CN", quantizer.correct_norms)],
     )
     codes = _mx(codes, mx.uint32).reshape(B, H, n, W)
     norms = _mx(norms, nd).reshape(B, H, n, 1)
@@ -113,16 +114,17 @@ def _encode_dense(x: mx.array, quantizer: TurboQuantMSE, mean, perm, factory) ->
     W = quantizer.words
     rot = _tables(quantizer, ("dense",), lambda: _floats(*[g.rotation.as_matrix() for g in groups]))
     bnd = _tables(quantizer, ("boundaries",), lambda: _floats(*[g.boundaries for g in groups]))
+    cent = _tables(quantizer, ("centroids",), lambda: _floats(*[g.centroids for g in groups]))
     mean_in = _dummy(mx.float32) if mean is None else mx.contiguous(mean.astype(mx.float32)).reshape(B * H, D)
     g0, g1 = groups[0], groups[-1]
-    k = _kernel(factory, "encode_dense", ["x", "mean", "order", "rot", "bnd", "params"], ["codes", "norms"])
+    k = _kernel(factory, "encode_dense", ["x", "mean", "order", "rot", "bnd", "cent", "params"], ["codes", "norms"])
     codes, norms = k(
-        inputs=[mx.contiguous(x).reshape(N, D), mean_in, _channel_order(quantizer, perm, H), rot, bnd,
+        inputs=[mx.contiguous(x).reshape(N, D), mean_in, _channel_order(quantizer, perm, H), rot, bnd, cent,
                 _ints(n, mean is not None, H)],
         output_shapes=[(N, W), (N, len(groups))], output_dtypes=[mx.uint32, quantizer.norm_dtype],
         grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
         template=[("T", x.dtype), ("NT", quantizer.norm_dtype), ("D", D), ("G", len(groups)), ("D0", g0.dim), ("B0", g0.bits), ("B1", g1.bits),
-                  ("W0", g0.words.stop - g0.words.start), ("W", W)],
+                  ("W0", g0.words.stop - g0.words.start), ("W", W), ("CN", quantizer.correct_norms)],
     )
     norms = _mx(norms, quantizer.norm_dtype).reshape(B, H, n, len(groups))
     return MSECodes(_mx(codes, mx.uint32).reshape(B, H, n, W), norms)

@@ -275,24 +275,34 @@ METAL_FUNC uint tq_index(float t, const threadgroup float* bnd) {
 
 // Encodes one code group of a token (encode_dense.metal): its DG values at xg (centered, quantizer order) get
 // their norm, the dense rotation P (DG x DG, row-major: y = P·x/|x|) and Lloyd-Max indices (binary search over
-// the 2^B - 1 boundaries `bnd`), written to cg as one byte per dim. Returns the norm. Lane l takes rows l,
-// l + 32, ...; every lane of the SIMD group must call it.
-template <int B, int DG>
+// the 2^B - 1 boundaries `bnd`), written to cg as one byte per dim. Returns the norm, or with CN the corrected
+// norm |x| / |c[idx]| (centroids `cent`). Lane l takes rows l, l + 32, ...; every lane of the SIMD group must
+// call it.
+template <int B, int DG, bool CN>
 METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar* cg, const device float* P,
-                                 const threadgroup float* bnd, uint lane) {
+                                 const threadgroup float* bnd, const device float* cent, uint lane) {
   float ss = 0.0f;
   for (uint j = lane; j < uint(DG); j += 32) {
     ss += xg[j] * xg[j];
   }
   const float nrm = sqrt(simd_sum(ss));
   const float inv = nrm > 0.0f ? 1.0f / nrm : 1.0f;  // a zero vector keeps codes 0 and norm 0
+  float cc = 0.0f;
   for (uint i = lane; i < uint(DG); i += 32) {
     float y = 0.0f;
     const device float* row = P + i * DG;
     for (int j = 0; j < DG; ++j) {
       y += row[j] * xg[j];
     }
-    cg[i] = uchar(tq_index<B>(y * inv, bnd));
+    const uint idx = tq_index<B>(y * inv, bnd);
+    cg[i] = uchar(idx);
+    if (CN) {
+      cc += cent[idx] * cent[idx];
+    }
+  }
+  if (CN) {
+    cc = simd_sum(cc);
+    return cc > 0.0f ? nrm / sqrt(cc) : nrm;
   }
   return nrm;
 }

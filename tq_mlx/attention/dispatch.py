@@ -107,7 +107,7 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
                                    encode_reference(xs, quantizer, mu, order, s), quantizer)
 
         variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None,
-                   scale is not None, perm is not None, str(quantizer.norm_dtype))
+                   scale is not None, perm is not None, quantizer.correct_norms, str(quantizer.norm_dtype))
         if _self_check("encode", variant, factory, run):
             return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
     return encode_reference(x, quantizer, mean, perm, scale)

@@ -6,7 +6,7 @@
 //          params int32 [tokens per (batch, head), has_mean].
 // Outputs: codes (N, W) uint32; norms (N,) NT; qjl (N, D/32) uint32 and gamma (N,) NT (QJL).
 // Template: T, NT (the stored norms' type: half, or uint8_t for the log code), D, B (MSE bits), QJL, W (packed
-// words per token: tq_mlx.packing.packed_words). Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
+// words per token: tq_mlx.packing.packed_words), CN (norm correction: store |x| / |c[idx]|, quantizer.py). Grid: 32 threads per row, at most 8 SIMD groups per threadgroup.
 constexpr int E = D / 32;
 constexpr int NC = 1 << B;
 const uint lane = thread_index_in_simdgroup;
@@ -56,7 +56,14 @@ tq_pack_plane<LB, E>(code, 0, lane, out);
 if (HB > 0) {
   tq_pack_plane<(HB > 0 ? HB : 1), E>(code, LB, lane, out + D * LB / 32);
 }
-const NT nrm_s = tq_store_norm<NT>(nrm);
+float cc = 0.0f;  // |c[idx]|², for the norm correction
+if (CN) {
+  for (int e = 0; e < E; ++e) {
+    cc += cent[code[e]] * cent[code[e]];
+  }
+  cc = simd_sum(cc);
+}
+const NT nrm_s = tq_store_norm<NT>(CN && cc > 0.0f ? nrm / sqrt(cc) : nrm);
 if (lane == 0) {
   norms[row] = nrm_s;
 }

@@ -9,9 +9,11 @@
 // Inputs:  x (N, D) T, rows ordered (batch, kv head, token); mean (B*H, D) float32 (model order, if params[1]);
 //          order (H, D) int32: quantizer position j of head h is model channel order[h][j];
 //          rot float32 [Π_0 (D0 x D0) | Π_1 (D1 x D1)], row-major; bnd float32 [boundaries_0 | boundaries_1];
+//          cent float32 [centroids_0 | centroids_1] (read with CN);
 //          params int32 [tokens per (batch, head), has_mean, H].
 // Outputs: codes (N, W) uint32 (group 0's W0 words, then group 1's); norms (N, G) NT (half or uint8_t).
-// Template: T, NT, D, G (1 or 2), D0 (group 0's dims; D when G = 1), B0, B1, W0, W. Grid: 32 threads per row.
+// Template: T, NT, D, G (1 or 2), D0 (group 0's dims; D when G = 1), B0, B1, W0, W, CN (norm correction: each
+// group's norm stored as |x| / |c[idx]|). Grid: 32 threads per row.
 constexpr int D1 = D - D0;
 constexpr int NB0 = (1 << B0) - 1;
 constexpr int NB1 = G == 2 ? (1 << B1) - 1 : 0;
@@ -37,10 +39,11 @@ for (uint j = lane; j < uint(D); j += 32) {
   xg[j] = float(x[row * D + c]) - (has_mean ? mean[bh * D + c] : 0.0f);
 }
 simdgroup_barrier(mem_flags::mem_threadgroup);
-const float n0 = tq_encode_group<B0, D0>(xg, cg, rot, bt, lane);
+const float n0 = tq_encode_group<B0, D0, CN>(xg, cg, rot, bt, cent, lane);
 float n1 = 0.0f;
 if (G == 2) {
-  n1 = tq_encode_group<B1, (G == 2 ? D1 : 1)>(xg + D0, cg + D0, rot + D0 * D0, bt + NB0, lane);
+  n1 = tq_encode_group<B1, (G == 2 ? D1 : 1), CN>(xg + D0, cg + D0, rot + D0 * D0, bt + NB0, cent + (1 << B0),
+                                                  lane);
 }
 simdgroup_barrier(mem_flags::mem_threadgroup);
 for (uint w = lane; w < uint(W); w += 32) {

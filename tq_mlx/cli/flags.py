@@ -39,7 +39,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_protect",
           "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
 
 
@@ -172,6 +172,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-norm-bits", dest="tq_norm_bits", type=int, choices=NORM_BITS, metavar="N",
                    help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, within 2.2%%; "
                         f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
+    g.add_argument("--tq-correct-norms", dest="tq_correct_norms", action="store_true",
+                   help="store each compressed token's norm so that its decoded vector keeps the token's norm "
+                        f"(the same bytes; lower error at 2-3 bits) (default {d.correct_norms})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
                         f"(default {d.decay_after}; keys decay one bit, down to 3, values keep their bits, unless "
@@ -277,6 +280,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["center_keys"] = False
     if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):
         raise ValueError("--tq-center-values and --tq-no-center-values contradict each other: give one")
+    if getattr(args, "tq_correct_norms", False):
+        kw["correct_norms"] = True
     if getattr(args, "tq_no_protect", False):
         if getattr(args, "tq_protect_factor", None) is not None:
             raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")

@@ -14,6 +14,11 @@ at 3 bits and 96 at 2 (2.25 code bits plus two fp16 norms = 2.5 bits per value).
 is data-dependent: pass `outlier_channels` (the cache picks the channels of largest mean |x| in the first
 tokens it sees); without it the first d/4 channels are the outlier group.
 
+Norm correction (correct_norms, TurboQuant+'s): each group stores ‖x‖ / ‖c[idx]‖ instead of ‖x‖, so the decoded
+vector's norm is exactly the token's. Lloyd-Max codes shrink a vector (E‖c[idx]‖² = 1 - MSE): uncorrected, every
+decoded key's logits and every decoded value are scaled down alike, most at 2-3 bits. The codes are the same and
+decoding is unchanged; only the stored norm differs.
+
 Widths: the config takes MSE_BITS (CODE_BITS: every whole width a group of codes is packed at; the Metal kernels
 take each: kernels.KERNEL_BITS). The quantizer stores norms in the norm_dtype it is given at every width (the
 streams keep float16 norms for codes of 6 bits or more: layout.WIDE_BITS).
@@ -164,11 +169,13 @@ class TurboQuantMSE:
         seed: int = 0,
         outlier_channels: Sequence[int] | mx.array | None = None,
         norm_dtype: mx.Dtype = mx.float16,
+        correct_norms: bool = False,
     ):
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < MIN_DIM:
             raise ValueError(f"dim must be an integer >= {MIN_DIM}, got {dim!r}")
         check_norm_dtype(norm_dtype)
         self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
+        self.correct_norms = bool(correct_norms)
         sizes = split_dims(self.dim, bits)
         channels: list[np.ndarray | None] = [None]
         if len(sizes) == 2:
@@ -219,7 +226,12 @@ class TurboQuantMSE:
             # A zero vector stays zero (codes of 0, times a zero norm) instead of 0/0 = NaN.
             unit = xg / mx.where(norm > 0, norm, 1.0)
             y = g.rotation.forward(unit)
-            codes.append(pack(_quantize_indices(y, g.boundaries, g.bits), g.bits))
+            idx = _quantize_indices(y, g.boundaries, g.bits)
+            codes.append(pack(idx, g.bits))
+            if self.correct_norms:  # ‖x‖ / ‖c[idx]‖: the decoded vector's norm is ‖x‖ (a zero code keeps ‖x‖)
+                c = g.centroids[idx]
+                cn = mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True))
+                norm = norm / mx.where(cn > 0, cn, 1.0)
             norms.append(norm)
         codes = codes[0] if len(codes) == 1 else mx.concatenate(codes, axis=-1)
         norms = norms[0] if len(norms) == 1 else mx.concatenate(norms, axis=-1)
@@ -267,14 +279,17 @@ class TurboQuantProd:
     QJL dequantization constant is √(π/2)/d (it would be √(π/(2d)) for an orthonormal S).
     """
 
-    def __init__(self, dim: int, bits: int, seed: int = 0, norm_dtype: mx.Dtype = mx.float16):
+    def __init__(self, dim: int, bits: int, seed: int = 0, norm_dtype: mx.Dtype = mx.float16,
+                 correct_norms: bool = False):
         if bits not in PROD_BITS or isinstance(bits, bool):
             raise ValueError(f"TurboQuantProd bits must be one of {PROD_BITS}, got {bits!r}")
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < MIN_DIM:
             raise ValueError(f"dim must be an integer >= {MIN_DIM}, got {dim!r}")
         check_norm_dtype(norm_dtype)
         self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
-        self.mse = TurboQuantMSE(dim, bits - 1, seed=seed, norm_dtype=norm_dtype) if bits > 1 else None
+        self.correct_norms = bool(correct_norms)  # the MSE stage's norms (the residual is measured after them)
+        self.mse = (TurboQuantMSE(dim, bits - 1, seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms)
+                    if bits > 1 else None)
         self.projection = gaussian_projection(self.dim, seed)
         self.qjl_scale = math.sqrt(math.pi / 2) / self.dim
 

@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 
 from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
-from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer,
+from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer, remade,
                     moved, quantizer_as_written, read_state, state_arrays)
 from ..layout import decayed_split, fresh_bound, overflow, window_capacity
 from ..plan import StreamPlan
@@ -89,9 +89,9 @@ class CompressedStream:
     def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, decoder: Callable = decode,
                  rope: Rope | None = None):
         self.plan = plan
-        quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype)
+        quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype, plan.correct_norms)
         decay = None if plan.decay is None else Decay(plan.decay[0], make_quantizer(
-            int(dim), plan.decay[1], False, plan.seed, plan.norm_dtype))
+            int(dim), plan.decay[1], False, plan.seed, plan.norm_dtype, plan.correct_norms))
         name = plan.name
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
                                   or isinstance(quantizer, TurboQuantProd)):
@@ -350,7 +350,7 @@ class CompressedStream:
         """Quantize at the protection bits (plain MSE codes, same seed), or at the configured quantizer."""
         q = self.base_quantizer
         self._protected = protected
-        self.quantizer = make_quantizer(q.dim, self.protect.bits, False, q.seed, q.norm_dtype) if protected else q
+        self.quantizer = remade(q, self.protect.bits) if protected else q
         self.decay = self.base_decay
 
     def set_bits(self, bits: int) -> None:
@@ -360,10 +360,9 @@ class CompressedStream:
         if bits == q.bits:
             self.quantizer, self.decay = q, d
             return
-        self.quantizer = make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype)
+        self.quantizer = remade(q, bits)
         if d is not None:
-            dq = d.quantizer
-            self.decay = Decay(d.age, make_quantizer(dq.dim, self.plan.decay_at(bits), False, dq.seed, dq.norm_dtype))
+            self.decay = Decay(d.age, remade(d.quantizer, self.plan.decay_at(bits)))
 
     @property
     def value_seen(self) -> tuple[int, int]:
@@ -375,8 +374,7 @@ class CompressedStream:
         """Decay old tokens to `bits` (narrow's choice; the stream's own bits: no decay; None: not chosen yet)."""
         self.value_width, q = bits, self.quantizer
         narrower = bits is not None and bits < q.bits
-        self.decay = self.base_decay = Decay(self.narrow_age, make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype)
-                                             ) if narrower else None
+        self.decay = self.base_decay = Decay(self.narrow_age, remade(q, bits)) if narrower else None
         if bits is not None:
             self.value_sums.reset()  # the choice is made: the sums are dropped
 

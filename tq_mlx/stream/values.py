@@ -25,7 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .calibration import calibration_scale
-from .codec import make_quantizer
+from .codec import remade
 from ..config import value_widths
 from ..layout import value_error_span
 from .view import StreamView, decode
@@ -130,4 +130,4 @@ class ValueSums:
     def _make_narrower(self) -> None:
         if self.narrower is None:
             q = self.quantizer
-            self.narrower = {b: make_quantizer(q.dim, b, False, q.seed, q.norm_dtype) for b in self.widths}
+            self.narrower = {b: remade(q, b) for b in self.widths}
