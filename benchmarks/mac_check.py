@@ -3,8 +3,8 @@ every kernel variant's first-use self-check, and time decode and prefill attenti
 mx.fast.scaled_dot_product_attention on a float16 cache, with peak memory. Writes one JSON file to attach to an
 issue (machine: chip, macOS, mlx version, Metal device info).
 
-  checks       rotate / encode / dequantize / decode attention (1 and 5 query tokens) / prefill attention (40
-               query tokens, causal), every head_dim (64, 80, 96, 128, 256) x bits (1, 2, 2.5, 3, 3.5, 4, 8;
+  checks       rotate / encode (and encode-corrected: correct_norms, first dtype) / dequantize / decode attention
+               (1 and 5 query tokens) / prefill attention (40 query tokens, causal), every head_dim (64, 80, 96, 128, 256) x bits (1, 2, 2.5, 3, 3.5, 4, 8;
                QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL
                (a compile error or an exception is a FAIL with its message; a case a launcher does not take,
                such as the WHT at head_dim 80, is listed with the reason the reference path runs instead)
@@ -190,6 +190,17 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                     return kq.dequantize(got), kq.dequantize(want), mx.float32
 
                 record("encode", dim, label, name, enc, K.encode_unsupported(xs, kq, mean))
+                cq = type(kq)(dim, bits, seed=2, correct_norms=True)  # correct_norms: the same kernels, CN on
+
+                def enc_corrected():
+                    got, want = K.encode(xs, cq, mean, **kw), K.encode_reference(xs, cq, mean)
+                    why = K._codes_mismatch(got, want, cq)
+                    if why:
+                        raise AssertionError(why)
+                    return cq.dequantize(got), cq.dequantize(want), mx.float32
+
+                if name == dtypes[0]:
+                    record("encode-corrected", dim, label, name, enc_corrected, K.encode_unsupported(xs, cq, mean))
 
                 def handle(q, n=300):
                     codes = K.encode_reference(_normal(rng, (1, 4, n, dim)), q, mean[:1])
