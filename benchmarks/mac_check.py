@@ -182,25 +182,19 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                 xs = _normal(rng, (2, 4, 33, dim), dt)
                 mean = _normal(rng, (2, 4, dim)) * 0.3
 
-                def enc():
-                    got, want = K.encode(xs, kq, mean, **kw), K.encode_reference(xs, kq, mean)
-                    why = K._codes_mismatch(got, want, kq)
-                    if why:
-                        raise AssertionError(why)
-                    return kq.dequantize(got), kq.dequantize(want), mx.float32
+                def encoding(q):
+                    def enc():
+                        got, want = K.encode(xs, q, mean, **kw), K.encode_reference(xs, q, mean)
+                        why = K._codes_mismatch(got, want, q)
+                        if why:
+                            raise AssertionError(why)
+                        return q.dequantize(got), q.dequantize(want), mx.float32
+                    return enc
 
-                record("encode", dim, label, name, enc, K.encode_unsupported(xs, kq, mean))
-                cq = type(kq)(dim, bits, seed=2, correct_norms=True)  # correct_norms: the same kernels, CN on
-
-                def enc_corrected():
-                    got, want = K.encode(xs, cq, mean, **kw), K.encode_reference(xs, cq, mean)
-                    why = K._codes_mismatch(got, want, cq)
-                    if why:
-                        raise AssertionError(why)
-                    return cq.dequantize(got), cq.dequantize(want), mx.float32
-
-                if name == dtypes[0]:
-                    record("encode-corrected", dim, label, name, enc_corrected, K.encode_unsupported(xs, cq, mean))
+                record("encode", dim, label, name, encoding(kq), K.encode_unsupported(xs, kq, mean))
+                if name == dtypes[0]:  # correct_norms: the same kernels with CN on
+                    cq = type(kq)(dim, bits, seed=2, correct_norms=True)
+                    record("encode-corrected", dim, label, name, encoding(cq), K.encode_unsupported(xs, cq, mean))
 
                 def handle(q, n=300):
                     codes = K.encode_reference(_normal(rng, (1, 4, n, dim)), q, mean[:1])

@@ -164,6 +164,8 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "context, the same tokens (checked against the logits file the fork wrote).",
         "KL against each cache's own float reference: the fork's f16 KV cache on its GGUF weights, ours the "
         "float32 cache on the same weights dequantized (long_context.json's rows at the same cell).",
+        "On this CPU the fork's flash attention rounds each query to q8_0 where the keys are q8_0 (not for f16 or "
+        "turbo keys): part of a q8_0 row's KL is that, which a Mac's Metal path may not share.",
         "bits/value: the fork's types as stored (turbo3 3.125, turbo4 4.25, q8_0 8.5; head_dim 128, no padding; "
         "no float window); ours as a Mac holds them (window and sinks in float16) with the key widths the layers "
         "took.",
