@@ -152,7 +152,7 @@ def test_encode_dense_schedules_on_cache_streams(emulator, schedule):
 # path (MSE and QJL keys, float16 and log-coded norms) and on encode_dense (channel groups, other head dims).
 CORRECTED_CASES = [(128, 2, False, mx.float16, "tq_encode"), (64, 4, False, mx.uint8, "tq_encode"),
                    (128, 3, True, mx.float16, "tq_encode"), (128, 2.5, False, mx.uint8, "tq_encode_dense"),
-                   (96, 3, False, mx.float16, "tq_encode_dense")]
+                   (96, 3, False, mx.float16, "tq_encode_dense"), (80, 2, False, mx.float16, "tq_encode_dense")]
 
 
 @pytest.mark.emulator

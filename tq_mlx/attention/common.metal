@@ -280,7 +280,7 @@ METAL_FUNC uint tq_index(float t, const threadgroup float* bnd) {
 // call it.
 template <int B, int DG, bool CN>
 METAL_FUNC float tq_encode_group(const threadgroup float* xg, threadgroup uchar* cg, const device float* P,
-                                 const threadgroup float* bnd, const device float* cent, uint lane) {
+                                 const threadgroup float* bnd, const threadgroup float* cent, uint lane) {
   float ss = 0.0f;
   for (uint j = lane; j < uint(DG); j += 32) {
     ss += xg[j] * xg[j];

@@ -22,10 +22,15 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint row = thread_position_in_grid.x / 32;
 
 threadgroup float bt[NB0 + NB1];
+constexpr int NC = CN ? (1 << B0) + (G == 2 ? 1 << B1 : 0) : 1;
+threadgroup float ct[NC];  // centroids (CN): MLX passes a small table in the constant address space
 threadgroup float xs[8 * D];   // per SIMD group: the centered token in quantizer order
 threadgroup uchar cs[8 * D];   // per SIMD group: its indices
 for (uint i = thread_index_in_threadgroup; i < uint(NB0 + NB1); i += threads_per_threadgroup.x) {
   bt[i] = bnd[i];
+}
+for (uint i = thread_index_in_threadgroup; CN && i < uint(NC); i += threads_per_threadgroup.x) {
+  ct[i] = cent[i];
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -39,10 +44,10 @@ for (uint j = lane; j < uint(D); j += 32) {
   xg[j] = float(x[row * D + c]) - (has_mean ? mean[bh * D + c] : 0.0f);
 }
 simdgroup_barrier(mem_flags::mem_threadgroup);
-const float n0 = tq_encode_group<B0, D0, CN>(xg, cg, rot, bt, cent, lane);
+const float n0 = tq_encode_group<B0, D0, CN>(xg, cg, rot, bt, ct, lane);
 float n1 = 0.0f;
 if (G == 2) {
-  n1 = tq_encode_group<B1, (G == 2 ? D1 : 1), CN>(xg + D0, cg + D0, rot + D0 * D0, bt + NB0, cent + (1 << B0),
+  n1 = tq_encode_group<B1, (G == 2 ? D1 : 1), CN>(xg + D0, cg + D0, rot + D0 * D0, bt + NB0, ct + (1 << B0),
                                                   lane);
 }
 simdgroup_barrier(mem_flags::mem_threadgroup);
