@@ -149,9 +149,9 @@ def protected_layers(cache: list) -> list[int]:
     return [i for i, c in enumerate(cache) if getattr(c, "protected", False)]
 
 
-def widened_layers(cache: list) -> list[list[int]]:
+def widened_layers(cache: list) -> list[list[float]]:
     """Attention layers (cache positions) whose keys took more bits at calibration (key_error): [layer, bits]."""
-    return [[i, int(c.key_bits)] for i, c in enumerate(cache)
+    return [[i, c.key_bits] for i, c in enumerate(cache)
             if getattr(getattr(c, "key_stream", None), "widened", False)]
 
 

@@ -53,7 +53,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.weigh_keys:
         extra.append("keys weighed by the queries")
     if cfg.key_error is not None:
-        extra.append(f"keys up to K6 above logit error {cfg.key_error:g}")
+        extra.append(f"keys up to K6 above logit error {cfg.key_error:g}"
+                     + (" in half steps" if cfg.key_half_steps else ""))
     if cfg.value_error is not None:
         extra.append(f"old values down to V2 within output error {cfg.value_error:g}")
     if cfg.correct_norms:
@@ -66,14 +67,14 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?$")
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [ve<value error>][nc], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
-    the queries; e0.2: key_error 0.2; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
+    [h][ve<value error>][nc], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
     corrected), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
@@ -101,6 +102,8 @@ def parse_setting(key: str) -> Setting:
         over["weigh_keys"] = True
     if m["error"]:
         over["key_error"] = float(m["error"])
+    if m["half"]:
+        over["key_half_steps"] = True
     if m["verror"]:
         over["value_error"] = float(m["verror"])
     if m["nc"]:
@@ -138,7 +141,8 @@ def canonical_name(row: dict) -> str:
 def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
     full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
-            "weigh_keys": False, "key_error": None, "correct_norms": False, **stored}
+            "weigh_keys": False, "key_error": None, "correct_norms": False, "key_half_steps": False,
+            **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 

@@ -3,7 +3,8 @@ every kernel variant's first-use self-check, and time decode and prefill attenti
 mx.fast.scaled_dot_product_attention on a float16 cache, with peak memory. Writes one JSON file to attach to an
 issue (machine: chip, macOS, mlx version, Metal device info).
 
-  checks       rotate / encode (and encode-corrected: correct_norms, first dtype) / dequantize / decode attention
+  checks       rotate / encode (and encode-corrected: correct_norms, first dtype) / dequantize / recode (first
+               dtype) / decode attention
                (1 and 5 query tokens) / prefill attention (40 query tokens, causal), every head_dim (64, 80, 96, 128, 256) x bits (1, 2, 2.5, 3, 3.5, 4, 8;
                QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL
                (a compile error or an exception is a FAIL with its message; a case a launcher does not take,
@@ -205,6 +206,19 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                 record("dequantize", dim, label, name,
                        lambda: (K.dequantize(keys, dt, **kw), K.dequantize_reference(keys, dt), dt),
                        K.dequantize_unsupported(keys))
+                if name == dtypes[0] and bits > 1:  # temporal decay: a bit fewer in the same basis (K3.5 -> K2.5)
+                    to = TurboQuantMSE(dim, bits - 1, seed=3)
+
+                    def recoding():
+                        got = K.recode(values.codes, vq, to, **kw)
+                        want = K.recode_reference(values.codes, vq, to)
+                        why = K._codes_mismatch(got, want, to)
+                        if why:
+                            raise AssertionError(why)
+                        return to.dequantize(got), to.dequantize(want), mx.float32
+
+                    record("recode", dim, f"{label}->{bits - 1:g}", name, recoding,
+                           K.recode_unsupported(values.codes, vq, to))
                 for R, L, mask in ((4, 1, None), (2, 5, "causal")):
                     q = _normal(rng, (1, 4 * R, L, dim), dt)
                     record(f"decode R={R} L={L}", dim, label, name,
@@ -242,9 +256,12 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                     for name in dtypes:
                         dt = getattr(mx, name)
                         try:
+                            # keys that decay (integer MSE widths from 4 to 6: one bit fewer) after 40 tokens:
+                            # the old keys re-coded (dispatch_recode), then read as a second span
+                            decays = not qjl and kb == int(kb) and 3 < kb < 8
                             cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl,
                                                                        window=16, sinks=4, compress_block=8,
-                                                                       norm_bits=nb))
+                                                                       norm_bits=nb, decay_after=40 if decays else None))
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
                             keys, values = cache.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             for L, mask in ((1, None), (40, "causal")):

@@ -110,7 +110,7 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
         out[T] = cache.nbytes
     # the width the keys chose by their error (key_error; None: they kept their bits), which estimate_kv_bytes
     # takes to price this cache exactly (without it, it prices the most a layer may take)
-    out["key_width"] = int(cache.key_bits) if cache.key_stream is not None and cache.key_stream.widened else None
+    out["key_width"] = cache.key_bits if cache.key_stream is not None and cache.key_stream.widened else None
     return out
 
 

@@ -351,7 +351,8 @@ def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
     assert m["chip"] and r["meta"]["date"]
 
     kernels = {c["kernel"].split()[0] for c in r["checks"]}
-    assert kernels == {"rotate", "rotate-inverse", "encode", "encode-corrected", "dequantize", "decode", "prefill"}
+    assert kernels == {"rotate", "rotate-inverse", "encode", "encode-corrected", "dequantize", "recode", "decode",
+                       "prefill"}
     for c in r["checks"]:
         assert {"kernel", "dim", "bits", "dtype", "max_abs_err", "ok", "reason", "seconds"} == set(c)
         # A launcher that does not take a case says so: only the WHT ones (rotate, dequantize, QJL encode) at
@@ -364,7 +365,7 @@ def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
     assert {(c["dim"], c["bits"]) for c in r["checks"] if c["kernel"].startswith("decode") and c["ok"] is not False} \
         == {(d, b) for d in (64, 96) for b in ("4", "3+qjl", "3.5")}
     if emulated:  # every kernel's variants went through its self-check, and passed
-        assert {s["kernel"] for s in r["self_checks"]} == {"rotate", "encode", "dequantize", "decode_attention",
+        assert {s["kernel"] for s in r["self_checks"]} == {"rotate", "encode", "recode", "dequantize", "decode_attention",
                                                           "prefill_attention"}
         assert all(s["passed"] and s["reason"] is None and s["variant"] for s in r["self_checks"])
     assert r["summary"] == dict(checks=len(r["checks"]), checks_failed=0, self_checks=len(r["self_checks"]),

@@ -355,8 +355,8 @@ def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
 def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator, target, width):
     # value_error: a layer's values decay to the width chosen on its first window (tq_mlx.stream.values), so one value
     # stream holds V4 codes after V3 or V2 ones; decode and prefill take the kernels on it and agree with the
-    # reference, and the chosen width's encode (decay re-codes on the
-    # kernels) and dequantize pass their self-checks.
+    # reference, and the chosen width's recode (decay re-codes on the kernels), encode and dequantize pass their
+    # self-checks.
     k, v, q = value_data(340)
     cache = value_cache(value_error=target)  # test_values' layer: head_dim 64, window 96, decay after 160
     kv = cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
@@ -380,6 +380,59 @@ def test_values_decayed_to_the_width_their_error_chose_take_the_kernels(emulator
             t += L
         assert_close(K.dispatch_dequantize(values, mx.float32), stream_decode(values, mx.float32), mx.float32)
     status = K.self_check_status()
-    assert {k for k, _ in status} == {"encode", "decode_attention", "prefill_attention", "dequantize"}
+    assert {k for k, _ in status} == {"encode", "recode", "decode_attention", "prefill_attention", "dequantize"}
     assert all(why is None for why in status.values())
-    assert f.stats("tq_decode_partial") and f.stats("tq_dequantize")
+    assert f.stats("tq_decode_partial") and f.stats("tq_dequantize") and f.stats("tq_recode")
+
+
+def half_step_views(dim=64, L=1, B=1, norm_bits=8, dtype=mx.float16, seed=0):
+    """Views of a cache whose keys widened by a half step (key_half_steps: K4.5 or K5.5, a quarter of the
+    channels one bit wider, in the channel order of their energy) and decay in the same groups (K3.5 or K4.5):
+    keys whose first quarter of channels holds most of their energy, weighed by queries that read every channel."""
+    rng = np.random.default_rng(seed)
+    spread = np.ones(dim, np.float32)
+    spread[rng.permutation(dim)[: dim // 4]] = 4.0
+    for target in (0.2, 0.14, 0.1, 0.07, 0.05, 0.035, 0.025):
+        cfg = TurboQuantConfig(key_bits=4, value_bits=4, decay_key_bits=3, decay_value_bits=2, norm_bits=norm_bits,
+                               key_error=target, key_half_steps=True, protect_factor=None, **DECAY)
+        cache = TurboQuantKVCache(cfg, head_dim=dim)
+        r = np.random.default_rng(seed)
+        kv = lambda n, s: (mx.array(r.standard_normal((B, 2, n, dim)).astype(np.float32) * s)).astype(dtype)  # noqa: E731
+        keys, values = cache.update_and_fetch(kv(300, spread), kv(300, 1.0))
+        learned(mx.concatenate([kv(300, 1.0)] * 2, axis=1).astype(mx.float32), keys, values, dim**-0.5)
+        keys, values = cache.update_and_fetch(kv(L, spread), kv(L, 1.0))
+        if cache.key_bits != int(cache.key_bits):
+            assert keys.decayed.quantizer.bits == cache.key_bits - 1 and keys.decayed.perm is keys.perm
+            return keys, values
+    pytest.fail("no target gave a half step")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kernel,dim,L,mask", [("decode", 64, 1, None), ("decode", 128, 3, "causal"),
+                                               ("prefill", 64, 40, "causal")], ids=ids)
+def test_half_step_keys_decayed_in_their_groups_match_reference(emulator, schedule, kernel, dim, L, mask):
+    # keys widened by a half step: two channel groups (their own rotations, one channel order) at both ages, so
+    # the decayed span shares the fresh codes' rotated query; pass 1 runs per span, as for whole widths
+    keys, values = half_step_views(dim, L)
+    assert span_counts(keys, values) == [keys.n_decayed, keys.n_fresh]
+    rng = np.random.default_rng(L)
+    q = normal(rng, (1, 4, L, dim), mx.float16)
+    f = Emu(schedule, seed=7)
+    kw = dict(split_tokens=64) if kernel == "decode" else {}
+    got, want = run(kernel, q, keys, values, mask, None, f, **kw)
+    assert_close(got, want, mx.float16, schedule)
+    assert len(f.stats("tq_decode_partial")) == 2
+
+
+@pytest.mark.emulator
+def test_dispatch_takes_the_kernels_on_half_step_keys(emulator):
+    keys, values = half_step_views(64, 1)
+    K.set_backend("metal")
+    K.set_kernel_factory(Emu())
+    q = normal(np.random.default_rng(0), (1, 4, 1, 64), mx.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every self-check passes
+        got = K.dispatch_attention(q, keys, values, 0.125, None)
+    assert_close(got, K.decode_attention_reference(q, keys, values, 0.125, None), mx.float16)
+    assert all(why is None for why in K.self_check_status().values())

@@ -181,6 +181,48 @@ def test_encode_with_corrected_norms_matches_reference(emulator, dim, bits, qjl,
     assert ratio.mean() > 1.002 and (ratio != 1).mean() > 0.3, ratio.mean()
 
 
+# ====================================================================== 2b. recode (temporal decay)
+# (dim, fresh bits, decayed bits, fresh norms, decayed norms, corrected): whole widths K4 -> K3 and the widened
+# K6 -> K5 (float16 norms to the log code), half steps K4.5 -> K3.5 and K5.5 -> K4.5 (two groups), V4 -> V2,
+# head dims 64, 96 (a dense rotation), 128
+RECODE_CASES = [(128, 4, 3, mx.uint8, mx.uint8, False), (64, 6, 5, mx.float16, mx.uint8, False),
+                (128, 4.5, 3.5, mx.uint8, mx.uint8, False), (64, 5.5, 4.5, mx.uint8, mx.uint8, True),
+                (96, 4, 2, mx.float16, mx.float16, True), (128, 3, 1, mx.float16, mx.float16, False)]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dim,bits,to_bits,norms,to_norms,corrected", RECODE_CASES, ids=ids)
+def test_recode_matches_reference_and_decode_then_encode(emulator, schedule, dim, bits, to_bits, norms, to_norms,
+                                                         corrected):
+    from tq_mlx.quant.quantizer import TurboQuantMSE, load_norms
+
+    rng = np.random.default_rng(dim + int(4 * bits))
+    q = TurboQuantMSE(dim, bits, seed=5, norm_dtype=norms, correct_norms=corrected)
+    to = TurboQuantMSE(dim, to_bits, seed=5, norm_dtype=to_norms, correct_norms=corrected)
+    codes = q.quantize(normal(rng, (2, 2, 37, dim), mx.float32) * 1.5)
+    f = Emu(schedule)
+    got = K.recode(codes, q, to, metal_kernel=f)
+    assert [launch.name for launch in f.launches] == ["tq_recode"]
+    want = K.recode_reference(codes, q, to)
+    assert_codes_equal(got, want, to)
+    # the reference is the decoded vector coded again, without its two rotations
+    again = to.quantize(q.dequantize(codes))
+    assert_codes_equal(want, again, to)
+    assert np.allclose(np.asarray(load_norms(want.norms)), np.asarray(load_norms(again.norms)), rtol=2e-3)
+
+
+def test_recode_refuses_another_basis():
+    from tq_mlx.quant.quantizer import TurboQuantMSE
+
+    q = TurboQuantMSE(64, 4, seed=5)
+    codes = q.quantize(mx.ones((1, 64)))
+    for to in (TurboQuantMSE(64, 3, seed=6), TurboQuantMSE(64, 3.5, seed=5)):
+        assert "another rotated basis" in K.recode_unsupported(codes, q, to)
+        with pytest.raises(ValueError, match="same groups and rotations"):
+            q.recode(codes, to)
+
+
 # ================================================================== 3. dequantize
 DEQUANT_CASES = covering(mx.float16)  # "dequantize to float16 for long prefill chunks"
 

@@ -66,12 +66,14 @@ def test_check_bits_keeps_the_config_widths():
     from tq_mlx.quant.quantizer import CODE_BITS, MSE_BITS, QUANTIZER_BITS, check_bits
 
     assert CODE_BITS == (1, 2, 3, 4, 5, 6, 8) and MSE_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
-    assert QUANTIZER_BITS == (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
+    # the quantizer also takes the half steps keys widen by (config.key_half_steps), which no config sets
+    assert QUANTIZER_BITS == (1, 2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, 8)
     assert check_bits(5.0, "key_bits") == 5 and check_bits(6, "key_bits") == 6
     for bits in (7, 4.5, 9):
         with pytest.raises(ValueError, match=r"key_bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 5, 6, 8\)"):
             check_bits(bits, "key_bits")
     assert check_bits(6.0, allowed=QUANTIZER_BITS) == 6 and TurboQuantMSE(64, 5.0).groups[0].bits == 5
+    assert [(g.dim, g.bits) for g in TurboQuantMSE(128, 5.5).groups] == [(32, 6), (96, 5)]
 
 
 def test_mse_8bit_near_lossless():
@@ -198,8 +200,8 @@ def test_no_host_sync_inside_quantize():
     "args,match",
     [
         ((8, 2), "dim must be an integer >= 16"),
-        ((128, 7), r"bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 5, 6, 8\)"),
-        ((128, 4.5), "bits must be one of"),
+        ((128, 7), r"bits must be one of \(1, 2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, 8\)"),
+        ((128, 6.5), "bits must be one of"),
         ((128, 1.5), "bits must be one of"),
         ((40, 2.5), "divisible by 4 and >= 64"),
         ((66, 3.5), "divisible by 4"),

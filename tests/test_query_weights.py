@@ -354,6 +354,47 @@ def test_key_width_is_the_fewest_bits_whose_error_is_under_the_target():
     assert key_width(1.0, 6, 6, 1e-9, D) == 6
 
 
+def test_key_width_takes_half_steps_by_the_groups_errors():
+    # a half step (b.5) errs sqrt(u0² D(d/4, b+1) + u1² D(3d/4, b)): with the energy in the first group it
+    # comes before the next whole width; without split, whole widths only
+    d = {b: lloyd_max(D // 4, b).mse for b in (4, 5, 6)} | {(3, b): lloyd_max(3 * D // 4, b).mse for b in (4, 5)}
+    u = np.array([[1.0, 1.2]])  # the worst kv head's whole error is its own, not the other's
+    split = np.array([[[0.8, 0.5], [1.0, 0.7]]])
+    half = math.sqrt(max(0.8**2 * d[5] + 0.5**2 * d[(3, 4)], 1.0**2 * d[5] + 0.7**2 * d[(3, 4)]))
+    e4 = 1.2 * math.sqrt(lloyd_max(D, 4).mse)
+    assert half < e4
+    assert key_width(u, 4, 6, e4 * 1.01, D, 0.5, split) == 4
+    assert key_width(u, 4, 6, half * 1.01, D, 0.5, split) == 4.5
+    assert key_width(u, 4, 6, half * 1.01, D) == 5  # whole steps
+    assert key_width(u, 4, 6, half * 0.99, D, 0.5, split) == 5
+    assert key_width(u, 4, 6, 1e-9, D, 0.5, split) == 6
+
+
+def test_group_logit_errors_predict_the_error_half_step_codes_give():
+    # keys whose energy sits in a quarter of the channels: group_logit_errors' two unit errors, with D_mse of each
+    # group's codes, give the RMS logit error that real K4.5 codes (that quarter at 5 bits) give the queries
+    from tq_mlx.stream.calibration import group_logit_errors, outlier_order
+
+    rng = np.random.default_rng(5)
+    ks, qs = spreads(5)
+    x = anisotropic(rng, 1, 2, 2000, ks)
+    q = anisotropic(rng, 1, 2, 3000, qs)
+    w = query_weights(mx.sum(q * q, axis=2), x, None)
+    xw = x * w[:, :, None]
+    quant = TurboQuantMSE(D, 4.5, seed=0)
+    perm = outlier_order(xw, None, quant)
+    u = np.asarray(group_logit_errors(xw, w, mx.sum(q * q, axis=2), 3000, perm, scale=0.3))
+    order = mx.broadcast_to(perm[None, :, None, :], xw.shape)
+    xp = mx.take_along_axis(xw, order, axis=-1)
+    err = mx.take_along_axis(quant.dequantize(quant.quantize(xp)) - xp, mx.argsort(order, axis=-1), axis=-1)
+    err = err / w[:, :, None]
+    measured = np.sqrt(np.mean(np.asarray(0.3 * (q[:, :, :500] @ err.swapaxes(-1, -2))) ** 2, axis=(2, 3)))
+    predicted = np.sqrt(u[..., 0] ** 2 * lloyd_max(D // 4, 5).mse + u[..., 1] ** 2 * lloyd_max(3 * D // 4, 4).mse)
+    assert np.allclose(predicted, measured, rtol=0.12), (predicted, measured)
+    whole = np.asarray(logit_error(xw, w, mx.sum(q * q, axis=2), 3000, scale=0.3)) * math.sqrt(lloyd_max(D, 4).mse)
+    assert np.all(predicted < whole)  # the energy's quarter at one more bit: less error than K4
+
+
 def widened(key_error, chunks=(300,), **kw):
     keys, values, queries = tokens(11, sum(chunks), q_gain=0.1)
     config = cfg(key_bits=4, value_bits=4, decay_after=96, decay_key_bits=3, decay_value_bits=2,
@@ -376,6 +417,69 @@ def test_keys_take_the_bits_their_error_asks_for_and_decay_a_step():
     assert cfg(key_bits=4, weigh_keys=False).key_error is None and cfg(key_bits=4, qjl=True).key_error is None
     assert cfg().key_error is None and cfg(key_bits=5).key_error is None  # a width you set is kept
     assert cfg(key_error=0.2).key_error == 0.2  # ... unless you ask
+
+
+def test_keys_widen_by_half_steps_and_decay_in_their_groups():
+    # key_half_steps: these keys' error asks for more than K4; K4.5 (a quarter of the channels at 5 bits) holds
+    # a target K4 misses, decaying to K3.5 in the same channel groups and rotations (one basis)
+    from tq_mlx.plan import layer_bytes
+
+    for target, bits, decay in [(1.0, 4, 3), (0.09, 4.5, 3.5), (0.05, 5.5, 4.5), (1e-4, 6, 5)]:
+        c = widened(target, key_half_steps=True)
+        s = c.key_stream
+        assert (c.key_bits, c.decay_bits) == (bits, (decay, 2)), target
+        assert (s.perm is not None) == (bits != int(bits))
+        view = s.view()
+        assert view.decayed.quantizer.bits == decay and view.decayed.perm is view.perm
+        assert [g.dim for g in view.quantizer.groups] == [g.dim for g in view.decayed.quantizer.groups]
+        width = bits if bits != 4 else None
+        assert c.nbytes == layer_bytes(c.plan, c.offset, 2, D, D, float_bytes=4, key_width=width)
+        # the loaded cache holds the same width, bytes and codes
+        again = TurboQuantKVCache()
+        again.state = c.state
+        assert (again.key_bits, again.decay_bits, again.nbytes) == (bits, (decay, 2), c.nbytes)
+        assert np.array_equal(np.asarray(again.key_stream.perm), np.asarray(s.perm)) if s.perm is not None else True
+    assert widened(0.09).key_bits == 5  # whole steps: the next whole width
+    assert "in half steps" in describe_config(cfg(key_error=0.03, key_half_steps=True))
+    meta, arrays = widened(0.09, key_half_steps=True).state
+    with pytest.raises(ValueError, match="to 4, 4.5, 5, 5.5, 6 bits"):
+        TurboQuantKVCache().state = (dict(meta, key_bits=6.5), arrays)
+    with pytest.raises(ValueError, match="to 4, 5, 6 bits"):
+        TurboQuantKVCache().state = (dict(meta, config=dict(meta["config"], key_half_steps=False)), arrays)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_half_step_groups_keep_rope_pairs_whole(traditional):
+    # with the layer's RoPE, the channel order ranks pairs: each pair's two channels in one group, since the
+    # position turns a pair's energy from one channel to the other
+    from tq_mlx.stream.calibration import outlier_order
+
+    rope = probe(model_rope(D, traditional=traditional), D)
+    P = rope.freqs.shape[0]
+    order = np.asarray(rope.order)
+    partner = {int(order[i]): int(order[i + P]) for i in range(P)} | {int(order[i + P]): int(order[i]) for i in range(P)}
+    x = anisotropic(np.random.default_rng(2), 1, 2, 200, np.exp(np.random.default_rng(3).normal(size=D)))
+    for r, whole in ((rope, True), (None, False)):
+        perm = np.asarray(outlier_order(x, None, TurboQuantMSE(D, 4), always=True, rope=r))
+        top = [set(map(int, h[: D // 4])) for h in perm]
+        assert all(all(partner[c] in t for c in t) for t in top) == whole
+
+
+def test_attention_on_half_step_keys_is_their_decoded_keys_attention():
+    # the reference attention reads the grouped, permuted, decayed codes as their decoded keys say
+    keys, values, queries = tokens(11, 300, q_gain=0.1)
+    config = cfg(key_bits=4, value_bits=4, decay_after=96, decay_key_bits=3, decay_value_bits=2, key_error=0.09,
+                 protect_factor=None, key_half_steps=True)
+    cache = TurboQuantKVCache(config, head_dim=D)
+    kh, vh = cache.update_and_fetch(keys, values)
+    out = turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+    kh, vh = cache.update_and_fetch(keys[:, :, :0], values[:, :, :0])  # the view once the queries came
+    assert cache.key_bits == 4.5 and kh.decayed is not None and kh.n_tokens == 300
+    out = turboquant_attention(queries, kh, vh, D**-0.5, "causal")
+    whole = lambda v: mx.concatenate([v.sinks.astype(mx.float32), stream_decode(v, mx.float32),  # noqa: E731
+                                      v.window.astype(mx.float32)], axis=2)
+    want = float_attention(queries, whole(kh), whole(vh))
+    assert np.allclose(np.asarray(out), want, atol=2e-4), np.abs(np.asarray(out) - want).max()
 
 
 def test_the_width_does_not_depend_on_how_the_prompt_is_fed():

@@ -27,8 +27,8 @@ from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int, check_max_size
 from .plan import LayerPlan, layer_plan
 from .models.architectures import FETCHES
 from .hook import install_attention_hook
-from .attention import dispatch_dequantize, dispatch_encode, float_tokens
-from .quant.quantizer import FLOAT_DTYPES, TurboQuantProd, split_dims
+from .attention import dispatch_encode, dispatch_recode, float_tokens
+from .quant.quantizer import FLOAT_DTYPES, QUANTIZER_BITS, TurboQuantProd, check_bits, format_bits, split_dims
 from .models.rope import Rope
 from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream.compressed import CompressedStream
@@ -218,7 +218,7 @@ class TurboQuantKVCache(_BaseCache):
     def _make_streams(self, key_dim: int, value_dim: int) -> None:
         self.check_dims(key_dim, value_dim)
         self.plan = p = self._plan(self.rope is not None)  # a loaded state may have changed fetch or K=V
-        coders = dict(encoder=dispatch_encode, decoder=dispatch_dequantize)
+        coders = dict(encoder=dispatch_encode, recoder=dispatch_recode)
         rope = self.rope if self.rope is not None and self.rope.order.shape[0] == key_dim else None
         self.key_stream = CompressedStream(p.keys, key_dim, rope=rope, **coders)
         self.value_stream = None if value_dim == 0 or p.values is None else CompressedStream(p.values, value_dim,
@@ -595,10 +595,11 @@ class TurboQuantKVCache(_BaseCache):
             self.key_stream.set_protected(True)
         elif key_bits is not None and key_bits != self.key_bits:
             widen = self.key_stream.widen
-            if widen is None or not n_c or key_bits not in range(int(self.key_bits), widen.max_bits + 1):
+            widths = () if widen is None else widen.widths(self.key_bits)
+            if not n_c or key_bits not in widths:
                 raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error and compressed "
-                          f"tokens, up to {WIDEST_KEY_BITS} bits")
-            self.key_stream.set_bits(int(key_bits))
+                          f"tokens, to {', '.join(map(format_bits, widths or (self.key_bits, WIDEST_KEY_BITS)))} bits")
+            self.key_stream.set_bits(check_bits(key_bits, allowed=QUANTIZER_BITS))
         if value_width is not None:
             v = self.value_stream
             if v is None or v.value_sums is None or not n_c or value_width not in range(2, int(self.value_bits) + 1):

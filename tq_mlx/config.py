@@ -123,6 +123,10 @@ class TurboQuantConfig:
     # Needs query weights (weigh_keys) and integer MSE key bits. None: every layer keeps key_bits. AUTO: KEY_ERROR
     # where it applies (auto_key_error), None elsewhere.
     key_error: float | None | str = AUTO
+    # Keys that widen by their error also take the half steps K4.5 and K5.5: the quarter of the channels with the
+    # most energy at the calibration (after the weights) one bit wider, each group rotated on its own (two norms
+    # per token). No effect where keys do not widen (key_error None).
+    key_half_steps: bool = False
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
     # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
     # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the window's
@@ -155,7 +159,7 @@ class TurboQuantConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
-        for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms"):
+        for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps"):
             if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != ("center_keys", "rope"):
                 allowed = "True, False or 'rope'" if name == "center_keys" else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -298,6 +302,7 @@ class TurboQuantConfig:
         d.setdefault("weigh_keys", False)
         d.setdefault("key_error", None)
         d.setdefault("correct_norms", False)
+        d.setdefault("key_half_steps", False)
         for name in ("key_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")

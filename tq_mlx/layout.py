@@ -57,11 +57,12 @@ def decayed_split(n_fresh: int, n_window: int, age: int | None, compress_block: 
     return min(n_fresh, -(-(n_fresh + n_window - age) // compress_block) * compress_block)
 
 
-def widened_decay(decay_bits: int, bits: float, width: float) -> int:
+def widened_decay(decay_bits: int, bits: float, width: float) -> int | float:
     """The bits codes of a stream configured at `bits` and decaying to `decay_bits` decay to once it codes at
     `width` (keys widened by their error): lowered by as many bits as the codes were widened (K4 -> K3 becomes
-    K6 -> K5)."""
-    return int(decay_bits) + int(width) - int(bits)
+    K6 -> K5, and a half step K4.5 -> K3.5: the same channel groups and rotations)."""
+    d = decay_bits + width - bits
+    return int(d) if d == int(d) else float(d)
 
 
 def fresh_bound(age: int, window: int, compress_block: int) -> int:
@@ -239,7 +240,7 @@ def value_error_span(sinks: int, window: int) -> tuple[int, int]:
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
                  protected: bool = False, center: bool = False, rope_pairs: int | None = None, weigh: bool = False,
                  max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1,
-                 widened: int | None = None, narrow: int | None = None) -> int:
+                 widened: float | None = None, narrow: int | None = None) -> int:
     """CompressedStream.nbytes after `tokens` tokens, for a stream built as the cache builds it: quantizer
     (dim, bits, qjl), decay quantizer at decay_bits (None: no decay), center, rope (the channel pairs its RoPE
     rotates, None: no RoPE centering), weigh; batch x heads kv heads.

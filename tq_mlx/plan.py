@@ -36,6 +36,12 @@ class Widen(NamedTuple):
 
     target: float
     max_bits: int
+    step: float = 1  # 0.5 (config.key_half_steps): half steps too, the extra half bit on a quarter of the channels
+
+    def widths(self, bits: float) -> tuple[float, ...]:
+        """Every width keys configured at `bits` may take: bits, then steps of `step` up to max_bits."""
+        n = int(round((self.max_bits - bits) / self.step))
+        return tuple(int(w) if w == int(w) else w for w in (bits + i * self.step for i in range(n + 1)))
 
 
 class Narrow(NamedTuple):
@@ -157,7 +163,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                       center=bool(c.center_keys), rope=rope and c.center_keys == "rope" and not k_eq_v and not latent,
                       weigh=weigh, decay=None if kd is None else (age, kd),
                       protect=Protect(c.protect_factor, c.protect_bits) if protects else None,
-                      widen=Widen(c.key_error, WIDEST_KEY_BITS) if widens else None, **tokens)
+                      widen=Widen(c.key_error, WIDEST_KEY_BITS, 0.5 if c.key_half_steps else 1) if widens else None, **tokens)
     values = None
     if latent:  # the rope key: key bits, centered like keys, decaying at the key's decay bits
         values = StreamPlan("v", kb, False, layer_seed(c.seed, layer_index, 1), center=bool(c.center_keys),
@@ -173,7 +179,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
 
 def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, *, batch: int = 1,
                 float_bytes: int = 2, max_kv_size: int | None = None, rope_pairs: int | None = None,
-                protected: bool = False, key_width: int | None = None, value_width: int | None = None) -> int:
+                protected: bool = False, key_width: float | None = None, value_width: int | None = None) -> int:
     """TurboQuantKVCache.nbytes of a layer built from `plan` after `tokens` tokens (filled in one prefill or
     token by token; bounded caches token by token), each stream priced by layout.stream_bytes.
 

@@ -27,7 +27,7 @@ References (words split as a shell would, so a quoted name holds spaces):
                                                                           values by their error), as the README's †
                                                  bits_real                bits/value the run held at CTX, float
                                                                           parts in the run's float32
-                                                 K5, V2, ...              how many layers took that width on TEXT
+                                                 K5, K4.5, V2, ...        how many layers took that width on TEXT
                                                  protected                the layers whose keys protected themselves
     needle MODEL SETTING LENGTH                the needles that setting found in a LENGTH haystack: "2/3"
     q MODEL NAME FIELD                         a quality.py row (the 1k-token study) by its setting's name; FIELD
@@ -70,7 +70,7 @@ ALLOWED = [
     (r"\b(?:SmolLM2-135M|Qwen2\.5-Coder-[\d.]+B|Llama-3\.1-8B)(?:-Instruct)?", "a model's name"),
     (r"\b20\d\d-\d\d-\d\d\b", "a date"),
     (r"\bissues? \d+(?:(?:, | and )\d+)*", "an issue's number"),
-    (r"(?<![\w.])[KV]\d+(?:\.\d+)?(?:\+qjl)?(?:→\d+)?(?:/V\d+(?:\.\d+)?(?:→\d+)?)?(?![\d.])",
+    (r"(?<![\w.])[KV]\d+(?:\.\d+)?(?:\+qjl)?(?:→\d+(?:\.\d+)?)?(?:/V\d+(?:\.\d+)?(?:→\d+)?)?(?![\d.])",
      "a bit width: K4/V4, K6→5"),
     (r"(?<![\w.])\d+k(?!\w)", "a context length: 16k"),
     (r"\bhead_dim \d+", "a model's head size"),
@@ -180,10 +180,10 @@ def lc_value(stem: str, model: str, setting: str, text: str, ctx: str, field: st
         return f"{bits:.2f}"
     if field == "protected":
         return ", ".join(map(str, cells.get("protected_layers", []))) or "none"
-    width = re.fullmatch(r"([KV])(\d+)", field)
+    width = re.fullmatch(r"([KV])(\d+(?:\.5)?)", field)
     if width:
         part = "key_widths" if width[1] == "K" else "value_widths"
-        return str(sum(b == int(width[2]) for _, b in cells.get(part, [])))
+        return str(sum(b == float(width[2]) for _, b in cells.get(part, [])))
     cell = cells.get(str(ctx_tokens(ctx))) if cells is not None else None
     if not isinstance(cell, dict):
         raise Problem(f"{stem}.json: {model} {setting} has no {text} cell at {ctx}")

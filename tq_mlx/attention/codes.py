@@ -4,6 +4,8 @@
     encode / encode_reference          centering, norm, rotation, Lloyd-Max codes, packing (+ QJL): encode.metal;
                                        encode_dense.metal for channel groups (2.5 / 3.5 bits) and head dims
                                        without a power-of-two WHT (80, 96, 192, ...)
+    recode / recode_reference          codes re-coded at fewer bits in their rotated basis (temporal decay):
+                                       recode.metal
     dequantize / dequantize_reference  codes -> float in the model basis (float fetches, tools and tests;
                                        attention never dequantizes): dequantize.metal, one launch per segment
                                        of decayed codes
@@ -18,6 +20,8 @@ Launch design (grid counts threads; B batch, H kv heads, n tokens, D dims):
                   per group a dense Π_g from device memory (lane i: rows i, i+32, ...), then each packed word
                   built by one lane. Dense rather than padded to a power of two, which would store and read more
                   code bytes for the cache's life; Π_g is read at encode only, never at decode
+    recode        grid 32·N, threadgroup 256: one SIMD group per token, its words staged once; per group the
+                  old centroids' norm (simd_sum), the new indices, then each new word built by one lane
     dequantize    grid 32·B·H·n, threadgroup 256: one SIMD group per token, its words staged once
 Keys centered before RoPE (tq_mlx.models.rope): encode and dequantize see the centered tokens (the stream subtracts and
 adds R(p)μ0 around them).
@@ -31,9 +35,9 @@ from ..quant.packing import packed_words
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
 from ..stream.codec import code_order
-from ..stream.view import StreamView, decode, encode as stream_encode
+from ..stream.view import StreamView, decode, encode as stream_encode, recode as stream_recode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
-from .support import _require, dequantize_unsupported, encode_unsupported, rotation_unsupported
+from .support import _require, dequantize_unsupported, encode_unsupported, recode_unsupported, rotation_unsupported
 
 
 # --------------------------------------------------------------------------- rotation (WHT)
@@ -132,6 +136,37 @@ def _encode_dense(x: mx.array, quantizer: TurboQuantMSE, mean, perm, factory) ->
 
 def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, **_):
     return stream_encode(x, quantizer, mean, perm, scale)
+
+
+# ------------------------------------------------------------------------------------------- recode
+def recode(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE, *, metal_kernel=None) -> MSECodes:
+    """`quantizer`'s codes (leading shape S) as `to` codes them, in their rotated basis (TurboQuantMSE.recode:
+    temporal decay). One SIMD group per token."""
+    _require(recode_unsupported(codes, quantizer, to), "recode")
+    factory = metal_kernel or _default_factory()
+    S = tuple(codes.codes.shape[:-1])
+    N = 1
+    for s in S:
+        N *= s
+    G = len(quantizer.groups)
+    g0, g1, t0, t1 = quantizer.groups[0], quantizer.groups[-1], to.groups[0], to.groups[-1]
+    tables = _tables(quantizer, ("recode", tuple(t.bits for t in to.groups)), lambda: _floats(
+        *[g.centroids for g in quantizer.groups], *[t.boundaries for t in to.groups], *[t.centroids for t in to.groups]))
+    k = _kernel(factory, "recode", ["codes", "norms", "tables"], ["out", "onorms"])
+    out, norms = k(
+        inputs=[mx.contiguous(codes.codes).reshape(N, quantizer.words), mx.contiguous(codes.norms).reshape(N, G), tables],
+        output_shapes=[(N, to.words), (N, G)], output_dtypes=[mx.uint32, to.norm_dtype],
+        grid=(N * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("NT", to.norm_dtype), ("D", quantizer.dim), ("G", G), ("D0", g0.dim), ("B0", g0.bits),
+                  ("B1", g1.bits), ("C0", t0.bits), ("C1", t1.bits), ("W0", g0.words.stop - g0.words.start),
+                  ("W", quantizer.words), ("V0", t0.words.stop - t0.words.start), ("V", to.words),
+                  ("CN", to.correct_norms)],
+    )
+    return MSECodes(_mx(out, mx.uint32).reshape(*S, to.words), _mx(norms, to.norm_dtype).reshape(*S, G))
+
+
+def recode_reference(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE, **_) -> MSECodes:
+    return stream_recode(codes, quantizer, to)
 
 
 # --------------------------------------------------------------------------------------- dequantize

@@ -1,7 +1,7 @@
 """The backend and the dispatchers: whether a kernel or its reference runs, call by call.
 
 `dispatch_attention` (decode_attention for 1..8 query tokens, prefill_attention for more; on views with decayed
-codes both take decode_attention's two passes), `dispatch_encode`, `dispatch_dequantize` and `dispatch_rotate` run
+codes both take decode_attention's two passes), `dispatch_encode`, `dispatch_recode`, `dispatch_dequantize` and `dispatch_rotate` run
 the kernel when the backend is Metal (`set_backend` or TQ_MLX_KERNELS = auto | metal | reference; auto means Metal
 when `mx.metal.is_available()` and the default device is the GPU), the case is supported (support.py) and the
 variant passed its self-check (selfcheck.py); else the reference. Batch views (tq_mlx.batch) run row by row, each
@@ -19,16 +19,17 @@ import numpy as np
 import mlx.core as mx
 
 from .reference import check_learned, keys_are_values, turboquant_attention
-from ..quant.quantizer import TurboQuantProd
+from ..quant.quantizer import MSECodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
 from ..stream.view import StreamView
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
-from .codes import dequantize, dequantize_reference, encode, encode_reference, rotate, rotate_reference
+from .codes import (dequantize, dequantize_reference, encode, encode_reference, recode, recode_reference, rotate,
+                    rotate_reference)
 from .launch import (MAX_QUERY_TOKENS, _Codes, _decayed, _default_factory, _float_dtype, _kv_codes, _mask_kind,
                      _prefill_rows, _rope_pairs, _rows_per_threadgroup, _span_codes)
 from .selfcheck import _codes_mismatch, _mismatch, _normal, _random_mask, _random_view, _random_views, _rng, _self_check
 from .support import (decode_unsupported, dequantize_unsupported, encode_unsupported, prefill_unsupported,
-                      rotation_unsupported)
+                      recode_unsupported, rotation_unsupported)
 
 ENV_VAR = "TQ_MLX_KERNELS"
 BACKENDS = ("auto", "metal", "reference")
@@ -111,6 +112,23 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
         if _self_check("encode", variant, factory, run):
             return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
     return encode_reference(x, quantizer, mean, perm, scale)
+
+
+def dispatch_recode(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE, *, metal_kernel=None) -> MSECodes:
+    """recode on Metal when enabled, supported and self-checked; recode_reference otherwise. A stream's
+    recoder (temporal decay)."""
+    factory = metal_kernel or _factory or _default_factory()
+    if kernels_enabled() and recode_unsupported(codes, quantizer, to) is None:
+        def run():
+            c = encode_reference(_normal(_rng(4), (1, 2, 9, quantizer.dim)), quantizer)
+            return _codes_mismatch(recode(c, quantizer, to, metal_kernel=factory), recode_reference(c, quantizer, to),
+                                   to)
+
+        variant = (quantizer.dim, quantizer.bits, to.bits, len(quantizer.groups), to.correct_norms,
+                   str(codes.norms.dtype), str(to.norm_dtype))
+        if _self_check("recode", variant, factory, run):
+            return recode(codes, quantizer, to, metal_kernel=factory)
+    return recode_reference(codes, quantizer, to)
 
 
 def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=None) -> mx.array:

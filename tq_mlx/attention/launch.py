@@ -44,7 +44,7 @@ _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 # ------------------------------------------------------------------------------------------ sources
 # Beside their launchers, in a checkout and in a wheel alike (package data of tq_mlx.attention).
 _DIRS = (Path(__file__).resolve().parent,)
-KERNEL_NAMES = ("common", "wht", "encode", "encode_dense", "dequantize", "decode_partial", "decode_merge",
+KERNEL_NAMES = ("common", "wht", "encode", "encode_dense", "recode", "dequantize", "decode_partial", "decode_merge",
                 "prefill_attention")
 
 

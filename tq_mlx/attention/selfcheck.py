@@ -120,8 +120,8 @@ def _random_view(rng, quantizer, n_sinks: int, n: int, n_window: int, like: Stre
     decayed = None
     if n_decayed:
         dq = like.decayed.quantizer
-        decayed = StreamView(dq, encode_reference(x[:, :, :n_decayed], dq, mean, None, scale), None, None, mean,
-                             None, scale)
+        decayed = StreamView(dq, encode_reference(x[:, :, :n_decayed], dq, mean, perm, scale), None, None, mean,
+                             perm, scale)  # one channel order at both ages (keys widened by a half step)
     floats = lambda k: _normal(rng, (1, 1, k, D), _float_dtype(like)) if k else None  # noqa: E731
     # keys centered before RoPE: the same pairs, at positions far enough out that the angles are large
     where = dict(rope=like.rope, position=SELF_CHECK_POSITION) if like.rope is not None else {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .reference import keys_are_values
-from ..quant.quantizer import FLOAT_DTYPES, TurboQuantMSE, TurboQuantProd
+from ..quant.quantizer import FLOAT_DTYPES, MSECodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
 from ..stream.view import StreamView
 from .launch import (KERNEL_BITS, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SUPPORTED_DIMS, _mse, _mx_dtype, _rope_pairs,
@@ -89,10 +89,20 @@ def dequantize_unsupported(kv: StreamView) -> str | None:
     return reason
 
 
-def _basis(q) -> tuple | None:
-    """What fixes the rotated basis of a one-group quantizer: its rotation (dim, kind, seed); None for groups."""
-    groups = _mse(q).groups
-    return (groups[0].rotation.dim, groups[0].rotation.kind, groups[0].rotation.seed) if len(groups) == 1 else None
+def _basis(q) -> tuple:
+    """What fixes a quantizer's rotated basis (TurboQuantMSE.basis)."""
+    return _mse(q).basis
+
+
+def recode_unsupported(codes, quantizer, to) -> str | None:
+    """Why `recode` cannot run this case (None: it can)."""
+    if not isinstance(quantizer, TurboQuantMSE) or not isinstance(to, TurboQuantMSE):
+        return "recode takes MSE codes"
+    if quantizer.basis != to.basis:
+        return "another rotated basis"
+    if not isinstance(codes, MSECodes) or codes.codes.shape[-1] != quantizer.words or codes.codes.size == 0:
+        return f"codes of shape {tuple(getattr(getattr(codes, 'codes', None), 'shape', ()))}"
+    return _mse_unsupported(quantizer) or _mse_unsupported(to)
 
 
 def _decay_unsupported(kv: StreamView) -> str | None:
@@ -103,8 +113,8 @@ def _decay_unsupported(kv: StreamView) -> str | None:
         return None
     if not isinstance(d.quantizer, TurboQuantMSE) or isinstance(kv.quantizer, TurboQuantProd):
         return "decayed codes with QJL keys"
-    if kv.perm is not None or d.perm is not None or _basis(d.quantizer) is None or (
-            _basis(d.quantizer) != _basis(kv.quantizer)):
+    if _basis(d.quantizer) != _basis(kv.quantizer) or (d.perm is None) != (kv.perm is None) or (
+            d.perm is not None and d.perm is not kv.perm):  # keys widened by a half step: one channel order
         return "decayed codes in another rotated basis than the fresh codes"
     if d.quantizer.dim != kv.quantizer.dim:
         return f"decayed codes of dim {d.quantizer.dim} for fresh codes of dim {kv.quantizer.dim}"

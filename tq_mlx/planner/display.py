@@ -188,7 +188,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     if config.protect_factor is None:
         parts.append("no key protection")
     if config.key_error is not None:
-        parts.append(f"keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {config.key_error:g}")
+        parts.append(f"keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {config.key_error:g}"
+                     + (", in half steps" if config.key_half_steps else ""))
     if not config.weigh_keys:  # departures from the default's key coding are named, as protection's is
         parts.append("keys not weighed")
     if config.center_keys != "rope":

@@ -95,7 +95,7 @@ def turboquant_layer_bytes(
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
-    weighted: bool | None = None, key_width: int | None = None, value_width: int | None = None,
+    weighted: bool | None = None, key_width: float | None = None, value_width: int | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token): tq_mlx.plan.layer_bytes of the plan of a layer of this kind (latent, K=V,
@@ -146,7 +146,7 @@ def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
     batch: int = 1, dtype: str | None = None, max_kv_size: int | None = None,
-    key_widths: Sequence[int | None] | None = None, value_widths: Sequence[int | None] | None = None,
+    key_widths: Sequence[float | None] | None = None, value_widths: Sequence[int | None] | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
@@ -219,10 +219,10 @@ def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
     return [c.value_width for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
 
 
-def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
+def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[float | None]:
     """Each TurboQuant attention layer's key width chosen by its error (None: it kept its bits, or has not
     calibrated yet), in layer order: estimate_kv_bytes's key_widths for this cache."""
-    return [int(c.key_bits) if c.key_stream is not None and c.key_stream.widened else None
+    return [c.key_bits if c.key_stream is not None and c.key_stream.widened else None
             for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
 
 
@@ -241,7 +241,7 @@ def estimate_mlx_lm_bytes(model_config: dict, ctx: int, *, dtype: str | None = N
 
 
 def planned_saving(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
-                   max_kv_size: int | None = None, key_widths: Sequence[int | None] | None = None,
+                   max_kv_size: int | None = None, key_widths: Sequence[float | None] | None = None,
                    value_widths: Sequence[int | None] | None = None) -> Saving:
     """The Saving a plan shows at ctx: estimate_kv_bytes with `config` (a TurboQuantConfig; None: mlx-lm's float
     cache, which saves nothing; key_widths and value_widths as estimate_kv_bytes takes them) against

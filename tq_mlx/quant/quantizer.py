@@ -41,7 +41,8 @@ from .rotation import Rotation
 
 MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)  # the widths a config takes (config.py validates with check_bits)
 CODE_BITS = (1, 2, 3, 4, 5, 6, 8)  # the whole widths a group of codes takes (packing.SUPPORTED_BITS)
-QUANTIZER_BITS = tuple(sorted({*MSE_BITS, *CODE_BITS}))  # what TurboQuantMSE takes: (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
+KEY_STEP_BITS = (4.5, 5.5)  # the half steps keys widen by (config.key_half_steps): no config's own width
+QUANTIZER_BITS = tuple(sorted({*MSE_BITS, *CODE_BITS, *KEY_STEP_BITS}))  # what TurboQuantMSE takes
 PROD_BITS = (1, 2, 3, 4)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Stored norms: a float dtype, or uint8, a log-scale code of LOG_NORM_STEPS steps per octave around 1 (streams
@@ -252,6 +253,35 @@ class TurboQuantMSE:
         if len(parts) == 1:
             return parts[0]
         return mx.take(mx.concatenate(parts, axis=-1), self._inverse_perm, axis=-1)
+
+    @property
+    def basis(self) -> tuple:
+        """What fixes the rotated basis: each group's (dims, rotation kind, seed), in code order."""
+        return tuple((g.dim, g.rotation.kind, g.rotation.seed) for g in self.groups)
+
+    def recode(self, c: MSECodes, to: "TurboQuantMSE") -> MSECodes:
+        """These codes as `to` codes them (temporal decay: the same groups and rotations at other bits), without
+        leaving the rotated basis: per group, the unit vector c[idx]/‖c[idx]‖ takes to's nearest codes and the
+        norm becomes the decoded vector's, stored·‖c[idx]‖ (divided by ‖c'[idx']‖ if `to` corrects norms). That
+        is to.quantize(self.dequantize(c)) without its two rotations."""
+        if not isinstance(to, TurboQuantMSE) or to.basis != self.basis:
+            raise ValueError(f"recode needs a quantizer of the same groups and rotations {self.basis}, got "
+                             f"{getattr(to, 'basis', type(to).__name__)}")
+        stored = load_norms(c.norms)
+        codes, norms = [], []
+        for i, (t, u) in enumerate(zip(to.groups, self.rotated_units(c))):
+            r = mx.sqrt(mx.sum(u * u, axis=-1, keepdims=True))  # centroids are never all zero: r > 0
+            idx = _quantize_indices(u / r, t.boundaries, t.bits)
+            norm = stored[..., i : i + 1] * r
+            if to.correct_norms:
+                cc = t.centroids[idx]
+                cn = mx.sqrt(mx.sum(cc * cc, axis=-1, keepdims=True))
+                norm = norm / mx.where(cn > 0, cn, 1.0)
+            codes.append(pack(idx, t.bits))
+            norms.append(norm)
+        codes = codes[0] if len(codes) == 1 else mx.concatenate(codes, axis=-1)
+        norms = norms[0] if len(norms) == 1 else mx.concatenate(norms, axis=-1)
+        return MSECodes(codes, saturate(norms, to.norm_dtype))
 
 
 def _split_channels(dim: int, n_hi: int, outliers) -> list[np.ndarray]:

@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 import mlx.core as mx
 
 from ..quant.codebook import lloyd_max
-from ..quant.quantizer import TurboQuantMSE
+from ..quant.quantizer import TurboQuantMSE, split_dims
 from ..models.rope import Rope, centers, pair_mean, rotate
 
 WEIGHT_RANGE = 4.0  # query weights stay within [1/4, 4] of their geometric mean
@@ -89,15 +91,20 @@ def needs_protection(x: mx.array, factor: float) -> bool:
     return mx.max(bias_outlier_factor(x, calibration_mean(x))).item() > factor
 
 
-def outlier_order(x: mx.array, mean: mx.array | None, quantizer) -> mx.array | None:
+def outlier_order(x: mx.array, mean: mx.array | None, quantizer, always: bool = False,
+                  rope: Rope | None = None) -> mx.array | None:
     """Channels per kv head by decreasing mean |x - mean| over batch and finite tokens (the first d/4 get the
-    extra bit of a fractional width); None for quantizers with one channel group."""
-    if not has_channel_order(quantizer):
+    extra bit of a fractional width); None for quantizers with one channel group, unless `always`. With the
+    keys' rope, a RoPE pair's two channels rank together (pair_mean): the position turns a pair's energy from
+    one to the other, so a pair split across the groups would move its energy to the narrower codes later."""
+    if not (always or has_channel_order(quantizer)):
         return None
     if mean is not None:
         x = x - mean[:, :, None, :]
     ok, _ = _finite_tokens(x)
     score = mx.sum(mx.where(ok, mx.abs(x), 0.0), axis=(0, 2))  # a sum ranks channels as the mean does
+    if rope is not None:
+        score = pair_mean(score, rope)
     return mx.argsort(-score, axis=-1).astype(mx.int32)
 
 
@@ -128,6 +135,12 @@ def query_weights(q_sq: mx.array, calib: mx.array, rope: Rope | None) -> mx.arra
     return mx.exp(mx.clip(log_w, -bound, bound)).astype(mx.float32)
 
 
+def channel_reads(queries: mx.array, count: int, weights: mx.array) -> mx.array:
+    """(B, H, D): how much attention reads each channel's code error, mean q_c²/w_c² over the calibration queries
+    (their squares summed over `count` query vectors per kv head) of keys coded times the weights w."""
+    return queries / max(count, 1) / (weights * weights)
+
+
 def logit_error(x: mx.array, weights: mx.array, queries: mx.array, count: int, scale: float | None = None
                 ) -> mx.array:
     """Per (batch, kv head): the RMS error of the attention logits q·k/√D that keys coded with a unit distortion
@@ -141,17 +154,46 @@ def logit_error(x: mx.array, weights: mx.array, queries: mx.array, count: int, s
     ok, n = _finite_tokens(x)
     norm_sq = mx.sum(mx.where(ok, x * x, 0.0), axis=(2, 3)) / mx.maximum(n[..., 0], 1)  # mean ‖x‖² (B, H)
     D = x.shape[-1]
-    read = mx.sum(queries / max(count, 1) / (weights * weights), axis=-1)  # mean Σ_c q_c²/w_c² (B, H)
+    read = mx.sum(channel_reads(queries, count, weights), axis=-1)  # mean Σ_c q_c²/w_c² (B, H)
     return mx.sqrt(norm_sq * read / D) * (D**-0.5 if scale is None else scale)
 
 
-def key_width(unit_error: float, bits: int, max_bits: int, target: float, dim: int) -> int:
-    """The fewest bits from `bits` to `max_bits` whose logit error (unit_error · √D_mse(b), logit_error) is at
-    most `target`; max_bits if none is."""
-    for b in range(int(bits), int(max_bits)):
-        if unit_error * math.sqrt(lloyd_max(dim, b).mse) <= target:
-            return b
+def key_width(unit_error, bits: int, max_bits: int, target: float, dim: int, step: float = 1,
+              split=None) -> float:
+    """The fewest bits from `bits` to `max_bits`, in steps of `step`, whose logit error is at most `target` in
+    every kv head; max_bits if none is. unit_error: a number or an array per kv head (logit_error); a whole
+    width's error is unit_error · √D_mse(b). A half step (b.5: the first d/4 channels of the stream's channel
+    order at ⌊b⌋+1 bits, the rest at ⌊b⌋, each group rotated on its own) errs √(u_0² D_mse(b_0) + u_1² D_mse(b_1)),
+    u_g the unit errors of the two groups, split (..., 2) (group_logit_errors); without split, whole steps only."""
+    u = np.asarray(unit_error, dtype=np.float64)
+    b = float(bits)
+    while b < max_bits:
+        if b == int(b):
+            error = u * math.sqrt(lloyd_max(dim, int(b)).mse)
+        else:
+            (d0, b0), (d1, b1) = split_dims(dim, b)
+            g = np.asarray(split, dtype=np.float64)
+            error = np.sqrt(g[..., 0] ** 2 * lloyd_max(d0, b0).mse + g[..., 1] ** 2 * lloyd_max(d1, b1).mse)
+        if np.max(error) <= target:
+            return int(b) if b == int(b) else b
+        b += step if split is not None else 1
     return int(max_bits)
+
+
+def group_logit_errors(x: mx.array, weights: mx.array, queries: mx.array, count: int, perm: mx.array,
+                       scale: float | None = None) -> mx.array:
+    """(B, H, 2): logit_error's unit errors of a half-step width's two groups, the first d/4 channels of `perm`
+    (H, D) and the rest, each coded on its own: a group's code error is isotropic within it, E e_c² = ‖x_g‖²/d_g
+    per channel, and attention reads it as Σ_{c in g} q_c²/w_c² · ‖x_g‖²/d_g."""
+    ok, n = _finite_tokens(x)
+    D = x.shape[-1]
+    order = mx.broadcast_to(perm[None, :, None, :], x.shape)
+    sq = mx.sum(mx.where(ok, mx.take_along_axis(x, order, axis=-1) ** 2, 0.0), axis=2) / mx.maximum(n, 1)  # (B, H, D)
+    read = mx.take_along_axis(channel_reads(queries, count, weights), mx.broadcast_to(perm[None], sq.shape), axis=-1)
+    d0 = D // 4
+    parts = [mx.sum(sq[..., :d0], axis=-1) * mx.sum(read[..., :d0], axis=-1) / d0,
+             mx.sum(sq[..., d0:], axis=-1) * mx.sum(read[..., d0:], axis=-1) / (D - d0)]
+    return mx.sqrt(mx.stack(parts, axis=-1)) * (D**-0.5 if scale is None else scale)
 
 
 class Calibration(NamedTuple):
@@ -163,28 +205,35 @@ class Calibration(NamedTuple):
     scale: mx.array  # (B, H) float32, a power of two
     weights: mx.array | None  # (B, H, D) float32 with query weights
     error: mx.array | None = None  # (B, H) float32 with query weights: logit_error of the calibration keys
+    split: mx.array | None = None  # (B, H, 2) float32 with `split`: group_logit_errors of the channel order's groups
 
 
 def calibrate(x: mx.array, quantizer, *, center: bool, rope: Rope | None, position: int,
-              queries: mx.array | None, query_count: int = 0, query_scale: float | None = None) -> Calibration:
+              queries: mx.array | None, query_count: int = 0, query_scale: float | None = None,
+              split: bool = False) -> Calibration:
     """The calibration of tokens x (B, H, n, D) float32 at positions position .. position + n - 1, for codes of
     `quantizer`: μ if center (μ0, the mean of the tokens turned back by their RoPE, with a rope), weights from
     the summed squared queries if given (and the keys' logit_error for those `query_count` queries), then the
-    channel order and the scale of the tokens as they will be quantized."""
+    channel order and the scale of the tokens as they will be quantized. split (keys that may widen by half
+    steps): the channel order whatever the quantizer, and its two groups' unit errors."""
     mean = calibration_mean(x) if center else None
     shift = mean  # what is subtracted from every token, in the basis the quantizer sees
     if rope is not None:
         mean = calibration_mean(rotate(x, rope, position, inverse=True))
         x = x - centers(mean, rope, position, x.shape[2])
         shift = None
-    weights = error = None
+    weights = error = groups = None
     if queries is not None:
         weights = query_weights(queries, x if shift is None else x - shift[:, :, None, :], rope)
         x = x * weights[:, :, None, :]
         shift = None if shift is None else shift * weights
         error = logit_error(x if shift is None else x - shift[:, :, None, :], weights, queries, query_count,
                             query_scale)
-    return Calibration(mean, outlier_order(x, shift, quantizer), calibration_scale(x, shift), weights, error)
+    order = outlier_order(x, shift, quantizer, always=split, rope=rope)
+    if split and weights is not None:
+        groups = group_logit_errors(x if shift is None else x - shift[:, :, None, :], weights, queries, query_count,
+                                    order, query_scale)
+    return Calibration(mean, order, calibration_scale(x, shift), weights, error, groups)
 
 
 class PendingCode(NamedTuple):

@@ -11,9 +11,9 @@ window - compress_block + 1 and window tokens). Compressed tokens exist only as 
 is kept anywhere, and `nbytes` is the sum of every array the stream holds.
 
 Temporal decay (`decay` = (age, quantizer)): once the fresh codes and the window hold more than `age` tokens,
-the oldest fresh codes are decoded and re-coded with the decay quantizer, in whole compress blocks, so that at
-most `age` tokens remain at the stream's own bits or in float. Both quantizers have one channel group and one
-seed, so their codes share a rotated basis: attention rotates the query once for both, and the values of both
+the oldest fresh codes are re-coded with the decay quantizer in their rotated basis (recode), in whole compress
+blocks, so that at most `age` tokens remain at the stream's own bits or in float. Both quantizers have the same
+channel groups (one, or two for keys widened by a half step) and seed, so their codes share a rotated basis: attention rotates the query once for both, and the values of both
 accumulate in one basis. Re-coding works in the quantizer's basis (mean, scale and channel order untouched), and
 a token is re-coded exactly once, so the result does not depend on how the tokens were fed. Once tokens decay,
 the fresh code buffer is allocated for the most fresh tokens there can be (`fresh_bound`) and the oldest are
@@ -42,6 +42,8 @@ from __future__ import annotations
 import copy
 from typing import Callable, NamedTuple
 
+import numpy as np
+
 import mlx.core as mx
 
 from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
@@ -52,7 +54,7 @@ from ..plan import StreamPlan
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from ..models.rope import Rope, centers
 from .values import ValueSums
-from .view import StreamView, decode, encode
+from .view import StreamView, encode, recode
 
 
 
@@ -73,8 +75,8 @@ class CompressedStream:
     `rope` is the layer's RoPE where the plan centers keys before it. The sinks and the window keep the dtype of
     the tokens appended (the model's, as mlx-lm's KVCache does), so they overflow exactly when the model does.
     The plan's name ("k" or "v") prefixes the stream's arrays in a cache's state and in error messages.
-    `encoder` has `encode`'s signature and `decoder` `decode`'s; the cache passes the kernel dispatch
-    (tq_mlx.attention.dispatch_encode, dispatch_dequantize).
+    `encoder` has `encode`'s signature and `recoder` `recode`'s (codes, their quantizer, the decay quantizer); the
+    cache passes the kernel dispatch (tq_mlx.attention.dispatch_encode, dispatch_recode).
 
     protect (plan.Protect): deciding reads one number back from the device, once per stream and sequence, at its
     first compression; every later append is graph construction. decay (Decay): temporal decay (the module
@@ -86,7 +88,7 @@ class CompressedStream:
     window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
 
-    def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, decoder: Callable = decode,
+    def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, recoder: Callable = recode,
                  rope: Rope | None = None):
         self.plan = plan
         quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype, plan.correct_norms)
@@ -96,7 +98,7 @@ class CompressedStream:
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
                                   or isinstance(quantizer, TurboQuantProd)):
             raise ValueError(f"stream {name}: decay needs one-group MSE quantizers of one dim and seed")
-        self.quantizer, self.name, self.encoder, self.decoder = quantizer, name, encoder, decoder
+        self.quantizer, self.name, self.encoder, self.recoder = quantizer, name, encoder, recoder
         self.decay = self.base_decay = decay  # decay: that of the width the stream codes at (widen)
         self.decayed = None  # MSECodes buffers (B, H, capacity, ...) of the decay quantizer
         self.base_quantizer, self.protect, self.widen = quantizer, plan.protect, plan.widen
@@ -207,18 +209,24 @@ class CompressedStream:
             # protection: one value read back; a settle keeps the first compression's decision
             if not final and self.protect is not None and self.protect.bits > self.base_quantizer.bits:
                 self.set_protected(needs_protection(calib, self.protect.factor))
+            halves = self.widen is not None and self.widen.step != 1 and not self.protected
             cal = calibrate(calib, self.quantizer, center=self.center, rope=self.rope, position=self._position(0),
                             queries=sums.total if self.weigh else None, query_count=sums.count,
-                            query_scale=sums.scale)
+                            query_scale=sums.scale, split=halves)
             self.mean, self.perm, self.scale, self.weights = cal.mean, cal.perm, cal.scale, cal.weights
             if self.widen is not None and not self.protected:
                 # the width: one value read back once the queries came (a first compression that waits for
                 # them codes at the configured bits and is coded again at the chosen ones when they come)
                 bits = self.base_quantizer.bits
                 if sums.pending is None and cal.error is not None:
-                    bits = key_width(mx.max(cal.error).item(), bits, self.widen.max_bits, self.widen.target,
-                                     self.dim)
+                    errors = np.array(cal.error if cal.split is None else mx.concatenate(
+                        [cal.error[..., None], cal.split], axis=-1))  # every kv head's, read back at once
+                    split = None if cal.split is None else errors[..., 1:]
+                    bits = key_width(errors if split is None else errors[..., 0], bits, self.widen.max_bits,
+                                     self.widen.target, self.dim, self.widen.step, split)
                 self.set_bits(bits)
+                if not has_channel_order(self.quantizer):
+                    self.perm = None  # a whole width: one group, no channel order
             if sums.pending is None:
                 sums.fix()  # the weights are fixed
         new = x[:, :, :n]
@@ -314,8 +322,7 @@ class CompressedStream:
     def _append_decayed(self, codes) -> None:
         """Re-code fresh codes with the decay quantizer (in the quantizer's basis: mean, scale and channel
         order stay as they are) and append them to the decayed codes."""
-        x = self.decoder(StreamView(self.quantizer, codes, None, None, None, None, None), mx.float32)
-        new = self.encoder(x, self.decay.quantizer)
+        new = self.recoder(codes, self.quantizer, self.decay.quantizer)
         self.decayed = appended(self.decayed, self.n_decayed, new, self.step)
         self.n_decayed += new[0].shape[2]
 
@@ -353,7 +360,7 @@ class CompressedStream:
         self.quantizer = remade(q, self.protect.bits) if protected else q
         self.decay = self.base_decay
 
-    def set_bits(self, bits: int) -> None:
+    def set_bits(self, bits: float) -> None:
         """Code at `bits` (widen's choice: plain MSE codes, same seed), decaying by the configured step."""
         q, d = self.base_quantizer, self.base_decay
         self._protected = False
@@ -383,7 +390,7 @@ class CompressedStream:
         decayed = None
         if d:
             decayed = StreamView(self.decay.quantizer, type(self.decayed)(*(a[:, :, :d] for a in self.decayed)),
-                                 None, None, self.mean, None, self.scale, rope=self.rope, position=self._position(0),
+                                 None, None, self.mean, self.perm, self.scale, rope=self.rope, position=self._position(0),
                                  weights=self.weights)
         return StreamView(
             quantizer=self.quantizer,

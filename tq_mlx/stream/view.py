@@ -1,5 +1,5 @@
 """What attention reads of a stream: StreamView (the immutable view of its live tokens, in the token order below),
-and the reference encode and decode of its codes in MLX (the Metal kernels' twins).
+and the reference encode, recode and decode of its codes in MLX (the Metal kernels' twins).
 
 Token order in a stream, and the order of the attention mask's columns:
 
@@ -121,7 +121,7 @@ class StreamView(NamedTuple):
         return self.quantizer.dim
 
 
-# --- reference encode and decode -----------------------------------------------------------------------------------
+# --- reference encode, recode and decode ---------------------------------------------------------------------------
 
 
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
@@ -135,6 +135,11 @@ def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array 
     if perm is not None:
         x = mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
     return quantizer.quantize(x)
+
+
+def recode(codes, quantizer, to):
+    """Codes of `quantizer` re-coded by `to` in their rotated basis (temporal decay; TurboQuantMSE.recode)."""
+    return quantizer.recode(codes, to)
 
 
 def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
