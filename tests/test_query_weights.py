@@ -323,20 +323,29 @@ from tq_mlx.planner.display import bits_summary, describe_config  # noqa: E402
 from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
 
 
+def weighed_sample(seed):
+    """Anisotropic queries (1, 2, 3000, D), their key weights and the weighed keys (1, 2, 2000, D)."""
+    rng = np.random.default_rng(seed)
+    ks, qs = spreads(seed)
+    x = anisotropic(rng, 1, 2, 2000, ks)
+    q = anisotropic(rng, 1, 2, 3000, qs)
+    w = query_weights(mx.sum(q * q, axis=2), x, None)
+    return q, w, x * w[:, :, None]
+
+
+def logit_rms(q, err):
+    """The RMS of 0.3·q·e over 500 queries and every key error e (model basis), per kv head."""
+    return np.sqrt(np.mean(np.asarray(0.3 * (q[:, :, :500] @ err.swapaxes(-1, -2))) ** 2, axis=(2, 3)))
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_logit_error_predicts_the_error_the_codes_give(bits):
     # anisotropic keys and queries, weighed: logit_error x sqrt(D_mse(b)) is the RMS of scale·(q/w)·(k̃ - k) that
     # real codes at b bits give those queries, to the rounding of a sample (and the codes' norm error)
-    rng = np.random.default_rng(3)
-    ks, qs = spreads(3)
-    x = anisotropic(rng, 1, 2, 2000, ks)
-    q = anisotropic(rng, 1, 2, 3000, qs)
-    w = query_weights(mx.sum(q * q, axis=2), x, None)
-    xw = x * w[:, :, None]
+    q, w, xw = weighed_sample(3)
     unit = logit_error(xw, w, mx.sum(q * q, axis=2), 3000, scale=0.3)
     quant = TurboQuantMSE(D, bits, seed=0)
-    err = (quant.dequantize(quant.quantize(xw)) - xw) / w[:, :, None]  # the key error in the model basis
-    measured = np.sqrt(np.mean(np.asarray(0.3 * (q[:, :, :500] @ err.swapaxes(-1, -2))) ** 2, axis=(2, 3)))
+    measured = logit_rms(q, (quant.dequantize(quant.quantize(xw)) - xw) / w[:, :, None])
     predicted = np.asarray(unit) * math.sqrt(lloyd_max(D, bits).mse)
     assert np.allclose(predicted, measured, rtol=0.12), (predicted, measured)
     # the default scale is 1/sqrt(D)
@@ -375,20 +384,14 @@ def test_group_logit_errors_predict_the_error_half_step_codes_give():
     # group's codes, give the RMS logit error that real K4.5 codes (that quarter at 5 bits) give the queries
     from tq_mlx.stream.calibration import group_logit_errors, outlier_order
 
-    rng = np.random.default_rng(5)
-    ks, qs = spreads(5)
-    x = anisotropic(rng, 1, 2, 2000, ks)
-    q = anisotropic(rng, 1, 2, 3000, qs)
-    w = query_weights(mx.sum(q * q, axis=2), x, None)
-    xw = x * w[:, :, None]
+    q, w, xw = weighed_sample(5)
     quant = TurboQuantMSE(D, 4.5, seed=0)
     perm = outlier_order(xw, None, quant)
     u = np.asarray(group_logit_errors(xw, w, mx.sum(q * q, axis=2), 3000, perm, scale=0.3))
     order = mx.broadcast_to(perm[None, :, None, :], xw.shape)
     xp = mx.take_along_axis(xw, order, axis=-1)
     err = mx.take_along_axis(quant.dequantize(quant.quantize(xp)) - xp, mx.argsort(order, axis=-1), axis=-1)
-    err = err / w[:, :, None]
-    measured = np.sqrt(np.mean(np.asarray(0.3 * (q[:, :, :500] @ err.swapaxes(-1, -2))) ** 2, axis=(2, 3)))
+    measured = logit_rms(q, err / w[:, :, None])
     predicted = np.sqrt(u[..., 0] ** 2 * lloyd_max(D // 4, 5).mse + u[..., 1] ** 2 * lloyd_max(3 * D // 4, 4).mse)
     assert np.allclose(predicted, measured, rtol=0.12), (predicted, measured)
     whole = np.asarray(logit_error(xw, w, mx.sum(q * q, axis=2), 3000, scale=0.3)) * math.sqrt(lloyd_max(D, 4).mse)
