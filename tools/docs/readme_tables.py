@@ -287,7 +287,10 @@ def longest_table(res: dict, full: str) -> str:
         parts.append(f"{m['model']} ({m['geometry']['head_dim']}-dim heads) past 16k tokens: KL(float ‖ cache) and ΔPPL over the "
                      "last 512 tokens of each context, bits per value at 32k with the float window and sinks in float16, "
                      "as a Mac holds them († with the layers whose keys protected "
-                     f"themselves or took more bits). The target is KL {TARGET_KL:g}: [{full}#quality-at-long-context]({full}#quality-at-long-context).")
+                     f"themselves or took more bits). The target is KL {TARGET_KL:g}: [{full}#quality-at-long-context]({full}#quality-at-long-context)."
+                     + (" Novel and Manual are set aside: never used to choose a default (the defaults were chosen on "
+                        "Brit, Hamlet, KJV and Code)." if any(f" {lc_table.TEXT_LABEL[t]} " in headers[i]
+                                                              for t in lc_table.SET_ASIDE for i in cols) else ""))
     return "\n\n".join(parts)
 
 
