@@ -355,28 +355,32 @@ def test_logit_error_predicts_the_error_the_codes_give(bits):
 
 def test_key_width_is_the_fewest_bits_whose_error_is_under_the_target():
     e = {b: math.sqrt(lloyd_max(D, b).mse) for b in (3, 4, 5, 6)}
-    assert key_width(1.0, 4, 6, e[4] * 1.01, D) == 4
-    assert key_width(1.0, 4, 6, e[4] * 0.99, D) == 5
-    assert key_width(1.0, 4, 6, e[5] * 0.99, D) == 6
-    assert key_width(1.0, 4, 6, e[6] * 0.5, D) == 6  # none is: the most
-    assert key_width(1.0, 3, 6, e[3] * 1.01, D) == 3
-    assert key_width(1.0, 6, 6, 1e-9, D) == 6
+    assert key_width(1.0, (4, 5, 6), e[4] * 1.01, D) == 4
+    assert key_width(1.0, (4, 5, 6), e[4] * 0.99, D) == 5
+    assert key_width(1.0, (4, 5, 6), e[5] * 0.99, D) == 6
+    assert key_width(1.0, (4, 5, 6), e[6] * 0.5, D) == 6  # none is: the most
+    assert key_width(1.0, (3, 4, 5, 6), e[3] * 1.01, D) == 3
+    assert key_width(1.0, (6,), 1e-9, D) == 6
 
 
 def test_key_width_takes_half_steps_by_the_groups_errors():
+    from tq_mlx.plan import Widen
+
     # a half step (b.5) errs sqrt(u0² D(d/4, b+1) + u1² D(3d/4, b)): with the energy in the first group it
     # comes before the next whole width; without split, whole widths only
     d = {b: lloyd_max(D // 4, b).mse for b in (4, 5, 6)} | {(3, b): lloyd_max(3 * D // 4, b).mse for b in (4, 5)}
+    HALF = Widen(0.1, 6, 0.5).widths(4)
+    assert HALF == (4, 4.5, 5, 5.5, 6) and Widen(0.1, 6).widths(4) == (4, 5, 6)
     u = np.array([[1.0, 1.2]])  # the worst kv head's whole error is its own, not the other's
     split = np.array([[[0.8, 0.5], [1.0, 0.7]]])
     half = math.sqrt(max(0.8**2 * d[5] + 0.5**2 * d[(3, 4)], 1.0**2 * d[5] + 0.7**2 * d[(3, 4)]))
     e4 = 1.2 * math.sqrt(lloyd_max(D, 4).mse)
     assert half < e4
-    assert key_width(u, 4, 6, e4 * 1.01, D, 0.5, split) == 4
-    assert key_width(u, 4, 6, half * 1.01, D, 0.5, split) == 4.5
-    assert key_width(u, 4, 6, half * 1.01, D) == 5  # whole steps
-    assert key_width(u, 4, 6, half * 0.99, D, 0.5, split) == 5
-    assert key_width(u, 4, 6, 1e-9, D, 0.5, split) == 6
+    assert key_width(u, HALF, e4 * 1.01, D, split) == 4
+    assert key_width(u, HALF, half * 1.01, D, split) == 4.5
+    assert key_width(u, (4, 5, 6), half * 1.01, D) == 5  # whole steps
+    assert key_width(u, HALF, half * 0.99, D, split) == 5
+    assert key_width(u, HALF, 1e-9, D, split) == 6
 
 
 def test_group_logit_errors_predict_the_error_half_step_codes_give():

@@ -145,9 +145,7 @@ def recode(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE, *, meta
     _require(recode_unsupported(codes, quantizer, to), "recode")
     factory = metal_kernel or _default_factory()
     S = tuple(codes.codes.shape[:-1])
-    N = 1
-    for s in S:
-        N *= s
+    N = codes.codes.size // quantizer.words
     G = len(quantizer.groups)
     g0, g1, t0, t1 = quantizer.groups[0], quantizer.groups[-1], to.groups[0], to.groups[-1]
     tables = _tables(quantizer, ("recode", tuple(t.bits for t in to.groups)), lambda: _floats(

@@ -89,11 +89,6 @@ def dequantize_unsupported(kv: StreamView) -> str | None:
     return reason
 
 
-def _basis(q) -> tuple:
-    """What fixes a quantizer's rotated basis (TurboQuantMSE.basis)."""
-    return _mse(q).basis
-
-
 def recode_unsupported(codes, quantizer, to) -> str | None:
     """Why `recode` cannot run this case (None: it can)."""
     if not isinstance(quantizer, TurboQuantMSE) or not isinstance(to, TurboQuantMSE):
@@ -113,8 +108,7 @@ def _decay_unsupported(kv: StreamView) -> str | None:
         return None
     if not isinstance(d.quantizer, TurboQuantMSE) or isinstance(kv.quantizer, TurboQuantProd):
         return "decayed codes with QJL keys"
-    if _basis(d.quantizer) != _basis(kv.quantizer) or (d.perm is None) != (kv.perm is None) or (
-            d.perm is not None and d.perm is not kv.perm):  # keys widened by a half step: one channel order
+    if d.quantizer.basis != _mse(kv.quantizer).basis or d.perm is not kv.perm:  # a half step: one channel order
         return "decayed codes in another rotated basis than the fresh codes"
     if d.quantizer.dim != kv.quantizer.dim:
         return f"decayed codes of dim {d.quantizer.dim} for fresh codes of dim {kv.quantizer.dim}"

@@ -158,16 +158,14 @@ def logit_error(x: mx.array, weights: mx.array, queries: mx.array, count: int, s
     return mx.sqrt(norm_sq * read / D) * (D**-0.5 if scale is None else scale)
 
 
-def key_width(unit_error, bits: int, max_bits: int, target: float, dim: int, step: float = 1,
-              split=None) -> float:
-    """The fewest bits from `bits` to `max_bits`, in steps of `step`, whose logit error is at most `target` in
-    every kv head; max_bits if none is. unit_error: a number or an array per kv head (logit_error); a whole
-    width's error is unit_error · √D_mse(b). A half step (b.5: the first d/4 channels of the stream's channel
-    order at ⌊b⌋+1 bits, the rest at ⌊b⌋, each group rotated on its own) errs √(u_0² D_mse(b_0) + u_1² D_mse(b_1)),
-    u_g the unit errors of the two groups, split (..., 2) (group_logit_errors); without split, whole steps only."""
+def key_width(unit_error, widths, target: float, dim: int, split=None) -> float:
+    """The first of `widths` (plan.Widen.widths: ascending) whose logit error is at most `target` in every kv head;
+    the last if none is. unit_error: a number or an array per kv head (logit_error); a whole width's error is
+    unit_error · √D_mse(b). A half step (b.5: the first d/4 channels of the stream's channel order at ⌊b⌋+1 bits,
+    the rest at ⌊b⌋, each group rotated on its own) errs √(u_0² D_mse(b_0) + u_1² D_mse(b_1)), u_g the unit errors
+    of the two groups, split (..., 2) (group_logit_errors)."""
     u = np.asarray(unit_error, dtype=np.float64)
-    b = float(bits)
-    while b < max_bits:
+    for b in widths[:-1]:
         if b == int(b):
             error = u * math.sqrt(lloyd_max(dim, int(b)).mse)
         else:
@@ -175,9 +173,8 @@ def key_width(unit_error, bits: int, max_bits: int, target: float, dim: int, ste
             g = np.asarray(split, dtype=np.float64)
             error = np.sqrt(g[..., 0] ** 2 * lloyd_max(d0, b0).mse + g[..., 1] ** 2 * lloyd_max(d1, b1).mse)
         if np.max(error) <= target:
-            return int(b) if b == int(b) else b
-        b += step if split is not None else 1
-    return int(max_bits)
+            return b
+    return widths[-1]
 
 
 def group_logit_errors(x: mx.array, weights: mx.array, queries: mx.array, count: int, perm: mx.array,

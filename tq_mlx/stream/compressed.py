@@ -13,8 +13,8 @@ is kept anywhere, and `nbytes` is the sum of every array the stream holds.
 Temporal decay (`decay` = (age, quantizer)): once the fresh codes and the window hold more than `age` tokens,
 the oldest fresh codes are re-coded with the decay quantizer in their rotated basis (recode), in whole compress
 blocks, so that at most `age` tokens remain at the stream's own bits or in float. Both quantizers have the same
-channel groups (one, or two for keys widened by a half step) and seed, so their codes share a rotated basis: attention rotates the query once for both, and the values of both
-accumulate in one basis. Re-coding works in the quantizer's basis (mean, scale and channel order untouched), and
+channel groups (one, or two for keys widened by a half step) and seed, so their codes share a rotated basis:
+attention rotates the query once for both, and the values of both accumulate in one basis. Re-coding works in the quantizer's basis (mean, scale and channel order untouched), and
 a token is re-coded exactly once, so the result does not depend on how the tokens were fed. Once tokens decay,
 the fresh code buffer is allocated for the most fresh tokens there can be (`fresh_bound`) and the oldest are
 shifted out in place; decayed codes grow in steps like fresh ones.
@@ -222,8 +222,8 @@ class CompressedStream:
                     errors = np.array(cal.error if cal.split is None else mx.concatenate(
                         [cal.error[..., None], cal.split], axis=-1))  # every kv head's, read back at once
                     split = None if cal.split is None else errors[..., 1:]
-                    bits = key_width(errors if split is None else errors[..., 0], bits, self.widen.max_bits,
-                                     self.widen.target, self.dim, self.widen.step, split)
+                    bits = key_width(errors if split is None else errors[..., 0], self.widen.widths(bits),
+                                     self.widen.target, self.dim, split)
                 self.set_bits(bits)
                 if not has_channel_order(self.quantizer):
                     self.perm = None  # a whole width: one group, no channel order
