@@ -55,6 +55,11 @@ def setting_bits(setting: str) -> float:
     return (BITS[k] + BITS[v]) / 2
 
 
+def label(setting: str) -> str:
+    """A K/V type pair as the table and the peers picture name it."""
+    return f"TurboQuant+ {setting} (K/V)"
+
+
 def parse_output(log: str) -> dict:
     """llama-perplexity --kl-divergence's summary: PPL of the setting and of the base, mean KL and its error, top-1
     agreement; a figure it did not print is an error, not a zero."""
@@ -150,7 +155,7 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
     head = ["cache", "context", "bits/value", "KL", "ΔPPL", "KL against"]
     body = []
     for ctx, cells in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
-        items = [(f"TurboQuant+ {s} (K/V)", setting_bits(s), c["kl"], c["ppl_delta_pct"], "the fork's f16 cache")
+        items = [(label(s), setting_bits(s), c["kl"], c["ppl_delta_pct"], "the fork's f16 cache")
                  for s, c in cells.items() if s != "f16"]
         items += [(r["name"], r["bits"], r["kl"], r["ppl_delta_pct"], "our float cache") for r in ours(int(ctx))]
         for name, bits, kl, dppl, against in sorted(items, key=lambda t: t[1]):

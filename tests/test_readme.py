@@ -250,7 +250,7 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(TOOLS / "plots.py"), "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("kl_vs_bits.png", "memory_vs_context.png"):
+    for name in ("kl_vs_bits.png", "peers_vs_bits.png", "memory_vs_context.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
         assert (REPO / "docs" / name).exists(), f"docs/{name}: run python tools/docs/plots.py"
@@ -269,6 +269,14 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     rows = [r for r in lc["models"]["smollm2"]["rows"] if r["kind"] != "float"
             and any("8192" in c for c in r["texts"].values())]
     assert len(names) == len(rows)
+    # the peers picture: TurboQuant+'s every cell of tqplus.json beside the long-context rows, on its one text
+    inputs = plots.load_inputs()
+    peers = plots.figure_data("peers_vs_bits", inputs)["points"]
+    cells = inputs["tqplus"]["cells"][str(plots.PEERS_CONTEXT)]
+    fork = {(p["name"], p["bits"], p["kl"][plots.PEERS_TEXT]) for p in peers if p["family"] == "TurboQuant+"}
+    assert fork == {(f"TurboQuant+ {s} (K/V)", c["bits"], c["kl"]) for s, c in cells.items() if "kl" in c} != set()
+    assert all(set(p["kl"]) == {plots.PEERS_TEXT} for p in peers)
+    assert lc_settings.DEFAULT.name in {p["name"] for p in peers}
 
 
 # --- every generated picture and example: tools/docs/docs_assets.py ---------------------------------------------
@@ -311,19 +319,19 @@ def test_the_picture_check_catches_a_stale_picture(tmp_path: Path) -> None:
     _docs_assets()  # (puts tools/docs/ on sys.path)
     import plots
 
-    lc, models = plots.load_inputs()
+    inputs = plots.load_inputs()
     for name in plots.FIGURES:
         for ext in (".png", ".json"):
             shutil.copy(REPO / "docs" / f"{name}{ext}", tmp_path / f"{name}{ext}")
-        assert plots.check(name, lc, models, tmp_path) == [], f"docs/{name}.png is stale"
+        assert plots.check(name, inputs, tmp_path) == [], f"docs/{name}.png is stale"
         side = json.loads((tmp_path / f"{name}.json").read_text())
-        key = "key" if name == "kl_vs_bits" else "panels"
+        key = "panels" if name == "memory_vs_context" else "key"
         side[key] = side[key][1:]  # a setting or a model less than the results have
         (tmp_path / f"{name}.json").write_text(json.dumps(side))
-        assert any(repr(key) in p for p in plots.check(name, lc, models, tmp_path))
+        assert any(repr(key) in p for p in plots.check(name, inputs, tmp_path))
         shutil.copy(REPO / "docs" / f"{name}.json", tmp_path / f"{name}.json")
         (tmp_path / f"{name}.png").write_bytes((REPO / "docs" / f"{name}.png").read_bytes() + b"\0")
-        assert any("not the picture" in p for p in plots.check(name, lc, models, tmp_path))
+        assert any("not the picture" in p for p in plots.check(name, inputs, tmp_path))
 
 
 def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@
     python tools/docs/docs_assets.py --only examples  # one part: tables, pictures, examples, screenshot
 
 tables      README's headline tables, docs/benchmarks.md's tables: tools/docs/readme_tables.py (--write / --check)
-pictures    docs/kl_vs_bits.png, docs/memory_vs_context.png and their JSON sidecars: tools/docs/plots.py; --check
+pictures    docs/kl_vs_bits.png, docs/peers_vs_bits.png, docs/memory_vs_context.png and their JSON sidecars: tools/docs/plots.py; --check
             compares the data drawn (points, curves, labels) and the PNG's sha256 with the sidecar, never pixels
 examples    the command outputs shown in docs/, between `<!-- generated-example:NAME:start/end -->` markers: the
             commands run again (tq-chat --plan, tq-generate on the demo model, the distortion table from its JSON);
@@ -439,12 +439,12 @@ def tables(write: bool) -> list[str]:
 def pictures(write: bool) -> list[str]:
     import plots
 
-    lc, models = plots.load_inputs()
+    inputs = plots.load_inputs()
     if write:
         for name in plots.FIGURES:
-            print(f"wrote {plots.draw(name, lc, models, DOCS).relative_to(REPO)} and its .json")
+            print(f"wrote {plots.draw(name, inputs, DOCS).relative_to(REPO)} and its .json")
         return []
-    return [p for name in plots.FIGURES for p in plots.check(name, lc, models)]
+    return [p for name in plots.FIGURES for p in plots.check(name, inputs)]
 
 
 def run(parts: list[str], write: bool) -> list[str]:

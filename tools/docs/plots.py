@@ -1,6 +1,6 @@
 """The pictures in README.md and docs/, drawn from the benchmarks' JSON (matplotlib: `pip install ".[plot]"`).
 
-    python tools/docs/plots.py                 # writes docs/kl_vs_bits.png and docs/memory_vs_context.png
+    python tools/docs/plots.py                 # writes docs/kl_vs_bits.png, peers_vs_bits.png, memory_vs_context.png
     python tools/docs/plots.py --out /tmp/p    # somewhere else
     python tools/docs/plots.py --check         # exit 1 if docs/'s pictures are stale (needs no matplotlib)
 
@@ -12,6 +12,10 @@ picture is as wide as its key, and a picture with a label cut at its edge is not
 kl_vs_bits.png: quality against size at 8k tokens, every cache setting and peer of
 benchmarks/results/long_context.json on SmolLM2-135M: KL(float ‖ cache) against bits per value, the same
 numbers as the long-context table (bits/val @8k, with the layers whose keys protected themselves).
+
+peers_vs_bits.png: the same on Qwen2.5-Coder-1.5B, Britannica, at the context where every peer is measured:
+long_context.json's rows (ours, mlx-lm's, mlx-vlm's) and TurboQuant+'s cells of benchmarks/results/tqplus.json,
+the same scored tokens (the fork's KL against its own f16 cache).
 
 memory_vs_context.png: KV bytes against context for USER_MODELS (from benchmarks/configs/*.json), in float16, in
 mlx-lm's affine 8-bit and 4-bit QuantizedKVCache and with TurboQuant's defaults: tq_mlx.planner.memory.estimate_kv_bytes,
@@ -25,6 +29,7 @@ import hashlib
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 # the docs scripts beside this one, then the benchmarks' modules they render
@@ -34,6 +39,9 @@ import common  # noqa: E402
 
 DOCS = common.REPO / "docs"
 KL_CONTEXT = 8192
+# tqplus.py's cells: one model, one text; the context where every peer has a cell (the fork's turbo cells take
+# hours at 16k on this CPU)
+PEERS_MODEL, PEERS_TEXT, PEERS_CONTEXT = "qwen15", "britannica", 8192
 # The models people asked about (benchmarks/configs has more): the memory picture and the README's headline table.
 USER_MODELS = ["Llama-3.1-70B", "Llama-3.1-8B", "Qwen2.5-14B", "Qwen3-Coder-Next", "Qwen3.5-27B", "Qwen3.5-35B-A3B"]
 MEMORY_CONTEXTS = [1024 * k for k in range(1, 257)]  # 1k .. 256k, every 1k
@@ -68,12 +76,13 @@ STYLE = {  # family: colour, marker size, legend label
     "rotation + affine": ("tab:green", 7, "rotation + affine 4-bit"),
     "mlx-lm affine": ("dimgray", 7, "mlx-lm QuantizedKVCache"),
     "peer": ("tab:orange", 7, "peer: mlx-vlm TurboQuant"),
+    "TurboQuant+": ("tab:purple", 7, "peer: TurboQuant+ (llama.cpp fork)"),
 }
 TEXT_MARKER = {"britannica": "o", "hamlet": "^", "kjv": "s", "code": "D"}
 
 
-def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[dict]:
-    """One entry per setting measured at ctx: name, family, bits/value at ctx, KL per text."""
+def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT, texts: tuple | None = None) -> list[dict]:
+    """One entry per setting measured at ctx (on texts, if given): name, family, bits/value at ctx, KL per text."""
     import long_context_settings as lc_settings
 
     m = lc["models"][model]
@@ -81,7 +90,8 @@ def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[d
     for r in m["rows"]:
         if r["kind"] == "float":
             continue
-        kl = {t: max(c[str(ctx)]["kl"], 1e-5) for t, c in r["texts"].items() if isinstance(c.get(str(ctx)), dict)}
+        cells = {t: c for t, c in r["texts"].items() if texts is None or t in texts}
+        kl = {t: max(c[str(ctx)]["kl"], 1e-5) for t, c in cells.items() if isinstance(c.get(str(ctx)), dict)}
         if not kl:
             continue
         bits = r["bits"].get(str(ctx))
@@ -90,9 +100,17 @@ def kl_points(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> list[d
         if bits is None:
             continue
         if r["kind"] == "tq":
-            bits += lc_settings.protection_bits(r, m["geometry"], ctx)
+            bits += lc_settings.protection_bits(dict(r, texts=cells), m["geometry"], ctx)
         out.append(dict(name=lc_settings.canonical_name(r), family=_family(r), bits=bits, kl=kl))
     return sorted(out, key=lambda p: (p["bits"], p["name"]))
+
+
+def tqplus_points(tq: dict, ctx: int = PEERS_CONTEXT) -> list[dict]:
+    """TurboQuant+'s cells of tqplus.json at ctx, as kl_points gives ours (its f16 base is no point)."""
+    import tqplus
+
+    return [dict(name=tqplus.label(s), family="TurboQuant+", bits=c["bits"], kl={PEERS_TEXT: max(c["kl"], 1e-5)})
+            for s, c in tq.get("cells", {}).get(str(ctx), {}).items() if "kl" in c]
 
 
 # The KL figure's geometry, in inches: the plot keeps its size, the key beside it is as wide as its longest line.
@@ -100,36 +118,48 @@ KL_PLOT = (6.9, 6.2)  # width, height of the plot's axes
 KL_MARGINS = dict(left=0.9, right=0.25, bottom=0.85, top=0.45, gap=0.45)
 KEY_LINE = 0.165  # inches per line of the numbered key (7.8-point monospace)
 KEY_WIDTH = 84  # characters per line of the key; a longer setting name goes on under its start
+FOOT_CHARS = 13  # characters of the 8-point footnote per inch of the picture's width, with room to spare
 
 
 def key_lines(entry: str) -> list[str]:
     """One key entry ("23   5.03  TQ K4/V4 (...)") as the lines drawn: wrapped at KEY_WIDTH, indented under the name."""
-    import textwrap
-
     indent = " " * (len(entry) - len(entry.split("  ", 2)[-1].lstrip()))
     return textwrap.wrap(entry, KEY_WIDTH, subsequent_indent=indent, drop_whitespace=False) or [entry]
 
 
-def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT) -> dict:
+def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT, texts: tuple | None = None,
+              tq: dict | None = None) -> dict:
     """Everything the KL picture draws, as data: the points (number, name, family, bits, KL per text) and every
-    label. docs/kl_vs_bits.json keeps this next to the PNG; `docs_assets.py --check` compares it with now."""
+    label; with tq (tqplus.json), TurboQuant+'s cells among them. docs/<name>.json keeps this next to the PNG;
+    `docs_assets.py --check` compares it with now."""
     import long_context_table as lc_table
 
-    pts = kl_points(lc, model, ctx)
+    pts = kl_points(lc, model, ctx, texts)
+    if tq is not None:
+        pts = sorted(pts + tqplus_points(tq, ctx), key=lambda p: (p["bits"], p["name"]))
     m = lc["models"][model]
     at = lc_table.ctx_label(ctx)
-    texts = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
+    shown = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
+    foot = f"From benchmarks/results/long_context.json ({measured(lc, model)})"
+    if tq is not None:
+        foot += (f" and tqplus.json ({tq['meta']['date'][:10]}), {PEERS_TEXT.capitalize()} only, the same scored "
+                 "tokens: TurboQuant+'s KL against its own f16 cache, the others' against the float cache")
     return {
-        "title": f"{m['model']}: quality against size at {at} tokens",
+        "title": f"{m['model']}: quality against size at {at} tokens" + (", every peer" if tq is not None else ""),
         "xlabel": f"bits per value at {at} tokens, float parts in float16 (16 = float16 cache)",
         "ylabel": "KL(float ‖ cache), nats (lower is better)",
-        "legend": [lab for _, _, lab in STYLE.values()] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in texts],
+        "legend": [STYLE[f][2] for f in families(pts)] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in shown],
         "key_title": f"settings (bits/val @{at}, number as on the plot)",
         "key": [f"{i:>2}  {p['bits']:5.2f}  {p['name']}" for i, p in enumerate(pts, 1)],
-        "footnote": f"From benchmarks/results/long_context.json ({measured(lc, model)}). Bar: the spread over the "
-                    "texts. KL below 1e-5 drawn at 1e-5.",
+        "footnote": foot + (". KL below 1e-5 drawn at 1e-5." if tq is not None else
+                            ". Bar: the spread over the texts. KL below 1e-5 drawn at 1e-5."),
         "points": [dict(n=i, **p) for i, p in enumerate(pts, 1)],
     }
+
+
+def families(pts: list[dict]) -> list[str]:
+    """The families among pts, in STYLE's order: the legend's entries."""
+    return [f for f in STYLE if any(p["family"] == f for p in pts)]
 
 
 def measured(lc: dict, model: str) -> str:
@@ -143,10 +173,9 @@ def measured(lc: dict, model: str) -> str:
         days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}")
 
 
-def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT) -> Path:
-    """Draw kl_figure(lc) to path; every label inside the picture (texts_outside is checked)."""
+def plot_kl(data: dict, path: Path) -> Path:
+    """Draw data (kl_figure's) to path; every label inside the picture (texts_outside is checked)."""
     plt = _pyplot()
-    data = kl_figure(lc, model, ctx)
     pts = data["points"]
     mg = KL_MARGINS
     lines = [(p, line) for p, entry in zip(pts, data["key"]) for line in key_lines(entry)]
@@ -173,13 +202,15 @@ def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT)
     ax.set_ylabel(data["ylabel"], fontsize=11)
     ax.set_title(data["title"], fontsize=12)
     ax.grid(alpha=0.3, which="both")
-    n_styles = len(STYLE)
-    handles = [plt.Line2D([], [], ls="", marker="*" if f == "default" else "o", ms=s * (1.4 if f == "default" else 1),
-                          color=c, label=lab) for (f, (c, s, _)), lab in zip(STYLE.items(), data["legend"])]
+    shown = families(pts)
+    n_styles = len(shown)
+    handles = [plt.Line2D([], [], ls="", marker="*" if f == "default" else "o",
+                          ms=STYLE[f][1] * (1.4 if f == "default" else 1), color=STYLE[f][0], label=lab)
+               for f, lab in zip(shown, data["legend"])]
     handles += [plt.Line2D([], [], ls="", marker=TEXT_MARKER[t], ms=7, color="black", mfc="none", label=lab)
                 for t, lab in zip([t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)],
                                   data["legend"][n_styles:])]
-    ax.legend(handles=handles, fontsize=8.5, loc="lower left", framealpha=0.9)
+    ax.legend(handles=handles, fontsize=8.5, loc="best", framealpha=0.9)  # where it covers the fewest points
     # The numbered key, beside the plot: every setting's full name, so nothing overlaps on the axes.
     key = fig.add_axes([0.5, 0, 0.1, 0.1])
     key.axis("off")
@@ -195,11 +226,12 @@ def plot_kl(lc: dict, path: Path, model: str = "smollm2", ctx: int = KL_CONTEXT)
     key_w = max(t.get_window_extent(renderer).width for t in drawn) / fig.dpi + 0.1
     width = mg["left"] + KL_PLOT[0] + mg["gap"] + key_w + mg["right"]
     fig.set_size_inches(width, height)
+    foot.set_text("\n".join(textwrap.wrap(data["footnote"], int(width * FOOT_CHARS))))
     plot_bottom = mg["bottom"] + (key_h - KL_PLOT[1])
     ax.set_position([mg["left"] / width, plot_bottom / height, KL_PLOT[0] / width, KL_PLOT[1] / height])
     key.set_position([(mg["left"] + KL_PLOT[0] + mg["gap"]) / width, mg["bottom"] / height, key_w / width,
                       key_h / height])
-    foot.set_position((mg["left"] / width, 0.15 / height))
+    foot.set_position((mg["left"] / width, 0.1 / height))
     return save(fig, path)
 
 
@@ -333,23 +365,32 @@ def plot_memory(models: list[dict], path: Path, contexts: list[int] = MEMORY_CON
     return save(fig, path)
 
 
-FIGURES = ("kl_vs_bits", "memory_vs_context")
+FIGURES = ("kl_vs_bits", "peers_vs_bits", "memory_vs_context")
 
 
-def load_inputs(results: Path = common.RESULTS, configs: Path | None = None) -> tuple[dict, list[dict]]:
-    """What the pictures are drawn from: long_context.json and USER_MODELS' entries of benchmarks/configs."""
-    return json.loads((Path(results) / "long_context.json").read_text()), user_models(configs)
+def load_inputs(results: Path = common.RESULTS, configs: Path | None = None) -> dict:
+    """What the pictures are drawn from: long_context.json, tqplus.json and USER_MODELS' entries of
+    benchmarks/configs."""
+    read = lambda name: json.loads((Path(results) / name).read_text())  # noqa: E731
+    return {"long_context": read("long_context.json"), "tqplus": read("tqplus.json"), "models": user_models(configs)}
 
 
-def figure_data(name: str, lc: dict, models: list[dict]) -> dict:
+def figure_data(name: str, inputs: dict) -> dict:
     """The data the picture `name` draws (kl_figure or memory_figure): what its sidecar JSON holds."""
-    return kl_figure(lc) if name == "kl_vs_bits" else memory_figure(models)
+    lc = inputs["long_context"]
+    if name == "kl_vs_bits":
+        return kl_figure(lc)
+    if name == "peers_vs_bits":
+        return kl_figure(lc, PEERS_MODEL, PEERS_CONTEXT, (PEERS_TEXT,), inputs["tqplus"])
+    return memory_figure(inputs["models"])
 
 
-def draw(name: str, lc: dict, models: list[dict], out: Path) -> Path:
+def draw(name: str, inputs: dict, out: Path) -> Path:
     """Write out/<name>.png and its sidecar out/<name>.json (the data drawn and the PNG's sha256)."""
-    png = plot_kl(lc, out / f"{name}.png") if name == "kl_vs_bits" else plot_memory(models, out / f"{name}.png")
-    side = {"png_sha256": hashlib.sha256(png.read_bytes()).hexdigest(), **figure_data(name, lc, models)}
+    data = figure_data(name, inputs)
+    path = out / f"{name}.png"
+    png = plot_memory(inputs["models"], path) if name == "memory_vs_context" else plot_kl(data, path)
+    side = {"png_sha256": hashlib.sha256(png.read_bytes()).hexdigest(), **data}
     sidecar(out / f"{name}.json").write_text(dump_json(side))
     return png
 
@@ -365,7 +406,7 @@ def dump_json(data: dict) -> str:
                   lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
 
 
-def check(name: str, lc: dict, models: list[dict], docs: Path = DOCS) -> list[str]:
+def check(name: str, inputs: dict, docs: Path = DOCS) -> list[str]:
     """What is stale about docs/<name>.png: its sidecar against the data drawn now, the PNG against the sidecar's
     sha256 (pixels are never compared: a matplotlib upgrade does not fail this)."""
     png, side = docs / f"{name}.png", docs / f"{name}.json"
@@ -375,7 +416,7 @@ def check(name: str, lc: dict, models: list[dict], docs: Path = DOCS) -> list[st
     problems = []
     if stored.pop("png_sha256", None) != hashlib.sha256(png.read_bytes()).hexdigest():
         problems.append(f"docs/{name}.png is not the picture docs/{name}.json describes")
-    now = json.loads(json.dumps(figure_data(name, lc, models)))
+    now = json.loads(json.dumps(figure_data(name, inputs)))
     for key in sorted(set(now) | set(stored)):
         if now.get(key) != stored.get(key):
             problems.append(f"docs/{name}.json: {key!r} differs from what the code and results give now")
@@ -384,14 +425,14 @@ def check(name: str, lc: dict, models: list[dict], docs: Path = DOCS) -> list[st
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--results", default=str(common.RESULTS), help="folder with long_context.json")
+    ap.add_argument("--results", default=str(common.RESULTS), help="folder with long_context.json and tqplus.json")
     ap.add_argument("--configs", default=str(common.BENCH_DIR / "configs"), help="folder of model configs")
     ap.add_argument("--out", default=str(DOCS), help="where the PNGs and their JSON go (default docs/)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/'s pictures are stale")
     args = ap.parse_args(argv)
-    lc, models = load_inputs(Path(args.results), Path(args.configs))
+    inputs = load_inputs(Path(args.results), Path(args.configs))
     if args.check:
-        problems = [p for name in FIGURES for p in check(name, lc, models, Path(args.out))]
+        problems = [p for name in FIGURES for p in check(name, inputs, Path(args.out))]
         for p in problems:
             print(p)
         if problems:
@@ -401,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in FIGURES:
-        print(f"wrote {draw(name, lc, models, out)} and its .json")
+        print(f"wrote {draw(name, inputs, out)} and its .json")
 
 
 if __name__ == "__main__":
