@@ -429,6 +429,9 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help=f"comma list of {','.join(BY_KEY)} (default: all, in that "
                     "order; float is always run first, as the reference)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
+    ap.add_argument("--eval-tokens", type=int, default=None,
+                    help="tokens scored at the end of each context, fed as one chunk after the others (default: "
+                         "the chunk; at most the chunk)")
     ap.add_argument("--needles", default="4096,8192", help="needle haystack lengths ('' for none)")
     ap.add_argument("--needle-models", default="smollm2", help="models probed with needles (of --models; default smollm2)")
     ap.add_argument("--needle-settings", default="float,default",
@@ -448,7 +451,9 @@ def main() -> None:
     if q:
         args.models = "smollm2"
     args.chunk = args.chunk or (128 if q else 512)
-    args.eval_tokens = args.chunk
+    args.eval_tokens = args.eval_tokens or args.chunk
+    if not 0 < args.eval_tokens <= args.chunk:
+        raise SystemExit(f"--eval-tokens {args.eval_tokens}: from 1 to the chunk ({args.chunk})")
     sm = [int(x) for x in (args.contexts or ("1024,1152" if q else "1024,2048,4096,8192")).split(",")]
     qw = [int(x) for x in (args.qwen_contexts or "1024,2048,4096").split(",")]
     qw15 = [int(x) for x in args.qwen15_contexts.split(",")]

@@ -173,6 +173,15 @@ def test_long_context_quick(long_context: dict) -> None:
     assert all(r["texts"][t]["protected_layers"] == [] for r in rows.values() if r["kind"] == "tq" for t in m["texts"])
 
 
+def test_long_context_scores_at_most_a_chunk(tmp_path: Path) -> None:
+    # --eval-tokens scores fewer tokens than the chunk feeds (mlx-lm's 2048-token prefill, its last 512 scored);
+    # more than a chunk would score a chunk cut in two: refused with what it takes, before any model loads
+    proc = subprocess.run([sys.executable, str(BENCH / "long_context.py"), "--chunk", "512", "--eval-tokens", "1024",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--eval-tokens 1024: from 1 to the chunk (512)" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Path) -> None:
     # A second run of some rows to a longer context: the merged table has the new column for those rows, keeps
     # every earlier cell as it was, and prices bits at the longest context every measured row reached.
