@@ -59,6 +59,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"old values down to V2 within output error {cfg.value_error:g}")
     if cfg.correct_norms:
         extra.append("norms corrected")
+    if cfg.prefill_as_decode:
+        extra.append("prefill read as decode")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -67,15 +69,15 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?$")
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [h][ve<value error>][nc], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    [h][ve<value error>][nc][pd], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
-    corrected), rotation + affine at other bits and windows (rot2w1700: the
+    corrected; pd: prefill read as decode), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -108,6 +110,8 @@ def parse_setting(key: str) -> Setting:
         over["value_error"] = float(m["verror"])
     if m["nc"]:
         over["correct_norms"] = True
+    if m["pd"]:
+        over["prefill_as_decode"] = True
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in (*PRESET_ROWS, DECAY_V2) if p.config == s.config), s)
 
@@ -142,7 +146,7 @@ def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
     full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
             "weigh_keys": False, "key_error": None, "correct_norms": False, "key_half_steps": False,
-            **stored}
+            "prefill_as_decode": False, **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 

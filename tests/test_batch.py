@@ -294,6 +294,22 @@ def test_batch_generate_equals_generating_alone(request, patched, name, prefill_
         assert [type(c).__name__ for c in r.caches[0]] == ["ArraysCache"] * 3 + ["TurboQuantKVCache"]
 
 
+def test_batch_generate_with_prefill_as_decode_equals_generating_alone(request):
+    # Rows whose prompts compress their own tokens within one prefill chunk read them run by run, each with its
+    # own runs (prefill_as_decode): as they would alone
+    if ran_on_reference_blas(request):
+        return
+    import dataclasses
+
+    model = tq_mlx.patch_model(TINY_MODELS["llama"]()[0], dataclasses.replace(CFG, prefill_as_decode=True))
+    prompts = prompts_of(LENGTHS)
+    r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=12, prefill_step_size=2048,
+                       return_token_ids=True, return_logprobs=True)
+    for p, got, lps in zip(prompts, r.token_ids, r.logprobs):
+        want, want_lps = alone(model, p, 12, prefill_step_size=2048)
+        assert got == want and np.allclose(lps, want_lps, atol=1e-4)
+
+
 def test_batch_generate_continues_prompt_caches_of_different_lengths(patched):
     # Histories of different lengths: merge left-pads them; the caches given are not modified.
     model = patched["qwen3"]

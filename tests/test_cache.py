@@ -214,6 +214,59 @@ def test_chunked_and_one_shot_compress_the_same_tokens():
     assert (one.n_sinks, one.n_coded, one.n_window) == (many.n_sinks, many.n_coded, many.n_window)
 
 
+@pytest.mark.parametrize("weigh", [False, True])
+def test_prefill_as_decode_gives_every_chunking_the_token_by_token_logits(weigh):
+    # prefill_as_decode: each query of a chunk reads what a decode step at its position would (the compressed
+    # tokens a token-by-token cache holds then, the later ones in float), so a prompt fed whole or in chunks
+    # longer than the window gives the logits of feeding it token by token (the same codes: the calibration does
+    # not depend on the feeding; weighed keys widen by their error too). Off, a chunk's first queries read their
+    # neighbours as codes and the logits move.
+    import tq_mlx
+    from tests.support.tiny_models import random_tokens, tiny_llama
+
+    model, _ = tiny_llama()
+    ids = random_tokens(120, seed=1)
+
+    def logits(cfg, lengths):
+        cache, out, a = tq_mlx.make_prompt_cache(model, cfg), [], 0
+        for n in lengths:
+            out.append(model(mx.array(ids[a : a + n])[None], cache=cache)[0])
+            a += n
+        return mx.concatenate(out, axis=0)
+
+    base = dict(window=16, compress_block=4, sinks=2, decay_after=None, weigh_keys=weigh, protect_factor=None)
+    for on in (True, False):
+        cfg = TurboQuantConfig(prefill_as_decode=on, **base)
+        stepped = logits(cfg, [1] * len(ids))
+        for lengths in ([120], [19, 101], [30] * 4):
+            error = mx.abs(logits(cfg, lengths) - stepped).max().item()
+            assert error < 1e-3 if on else error > 0.1, (on, lengths, error)
+
+
+def test_prefill_as_decode_views_by_run():
+    # The views of an update that compressed its own tokens carry them in float (`recent`), and are read in runs:
+    # each run's queries see the compressed tokens a decode step at their position sees, then float up to the
+    # run's last query. Never held: the stream's own view and bytes are those of a cache without the option.
+    from tq_mlx.stream.view import views_by_run
+
+    cfg = TurboQuantConfig(window=16, compress_block=4, sinks=2, prefill_as_decode=True)
+    cache, plain = TurboQuantKVCache(cfg), TurboQuantKVCache(dataclasses.replace(cfg, prefill_as_decode=False))
+    fill(plain, (10, 40))
+    fill(cache, (10,))
+    k, v = cache.update_and_fetch(*next(chunks(np.random.default_rng(1), (40,))))
+    assert k.recent is not None and v.recent is not None and cache.keys_and_values()[0].recent is None
+    # 8 window tokens before (10 - 2 sinks): token i of the update makes a token-by-token window of 8 + i + 1,
+    # which compresses 4 at 17, 21, ... (rows 8, 12, ..., 36)
+    assert k.recent.first == 0 and k.recent.runs[0] == (0, 0) and k.recent.runs[-1] == (36, 32)
+    assert [n for _, n in k.recent.runs] == list(range(0, 33, 4))
+    assert cache.nbytes == plain.nbytes and cache.n_coded == plain.n_coded == 32
+    runs = views_by_run(k, v, 40)
+    assert sum(n for _, n, _, _ in runs) == 40
+    for row, n, kr, vr in runs:
+        assert kr.n_tokens == k.n_tokens - 40 + row + n and kr.recent is None and vr.n_tokens == kr.n_tokens
+        assert kr.n_coded == dict(k.recent.runs)[row]
+
+
 def test_make_mask_like_kvcache():
     c = TurboQuantKVCache(TurboQuantConfig())
     fill(c, (10,))

@@ -285,6 +285,29 @@ def test_dispatch_runs_the_self_checked_prefill_kernel_for_long_chunks(emulator,
     assert len([k for k in status if k[0] == "prefill_attention"]) == 1
 
 
+@pytest.mark.emulator
+def test_dispatch_reads_a_prefill_as_decode_chunk_run_by_run(emulator, monkeypatch):
+    # A chunk that compressed its own tokens (prefill_as_decode) reaches the kernels run by run, each run a plain
+    # view (codes, then float up to its last query): the same output as the reference's runs, on the kernels.
+    monkeypatch.setenv(K.ENV_VAR, "metal")
+    f = Emu()
+    K.set_kernel_factory(f)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, compress_block=16, sinks=4, weigh_keys=False,
+                                               prefill_as_decode=True))
+    rng = np.random.default_rng(0)
+    cache.update_and_fetch(normal(rng, (1, 2, 60, 64), mx.float16), normal(rng, (1, 2, 60, 64), mx.float16))
+    keys, values = cache.update_and_fetch(normal(rng, (1, 2, 50, 64), mx.float16),
+                                          normal(rng, (1, 2, 50, 64), mx.float16))
+    assert len(keys.recent.runs) == 4  # 16 queries a run: the prefill kernel's
+    q = normal(rng, (1, 4, 50, 64), mx.float16)
+    out = K.dispatch_attention(q, keys, values, 0.125, "causal")
+    assert_close(out, K.turboquant_attention(q, keys, values, scale=0.125, mask="causal"), mx.float16)
+    assert "tq_prefill_attention" in {launch.name for launch in f.launches}
+    plain = K.turboquant_attention(q, keys._replace(recent=None), values._replace(recent=None), scale=0.125,
+                                   mask="causal")
+    assert not mx.allclose(out, plain, atol=1e-2)  # the runs read other tokens in float than the held view
+
+
 def test_integer_masks_and_no_codes_take_the_reference_path(monkeypatch):
     monkeypatch.setenv(K.ENV_VAR, "metal")
     never = Counting()

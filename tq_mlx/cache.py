@@ -32,7 +32,7 @@ from .quant.quantizer import FLOAT_DTYPES, QUANTIZER_BITS, TurboQuantProd, check
 from .models.rope import Rope
 from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream.compressed import CompressedStream
-from .stream.view import StreamView
+from .stream.view import StreamView, with_recent
 
 STATE_VERSION = 10
 READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
@@ -371,11 +371,12 @@ class TurboQuantKVCache(_BaseCache):
         sums them for its weights and width (a first compression coded before they came is coded again), then the
         value stream measures, on the keys' view, the error its old values would give at fewer bits. Returns the
         views to attend (keys, values); `values` as given when the value stream learns nothing."""
+        given = keys
         keys = self.key_stream.observe(queries, scale) if self.key_stream.wants_queries else self.key_stream.view()
         v = self.value_stream
         if v is not None and v.wants_queries and isinstance(values, StreamView):
-            values = v.observe(queries, scale, keys)
-        return keys._replace(learn=None), values
+            values = with_recent(v.observe(queries, scale, keys), values.recent)
+        return with_recent(keys, given.recent)._replace(learn=None), values
 
     def keys_and_values(self) -> tuple[StreamView, StreamView]:
         """Views of everything stored, without appending: for models whose KV-shared layers read another

@@ -145,6 +145,12 @@ class TurboQuantConfig:
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
     correct_norms: bool = False  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
     # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding
+    # Each query of a prefill chunk reads the cache as a decode step at its position would: the compressed tokens
+    # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
+    # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
+    # logits do not depend on the prefill chunk (mlx-lm's 2048 against a 768-token window). In caches whose
+    # attention takes views ("codes" fetch); the others read what the cache holds.
+    prefill_as_decode: bool = False
     # Temporal decay: compressed tokens at least decay_after tokens old (counted back from the newest) are
     # re-coded from their codes at decay_key_bits / decay_value_bits (None: that side keeps its bits), in whole
     # compress blocks. None: no decay. Integer bits below the side's own, which must be integer too (the codes
@@ -159,7 +165,8 @@ class TurboQuantConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
-        for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps"):
+        for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps",
+                     "prefill_as_decode"):
             if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != ("center_keys", "rope"):
                 allowed = "True, False or 'rope'" if name == "center_keys" else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -303,6 +310,7 @@ class TurboQuantConfig:
         d.setdefault("key_error", None)
         d.setdefault("correct_norms", False)
         d.setdefault("key_half_steps", False)
+        d.setdefault("prefill_as_decode", False)
         for name in ("key_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")

@@ -82,6 +82,7 @@ class StreamPlan:
     widen: Widen | None = None
     narrow: Narrow | None = None
     correct_norms: bool = False  # norms stored so the decoded vector's norm is exact (config.correct_norms)
+    as_decode: bool = False  # prefill queries read the stream as a decode step would (config.prefill_as_decode)
 
     @property
     def decay_bits(self) -> int | None:
@@ -155,7 +156,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     kd, vd = (None, None) if c.decay_after is None or boundary else (c.decay_key_bits, c.decay_value_bits)
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
-                  norm_bits=c.norm_bits, correct_norms=c.correct_norms)
+                  norm_bits=c.norm_bits, correct_norms=c.correct_norms,
+                  as_decode=c.prefill_as_decode and fetch == "codes")
     weigh = c.weigh_keys and fetch == "codes"
     widens = c.key_error is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
     protects = c.protect_factor is not None and c.protect_bits > kb

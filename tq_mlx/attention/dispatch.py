@@ -18,7 +18,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .reference import check_learned, keys_are_values, turboquant_attention
+from .reference import attention_by_run, check_learned, keys_are_values, turboquant_attention
 from ..quant.quantizer import MSECodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
 from ..stream.view import StreamView
@@ -192,6 +192,9 @@ def dispatch_attention(queries, keys, values, scale, mask=None, sinks=None, *, m
     everything else."""
     if isinstance(keys, StreamView):
         check_learned(keys)
+        if keys.recent is not None:  # each run of the chunk's queries as a decode step reads the cache
+            attend = lambda q, k, v, **kw: dispatch_attention(q, k, v, metal_kernel=metal_kernel, **kw)  # noqa: E731
+            return attention_by_run(attend, queries, keys, values, scale, mask, sinks)
     factory = metal_kernel or _factory or _default_factory()
     kind = _mask_kind(mask) if isinstance(queries, mx.array) else None
     if (kernels_enabled() and isinstance(queries, mx.array) and queries.ndim == 4

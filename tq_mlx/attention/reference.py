@@ -36,7 +36,7 @@ import mlx.core as mx
 from ..quant.quantizer import MSECodes, TurboQuantProd, load_norms
 from ..models.rope import centers, score_bias
 from ..stream.codec import code_order
-from ..stream.view import StreamView
+from ..stream.view import StreamView, views_by_run
 
 TILE_TOKENS = 4096  # compressed tokens read at a time (fewer for long query chunks)
 # Cap on the float32 scores of one tile, (B, n_q_heads, L, tile): long prefill chunks get shorter tiles.
@@ -373,6 +373,18 @@ def check_learned(keys: StreamView) -> None:
                          "attend the views it returns (the attention hook, tq_mlx.hook.fetched_attention, does)")
 
 
+def attention_by_run(attend, queries: mx.array, keys: StreamView, values: StreamView, scale: float, mask=None,
+                     sinks: mx.array | None = None) -> mx.array:
+    """`attend` over views that carry an update's `recent` (config.prefill_as_decode), run by run: each run of
+    queries with the views it reads at decode (tq_mlx.stream.view.views_by_run), its rows and columns of an array
+    mask ("causal" holds in each run as in the whole); the outputs in query order."""
+    out = []
+    for row, n, k, v in views_by_run(keys, values, queries.shape[2]):
+        m = mask[..., row : row + n, : k.n_tokens] if isinstance(mask, mx.array) else mask
+        out.append(attend(queries[:, :, row : row + n], k, v, scale=scale, mask=m, sinks=sinks))
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
 def turboquant_attention(
     queries: mx.array,
     keys: StreamView,
@@ -396,6 +408,8 @@ def turboquant_attention(
         raise TypeError(f"turboquant_attention takes a StreamView, got {type(keys).__name__} (batch views: "
                         f"tq_mlx.batch.batch_view_attention)")
     check_learned(keys)
+    if keys.recent is not None:
+        return attention_by_run(turboquant_attention, queries, keys, values, scale, mask, sinks)
     if values.weights is not None:
         raise ValueError("values view with query weights: only key streams weigh their tokens")
     if keys.n_coded == 0 and 0 < keys.n_tokens and (mask is None or queries.shape[2] <= keys.n_tokens):

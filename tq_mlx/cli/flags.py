@@ -39,7 +39,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_key_half_steps", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_protect",
           "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
 
 
@@ -175,6 +175,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-correct-norms", dest="tq_correct_norms", action="store_true",
                    help="store each compressed token's norm so that its decoded vector keeps the token's norm "
                         f"(the same bytes; lower error at 2-3 bits) (default {d.correct_norms})")
+    g.add_argument("--tq-prefill-as-decode", dest="tq_prefill_as_decode", action="store_true",
+                   help="each query of a prefill chunk reads the cache as a decode step at its position would (the "
+                        "tokens a token-by-token cache holds in float, in float): a prompt's cache and logits do not "
+                        f"depend on the prefill chunk (default {d.prefill_as_decode})")
     g.add_argument("--tq-key-half-steps", dest="tq_key_half_steps", action="store_true",
                    help="keys that widen by their error (--tq-key-error) also take K4.5 and K5.5: the quarter of "
                         "the channels with the most energy one bit wider, in groups rotated on their own "
@@ -288,6 +292,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["correct_norms"] = True
     if getattr(args, "tq_key_half_steps", False):
         kw["key_half_steps"] = True
+    if getattr(args, "tq_prefill_as_decode", False):
+        kw["prefill_as_decode"] = True
     if getattr(args, "tq_no_protect", False):
         if getattr(args, "tq_protect_factor", None) is not None:
             raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")

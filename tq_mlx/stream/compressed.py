@@ -54,7 +54,7 @@ from ..plan import StreamPlan
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from ..models.rope import Rope, centers
 from .values import ValueSums
-from .view import StreamView, encode, recode
+from .view import Recent, StreamView, encode, recode
 
 
 
@@ -107,6 +107,7 @@ class CompressedStream:
         # self.window are their buffers)
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
             plan.sinks, plan.window, plan.compress_block, plan.step, plan.center)
+        self.as_decode = plan.as_decode  # an update's views read as its queries would at decode (views_by_run)
         self.n_sinks = self.n_decayed = self.n_fresh = self.n_window = 0  # tokens held, part by part
         self.codes = None  # MSECodes / ProdCodes buffers (B, H, capacity, ...)
         self.sinks = None  # (B, H, max_sinks, D) the tokens' float dtype
@@ -156,10 +157,12 @@ class CompressedStream:
         return 0 if self.codes is None else self.codes[0].shape[2]
 
     def append(self, x: mx.array) -> StreamView:
-        """Store tokens x (B, H, L, D) and return the view of every live token. Pure graph construction:
-        every branch depends on token counts, never on array values."""
+        """Store tokens x (B, H, L, D) and return the view of every live token (with `recent`, as_decode: the
+        float tokens some of its queries read instead of codes). Pure graph construction: every branch depends on
+        token counts, never on array values."""
         self._settle()
         B, H, L, D = x.shape
+        t = 0
         if self.n_sinks < self.max_sinks:
             t = min(self.max_sinks - self.n_sinks, L)
             if self.sinks is None:
@@ -167,11 +170,24 @@ class CompressedStream:
             self.sinks[:, :, self.n_sinks : self.n_sinks + t] = x[:, :, :t].astype(self.sinks.dtype)
             self.n_sinks += t
             x = x[:, :, t:]
-        if x.shape[2]:
-            self._append_recent(x)
-        return self.view()
+        if not x.shape[2]:
+            return self.view()
+        coded, held = self.n_coded, self.n_window
+        recent = self._append_recent(x)
+        if not self.as_decode or self.n_coded == coded:
+            return self.view()
+        # Queries that a token-by-token cache would show fewer compressed tokens read the rest in float: the
+        # window before this update and the update's own tokens, in this update's views only (never held).
+        counts = [coded] * t + [coded + overflow(held + m, self.max_window, self.compress_block)
+                                for m in range(1, x.shape[2] + 1)]
+        runs = tuple((row, n) for row, n in enumerate(counts) if row == 0 or n != counts[row - 1])
+        if runs == ((0, self.n_coded),):  # every query reads what the stream holds (a decode step)
+            return self.view()
+        return self.view()._replace(recent=Recent(recent.astype(self._float_dtype(x)), coded, runs))
 
-    def _append_recent(self, x: mx.array) -> None:
+    def _append_recent(self, x: mx.array) -> mx.array | None:
+        """Put tokens x after the window, compressing its overflow; returns, when it compressed, the float tokens
+        from the first it compressed on (the window's, then x), else None."""
         W = self.max_window
         total = self.n_window + x.shape[2]
         cap = window_capacity(total, W)
@@ -185,13 +201,14 @@ class CompressedStream:
             self.window[:, :, self.n_window : total] = x.astype(self.window.dtype)
             self.n_window = total
             self._decay_fresh()  # ages grow with every token
-            return
+            return None
         if self.n_window:
             x = mx.concatenate([self.window[:, :, : self.n_window].astype(mx.float32), x.astype(mx.float32)], axis=2)
         self._compress(x, n_c, window_after=total - n_c)
         self.n_window = total - n_c
         if self.n_window:
             self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
+        return x
 
     def _compress(self, x: mx.array, n: int, window_after: int = 0, final: bool = False) -> None:
         """Compress the first n tokens of x (the window's tokens, then the new ones), window_after tokens

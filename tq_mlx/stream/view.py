@@ -26,6 +26,17 @@ class Segment(NamedTuple):
     view: "StreamView"
 
 
+class Recent(NamedTuple):
+    """What a prefill's queries read as a decode step would (config.prefill_as_decode): the float tokens from
+    compressed token `first` on (the window before the update, then the update's own), and per run of the update's
+    queries that a token-by-token cache would show the same compressed tokens, (its first query row, those
+    compressed tokens). Carried by the views of one update only, never held by a stream (views_by_run)."""
+
+    tokens: mx.array  # (B, H, n, D) the model's float dtype
+    first: int
+    runs: tuple[tuple[int, int], ...]
+
+
 class StreamView(NamedTuple):
     """The live tokens of one stream, as attention reads them (update_and_fetch returns one per side).
 
@@ -51,6 +62,9 @@ class StreamView(NamedTuple):
     # widths): the cache's learning step, TurboQuantKVCache.learn(queries, keys, values, scale) -> the views to
     # attend, called once per forward before attention (tq_mlx.batch.learned); attention only reads views.
     learn: Callable | None = None
+    # Set on the views of an update whose chunk compressed tokens its queries would read in float at decode
+    # (config.prefill_as_decode): attention reads the view run by run (views_by_run).
+    recent: Recent | None = None
 
     @property
     def n_sinks(self) -> int:
@@ -122,6 +136,50 @@ class StreamView(NamedTuple):
 
 
 # --- reference encode, recode and decode ---------------------------------------------------------------------------
+
+
+def views_by_run(keys: StreamView, values: StreamView, n_queries: int) -> list[tuple[int, int, StreamView, StreamView]]:
+    """A view pair whose update carries `recent`, as its queries read it at decode: per run, (first query row,
+    rows, the keys' and the values' view holding exactly the tokens those queries read: the sinks, the compressed
+    tokens a token-by-token cache would show them, the later tokens in float, up to the run's last query). Each
+    run's queries are the last rows of its views, so "causal" holds in each as in the whole. n_queries: the update's
+    tokens (the views' last ones)."""
+    runs = keys.recent.runs
+    out = []
+    for i, (row, coded) in enumerate(runs):
+        end = runs[i + 1][0] if i + 1 < len(runs) else n_queries
+        tokens = keys.n_tokens - n_queries + end  # what the run's last query reads
+        out.append((row, end - row, _as_read(keys, coded, tokens), _as_read(values, coded, tokens)))
+    return out
+
+
+def with_recent(view: StreamView, recent: Recent | None) -> StreamView:
+    """A view that a learning step built again, carrying its update's `recent` again: its float tokens then wait
+    for what the view's own float tokens wait for (the sums observe ties to them)."""
+    if recent is None:
+        return view
+    held = view.window if view.window is not None else view.sinks
+    tokens = recent.tokens if held is None else mx.depends(recent.tokens, held)
+    return view._replace(recent=recent._replace(tokens=tokens))
+
+
+def _as_read(view: StreamView, coded: int, tokens: int) -> StreamView:
+    """view cut to its first `tokens` tokens, of which compressed ones from `coded` on come in float from
+    view.recent (the codes-only segments keep their quantizers)."""
+    r = view.recent
+    n_s = min(view.n_sinks, tokens)
+    coded = max(0, min(coded, tokens - n_s))
+    d = min(view.n_decayed, coded)
+    cut = lambda c, n: type(c)(*(a[:, :, :n] for a in c)) if n else None  # noqa: E731
+    decayed = None if not d else view.decayed._replace(codes=cut(view.decayed.codes, d))
+    n_w = tokens - n_s - coded
+    return view._replace(
+        codes=cut(view.codes, coded - d) if view.codes is not None else None,
+        decayed=decayed,
+        sinks=view.sinks[:, :, :n_s] if n_s else None,
+        window=r.tokens[:, :, coded - r.first : coded - r.first + n_w] if n_w else None,
+        recent=None,
+    )
 
 
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
