@@ -12,8 +12,8 @@ TurboQuantConfig(). tests/test_defaults_doc.py runs --check.
 
 References (words split as a shell would, so a quoted name holds spaces):
 
-    lc[:FILE] MODEL SETTING TEXT CTX FIELD    a long_context.py row: FILE long_context (default), value_error or
-                                               chunk2048; SETTING a long_context.py --settings key or spec
+    lc[:FILE] MODEL SETTING TEXT CTX FIELD    a long_context.py row: FILE long_context (default), value_error,
+                                               chunk2048 or prefill2048; SETTING a long_context.py --settings key or spec
                                                ("default", "k4v4w768b128d6144k3v3n8rqe0.1"), "+field=value" after
                                                it for fields a spec cannot spell ("k4v3+center_values=True"); the
                                                row is the one whose config is that setting's; TEXT - is every
