@@ -135,9 +135,6 @@ class StreamView(NamedTuple):
         return self.quantizer.dim
 
 
-# --- reference encode, recode and decode ---------------------------------------------------------------------------
-
-
 def views_by_run(keys: StreamView, values: StreamView, n_queries: int) -> list[tuple[int, int, StreamView, StreamView]]:
     """A view pair whose update carries `recent`, as its queries read it at decode: per run, (first query row,
     rows, the keys' and the values' view holding exactly the tokens those queries read: the sinks, the compressed
@@ -149,7 +146,8 @@ def views_by_run(keys: StreamView, values: StreamView, n_queries: int) -> list[t
     for i, (row, coded) in enumerate(runs):
         end = runs[i + 1][0] if i + 1 < len(runs) else n_queries
         tokens = keys.n_tokens - n_queries + end  # what the run's last query reads
-        out.append((row, end - row, _as_read(keys, coded, tokens), _as_read(values, coded, tokens)))
+        v = _as_read(values, coded, tokens) if isinstance(values, StreamView) else values[:, :, :tokens]  # zero-wide
+        out.append((row, end - row, _as_read(keys, coded, tokens), v))
     return out
 
 
@@ -180,6 +178,9 @@ def _as_read(view: StreamView, coded: int, tokens: int) -> StreamView:
         window=r.tokens[:, :, coded - r.first : coded - r.first + n_w] if n_w else None,
         recent=None,
     )
+
+
+# --- reference encode, recode and decode ---------------------------------------------------------------------------
 
 
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
