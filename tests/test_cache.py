@@ -243,6 +243,19 @@ def test_prefill_as_decode_gives_every_chunking_the_token_by_token_logits(weigh)
             assert error < 1e-3 if on else error > 0.1, (on, lengths, error)
 
 
+def test_decode_runs_end_where_a_token_by_token_window_compresses():
+    # layout.decode_runs in closed form against overflow token by token; without a window no stream reads as decode
+    # (every query reads codes alone, which the plain view's causal mask already gives)
+    from tq_mlx.layout import decode_runs, overflow
+
+    for held, n, W, K in [(h, n, W, K) for W in (1, 4, 16) for K in (1, 4, 16) if K <= W
+                          for h in range(W + 1) for n in range(1, 40)]:
+        counts = [overflow(held + m, W, K) for m in range(1, n + 1)]
+        assert decode_runs(held, n, W, K) == [(r, c) for r, c in enumerate(counts) if r == 0 or c != counts[r - 1]]
+    assert not layer_plan(TurboQuantConfig(window=0, prefill_as_decode=True)).keys.as_decode
+    assert layer_plan(TurboQuantConfig(prefill_as_decode=True)).keys.as_decode
+
+
 def test_prefill_as_decode_views_by_run():
     # The views of an update that compressed its own tokens carry them in float (`recent`), and are read in runs:
     # each run's queries see the compressed tokens a decode step at their position sees, then float up to the

@@ -49,6 +49,18 @@ def overflow(recent: int, window: int, compress_block: int) -> int:
     return recent if window == 0 else -(-(recent - window) // compress_block) * compress_block
 
 
+def decode_runs(held: int, n: int, window: int, compress_block: int) -> list[tuple[int, int]]:
+    """n tokens arriving one by one at a window (> 0) holding `held`: the runs of them over which the window has
+    compressed the same count (overflow), as (first token, that count), in order; a run ends each time a block
+    is compressed."""
+    runs, m = [], 1
+    while m <= n:
+        c = overflow(held + m, window, compress_block)
+        runs.append((m - 1, c))
+        m = window + c - held + 1  # the first token that overflows what is left
+    return runs
+
+
 def decayed_split(n_fresh: int, n_window: int, age: int | None, compress_block: int) -> int:
     """Fresh codes to re-code at the decay bits when the stream holds n_fresh fresh codes and n_window window
     tokens: whole blocks, until at most `age` fresh and window tokens remain (none without decay)."""

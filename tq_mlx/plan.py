@@ -157,7 +157,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
                   norm_bits=c.norm_bits, correct_norms=c.correct_norms,
-                  as_decode=c.prefill_as_decode and fetch == "codes")
+                  # without a window every query reads codes alone: the plain view's causal mask is decode's
+                  as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
     weigh = c.weigh_keys and fetch == "codes"
     widens = c.key_error is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
     protects = c.protect_factor is not None and c.protect_bits > kb

@@ -49,7 +49,7 @@ import mlx.core as mx
 from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
 from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer, remade,
                     moved, quantizer_as_written, read_state, state_arrays)
-from ..layout import decayed_split, fresh_bound, overflow, window_capacity
+from ..layout import decayed_split, decode_runs, fresh_bound, overflow, window_capacity
 from ..plan import StreamPlan
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from ..models.rope import Rope, centers
@@ -178,9 +178,9 @@ class CompressedStream:
             return self.view()
         # Queries that a token-by-token cache would show fewer compressed tokens read the rest in float: the
         # window before this update and the update's own tokens, in this update's views only (never held).
-        counts = [coded] * t + [coded + overflow(held + m, self.max_window, self.compress_block)
-                                for m in range(1, x.shape[2] + 1)]
-        runs = tuple((row, n) for row, n in enumerate(counts) if row == 0 or n != counts[row - 1])
+        runs = [(0, coded)] * bool(t) + [(t + row, coded + c) for row, c in
+                                          decode_runs(held, x.shape[2], self.max_window, self.compress_block)]
+        runs = tuple(r for i, r in enumerate(runs) if i == 0 or r[1] != runs[i - 1][1])
         if runs == ((0, self.n_coded),):  # every query reads what the stream holds (a decode step)
             return self.view()
         return self.view()._replace(recent=Recent(recent.astype(self._float_dtype(x)), coded, runs))
