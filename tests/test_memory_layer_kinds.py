@@ -146,6 +146,12 @@ def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     assert fetch_transient_bytes(MLA_TINY, 4096, None, prefill_step=512) == expansion
     assert fetch_transient_bytes(MLA_TINY, 4096, tq, prefill_step=512) == expansion + 4096 * 576 * 2
     assert estimate_peak_bytes(MLA_TINY, 4096, None, weights=0, prefill_step=512) > expansion
+    # a prefill read as decode joins the window before the chunk and the chunk in float32, cast to float16, per side;
+    # a float-fetch layer (olmo) and a context inside the window have none
+    pd = TurboQuantConfig(prefill_as_decode=True)
+    assert fetch_transient_bytes(llama, 8192, pd) == 2 * (768 + 2048) * (64 + 64) * (4 + 2)
+    assert fetch_transient_bytes(olmo, 8192, pd) == fetch_transient_bytes(olmo, 8192, tq)
+    assert fetch_transient_bytes(llama, 700, pd) == 0
 
 
 @pytest.mark.parametrize("cfg", [TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32),

@@ -336,6 +336,8 @@ def fetch_transient_bytes(model_config: dict, ctx: int, config=None, *, prefill_
       pe_scores (B, n_heads, chunk, T) passed as the mask, in the model's dtype (deepseek_v3.py:152-165).
     * TurboQuant "float" fetch (architectures.FLOAT_FETCH) and the latent fetch at prefill: the layer's cache
       decoded to float, B·H·T·(key_dim + value_dim) in the model's dtype.
+    * A prefill read as decode (the plan's as_decode): the update's recent tokens (the window before the chunk and
+      the chunk, StreamView.recent) joined in float32 and cast to the model's dtype, on each side.
     T is the tokens a prefill chunk attends to: ctx, or with max_kv_size at most max_kv_size - 1 + chunk.
     """
     lay = attention_layout(model_config)
@@ -349,6 +351,10 @@ def fetch_transient_bytes(model_config: dict, ctx: int, config=None, *, prefill_
         out += batch * lay.n_heads * T * lay.latent_expansion * F + batch * lay.n_heads * chunk * T * F
     if config is not None and (lay.fetch == "float" or lay.latent):
         out += batch * lay.n_kv_heads * T * (lay.head_dim + lay.v_head_dim) * F
+    plan = _middle_plan(model_config, config) if config is not None else None
+    if plan is not None and any(s.as_decode for s in plan.streams) and ctx > config.window + config.sinks:
+        recent = min(T, config.window + chunk)
+        out += batch * lay.n_kv_heads * recent * (lay.head_dim + lay.v_head_dim) * (4 + F)
     return out
 
 
