@@ -264,8 +264,9 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
 
 
 def longest_table(res: dict, full: str) -> str:
-    """The presets and the key_error settings at 16k and past it, on the models measured there, before the 8k
-    table: what the memory headline's contexts cost in quality."""
+    """The presets, and the key_error settings that hold the target KL in every cell shown, at 16k and past it, on
+    the models measured there, before the 8k table: what the memory headline's contexts cost in quality (the
+    settings that miss it are in docs/benchmarks.md and DEFAULTS.md)."""
     import long_context_settings as lc_settings
     import long_context_table as lc_table
 
@@ -280,6 +281,9 @@ def longest_table(res: dict, full: str) -> str:
                 and (r[0] in lc_settings.HEADLINE_PRESETS or (named[r[0]].get("config") or {}).get("key_error"))]
         cols = [i for i in cols if any(r[i] != "–" for r in keep)]
         keep = [r for r in keep if any(r[i] != "–" for i in cols)]
+        kl = [i for i in cols if headers[i].startswith("KL")]
+        keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS
+                or all(r[i] == "–" or float(r[i]) <= TARGET_KL for i in kl)]
         if not cols or not keep:
             continue
         at32 = [0, headers.index("bits/val @32k"), *cols]
