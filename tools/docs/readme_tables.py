@@ -279,11 +279,11 @@ def longest_table(res: dict, full: str) -> str:
         named = {lc_settings.canonical_name(r): r for r in m["rows"]}
         keep = [r for r in rows if r[0] in named and named[r[0]]["kind"] == "tq"
                 and (r[0] in lc_settings.HEADLINE_PRESETS or (named[r[0]].get("config") or {}).get("key_error"))]
-        cols = [i for i in cols if any(r[i] != "–" for r in keep)]
-        keep = [r for r in keep if any(r[i] != "–" for i in cols)]
         kl = [i for i in cols if headers[i].startswith("KL")]
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS
                 or all(r[i] == "–" or float(r[i]) <= TARGET_KL for i in kl)]
+        cols = [i for i in cols if any(r[i] != "–" for r in keep)]  # columns only a dropped row filled go too
+        keep = [r for r in keep if any(r[i] != "–" for i in cols)]
         if not cols or not keep:
             continue
         at32 = [0, headers.index("bits/val @32k"), *cols]
