@@ -61,6 +61,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("norms corrected")
     if cfg.prefill_as_decode:
         extra.append("prefill read as decode")
+    if cfg.first_window > cfg.window:
+        extra.append(f"calibrating on {cfg.first_window} tokens")
     if note:
         extra.append(note)
     label = f"TQ {bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)}" + (f" ({', '.join(extra)})" if extra else "")
@@ -69,15 +71,16 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?$")
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [h][ve<value error>][nc][pd], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    [h][ve<value error>][nc][pd][c<calibration tokens>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
-    corrected; pd: prefill read as decode), rotation + affine at other bits and windows (rot2w1700: the
+    corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
+    them), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
     if key in BY_KEY:
         return BY_KEY[key]
@@ -112,6 +115,8 @@ def parse_setting(key: str) -> Setting:
         over["correct_norms"] = True
     if m["pd"]:
         over["prefill_as_decode"] = True
+    if m["calib"]:
+        over["calibration_tokens"] = int(m["calib"])
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in (*PRESET_ROWS, DECAY_V2) if p.config == s.config), s)
 

@@ -214,8 +214,9 @@ def test_chunked_and_one_shot_compress_the_same_tokens():
     assert (one.n_sinks, one.n_coded, one.n_window) == (many.n_sinks, many.n_coded, many.n_window)
 
 
+@pytest.mark.parametrize("calibration", [None, 40])
 @pytest.mark.parametrize("weigh", [False, True])
-def test_prefill_as_decode_gives_every_chunking_the_token_by_token_attention(weigh):
+def test_prefill_as_decode_gives_every_chunking_the_token_by_token_attention(weigh, calibration):
     # prefill_as_decode: each query of a chunk reads what a decode step at its position would (the compressed
     # tokens a token-by-token cache holds then, the later ones in float), so a prompt fed whole or in chunks
     # longer than the window attends as it would fed token by token (the same codes: the calibration does not
@@ -238,7 +239,9 @@ def test_prefill_as_decode_gives_every_chunking_the_token_by_token_attention(wei
             a += n
         return mx.concatenate(out, axis=2)
 
-    base = dict(window=16, compress_block=4, sinks=2, decay_after=None, weigh_keys=weigh, protect_factor=None)
+    # calibration 40: the first compression waits for 40 tokens after the sinks, and the window holds 16 after it
+    base = dict(window=16, compress_block=4, sinks=2, decay_after=None, weigh_keys=weigh, protect_factor=None,
+                calibration_tokens=calibration)
     for on in (True, False):
         cfg = TurboQuantConfig(prefill_as_decode=on, **base)
         stepped = attended(cfg, [1] * T)
@@ -252,10 +255,12 @@ def test_decode_runs_end_where_a_token_by_token_window_compresses():
     # (every query reads codes alone, which the plain view's causal mask already gives)
     from tq_mlx.layout import decode_runs, overflow
 
-    for held, n, W, K in [(h, n, W, K) for W in (1, 4, 16) for K in (1, 4, 16) if K <= W
-                          for h in range(W + 1) for n in range(1, 40)]:
-        counts = [overflow(held + m, W, K) for m in range(1, n + 1)]
-        assert decode_runs(held, n, W, K) == [(r, c) for r, c in enumerate(counts) if r == 0 or c != counts[r - 1]]
+    # first: the calibration tokens a window that has compressed nothing yet waits for
+    for held, n, W, K, first in [(h, n, W, K, f) for W in (1, 4, 16) for K in (1, 4, 16) if K <= W
+                                 for f in (0, W + 5, 2 * W + 3) for h in range(max(W, f) + 1) for n in range(1, 40)]:
+        counts = [overflow(held + m, W, K, first) for m in range(1, n + 1)]
+        assert decode_runs(held, n, W, K, first) == [(r, c) for r, c in enumerate(counts)
+                                                     if r == 0 or c != counts[r - 1]]
     assert not layer_plan(TurboQuantConfig(window=0, prefill_as_decode=True)).keys.as_decode
     assert layer_plan(TurboQuantConfig(prefill_as_decode=True)).keys.as_decode
 

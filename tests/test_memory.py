@@ -301,6 +301,8 @@ LAYOUT_SWEEP = {
     "keys widened to 6": dict(window=24, compress_block=8, sinks=3, step=16, decay_after=40, key_error=0.03),
     "keys widened to 5": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16,
                               decay_after=None, key_error=0.07),
+    # the first compression waits for 30 tokens (held in float), the window holds 8 from then on
+    "calibration tokens": dict(window=8, compress_block=4, sinks=2, step=16, decay_after=40, calibration_tokens=30),
 }
 
 
@@ -311,9 +313,8 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
     # is (sinks, decayed, fresh, window, dropped), stream_bytes what each stream holds, turboquant_layer_bytes and
     # estimate_kv_bytes what the cache holds, byte for byte; and the same after one prefill (unbounded)
     cfg = TurboQuantConfig(protect_factor=None, **LAYOUT_SWEEP[name])
-    K = cfg.compress_block_size
-    if M is not None and M < cfg.sinks + cfg.window + K - 1:
-        M = cfg.sinks + cfg.window + K - 1  # the least bound the cache takes
+    if M is not None and M < cfg.bound_floor:
+        M = cfg.bound_floor  # the least bound the cache takes
     H, D, n_max = 2, 64, 150
     model = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D}
     decays = [b is not None for b in layer_plan(cfg, 0, None).decay_bits]
@@ -432,13 +433,18 @@ def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
     from tq_mlx.config import derive_config, fit_max_kv_size
 
     for base in (TurboQuantConfig(), TurboQuantConfig.preset("compact"), TurboQuantConfig(window=0, sinks=2),
-                 TurboQuantConfig(window=64, compress_block=16)):
+                 TurboQuantConfig(window=64, compress_block=16), TurboQuantConfig(window=128, calibration_tokens=768)):
         fitted = fit_max_kv_size(base, M)
-        least = base.sinks + base.window + base.compress_block_size - 1
-        if least <= M:
+        if base.bound_floor <= M:
             assert fitted == base
             continue
         assert check_max_size(M, fitted) == M  # a cache bounded to M takes the fitted config
+        least = base.sinks + base.window + base.compress_block_size - 1
+        if least <= M:  # the window fits: the calibration tokens come down to what the bound holds
+            assert fitted == dataclasses.replace(base, calibration_tokens=M - base.sinks - base.compress_block_size + 1)
+            assert fitted.bound_floor == M
+            continue
+        assert fitted.calibration_tokens is None
         K = fitted.compress_block_size
         if base.window and K > 1:  # the largest window that leaves one block of compressed tokens next to it
             assert fitted.sinks + fitted.window + 2 * K - 1 == M
@@ -447,8 +453,8 @@ def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
         assert fitted.sinks == min(base.sinks, M) and fitted.window <= base.window
         assert fitted.compress_block_size <= max(fitted.window, 1)
         # nothing else changes
-        assert dataclasses.replace(fitted, sinks=base.sinks, window=base.window,
-                                   compress_block=base.compress_block) == base
+        assert dataclasses.replace(fitted, sinks=base.sinks, window=base.window, compress_block=base.compress_block,
+                                   calibration_tokens=base.calibration_tokens) == base
     # derive_config is where the commands fit it; the library's explicit config is refused, naming the way out
     assert derive_config("default", max_kv_size=M) == fit_max_kv_size(TurboQuantConfig(), M)
     if M < 899:

@@ -18,6 +18,8 @@ from tq_mlx.prompt_cache.resume import (LayerCounts, StreamCounts, cache_counts,
                            resume_point)
 
 CFG = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96)
+# the first compression waits for 100 tokens and calibrates on them; the window holds 32 from then on
+CALIBRATED = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96, calibration_tokens=100)
 
 
 @pytest.fixture(scope="module")
@@ -45,34 +47,35 @@ def tokens(n, seed):
     return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
-def hit(model, held_tokens, prompt, how="resume"):
+def hit(model, held_tokens, prompt, how="resume", config=CFG):
     """The cache for `prompt` made from one of held_tokens: trimmed to the resume point (how="resume") or to the
     common prefix as mlx-lm trims (how="common"), then fed the rest."""
-    cache, _ = fed(model, held_tokens)
+    cache, _ = fed(model, held_tokens, config=config)
     common = next((i for i, (a, b) in enumerate(zip(held_tokens, prompt)) if a != b), min(len(held_tokens),
                                                                                           len(prompt)))
     point = resume(cache, len(held_tokens), common, len(prompt)) if how == "resume" else min(common, len(prompt) - 1)
     cache = copy.deepcopy(cache)
     for c in cache:
         c.trim(len(held_tokens) - point)
-    return fed(model, prompt[point:], cache), point, common
+    return fed(model, prompt[point:], cache, config), point, common
 
 
 BASE = tokens(400, 0)
 KINDS = {
     # name: (the held cache's tokens, the new prompt)
     "a shorter cache": (BASE[:200], BASE[:200] + tokens(40, 1)),
-    "a trim inside the window": (BASE[:70] + tokens(10, 2), BASE[:70] + tokens(30, 3)),
+    "a trim inside the window": (BASE[:150] + tokens(10, 2), BASE[:150] + tokens(30, 3)),
     "a trim into the codes": (BASE[:150] + tokens(60, 4), BASE[:150] + tokens(20, 5)),
     "a trim into decayed codes": (BASE[:300] + tokens(100, 6), BASE[:250] + tokens(30, 7)),
 }
 
 
+@pytest.mark.parametrize("config", [CFG, CALIBRATED], ids=["window", "calibration tokens"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_cache_resumed_at_its_point_holds_what_a_fresh_prefill_holds(model, kind):
+def test_a_cache_resumed_at_its_point_holds_what_a_fresh_prefill_holds(model, kind, config):
     held, prompt = KINDS[kind]
-    (cache, logits), point, common = hit(model, held, prompt)
-    fresh, fresh_logits = fed(model, prompt)
+    (cache, logits), point, common = hit(model, held, prompt, config=config)
+    fresh, fresh_logits = fed(model, prompt, config=config)
     assert 4 < point <= common and point < len(prompt)
     assert parts(cache) == parts(fresh), (point, common)
     assert cache[0].offset == fresh[0].offset == len(prompt)
@@ -107,6 +110,9 @@ def test_no_point_where_the_calibration_is_not_shared_or_still_learning(model):
     held = BASE[:200]
     cache, _ = fed(model, held)
     assert resume(cache, 200, 30, 240) == 0
+    # calibrated on the first 100 tokens after the sinks: a prompt that shares 60 cannot keep the codes
+    assert resume(cache, 200, 60, 240) > 0
+    assert resume(fed(model, held, config=CALIBRATED)[0], 200, 60, 240) == 0
     short, _ = fed(model, BASE[:30])  # 30 < sinks + window: nothing compressed, the queries still being summed
     assert all(lay.streams[0].learns for lay in cache_counts(short))  # the key streams (the values weigh nothing)
     assert resume(short, 30, 20, 60) == 0
@@ -125,6 +131,6 @@ def test_counts_round_trip_through_json_and_refuse_garbage(model):
     counts = cache_counts(cache)
     assert counts_from_json(counts_to_json(counts)) == counts
     assert all(isinstance(s, StreamCounts) for lay in counts for s in lay.streams)
-    for bad in ([[1, None, [[1, 2, 3]]]], [[1, None, [[-1, 0, 0, 0, 4, 32, 16, None, 0]]]], "x", [[1, "big", []]]):
+    for bad in ([[1, None, [[1, 2, 3]]]], [[1, None, [[-1, 0, 0, 0, 4, 32, 32, 16, None, 0]]]], "x", [[1, "big", []]]):
         with pytest.raises(ValueError):
             counts_from_json(bad)

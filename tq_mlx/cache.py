@@ -577,8 +577,9 @@ class TurboQuantKVCache(_BaseCache):
         if n_dropped and self.max_size is None:
             raise bad(f"{n_dropped} dropped tokens without a max_size")
         self.n_dropped = n_dropped
-        if n_s > config.sinks or n_w > config.window:
-            raise bad(f"{n_s} sinks / {n_w} window tokens exceed the config's {config.sinks} / {config.window}")
+        window = config.window if calibrated else config.first_window  # the calibration tokens wait in the window
+        if n_s > config.sinks or n_w > window:
+            raise bad(f"{n_s} sinks / {n_w} window tokens exceed the config's {config.sinks} / {window}")
         if calibrated != (n_c > 0):
             raise bad("compressed tokens without calibration" if n_c else "calibration without compressed tokens")
         if protected and not (n_c and config.protect_factor is not None):

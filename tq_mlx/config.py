@@ -112,6 +112,10 @@ class TurboQuantConfig:
     window: int = 768  # recent tokens kept in the model's float dtype (0: compress every token at once)
     compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
     # the window if smaller (COMPRESS_BLOCK)
+    # The first compression waits for this many tokens after the sinks and calibrates on them (the keys' mean,
+    # scales, query weights, widths and protection): a window smaller than the calibration holds them in float
+    # until then, and its own size from then on. None (or at most the window): the window's tokens.
+    calibration_tokens: int | None = None
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
@@ -190,6 +194,8 @@ class TurboQuantConfig:
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
             check_int(name, getattr(self, name), low)
+        if self.calibration_tokens is not None:
+            check_int("calibration_tokens", self.calibration_tokens, 1)
         if self.compress_block is not None:
             check_int("compress_block", self.compress_block, 1)
             if self.window and self.compress_block > self.window:
@@ -290,10 +296,17 @@ class TurboQuantConfig:
         return self.compress_block if self.compress_block is not None else min(max(self.window, 1), COMPRESS_BLOCK)
 
     @property
+    def first_window(self) -> int:
+        """The most tokens the window holds before the first compression, which calibrates on them: the window, or
+        calibration_tokens when that is larger."""
+        return max(self.window, self.calibration_tokens or 0)
+
+    @property
     def bound_floor(self) -> int:
-        """The least max_kv_size a cache of this config takes: sinks + window + compress_block - 1 (the float
-        sinks and window are never dropped, and a bound drops whole compress blocks)."""
-        return self.sinks + self.window + self.compress_block_size - 1
+        """The least max_kv_size a cache of this config takes: sinks + first_window + compress_block - 1 (the float
+        sinks and window are never dropped, nothing is compressed before the calibration tokens came, and a bound
+        drops whole compress blocks)."""
+        return self.sinks + self.first_window + self.compress_block_size - 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -394,7 +407,8 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
     config with the window and the compress block shrunk in their proportion until the bound holds the sinks, the
     window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
     holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
-    (below the sinks: as many sinks as the bound, no window). The library's make_prompt_cache keeps an explicit
+    (below the sinks: as many sinks as the bound, no window). Calibration tokens the bound cannot hold come down to
+    what it holds first (all of them: None when the window shrinks). The library's make_prompt_cache keeps an explicit
     config as given and refuses a bound below it; derive_config(max_kv_size=...) fits."""
     if max_kv_size is None:
         return config
@@ -402,6 +416,8 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
     block = config.compress_block_size
     if config.bound_floor <= max_kv_size:
         return config
+    if config.sinks + config.window + block - 1 <= max_kv_size:  # the window fits: calibrate on what the bound holds
+        return dataclasses.replace(config, calibration_tokens=max_kv_size - config.sinks - block + 1)
     sinks = min(config.sinks, max_kv_size)
     room = max_kv_size - sinks + 1  # window + 2 blocks
     if config.window == 0:
@@ -411,7 +427,7 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
         window = room - 2 * block
         if window < block:  # too small for two blocks next to a window: a window and blocks of 1
             window, block = room - 1, 1
-    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block,
+    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block, calibration_tokens=None,
                                value_error=config.value_error if window >= 3 else None)
 
 
@@ -421,8 +437,10 @@ def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:
     least = config.bound_floor
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < least:
         raise ValueError(
-            f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + window + compress_block "
-            f"- 1 = {least} tokens (the float sinks and window are never dropped); raise it, or lower the window "
+            f"max_kv_size={max_size!r}: a bounded TurboQuant cache needs at least sinks + "
+            f"{'calibration_tokens' if config.first_window > config.window else 'window'} + compress_block - 1 = "
+            f"{least} tokens (the float sinks and window are never dropped, nor anything before the first "
+            f"compression); raise it, or lower the window "
             f"(tq_mlx.config.fit_max_kv_size gives the config that fits, as the commands' --max-kv-size does)"
         )
     return max_size

@@ -30,34 +30,39 @@ FLOAT32 = 4  # bytes of the float32 and int32 arrays a stream holds (μ, scale, 
 # --- the stream's rules ------------------------------------------------------------------------------------
 
 
-def window_capacity(recent: int, window: int) -> int:
+def window_capacity(recent: int, window: int, first: int = 0) -> int:
     """Tokens the float window buffer holds once `recent` tokens have arrived after the sinks: steps of
-    WINDOW_STEP while they fit in the window, the whole window from the first compression on. A function of
-    the token count alone, so a short chat holds only what it uses and tq_mlx.planner.memory stays exact."""
-    if window == 0 or recent <= 0:
+    WINDOW_STEP while they fit before the first compression (up to max(window, first): `first` is the calibration
+    tokens the first compression waits for, config.first_window), the window from the first compression on. A
+    function of the token count alone, so a short chat holds only what it uses and tq_mlx.planner.memory stays
+    exact."""
+    limit = max(window, first)
+    if limit == 0 or recent <= 0:
         return 0
-    if recent > window:
+    if recent > limit:
         return window
-    return min(window, -(-recent // WINDOW_STEP) * WINDOW_STEP)
+    return min(limit, -(-recent // WINDOW_STEP) * WINDOW_STEP)
 
 
-def overflow(recent: int, window: int, compress_block: int) -> int:
-    """Tokens compressed when the window holds `recent` tokens: none while they fit, else whole blocks until
-    what is left fits (everything when window is 0)."""
-    if recent <= window:
+def overflow(recent: int, window: int, compress_block: int, first: int = 0) -> int:
+    """Tokens compressed when the window holds `recent` tokens: none while they fit (before the first compression,
+    while they fit in max(window, first)), else whole blocks until what is left fits the window (everything
+    when window is 0). Counted from the first token after the sinks, it is the tokens ever compressed."""
+    if recent <= max(window, first):
         return 0
     return recent if window == 0 else -(-(recent - window) // compress_block) * compress_block
 
 
-def decode_runs(held: int, n: int, window: int, compress_block: int) -> list[tuple[int, int]]:
+def decode_runs(held: int, n: int, window: int, compress_block: int, first: int = 0) -> list[tuple[int, int]]:
     """n tokens arriving one by one at a window (> 0) holding `held`: the runs of them over which the window has
     compressed the same count (overflow), as (first token, that count), in order; a run ends each time a block
-    is compressed."""
+    is compressed. first: the calibration tokens the first compression waits for, where nothing is compressed
+    yet (0: the window's)."""
     runs, m = [], 1
     while m <= n:
-        c = overflow(held + m, window, compress_block)
+        c = overflow(held + m, window, compress_block, first)
         runs.append((m - 1, c))
-        m = window + c - held + 1  # the first token that overflows what is left
+        m = (window if c else max(window, first)) + c - held + 1  # the first token that overflows what is left
     return runs
 
 
@@ -113,7 +118,7 @@ def _steps(n: int, step: int) -> int:
 def _split(config, tokens: int) -> tuple[int, int, int]:
     """(sinks, ever compressed, window) after `tokens` tokens, before any drop or decay."""
     s = min(tokens, config.sinks)
-    c = overflow(tokens - s, config.window, config.compress_block_size)
+    c = overflow(tokens - s, config.window, config.compress_block_size, config.first_window)
     return s, c, tokens - s - c
 
 
@@ -167,7 +172,7 @@ def buffer_layout(config, tokens: int, max_kv_size: int | None = None, *, decayi
         return Layout(0, 0, 0, 0)
     step, K, M = config.step, config.compress_block_size, max_kv_size
     s, c, w = _split(config, tokens)
-    window = window_capacity(tokens - s, config.window)
+    window = window_capacity(tokens - s, config.window, config.first_window)
     bounded = M is not None and tokens > M
     before = M + (tokens - 1 - M) // K * K if bounded else tokens  # tokens fed before the last drop
     A = _age(config, tokens, M, decaying)

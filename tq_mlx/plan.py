@@ -83,6 +83,12 @@ class StreamPlan:
     narrow: Narrow | None = None
     correct_norms: bool = False  # norms stored so the decoded vector's norm is exact (config.correct_norms)
     as_decode: bool = False  # prefill queries read the stream as a decode step would (config.prefill_as_decode)
+    first_window: int = 0  # the tokens the first compression waits for and calibrates on, if more than the window
+
+    @property
+    def calibration(self) -> int:
+        """Tokens after the sinks the first compression waits for and calibrates on (config.first_window)."""
+        return max(self.window, self.first_window)
 
     @property
     def decay_bits(self) -> int | None:
@@ -155,7 +161,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
         c.key_bits, c.value_bits)
     kd, vd = (None, None) if c.decay_after is None or boundary else (c.decay_key_bits, c.decay_value_bits)
     age = c.decay_after
-    tokens = dict(sinks=c.sinks, window=c.window, compress_block=c.compress_block_size, step=c.step,
+    tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
+                  step=c.step,
                   norm_bits=c.norm_bits, correct_norms=c.correct_norms,
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)

@@ -28,6 +28,7 @@ _FIELDS = {
     "tq_value_bits": "value_bits",
     "tq_window": "window",
     "tq_compress_block": "compress_block",
+    "tq_calibration_tokens": "calibration_tokens",
     "tq_sinks": "sinks",
     "tq_boundary_layers": "boundary_layers",
     "tq_boundary_bits": "boundary_bits",
@@ -130,6 +131,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "every token)")
     g.add_argument("--tq-compress-block", "--tq-block", dest="tq_compress_block", type=count_arg(1), metavar="N",
                    help="tokens compressed at a time when the window overflows (default: 128, or the window if smaller)")
+    g.add_argument("--tq-calibration-tokens", dest="tq_calibration_tokens", type=count_arg(1), metavar="N",
+                   help="the first compression waits for N tokens after the sinks and calibrates on them; a smaller "
+                        "window holds them in float until then (default: the window's tokens)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=count_arg(0), metavar="N",
                    help=f"first tokens kept in the model's float dtype (default {d.sinks})")
     g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=count_arg(0), metavar="N",

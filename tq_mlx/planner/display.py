@@ -65,6 +65,10 @@ def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: 
     if fitted == config:
         return None
     least = config.bound_floor
+    if fitted.window == config.window:  # only the calibration tokens were lowered
+        return (f"--max-kv-size {max_kv_size:,} is below sinks + calibration tokens + compress block - 1 = {least:,} "
+                f"tokens (nothing is compressed before the calibration tokens came): calibrating on "
+                f"{fitted.first_window:,} tokens")
     return (f"--max-kv-size {max_kv_size:,} is below sinks + window + compress block - 1 = {least:,} tokens (the "
             f"float sinks and window are never dropped): keeping {fitted.sinks} sinks, a {fitted.window}-token "
             f"window and compress blocks of {fitted.compress_block_size}")
@@ -78,7 +82,10 @@ def window_text(s: dict) -> str | None:
         return None
     kept = f"{s['kv_dtype'] or 'float'} ({s['sinks']} sinks + {s['window']:,}-token window)"
     if not s["compressed_tokens"]:
-        start = s["sinks"] + s["window"] + 1
+        first = max(s["window"], s.get("calibration") or 0)
+        if first > s["window"]:
+            kept = kept[:-1] + f", {first:,} tokens until the first compression calibrates on them)"
+        start = s["sinks"] + first + 1
         if not s["float_tokens"]:
             return f"no tokens yet; the first {start - 1:,} stay in {kept}: compression starts at token {start:,}"
         return f"all {s['float_tokens']:,} tokens in {kept}: compression starts at token {start:,}"
@@ -183,6 +190,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         return "mlx-lm cache"
     parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
              f"window {config.window}", f"sinks {config.sinks}"]
+    if config.first_window > config.window:
+        parts.append(f"calibrating on {config.first_window} tokens")
     if config.boundary_layers:
         parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
     if config.protect_factor is None:

@@ -352,8 +352,8 @@ def fetch_transient_bytes(model_config: dict, ctx: int, config=None, *, prefill_
     if config is not None and (lay.fetch == "float" or lay.latent):
         out += batch * lay.n_kv_heads * T * (lay.head_dim + lay.v_head_dim) * F
     plan = _middle_plan(model_config, config) if config is not None else None
-    if plan is not None and any(s.as_decode for s in plan.streams) and ctx > config.window + config.sinks:
-        recent = min(T, config.window + chunk)
+    if plan is not None and any(s.as_decode for s in plan.streams) and ctx > config.first_window + config.sinks:
+        recent = min(T, config.first_window + chunk)  # most at the first compression: the calibration tokens wait
         out += batch * lay.n_kv_heads * recent * (lay.head_dim + lay.v_head_dim) * (4 + F)
     return out
 
@@ -377,10 +377,10 @@ def estimate_peak_bytes(
     else:
         tile = min(tile_size(batch, lay.n_heads, chunk), max(1, token_layout(config, ctx, max_kv_size).compressed))
         attention = TQ_SCORE_TILES * batch * lay.n_heads * chunk * tile * 4
-        if lay.sliding_layers or ctx <= config.window + config.sinks:
+        if lay.sliding_layers or ctx <= config.first_window + config.sinks:
             # float tokens (window, sinks, sliding layers) go through float scores too
             attention = max(attention, FLOAT_SCORE_COPIES * batch * lay.n_heads * chunk * min(
-                ctx, max([config.window + config.sinks] + [w for _, w in lay.sliding_layers])) * 4)
+                ctx, max([config.first_window + config.sinks] + [w for _, w in lay.sliding_layers])) * 4)
     attention += fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step, dtype=dtype,
                                        batch=batch, max_kv_size=max_kv_size)
     kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size)
@@ -484,7 +484,9 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       decayed_tokens TurboQuant layers: compressed tokens re-coded at the decay bits (config.decay_after), the most
                      of any layer and side
       sinks, window  TurboQuant layers: the config's float sinks and window, also before the first token (None
-                     without TurboQuant layers); compression starts at token sinks + window + 1
+                     without TurboQuant layers)
+      calibration    TurboQuant layers: the tokens after the sinks the first compression waits for (config.first_window:
+                     the window, or calibration_tokens if more); compression starts at token sinks + calibration + 1
       fp16_bytes     what float16 KVCaches would hold for the same tokens (2·heads·head_dim·2 bytes per token)
       other_bytes    sum of `nbytes` of the other caches (e.g. hybrid linear-attention ArraysCache state)
       total_bytes    kv_bytes + other_bytes
@@ -496,7 +498,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
     """
 
     kv = fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = decayed = 0
-    dtype, sinks, window = None, None, None
+    dtype, sinks, window, calibration = None, None, None, None
     for c in flat_caches(prompt_cache):
         geo = _kv_geometry(c)
         is_attention = geo is not None or isinstance(c, TurboQuantKVCache) or hasattr(c, "keys")
@@ -506,7 +508,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         n_att += 1
         n_tq += isinstance(c, TurboQuantKVCache)
         if isinstance(c, TurboQuantKVCache):
-            sinks, window = c.config.sinks, c.config.window
+            sinks, window, calibration = c.config.sinks, c.config.window, c.config.first_window
         if geo is None:
             continue
         B, H, T, dk, dv = geo
@@ -532,6 +534,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         "decayed_tokens": decayed,
         "sinks": sinks,
         "window": window,
+        "calibration": calibration,
         "fp16_bytes": fp16,
         "other_bytes": other,
         "total_bytes": kv + other,

@@ -39,6 +39,7 @@ class StreamCounts(NamedTuple):
     window: int
     max_sinks: int
     max_window: int
+    calibration: int  # tokens after the sinks the first compression waits for (at least max_window)
     block: int  # compress_block
     age: int | None  # decay_after where the stream decays (None: it does not)
     learns: bool  # still learning from its queries (calibration not fixed yet): a trim loses what it learned
@@ -55,7 +56,8 @@ class LayerCounts(NamedTuple):
 def _stream_counts(s) -> StreamCounts:
     choosing = s.value_sums is not None and s.value_width is None
     learns = choosing or (s.n_coded == 0 and bool(s.weigh))
-    return StreamCounts(s.n_sinks, s.n_decayed, s.n_fresh, s.n_window, s.max_sinks, s.max_window, s.compress_block,
+    return StreamCounts(s.n_sinks, s.n_decayed, s.n_fresh, s.n_window, s.max_sinks, s.max_window, s.calibration,
+                        s.compress_block,
                         s.decay.age if s.decaying else None, learns)
 
 
@@ -121,7 +123,7 @@ def _fed(s: StreamCounts, n: int) -> tuple[int, int, int, int]:
     sinks, n = sinks + t, n - t
     if n:
         recent = window + n
-        c = overflow(recent, s.max_window, s.block)
+        c = overflow(recent, s.max_window, s.block, 0 if decayed + fresh else s.calibration)
         fresh, window = fresh + c, recent - c
         d = decayed_split(fresh, window, s.age, s.block)
         decayed, fresh = decayed + d, fresh - d
@@ -138,7 +140,7 @@ def _exact(lay: LayerCounts, held: int, point: int, common: int, target: int) ->
         if s.learns:
             return False
         kept = _trimmed(s, held - point)
-        if kept.decayed + kept.fresh and common < s.max_sinks + s.max_window:
+        if kept.decayed + kept.fresh and common < s.max_sinks + s.calibration:
             return False  # the calibration came from tokens the new prompt does not share
         empty = s._replace(sinks=0, decayed=0, fresh=0, window=0)
         if _fed(kept, target - point) != _fed(empty, target):

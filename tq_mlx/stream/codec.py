@@ -155,7 +155,7 @@ def check_state(state: StreamState, counts: Counts, bh: BatchHeads | None, *, na
         check("window", window, (B, H, None, D), FLOAT_DTYPES, max(counts.window, 1))
         if window.shape[2] > max_window:
             raise ValueError(f"{name}_window holds {window.shape[2]} tokens, more than the config's window "
-                             f"{max_window}")
+                             f"{max_window} (its calibration tokens before the first compression)")
         if sinks is not None and sinks.dtype != window.dtype:
             raise ValueError(f"{name}_sinks ({dtype_name(sinks.dtype)}) and {name}_window "
                              f"({dtype_name(window.dtype)}) must have one dtype")

@@ -25,8 +25,10 @@ turboquant.md §4), the scale, the channel order of fractional bit widths (paper
 before RoPE, tq_mlx.models.rope) μ0 is the mean of those tokens turned back by their RoPE and c_t = R(p) μ0 at the
 token's position p = sinks + tokens a bound dropped + t, so a constant part of the keys before RoPE (Qwen2's
 k_proj bias) leaves the codes instead of rotating through them; otherwise c_t = μ. With a window, the
-calibration tokens are exactly the first `window` tokens after the sinks (all of them are at hand at the first
-compression), so it does not depend on how the prompt was fed (one shot, chunks, token by token, or trimmed).
+calibration tokens are exactly the first `calibration` tokens after the sinks (the window's, or the config's
+calibration_tokens when more: the window holds them in float until the first compression, which then leaves it
+its own size), all at hand at the first compression, so it does not depend on how the prompt was fed (one shot,
+chunks, token by token, or trimmed).
 Query weights need the queries of those tokens: the cache's learning step hands them over (`observe`, from
 TurboQuantKVCache.learn, before attention reads the views), and a first compression
 coded before they came is coded again when they do (`_settle`, before anything attends the codes); the view
@@ -107,6 +109,7 @@ class CompressedStream:
         # self.window are their buffers)
         self.max_sinks, self.max_window, self.compress_block, self.step, self.center = (
             plan.sinks, plan.window, plan.compress_block, plan.step, plan.center)
+        self.calibration = plan.calibration  # tokens after the sinks the first compression waits for, calibrating
         self.as_decode = plan.as_decode  # an update's views read as its queries would at decode (views_by_run)
         self.n_sinks = self.n_decayed = self.n_fresh = self.n_window = 0  # tokens held, part by part
         self.codes = None  # MSECodes / ProdCodes buffers (B, H, capacity, ...)
@@ -172,14 +175,14 @@ class CompressedStream:
             x = x[:, :, t:]
         if not x.shape[2]:
             return self.view()
-        coded, held = self.n_coded, self.n_window
+        coded, held, first = self.n_coded, self.n_window, self._first
         recent = self._append_recent(x)
         if not self.as_decode or self.n_coded == coded:
             return self.view()
         # Queries that a token-by-token cache would show fewer compressed tokens read the rest in float: the
         # window before this update and the update's own tokens, in this update's views only (never held).
-        runs = [(0, coded)] * bool(t) + [(t + row, coded + c) for row, c in
-                                          decode_runs(held, x.shape[2], self.max_window, self.compress_block)]
+        runs = [(0, coded)] * bool(t) + [(t + row, coded + c) for row, c in decode_runs(
+            held, x.shape[2], self.max_window, self.compress_block, first)]
         runs = tuple(r for i, r in enumerate(runs) if i == 0 or r[1] != runs[i - 1][1])
         if runs == ((0, self.n_coded),):  # every query reads what the stream holds (a decode step)
             return self.view()
@@ -188,15 +191,15 @@ class CompressedStream:
     def _append_recent(self, x: mx.array) -> mx.array | None:
         """Put tokens x after the window, compressing its overflow; returns, when it compressed, the float tokens
         from the first it compressed on (the window's, then x), else None."""
-        W = self.max_window
+        W, first = self.max_window, self._first
         total = self.n_window + x.shape[2]
-        cap = window_capacity(total, W)
-        if W and (self.window is None or self.window.shape[2] < cap):
+        cap = window_capacity(total, W, first)
+        if cap and (self.window is None or self.window.shape[2] < cap):
             grown = mx.zeros((*x.shape[:2], cap, x.shape[3]), self._float_dtype(x))
             if self.n_window:
                 grown[:, :, : self.n_window] = self.window[:, :, : self.n_window]
             self.window = grown
-        n_c = overflow(total, W, self.compress_block)
+        n_c = overflow(total, W, self.compress_block, first)
         if n_c == 0:
             self.window[:, :, self.n_window : total] = x.astype(self.window.dtype)
             self.n_window = total
@@ -206,6 +209,8 @@ class CompressedStream:
             x = mx.concatenate([self.window[:, :, : self.n_window].astype(mx.float32), x.astype(mx.float32)], axis=2)
         self._compress(x, n_c, window_after=total - n_c)
         self.n_window = total - n_c
+        if self.window is not None and self.window.shape[2] > W:  # held the calibration tokens: the window's size now
+            self.window = mx.zeros((*x.shape[:2], W, x.shape[3]), self.window.dtype) if W else None
         if self.n_window:
             self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
         return x
@@ -217,7 +222,7 @@ class CompressedStream:
         if self.scale is None:  # calibrate on the first tokens after the sinks (a bound's drops keep it)
             # With a window, the first compression sees at least `window + 1` tokens after the sinks, however
             # the prompt is fed: calibrating on the first `window` gives the most tokens independent of feeding.
-            calib = x[:, :, : self.max_window] if self.max_window else x
+            calib = x[:, :, : self.calibration] if self.calibration else x
             sums = self.query_sums
             if self.weigh and not final and not sums.covers(self.n_sinks, calib.shape[2]):
                 # the queries of some calibration tokens come with this chunk's attention: code now, and again
@@ -289,7 +294,7 @@ class CompressedStream:
                 self._decay_fresh()
         if self.weigh and queries.shape[3] == self.dim:
             bh = self.batch_heads()
-            end = self.max_sinks + self.max_window if self.max_window else self.n_tokens
+            end = self.max_sinks + self.calibration if self.calibration else self.n_tokens
             self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
         self._settle()
         view = self.view()
@@ -312,6 +317,12 @@ class CompressedStream:
             self.codes = self.decayed = self.mean = self.perm = self.scale = self.weights = None
             self.n_fresh = self.n_decayed = 0
             self._compress(redo.x, redo.n, redo.window_after, final=True)  # the same tokens: the same protection
+
+    @property
+    def _first(self) -> int:
+        """The tokens the window holds before a compression: the calibration's until the first calibrates, else 0
+        (the window's). A bound's drops keep the calibration; a trim to no compressed token drops it."""
+        return self.calibration if self.scale is None else 0
 
     def _position(self, t: int) -> int:
         """The position of compressed token t (decayed ones first): sinks and dropped tokens come before."""
@@ -498,7 +509,8 @@ class CompressedStream:
         quantizer = quantizer_as_written(self.quantizer, parts.codes)
         check_state(parts, Counts(n_sinks, n_fresh, n_window, n_decayed), bh, name=self.name, quantizer=quantizer,
                     decay_quantizer=self.decay and self.decay.quantizer, center=self.center,
-                    channel_order=has_channel_order(quantizer), max_sinks=self.max_sinks, max_window=self.max_window)
+                    channel_order=has_channel_order(quantizer), max_sinks=self.max_sinks,
+                    max_window=self.max_window if parts.scale is not None else self.calibration)
         if self.base_quantizer is self.quantizer:
             self.base_quantizer = quantizer
         self.quantizer = quantizer
