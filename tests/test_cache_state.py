@@ -145,6 +145,27 @@ def test_state_round_trip_is_exact(norm_bits):
                                       np.array(turboquant_attention(q, *b, 0.125, mask)))
 
 
+def test_a_state_saved_while_the_calibration_tokens_wait_round_trips():
+    # window 8, calibration 24: after 20 tokens the window holds 18 (more than the window, in a buffer for 24);
+    # after the first compression its buffer is the window's 8 again, in the file as in memory
+    cfg = TurboQuantConfig(window=8, compress_block=4, sinks=2, calibration_tokens=24)
+    c = TurboQuantKVCache(cfg)
+    fill(c, (20,))
+    assert (c.n_coded, c.n_window, c.key_stream.window.shape[2]) == (0, 18, 24)
+    d = TurboQuantKVCache.from_state(c.state)
+    assert (d.n_window, d.nbytes) == (c.n_window, c.nbytes)
+    rng = np.random.default_rng(2)
+    for k, v in chunks(rng, (3, 9, 1)):
+        a, b = c.update_and_fetch(k, v), d.update_and_fetch(k, v)
+        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
+        mask = "causal" if k.shape[2] > 1 else None
+        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
+                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+    assert c.n_coded > 0 and c.key_stream.window.shape[2] == 8 and c.nbytes == d.nbytes
+    e = TurboQuantKVCache.from_state(c.state)
+    assert (e.n_coded, e.n_window, e.nbytes) == (c.n_coded, c.n_window, c.nbytes)
+
+
 def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_still_load(monkeypatch):
     # norm_bits=8's log code (RMS 1.25% off) is three times 8-bit codes' own error: protected keys, boundary
     # layers and K8/V8 keep float16 norms; 2-4-bit streams take the uint8 code. A file written before that
@@ -316,18 +337,21 @@ def _feed16(cache, x, sizes):
     mx.eval(cache.held_arrays())
 
 
+@pytest.mark.parametrize("calibration", [None, 80])
 @pytest.mark.parametrize("bits", [3, 3.5])
-def test_calibration_does_not_depend_on_how_the_prompt_is_fed(bits):
+def test_calibration_does_not_depend_on_how_the_prompt_is_fed(bits, calibration):
     x = mx.array(np.random.default_rng(4).normal(1.0, 1.0, size=(1, 2, 300, 64)), dtype=mx.float16)
-    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=32, compress_block=16, sinks=3)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=32, compress_block=16, sinks=3,
+                           calibration_tokens=calibration)
     caches = []
     for sizes in ([300], [100, 200], [7] * 42 + [6], [1] * 300):
         c = TurboQuantKVCache(cfg)
         _feed16(c, x, sizes)
         caches.append(c)
     first = caches[0]
-    # Exactly the `window` tokens after the sinks.
-    np.testing.assert_allclose(np.array(first.key_stream.mean), np.array(x[:, :, 3:35].astype(mx.float32).mean(axis=2)),
+    # Exactly the `window` tokens after the sinks (the calibration tokens, when more).
+    end = 3 + (calibration or 32)
+    np.testing.assert_allclose(np.array(first.key_stream.mean), np.array(x[:, :, 3:end].astype(mx.float32).mean(axis=2)),
                                rtol=1e-6)
     for c in caches[1:]:
         for name in ("k_mean", "v_mean", "k_perm", "v_perm"):

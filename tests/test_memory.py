@@ -425,6 +425,12 @@ def test_an_empty_turboquant_cache_already_says_where_compression_starts(models)
     s["kv_dtype"] = "float32"  # tq-chat's snapshot names the model's dtype before the first token
     assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): "
                               "compression starts at token 773")
+    # a window smaller than its calibration holds the calibration tokens until the first compression
+    s = cache_bytes(make_prompt_cache(model, TurboQuantConfig(window=128, calibration_tokens=768)))
+    assert (s["window"], s["calibration"]) == (128, 768)
+    s["kv_dtype"] = "float32"
+    assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 128-token window, 768 tokens "
+                              "until the first compression calibrates on them): compression starts at token 773")
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 24, 100, 256, 259, 898, 899, 5000])

@@ -152,6 +152,17 @@ def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     assert fetch_transient_bytes(llama, 8192, pd) == 2 * (768 + 2048) * (64 + 64) * (4 + 2)
     assert fetch_transient_bytes(olmo, 8192, pd) == fetch_transient_bytes(olmo, 8192, tq)
     assert fetch_transient_bytes(llama, 700, pd) == 0
+    # with calibration tokens the most is at the first compression: the calibration tokens waiting, then the chunk
+    pdc = TurboQuantConfig(prefill_as_decode=True, window=128, calibration_tokens=1024)
+    assert fetch_transient_bytes(llama, 8192, pdc) == 2 * (1024 + 2048) * (64 + 64) * (4 + 2)
+    assert fetch_transient_bytes(llama, 1000, pdc) == 0
+    # and the peak holds the calibration tokens in float, more than the window and codes just after them
+    cal = TurboQuantConfig(window=128, calibration_tokens=1024)
+    assert estimate_kv_bytes(llama, 1028, cal) > estimate_kv_bytes(llama, 1100, cal)
+    plain = TurboQuantConfig(window=128)  # the same cache at 1,100 tokens, which never held more
+    assert estimate_kv_bytes(llama, 1100, cal) == estimate_kv_bytes(llama, 1100, plain)
+    assert estimate_peak_bytes(llama, 1100, cal, weights=0) - estimate_peak_bytes(llama, 1100, plain, weights=0) == (
+        estimate_kv_bytes(llama, 1028, cal) - estimate_kv_bytes(llama, 1100, cal))
 
 
 @pytest.mark.parametrize("cfg", [TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32),

@@ -384,6 +384,10 @@ def estimate_peak_bytes(
     attention += fetch_transient_bytes(model_config, ctx, config, prefill_step=prefill_step, dtype=dtype,
                                        batch=batch, max_kv_size=max_kv_size)
     kv = estimate_kv_bytes(model_config, ctx, config, batch=batch, dtype=dtype, max_kv_size=max_kv_size)
+    if config is not None and config.first_window > config.window:
+        # the calibration tokens wait in float until the first compression: more than the window holds after it
+        kv = max(kv, estimate_kv_bytes(model_config, min(ctx, config.sinks + config.first_window), config,
+                                       batch=batch, dtype=dtype, max_kv_size=max_kv_size))
     if max_kv_size is not None and ctx > max_kv_size:
         # right after a prefill chunk a bounded cache (and RotatingKVCache) holds up to max_kv_size - 1 + chunk
         kv = max(kv, estimate_kv_bytes(model_config, min(ctx, max_kv_size - 1 + chunk), config, batch=batch,
