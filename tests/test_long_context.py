@@ -216,6 +216,21 @@ def test_needle_models_and_texts_must_be_known(monkeypatch) -> None:
         assert said in str(e.value)
 
 
+def test_the_chunk_divides_the_contexts_of_the_models_that_run(monkeypatch) -> None:
+    sys.path.insert(0, str(BENCH))
+    import long_context as lc
+
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--models", "smollm2", "--contexts", "1000", "--chunk", "512"])
+    with pytest.raises(SystemExit, match="smollm2: context 1000 is not a multiple of the chunk 512"):
+        lc.main()
+    # Another model's default contexts (SmolLM2's 1024, Qwen2.5-Coder-1.5B's 1024) do not refuse a 2048-token chunk.
+    monkeypatch.setattr(lc.caches, "load_peer", lambda wanted: (_ for _ in ()).throw(RuntimeError("past the checks")))
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--models", "qwen05", "--qwen-contexts", "8192",
+                                      "--chunk", "2048", "--needles", "", "--no-peers"])
+    with pytest.raises(RuntimeError, match="past the checks"):
+        lc.main()
+
+
 class Stopping:
     """The model, stopped (as a session's end stops a run) after `after` chunks."""
 
