@@ -23,7 +23,7 @@ from tests.support.blas import reference_blas_env
 from tests.support.server import stop, wait_until_healthy
 from tests.test_cli import save_tiny_model
 from tq_mlx.cli.flags import add_cache_args, config_from_args
-from tq_mlx.prompt_cache.store import NAME, PromptStore, model_id
+from tq_mlx.prompt_cache.store import NAME, TEMP, PromptStore, model_id
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -158,7 +158,9 @@ def test_damaged_files_are_one_line_each_and_the_request_is_answered_fresh(tiny,
         said = lines(log, f"Prompt store: not using {re.escape(str(p))}: ")
         assert len(said) == 1 and ("truncated" if p == own[0] else "checksum") in said[0], said
     assert lines(log, "1 of other models or configs") and not lines(log, "not using .*other--")
-    assert before == {p.name for p in folder.iterdir()}  # nothing deleted
+    # nothing deleted; a fresh save of the answered prompt may replace a damaged file of the same name, and a
+    # server stopped mid-write leaves its temporary file, which the next store's start removes (test_prompt_store)
+    assert before == {p.name for p in folder.iterdir() if not TEMP.match(p.name)}
 
 
 def test_a_full_disk_or_a_folder_that_cannot_be_made_is_one_line_and_requests_are_answered(tiny, tmp_path):
