@@ -8,6 +8,7 @@ demo model, and a needle on a real model, are tests/test_prompt_cache_hits.py's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import resource
@@ -91,6 +92,31 @@ def test_the_disk_tier_survives_a_restart_and_reports_what_it_holds(tiny, tmp_pa
     assert lines(tmp_path / "2.log", r"Prompt cache: disk hit: \d+ of \d+ tokens cached")
 
 
+def test_a_server_stopped_with_sigterm_saves_the_answer_it_gave_before_it_exits(tiny, tmp_path):
+    # kill, systemd and `docker stop` send SIGTERM: tq-server stops as on Ctrl+C, the write of the answer just given
+    # finishes, and the next start reads it
+    folder, log = tmp_path / "store", tmp_path / "1.log"
+    args = [*TQ, "--tq-prompt-cache-dir", str(folder)]
+    with serve.Server("tq", tiny, args, log, env=reference_blas_env(), start_timeout=90) as srv:
+        first = ask(srv.port, "What does the archive keep?")
+        srv.stop()  # at once, without waiting for the disk tier
+        assert srv.proc.returncode == 0, log.read_text()[-2000:]
+    names = [p.name for p in folder.iterdir()]
+    assert [n for n in names if NAME.match(n)] and not [n for n in names if TEMP.match(n)], names
+    assert not lines(log, "writes unfinished")
+    with serve.Server("tq", tiny, args, tmp_path / "2.log", env=reference_blas_env(), start_timeout=90) as srv:
+        again = ask(srv.port, "What does the archive keep?")
+        assert stats(srv.port)["disk_hits"] == 1
+    assert cached(again) > 300 and serve.answer(again) == serve.answer(first)
+
+
+def test_the_docs_state_how_long_a_stopping_server_waits_for_its_writes():
+    from tq_mlx.cli.server import _flush_stores
+
+    seconds = inspect.signature(_flush_stores).parameters["timeout"].default
+    assert f"finish, for up to {seconds} s;" in " ".join((REPO / "docs" / "commands.md").read_text().split())
+
+
 def test_the_disk_tier_is_off_with_zero_bytes_or_no_prompt_cache(tiny, tmp_path):
     for flag, why in ((["--tq-prompt-cache-disk-bytes", "0"], "--tq-prompt-cache-disk-bytes 0"),
                       (["--prompt-cache-size", "0"], "--prompt-cache-size 0")):
@@ -158,9 +184,9 @@ def test_damaged_files_are_one_line_each_and_the_request_is_answered_fresh(tiny,
         said = lines(log, f"Prompt store: not using {re.escape(str(p))}: ")
         assert len(said) == 1 and ("truncated" if p == own[0] else "checksum") in said[0], said
     assert lines(log, "1 of other models or configs") and not lines(log, "not using .*other--")
-    # nothing deleted; a fresh save of the answered prompt may replace a damaged file of the same name, and a
-    # server stopped mid-write leaves its temporary file, which the next store's start removes (test_prompt_store)
-    assert before == {p.name for p in folder.iterdir() if not TEMP.match(p.name)}
+    # nothing deleted and nothing half-written (a fresh save of the answered prompt may replace a damaged file of
+    # the same name)
+    assert before == {p.name for p in folder.iterdir()}
 
 
 def test_a_full_disk_or_a_folder_that_cannot_be_made_is_one_line_and_requests_are_answered(tiny, tmp_path):

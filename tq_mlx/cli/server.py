@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import logging
+import signal
 import sys
 import threading
 import types
@@ -412,11 +414,13 @@ def server_main(argv: list[str] | None = None) -> int:
     if config is not None:
         names["mlx_lm.server.LRUPromptCache"] = prompt_cache
     try:
-        with hook.installed("tq-server", names):
+        with hook.installed("tq-server", names), _terminate_as_interrupt():
             server.main()
     except ValueError as e:
         print(f"tq-server: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # stopped while --model loaded (once listening, mlx_lm.server takes it and returns)
+        return 130
     finally:
         _flush_stores(providers)
     return 0
@@ -435,8 +439,29 @@ def store_off_reason(args: argparse.Namespace, draft_model, distributed) -> str 
     return None
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (kill, systemd, `docker stop`) stops the server as Ctrl+C does: mlx_lm.server shuts down, the
+    generation thread saves the request it was on, and the disk tier's writes finish. A second SIGTERM ends the
+    process at once (its files stay whole or absent)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _flush_stores(providers: list, timeout: float = 30) -> None:
-    """Let the disk tier finish the writes it started (a server stopped with Ctrl+C), at most `timeout` seconds."""
+    """Let the disk tier finish the writes it started (a server stopped with Ctrl+C or SIGTERM), at most `timeout`
+    seconds."""
     for provider in providers:
         for store, _ in provider.stores.values():
             if not store.flush(timeout):
