@@ -326,12 +326,19 @@ def test_decay_in_another_basis_is_refused():
     assert_close(got, K.decode_attention_reference(q, other, values, 0.125), mx.float16)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_every_preset_takes_the_kernels_once_tokens_decayed(preset):
+# the settings DEFAULTS.md measures beside the presets: the candidate default (a 128-token window read as decode,
+# calibrating on 768 tokens) and the 3.88-bit setting (its V3 values with corrected norms and keys to logit error 0.2)
+CANDIDATE = dict(window=128, prefill_as_decode=True, calibration_tokens=768)
+NAMED = {**{p: TurboQuantConfig.preset(p) for p in PRESETS}, "candidate": TurboQuantConfig(**CANDIDATE),
+         "3.88-bit": TurboQuantConfig(**CANDIDATE, value_bits=3, correct_norms=True, key_error=0.2)}
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_every_preset_takes_the_kernels_once_tokens_decayed(name):
     # The Metal path stays whole: on a Mac no named setting falls back to the reference path, before or after
     # its oldest tokens decay (head_dim 128, GQA 4, a decode step and a causal prefill chunk).
     rng = np.random.default_rng(3)
-    cfg = TurboQuantConfig.preset(preset)
+    cfg = NAMED[name]
     cache = TurboQuantKVCache(cfg)
     n = (cfg.decay_after or 2048) + 1100
     k = mx.array(rng.standard_normal((1, 2, n, 128)).astype(np.float16))
