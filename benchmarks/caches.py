@@ -1,7 +1,8 @@
 """The cache settings the quality benchmarks run, and the caches they build.
 
 A Setting names one cache: mlx-lm's KVCache (float) or QuantizedKVCache, a TurboQuantConfig spelled out in full, or
-mlx-vlm's TurboQuantKVCache (a peer from PyPI, hooked into the mlx-lm model's attention the way mlx-vlm routes it).
+a peer from PyPI: mlx-vlm's TurboQuantKVCache (hooked into the mlx-lm model's attention the way mlx-vlm routes it) or
+turboquant-mlx-full's (its update_and_fetch gives float16 keys and values to mlx-lm's own attention: no hook).
 quality.py, long_context.py, speed.py and experiments/experiments_lowbit.py build their caches here and count their
 bits here.
 """
@@ -42,9 +43,11 @@ BASE = dict(window=128, sinks=4, center_keys=True, center_values=True, boundary_
 class Setting:
     name: str
     kind: str  # "float" | "mlx" | "tq" | "peer"
-    bits: float | None = None  # mlx / peer
+    bits: float | None = None  # mlx / peer (the values' bits, and the keys' without key_bits)
     config: TurboQuantConfig | None = None
     key_bits: float | None = None  # peer
+    peer: str | None = None  # kind "peer": which (MLX_VLM when None, TQ_FULL)
+    fp16_tokens: int | None = None  # TQ_FULL: its first tokens kept in float16 (min_tokens_before_quant)
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "bits": self.bits}
@@ -52,6 +55,10 @@ class Setting:
             d["config"] = self.config.to_dict()
         if self.key_bits is not None:
             d["key_bits"] = self.key_bits
+        if self.peer is not None:
+            d["peer"] = self.peer
+        if self.fp16_tokens:
+            d["fp16_tokens"] = self.fp16_tokens
         return d
 
 
@@ -79,13 +86,31 @@ MLX4 = Setting("mlx-lm QuantizedKVCache 4-bit", "mlx", bits=4)
 PEER4 = Setting("peer: mlx-vlm TurboQuant 4-bit", "peer", bits=4)
 PEER3 = Setting("peer: mlx-vlm TurboQuant 3-bit", "peer", bits=3)
 
+MLX_VLM, TQ_FULL = "mlx-vlm", "turboquant-mlx-full"  # the peers, by distribution
+TQ_FULL_GROUP = 64  # turboquant-mlx-full's group_size (its default and its CLIs'): one float16 scale per group
+
+
+def tq_full(key_bits: int, value_bits: int, fp16_tokens: int = 0) -> Setting:
+    """turboquant-mlx-full's TurboQuantKVCache(k_bits, v_bits, min_tokens_before_quant=fp16_tokens) (its recommended
+    default: K8/V3 with no float16 tokens, as its CLIs' --kv-min-tokens 0)."""
+    for b in (key_bits, value_bits):
+        if b not in range(1, 9):
+            raise ValueError(f"turboquant-mlx-full codes 1 to 8 bits, not {b}")
+    name = f"peer: {TQ_FULL} K{key_bits}/V{value_bits}"
+    name += f" (first {fp16_tokens} tokens float16)" if fp16_tokens else ""
+    return Setting(name, "peer", bits=value_bits, key_bits=key_bits, peer=TQ_FULL, fp16_tokens=fp16_tokens or None)
+
+
+TQFULL8V3 = tq_full(8, 3)
+
 
 # --- caches ------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Peer:
-    """mlx-vlm's TurboQuantKVCache, run on an mlx-lm model (None + reason when it cannot run here)."""
+    """A peer's TurboQuantKVCache module, run on an mlx-lm model (None + reason when it cannot run here): mlx-vlm's
+    mlx_vlm.turboquant or turboquant-mlx-full's turboquant_mlx.layers.polar_kv_cache."""
 
     module: object | None = None
     version: str | None = None
@@ -93,24 +118,27 @@ class Peer:
     hooked: set = field(default_factory=set)
 
 
-_PEER = Peer()
+_PEERS: dict[str, Peer] = {}
+_LOADERS = {MLX_VLM: common.load_mlx_vlm_turboquant, TQ_FULL: common.load_turboquant_mlx_full}
 
 
-def peer() -> Peer:
+def peer(name: str = MLX_VLM) -> Peer:
     """The peer load_peer found (or why it cannot run); an empty Peer before load_peer."""
-    return _PEER
+    return _PEERS.get(name, Peer())
 
 
-def load_peer(enabled: bool = True) -> Peer:
-    global _PEER
-    if _PEER.module is not None or _PEER.reason is not None:
-        return _PEER
-    if not enabled:
-        _PEER = Peer(reason="skipped (--no-peers)")
-        return _PEER
-    mod, version, reason = common.load_mlx_vlm_turboquant()
-    _PEER = Peer(mod, version, reason)
-    return _PEER
+def peer_of(s: Setting) -> Peer:
+    """The peer a "peer" setting runs."""
+    return peer(s.peer or MLX_VLM)
+
+
+def load_peer(enabled: bool = True, name: str = MLX_VLM) -> Peer:
+    """Load peer `name` once per process (enabled False: skipped, with that reason)."""
+    found = _PEERS.get(name)
+    if found is not None and (found.module is not None or found.reason is not None):
+        return found
+    found = _PEERS[name] = Peer(reason="skipped (--no-peers)") if not enabled else Peer(*_LOADERS[name]())
+    return found
 
 
 def _hook_peer_attention(model: nn.Module, peer: Peer) -> None:
@@ -143,8 +171,18 @@ def make_cache(model: nn.Module, s: Setting) -> list:
         return base
     if s.kind == "mlx":
         return [QuantizedKVCache(group_size=64, bits=int(s.bits)) if type(c) is KVCache else c for c in base]
+    if s.kind == "peer" and s.peer == TQ_FULL:
+        found = peer(TQ_FULL)
+        if found.module is None:
+            raise RuntimeError(found.reason)
+        # Its own policy (convert_cache_to_turboquant, what its CLIs build): every plain KVCache layer, the last
+        # too. No hook: update_and_fetch returns the whole cache dequantized to float16 for mlx-lm's own attention
+        # (its fused decode kernel is opt-in, enable_fused_attend, and Metal only).
+        return [found.module.TurboQuantKVCache(k_bits=int(s.key_bits), v_bits=int(s.bits), group_size=TQ_FULL_GROUP,
+                                               min_tokens_before_quant=s.fp16_tokens or 0)
+                if type(c) is KVCache else c for c in base]
     if s.kind == "peer":
-        found = _PEER
+        found = peer(MLX_VLM)
         if found.module is None:
             raise RuntimeError(found.reason)
         _hook_peer_attention(model, found)
@@ -167,6 +205,8 @@ def eval_cache(cache: list) -> None:
                 arrays.extend(x for x in a if isinstance(x, mx.array))
         if isinstance(c, TurboQuantKVCache):
             arrays.extend(c.held_arrays())
+        elif _is_tq_full(c):
+            arrays.extend(tq_full_arrays(c))
     mx.eval(arrays)
 
 
@@ -178,14 +218,63 @@ def kv_geometry(model_config: dict) -> tuple[int, int, int]:
     return len(lay.full_layers), lay.n_kv_heads, lay.head_dim
 
 
+def held_bytes(cache: list) -> int:
+    """Bytes a prompt cache's attention caches hold: their own nbytes; turboquant-mlx-full's, every array it holds,
+    each once (tq_full_arrays: its nbytes counts its codes up to the offset, not its buffers, nor the float16 tier's
+    whole buffer, nor its constants)."""
+    total = sum(c.nbytes for c in cache if not _is_tq_full(c)
+                and (hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c)))
+    return total + sum(a.nbytes for a in _unique([a for c in cache if _is_tq_full(c) for a in tq_full_arrays(c)]))
+
+
 def bits_per_value(cache: list, tokens: int, geometry: tuple[int, int, int]) -> float:
-    """What a prompt cache holds at `tokens` tokens (its caches' own nbytes), in common.bits_per_value."""
-    total = sum(c.nbytes for c in cache if hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c))
-    return common.bits_per_value(total, tokens, geometry)
+    """What a prompt cache holds at `tokens` tokens (held_bytes), in common.bits_per_value."""
+    return common.bits_per_value(held_bytes(cache), tokens, geometry)
 
 
 def _is_peer(c) -> bool:
-    return _PEER.module is not None and isinstance(c, _PEER.module.TurboQuantKVCache)
+    return any(p.module is not None and isinstance(c, p.module.TurboQuantKVCache) for p in _PEERS.values())
+
+
+def _is_tq_full(c) -> bool:
+    p = _PEERS.get(TQ_FULL)
+    return p is not None and p.module is not None and isinstance(c, p.module.TurboQuantKVCache)
+
+
+def _unique(arrays: list) -> list:
+    return list({id(a): a for a in arrays}.values())
+
+
+def tq_full_arrays(c) -> list:
+    """Every array a turboquant-mlx-full TurboQuantKVCache holds, each once: its attributes that are arrays or
+    tuples of them. That is its codes (uint32, 32 // bits codes a word) and float16 group scales for keys and values
+    in buffers of whole 256-token steps, its float16 tier (min_tokens_before_quant tokens, the whole buffer from the
+    first token), the rotations' float16 signs and its codebooks (float32 ones shared by every cache of a width)."""
+    out = []
+    for v in vars(c).values():
+        for a in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(a, mx.array):
+                out.append(a)
+    return _unique(out)
+
+
+def tq_full_bytes(s: Setting, ctx: int, geometry: tuple[int, int, int]) -> int:
+    """What turboquant-mlx-full's caches hold at ctx tokens (every attention layer, as tq_full_arrays counts them),
+    its buffers counted without their padding to 256 tokens: per token and kv head, its codes (whole uint32 words
+    of 32 // bits codes) and one float16 scale per TQ_FULL_GROUP values, for keys and values; its float16 tier's
+    buffer of fp16_tokens tokens; per layer the float16 rotation signs and codebooks; once per width the float32
+    codebook and boundaries. Float parts are float16 whatever the model's dtype, so a Mac holds the same."""
+    n_att, H, D = geometry
+    kb, vb, first = int(s.key_bits), int(s.bits), s.fp16_tokens or 0
+    gs = min(TQ_FULL_GROUP, D)
+    while D % gs:
+        gs //= 2
+    words = -(-D // (32 // kb)) + -(-D // (32 // vb))
+    coded = H * max(0, ctx - first) * (4 * words + 2 * 2 * (D // gs))
+    fp16 = 2 * H * first * D * 2 if first and ctx else 0
+    constants = 2 * D * 2 + (2**kb + 2**vb) * 2
+    shared = sum((2 * 2**b - 1) * 4 for b in {kb, vb})
+    return n_att * (coded + fp16 + constants) + shared
 
 
 def long_bits(s: Setting, model_config: dict, geometry: tuple[int, int, int], ctx: int = LONG_CONTEXT,

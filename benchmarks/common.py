@@ -280,6 +280,56 @@ def load_mlx_vlm_turboquant():
         return None, None, f"{MLX_VLM} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
 
 
+TQ_FULL = "turboquant-mlx-full==0.30.0"
+
+
+def load_turboquant_mlx_full():
+    """(turboquant_mlx.layers.polar_kv_cache module, version, None) or (None, None, one-line reason it cannot run
+    here).
+
+    The sdist is `pip download --no-deps`-ed into the tq-mlx cache and unpacked there, never installed or built: its
+    root is the package `turboquant_mlx` (pyproject's package-dir maps it to "."), so turboquant_mlx,
+    turboquant_mlx.core and turboquant_mlx.layers are made empty packages over its folders (their __init__s import
+    config, the weight layers, kernels, ...; the distribution requires transformers) and only
+    layers/polar_kv_cache.py and the three core modules it imports (codebook, rotation, packing: mlx alone) are
+    loaded, so the project's environment stays as it is.
+    """
+    import importlib
+    import tarfile
+    import types
+
+    try:
+        from tests.support.real_models import cache_dir, pip_download
+
+        (sdist,) = pip_download([TQ_FULL], cache_dir() / "downloads")
+        top = sdist.name.removesuffix(".tar.gz")
+        root = cache_dir() / "peers" / top  # the sdist's one top folder
+        if not (root / "layers" / "polar_kv_cache.py").exists():
+            with tarfile.open(sdist) as tf:
+                tf.extractall(root.parent, filter="data")
+        for name, sub in (("turboquant_mlx", ""), ("turboquant_mlx.core", "core"), ("turboquant_mlx.layers", "layers")):
+            if name not in sys.modules:
+                pkg = types.ModuleType(name)
+                pkg.__path__ = [str(root / sub)]
+                sys.modules[name] = pkg
+        mod = importlib.import_module("turboquant_mlx.layers.polar_kv_cache")
+        # Smoke test on this back end: a prefill and a decode step through the cache, at its recommended K8/V3.
+        c = mod.TurboQuantKVCache(k_bits=8, v_bits=3)
+        k = mx.random.normal((1, 2, 8, 64))
+        ks, vs = c.update_and_fetch(k, k)
+        mx.eval(ks, vs)
+        ks, vs = c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+        q = mx.random.normal((1, 4, 1, 64))
+        out = mx.fast.scaled_dot_product_attention(q, mx.repeat(ks, 2, axis=1).astype(q.dtype),
+                                                   mx.repeat(vs, 2, axis=1).astype(q.dtype), scale=0.125)
+        mx.eval(out)
+        if ks.shape != (1, 2, 9, 64) or not (mx.abs(ks[:, :, :8] - k).max() < 0.1).item():
+            raise RuntimeError(f"its K8 keys do not reproduce the keys stored (shape {ks.shape})")
+        return mod, TQ_FULL.split("==")[1], None
+    except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
+        return None, None, f"{TQ_FULL} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+
+
 # --- the attention spy -------------------------------------------------------------------------------------------
 
 

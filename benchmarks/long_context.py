@@ -20,7 +20,9 @@ the JSON and the notes): float; the default (TurboQuantConfig()) and the default
 presets; TurboQuant at other bits, windows, norms and decays; peers: mlx-lm QuantizedKVCache affine 4-bit and 8-bit
 g64 (no window), "rotation + affine" (RotatedAffineCache below: a seeded random Hadamard rotation per layer and head
 of keys and values, then mlx-lm affine 4-bit g64, with TurboQuant's 4 sinks and a float window of 768 or 128
-tokens), and mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run).
+tokens), mlx-vlm's TurboQuantKVCache (loaded as in quality.py, skipped with the reason if it cannot run) and
+turboquant-mlx-full's TurboQuantKVCache (tqfull8v3: its recommended K8/V3; caches.tq_full; its sdist unpacked into the
+tq-mlx cache, not installed: common.load_turboquant_mlx_full; skipped with the reason if it cannot run).
 Needles (on --needle-models, SmolLM2 unless told): the default and float at --needles haystack lengths,
 --needle-depths 0.1/0.5/0.9. Each finished probe is kept on disk (~/.cache/tq-mlx/needles) and a probe under way
 saves its prefill every 10 minutes, so the same command resumes a 32k probe in a later session.
@@ -321,8 +323,8 @@ def run_model(key: str, args, budget: common.Budget, results: dict, save) -> Non
     refs: dict[str, dict] = {}
     for text, s in plan(settings, args.texts):
         row = rows[s.name]
-        if s.kind == "peer" and caches.peer().module is None:
-            row["error"] = caches.peer().reason
+        if s.kind == "peer" and caches.peer_of(s).module is None:
+            row["error"] = caches.peer_of(s).reason
             continue
         if text not in refs and s.kind != "float":
             row["texts"][text] = {"error": "skipped: no float reference"}
@@ -427,7 +429,9 @@ def main() -> None:
     ap.add_argument("--qwen-contexts", default=None, help="Qwen2.5-Coder-0.5B contexts (default 1024,2048,4096)")
     ap.add_argument("--qwen15-contexts", default="1024,2048", help="Qwen2.5-Coder-1.5B contexts")
     ap.add_argument("--settings", default=None, help=f"comma list of {','.join(BY_KEY)} (default: all, in that "
-                    "order; float is always run first, as the reference)")
+                    "order; float is always run first, as the reference), or spelled out: "
+                    "k<K>v<V>w<window>b<block>[...] (long_context_settings.parse_setting), rot<bits>w<window>, "
+                    "peer<bits> (mlx-vlm), tqfull<K>v<V>[m<float16 tokens>] (turboquant-mlx-full)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default 512; quick 128)")
     ap.add_argument("--eval-tokens", type=int, default=None,
                     help="tokens scored at the end of each context, fed as one chunk after the others (default: "
@@ -439,7 +443,8 @@ def main() -> None:
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9",
                     help="where the needle sits, as fractions of the haystack strictly between 0 and 1")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later passes are skipped")
-    ap.add_argument("--no-peers", action="store_true", help="do not try mlx-vlm")
+    ap.add_argument("--no-peers", action="store_true", help="do not try the peers from PyPI (mlx-vlm, "
+                    "turboquant-mlx-full)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--no-float-cache", action="store_true",
                     help="run the float pass even when its log-probs are on disk (~/.cache/tq-mlx/logprobs)")
@@ -478,10 +483,13 @@ def main() -> None:
         print(f"hint: {hint}", file=sys.stderr)
     t0 = time.perf_counter()
     budget = common.Budget(args.budget)
-    peer = caches.load_peer(not args.no_peers and not q)
-    print(f"peer mlx-vlm: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
+    wanted = not args.no_peers and not q
+    peers = {caches.MLX_VLM: caches.load_peer(wanted), caches.TQ_FULL: caches.load_peer(wanted, caches.TQ_FULL)}
+    for name, peer in peers.items():
+        print(f"peer {name}: {'version ' + peer.version if peer.module else peer.reason}", flush=True)
     results = {"meta": common.metadata(), "eval_tokens": args.eval_tokens,
-               "peers": {"mlx-vlm": {"version": peer.version, "runs": peer.module is not None, "reason": peer.reason}},
+               "peers": {name: {"version": p.version, "runs": p.module is not None, "reason": p.reason}
+                         for name, p in peers.items()},
                "models": {}}
     name = "long_context-quick" if q else "long_context"
 

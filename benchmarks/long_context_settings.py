@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (puts the repo on sys.path)
-from caches import FLOAT, PEER4, Setting, kv_geometry  # noqa: E402
+from caches import FLOAT, PEER4, TQ_FULL, TQFULL8V3, Setting, kv_geometry, tq_full, tq_full_bytes  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
@@ -81,9 +81,16 @@ def parse_setting(key: str) -> Setting:
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
     corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
     them), rotation + affine at other bits and windows (rot2w1700: the
-    peer at matched bits/value), or mlx-vlm's TurboQuant at other bits (peer3, peer2.5)."""
+    peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
+    TurboQuantKVCache tqfull<key bits>v<value bits>[m<float16 tokens>], bits 1 to 8 (tqfull8v3: its recommended
+    K8/V3; tqfull4v4m128: K4/V4 with its first 128 tokens kept in float16, min_tokens_before_quant)."""
     if key in BY_KEY:
         return BY_KEY[key]
+    if full := re.fullmatch(r"tqfull(\d+)v(\d+)(?:m(\d+))?", key):
+        try:
+            return tq_full(int(full[1]), int(full[2]), int(full[3] or 0))
+        except ValueError as e:
+            raise SystemExit(f"setting {key!r}: {e}") from None
     peer = re.fullmatch(r"(rot|peer)([\d.]+)(?:w(\d+))?", key)
     if peer and peer[1] == "rot" and peer[3] and peer[2] in ("2", "3", "4", "8"):
         return rot(int(peer[2]), int(peer[3]))  # rotation + affine at other bits, with a window of that size
@@ -92,7 +99,7 @@ def parse_setting(key: str) -> Setting:
     m = SPEC.match(key)
     if not m:
         raise SystemExit(f"unknown setting {key!r}: expected one of {', '.join(BY_KEY)}, a spec like "
-                         f"k4v3w768b128d2048k3v2n8, rot<2|3|4|8>w<window> or peer<bits>")
+                         f"k4v3w768b128d2048k3v2n8, rot<2|3|4|8>w<window>, peer<bits> or tqfull<k>v<v>[m<tokens>]")
     num = lambda x: float(x) if "." in x else int(x)  # noqa: E731
     over = dict(window=int(m["window"]), compress_block=int(m["block"]))
     if m["after"]:
@@ -233,14 +240,15 @@ MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 
 # Most important first.
 ALL = [FLOAT, DEFAULT, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
-       K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4]
+       K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4, TQFULL8V3]
 FIRST = 11  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
 BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "quality": QUALITY, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,
-          "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4}
+          "boundary": BOUND, "mlx4": MLX4, "mlx8": MLX8, "peer4": PEER4,
+          "tqfull8v3": TQFULL8V3}
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "load_smollm2", "smollm2_path"),
@@ -254,8 +262,9 @@ TRAINED_CONTEXT = {"smollm2": 8192, "qwen05": 32768, "qwen15": 32768}
 
 
 def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
-    """bits/value at ctx tokens, float parts in float16 (None for the peer: see the measured figure); TurboQuant's
-    with every layer's keys at the configured bits (protection_bits adds what the layers chose: the † figures)."""
+    """bits/value at ctx tokens, float parts in float16 (None for mlx-vlm's peer: see the measured figure;
+    turboquant-mlx-full's from caches.tq_full_bytes, which the arrays it holds match); TurboQuant's with every
+    layer's keys at the configured bits (protection_bits adds what the layers chose: the † figures)."""
     n_att, H, D = kv_geometry(model_config)
     if s.kind == "tq":
         b = estimate_kv_bytes(model_config, ctx, s.config, dtype="float16", key_widths=[None] * n_att)
@@ -269,6 +278,8 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
         n_q = overflow(recent, window, min(window, DEFAULTS["compress_block"]))
         per_layer = float16_kv_bytes(ctx - n_q, H, D) + affine_kv_bytes(n_q, H, D, bits=int(s.bits))
         b = n_att * per_layer
+    elif s.kind == "peer" and s.peer == TQ_FULL:
+        b = tq_full_bytes(s, ctx, (n_att, H, D))
     else:
         return None
     return common.bits_per_value(b, ctx, (n_att, H, D))

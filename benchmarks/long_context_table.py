@@ -125,6 +125,22 @@ def report(results: dict) -> tuple[str, list[str]]:
                      "as mlx-vlm does).")
     elif peer:
         notes.append(f"Peer mlx-vlm: {peer.get('reason')}.")
+    full = results.get("peers", {}).get("turboquant-mlx-full", {})
+    full_rows = [r for m in results["models"].values() for r in m["rows"] if r.get("peer") == "turboquant-mlx-full"]
+    if full.get("runs") and full_rows:
+        pad = max((b - r["bits"][c] for r in full_rows for c, b in (r.get("bits_measured_peer") or {}).items()
+                   if b is not None and r["bits"].get(c) is not None), default=0.0)
+        measured = ("equal to the bytes measured in this run" if abs(pad) < 1e-9 else
+                    f"the bytes measured, less its buffers' padding to whole 256-token steps: up to {pad:.3f} "
+                    "bits/value here")
+        notes.append(f"Peer: turboquant-mlx-full {full['version']} TurboQuantKVCache (its sdist from PyPI, "
+                     "unpacked and imported, not installed), at the bits its row names, group 64, on every attention "
+                     "layer as its own CLIs convert them; it holds uint32-packed codes and float16 group scales (and "
+                     "its float16 first tokens where the row says so), no float copy, and hands mlx-lm's attention "
+                     "the whole cache dequantized to float16 each step. Its bits from the arrays it holds "
+                     f"(benchmarks/caches.py tq_full_bytes: {measured}).")
+    elif full:
+        notes.append(f"Peer turboquant-mlx-full: {full.get('reason')}.")
     errors = sorted({c.get("error") for m in results["models"].values() for r in m["rows"]
                      for c in r["texts"].values() if c.get("error")})
     notes += ["'–' = not measured: the run's time budget was spent before that pass (passes run most important "

@@ -7,6 +7,7 @@ non-zero exit); the checks here repeat that from the JSON and add range checks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -634,3 +635,164 @@ def test_tqplus_reads_the_forks_summary_and_its_logits_file(tmp_path: Path) -> N
     path.write_bytes(b"_notlog_" + path.read_bytes()[8:])
     with pytest.raises(RuntimeError, match="not a llama-perplexity logits file"):
         tqplus.base_tokens(path)
+
+
+# --- turboquant-mlx-full, a peer from PyPI ------------------------------------------------------------------------
+
+
+def _tq_full():
+    """(caches, its turboquant-mlx-full Peer): skipped with its one-line reason where it cannot run here."""
+    sys.path.insert(0, str(BENCH))
+    import caches
+
+    found = caches.load_peer(True, caches.TQ_FULL)
+    if found.module is None:
+        assert found.reason.startswith("turboquant-mlx-full==0.30.0 cannot run here: ") and "\n" not in found.reason
+        pytest.skip(found.reason)
+    return caches, found
+
+
+def test_turboquant_mlx_full_peer_loads_from_its_sdist_unpacked_not_installed(monkeypatch) -> None:
+    # The sdist is unpacked into the tq-mlx cache and only the KV cache's modules are imported from there: not its
+    # __init__s (config, weight layers, kernels), nothing installed; a failure is one line that says which peer.
+    import importlib.metadata
+
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    from tests.support import real_models
+
+    mod, version, reason = common.load_turboquant_mlx_full()
+    if mod is None:
+        assert reason.startswith("turboquant-mlx-full==0.30.0 cannot run here: ") and "\n" not in reason
+        pytest.skip(reason)
+    assert (version, reason) == ("0.30.0", None)
+    assert Path(mod.__file__).resolve().is_relative_to((real_models.cache_dir() / "peers").resolve())
+    assert hasattr(mod, "TurboQuantKVCache") and hasattr(mod.TurboQuantKVCache, "update_and_fetch")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("turboquant-mlx-full")
+    assert {k for k in sys.modules if k.split(".")[0] == "turboquant_mlx"} == {
+        "turboquant_mlx", "turboquant_mlx.core", "turboquant_mlx.core.codebook", "turboquant_mlx.core.rotation",
+        "turboquant_mlx.core.packing", "turboquant_mlx.layers", "turboquant_mlx.layers.polar_kv_cache"}
+    assert common.load_turboquant_mlx_full()[0] is mod  # loaded once
+
+    def offline(*a, **k):
+        raise RuntimeError("could not download turboquant-mlx-full==0.30.0 from PyPI\nsecond line")
+
+    monkeypatch.setattr(real_models, "pip_download", offline)
+    mod, version, reason = common.load_turboquant_mlx_full()
+    assert (mod, version) == (None, None)
+    assert reason == ("turboquant-mlx-full==0.30.0 cannot run here: RuntimeError: could not download "
+                      "turboquant-mlx-full==0.30.0 from PyPI")
+
+
+def test_turboquant_mlx_full_settings_parse_and_price_what_they_hold() -> None:
+    sys.path.insert(0, str(BENCH))
+    import caches
+    import common
+    import long_context_settings as lc
+
+    from tests.support.tiny_models import tiny_llama
+
+    s = lc.parse_setting("tqfull8v3")
+    assert s is lc.TQFULL8V3 and s in lc.ALL and lc.BY_KEY["tqfull8v3"] is s
+    assert (s.name, s.kind, s.peer, s.key_bits, s.bits, s.fp16_tokens) == (
+        "peer: turboquant-mlx-full K8/V3", "peer", "turboquant-mlx-full", 8, 3, None)
+    assert s.to_dict() == {"name": s.name, "kind": "peer", "bits": 3, "key_bits": 8, "peer": "turboquant-mlx-full"}
+    m = lc.parse_setting("tqfull4v2m128")
+    assert (m.name, m.key_bits, m.bits, m.fp16_tokens) == ("peer: turboquant-mlx-full K4/V2 (first 128 tokens float16)",
+                                                           4, 2, 128)
+    assert m.to_dict()["fp16_tokens"] == 128
+    for bad in ("tqfull9v3", "tqfull8v0"):
+        with pytest.raises(SystemExit, match="1 to 8 bits"):
+            lc.parse_setting(bad)
+    # mlx-vlm's settings stay mlx-vlm's, named and stored as before
+    assert lc.parse_setting("peer3").peer is None and "peer" not in lc.parse_setting("peer3").to_dict()
+    # bits/value: head_dim 64 in groups of 64, K8 = 16 words + a float16 scale = 8.25 bits, V3 = 7 words (10 codes a
+    # word) + a scale = 3.75 bits; plus per layer float16 signs and codebooks, and the float32 codebooks once
+    _, args = tiny_llama()
+    cfg = {"model_type": "llama", **dataclasses.asdict(args)}
+    n_att, H, D = caches.kv_geometry(cfg)
+    assert (n_att, H, D) == (3, 2, 64)
+    constants = n_att * (2 * D * 2 + (256 + 8) * 2) + (511 + 15) * 4
+    for ctx in (1024, 32768):
+        assert caches.tq_full_bytes(s, ctx, (n_att, H, D)) == n_att * H * ctx * (16 * 4 + 2 + 7 * 4 + 2) + constants
+        assert lc.bits_at(s, cfg, ctx) == common.bits_per_value(n_att * H * ctx * 96 + constants, ctx, (n_att, H, D))
+    assert 6.0 < lc.bits_at(s, cfg, 32768) < 6.01
+    # its float16 first tokens are a whole buffer from the first token: 16 bits/value at 128 tokens, with the codebooks
+    g = (n_att, H, D)
+    assert caches.tq_full_bytes(m, 1, g) == caches.tq_full_bytes(m, 128, g) > n_att * H * 128 * D * 4
+    assert 16 < lc.bits_at(m, cfg, 128) < 16.5 and lc.bits_at(m, cfg, 32768) < 4
+
+
+def test_turboquant_mlx_full_peer_runs_on_a_tiny_model_near_float_and_counts_the_arrays_it_holds(monkeypatch) -> None:
+    # Prefill and a decode step through its caches: mlx-lm's own attention on the float16 keys and values they hand
+    # it (no hook), logits near the float cache's (nearer at V8 than at V3); the bytes counted are those of every array
+    # they hold (its buffers of whole 256-token steps), which the formula gives when the buffers are full; no float
+    # copy: float16 only its scales, signs, codebooks and float16 tier, float32 only the shared codebooks.
+    caches, found = _tq_full()
+    import long_context as lc_run
+    import long_context_settings as lc
+
+    from tests.support.tiny_models import VOCAB, random_tokens, tiny_qwen3
+
+    model, args = tiny_qwen3()  # head_dim 128: two groups of 64 a head, one float16 scale each
+    cfg = {"model_type": "qwen3", **dataclasses.asdict(args)}
+    geometry = caches.kv_geometry(cfg)
+    assert geometry == (2, 2, 128)
+    module = sys.modules[type(model).__module__]
+    sdpa = module.scaled_dot_product_attention
+    ids = mx.array(random_tokens(640, vocab=VOCAB))[None]
+
+    def run(s, n):
+        cache = caches.make_cache(model, s)
+        prefill = model(ids[:, : n - 1], cache=cache)
+        caches.eval_cache(cache)
+        decode = model(ids[:, n - 1 : n], cache=cache)
+        caches.eval_cache(cache)
+        return cache, prefill, decode
+
+    def rel(x, y):
+        return (mx.abs(x - y).max() / mx.abs(y).max()).item()
+
+    err = {}
+    for key, n in (("tqfull8v8", 512), ("tqfull8v3", 512), ("tqfull8v3m128", 640)):
+        s = lc.parse_setting(key)
+        _, fp, fd = run(caches.FLOAT, n)
+        cache, p, d = run(s, n)
+        kb, vb, first = s.key_bits, s.bits, s.fp16_tokens or 0
+        layers, H, D = geometry
+        assert all(type(c) is found.module.TurboQuantKVCache and c.offset == n for c in cache)
+        # keys at K bits, values at V bits: uint32 words of 32 // bits codes (its state: codes, scales of each side)
+        assert all(c.state[0][0].shape == (1, H, n - first, -(-D // (32 // kb))) and c.state[1][0].shape[-1]
+                   == -(-D // (32 // vb)) and c.state[0][1].shape[-1] == D // 64 for c in cache)
+        assert module.scaled_dot_product_attention is sdpa  # no hook: mlx-lm's attention reads its float16 keys
+        err[key] = (rel(p, fp), rel(d, fd))
+        held = list({id(a): a for c in cache for a in caches.tq_full_arrays(c)}.values())
+        assert caches.held_bytes(cache) == sum(a.nbytes for a in held)
+        assert caches.held_bytes(cache) == caches.tq_full_bytes(s, n, geometry)  # every buffer full at n tokens
+        assert caches.bits_per_value(cache, n, geometry) == lc.bits_at(s, cfg, n)
+        codes = layers * H * (n - first) * 4 * (-(-D // (32 // kb)) + -(-D // (32 // vb)))
+        assert sum(a.nbytes for a in held if a.dtype == mx.uint32) == codes
+        assert sum(a.nbytes for a in held if a.dtype == mx.float32) == sum((2 * 2**b - 1) * 4 for b in {kb, vb})
+        scales, tier = H * (n - first) * 2 * (D // 64) * 2, 2 * H * first * D * 2
+        float16 = layers * (scales + 2 * D * 2 + (2**kb + 2**vb) * 2 + tier)
+        assert sum(a.nbytes for a in held if a.dtype == mx.float16) == float16
+        assert {a.dtype for a in held} <= {mx.uint32, mx.float16, mx.float32}
+        # its own nbytes: the same codes, scales and float16 tokens, without its constants
+        assert sum(c.nbytes for c in cache) == caches.held_bytes(cache) - (
+            layers * (2 * D * 2 + (2**kb + 2**vb) * 2) + sum((2 * 2**b - 1) * 4 for b in {kb, vb}))
+    assert 0 < err["tqfull8v8"][1] < 0.01 and 1e-3 < err["tqfull8v3"][1] < 0.1, err
+    assert err["tqfull8v8"][0] < err["tqfull8v3"][0] < 0.25 and err["tqfull8v3m128"][1] < 0.1, err
+    # 300 tokens: buffers of 512 tokens, counted in full (its nbytes counts 300)
+    s = lc.TQFULL8V3
+    cache = caches.make_cache(model, s)
+    model(ids[:, :300], cache=cache)
+    caches.eval_cache(cache)
+    assert caches.held_bytes(cache) == caches.tq_full_bytes(s, 512, geometry) > caches.tq_full_bytes(s, 300, geometry)
+    # long_context's pass: KL against the float pass, the bytes measured as the formula prices them
+    monkeypatch.setattr(lc_run, "_MODEL_CONFIG", [cfg])
+    tokens = random_tokens(257, vocab=VOCAB)
+    _, logps = lc_run.run_pass(model, caches.make_cache(model, caches.FLOAT), tokens, [256], 128, 128, None)
+    out, _ = lc_run.run_pass(model, caches.make_cache(model, s), tokens, [256], 128, 128, logps)
+    assert 1e-6 < out[256]["kl"] < 0.05 and out[256]["bits_real"] == lc.bits_at(s, cfg, 256), out
