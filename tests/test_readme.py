@@ -277,6 +277,10 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     assert fork == {(f"TurboQuant+ {s} (K/V)", c["bits"], c["kl"]) for s, c in cells.items() if "kl" in c} != set()
     assert all(set(p["kl"]) == {plots.PEERS_TEXT} for p in peers)
     assert lc_settings.DEFAULT.name in {p["name"] for p in peers}
+    # each peer in its own colour and legend entry: mlx-vlm's rows carry no "peer" field, turboquant-mlx-full's do
+    vlm, full = {"kind": "peer", "name": "peer: mlx-vlm TurboQuant 4-bit"}, {"kind": "peer", "peer": "turboquant-mlx-full"}
+    assert plots.STYLE[plots._family(vlm)][2] == "peer: mlx-vlm TurboQuant"
+    assert plots.STYLE[plots._family(full)][2] == "peer: turboquant-mlx-full"
 
 
 # --- every generated picture and example: tools/docs/docs_assets.py ---------------------------------------------

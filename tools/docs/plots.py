@@ -59,8 +59,8 @@ def _pyplot():
 
 
 def _family(r: dict) -> str:
-    if r["kind"] == "peer":
-        return "peer"
+    if r["kind"] == "peer":  # which peer: mlx-vlm's rows carry no "peer" field
+        return "peer" if r.get("peer", "mlx-vlm") == "mlx-vlm" else r["peer"]
     if r["kind"] == "mlx":
         return "mlx-lm affine"
     if r["kind"] == "rot":
@@ -76,6 +76,7 @@ STYLE = {  # family: colour, marker size, legend label
     "rotation + affine": ("tab:green", 7, "rotation + affine 4-bit"),
     "mlx-lm affine": ("dimgray", 7, "mlx-lm QuantizedKVCache"),
     "peer": ("tab:orange", 7, "peer: mlx-vlm TurboQuant"),
+    "turboquant-mlx-full": ("tab:brown", 7, "peer: turboquant-mlx-full"),
     "TurboQuant+": ("tab:purple", 7, "peer: TurboQuant+ (llama.cpp fork)"),
 }
 TEXT_MARKER = {"britannica": "o", "hamlet": "^", "kjv": "s", "code": "D"}
