@@ -303,8 +303,15 @@ def merge(paths: list[str], out: str | None) -> None:
             have["texts"] = list(dict.fromkeys(have["texts"] + m["texts"]))
             have["contexts"] = sorted(set(have["contexts"]) | set(m["contexts"]))
     metas = [x for r in runs for x in r["meta"].get("runs", [r["meta"]])]  # a merged file brings its own runs
+    metas = list({json.dumps(x, sort_keys=True): x for x in metas}.values())  # a run merged twice counts once
     merged["meta"] = dict(runs[0]["meta"], command=" + ".join(x["command"] for x in metas), runs=metas)
     merged["seconds"] = max(r["seconds"] for r in runs)
+    peers: dict = {}  # each peer as a run that ran it found it (its rows came from there), else as the first said
+    for r in runs:
+        for name, p in r.get("peers", {}).items():
+            if name not in peers or (p.get("runs") and not peers[name].get("runs")):
+                peers[name] = p
+    merged["peers"] = peers
     jp, mp = write(merged, "long_context", out)
     print(render(merged))
     print(f"wrote {jp} and {mp}")

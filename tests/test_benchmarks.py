@@ -229,6 +229,15 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     assert merged["contexts"] == [1024, 1152, 2048, 4096]
     headers, _ = lc_table.model_table(merged)
     assert headers[1] == "bits/val @1152" and "KL Brit 4k" in headers
+    # a peer one run skipped and another ran: the merged file says it ran, with the version that ran
+    skipped, ran = {"version": None, "runs": False, "reason": "skipped (--no-peers)"}, {"version": "0.1", "runs": True, "reason": None}
+    for i, (a, b) in enumerate(((skipped, ran), (ran, skipped))):
+        for path, p in zip(paths[:2], (a, b)):
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), peers={"some-peer": p})))
+        lc_table.merge([str(x) for x in paths[:2]], str(tmp_path / f"peers{i}"))
+        again = json.loads((tmp_path / f"peers{i}" / "long_context.json").read_text())
+        assert again["peers"] == {"some-peer": ran}
+        assert len(again["meta"]["runs"]) == 1  # the two runs' meta are one run's (a copy): counted once
 
 
 def test_speed_quick(speed: dict) -> None:
