@@ -241,79 +241,80 @@ class Budget:
 # --- peers ---------------------------------------------------------------------------------------------------
 
 MLX_VLM = "mlx-vlm==0.7.10"
+TQ_FULL = "turboquant-mlx-full==0.30.0"
 
 
-def load_mlx_vlm_turboquant():
-    """(mlx_vlm.turboquant module, version, None) or (None, None, one-line reason it cannot run here).
+def _load_peer(requirement: str, packages: dict[str, str], module: str, smoke: Callable[[Any], None]):
+    """(module, version, None) or (None, None, one-line reason `requirement` cannot run here).
 
-    The wheel is `pip download --no-deps`-ed into the tq-mlx cache and imported from there, never installed:
-    only mlx_vlm/turboquant.py and mlx_vlm/models/cache.py are loaded (mlx_vlm/__init__ pulls in transformers,
-    Pillow, opencv, fastapi, ...), so the project's environment stays as it is.
+    The distribution (a wheel or an sdist) is `pip download --no-deps`-ed into the tq-mlx cache and unpacked there,
+    never installed or built. `packages` ({dotted name: folder in the distribution}) are made empty packages over
+    their folders, so their __init__s (which pull in the rest of the distribution and its requirements) never run,
+    and only `module` and what it imports are loaded: the project's environment stays as it is. `smoke(module)` runs
+    a prefill and a decode step on this back end; whatever fails is the reason.
     """
+    import importlib
+    import tarfile
     import types
     import zipfile
 
     try:
         from tests.support.real_models import cache_dir, pip_download
 
-        (wheel,) = pip_download([MLX_VLM], cache_dir() / "downloads")
-        root = cache_dir() / "peers" / wheel.stem
-        if not (root / "mlx_vlm" / "turboquant.py").exists():
-            with zipfile.ZipFile(wheel) as zf:
-                zf.extractall(root)
-        if "mlx_vlm" not in sys.modules:
-            pkg = types.ModuleType("mlx_vlm")
-            pkg.__path__ = [str(root / "mlx_vlm")]
-            sys.modules["mlx_vlm"] = pkg
-        import importlib
+        (dist,) = pip_download([requirement], cache_dir() / "downloads")
+        peers = cache_dir() / "peers"
+        if dist.suffix == ".whl":
+            root = peers / dist.stem
+        else:  # an sdist unpacks into its one top folder
+            root = peers / dist.name.removesuffix(".tar.gz")
+        parent, _, leaf = module.rpartition(".")
+        if not (root / packages[parent] / f"{leaf}.py").exists():
+            if dist.suffix == ".whl":
+                with zipfile.ZipFile(dist) as zf:
+                    zf.extractall(root)
+            else:
+                with tarfile.open(dist) as tf:
+                    tf.extractall(peers, filter="data")
+        for name, sub in packages.items():
+            if name not in sys.modules:
+                pkg = types.ModuleType(name)
+                pkg.__path__ = [str(root / sub)]
+                sys.modules[name] = pkg
+        mod = importlib.import_module(module)
+        smoke(mod)
+        return mod, requirement.split("==")[1], None
+    except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
+        return None, None, f"{requirement} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
 
-        mod = importlib.import_module("mlx_vlm.turboquant")
-        # Smoke test on this back end: a prefill and a decode step through the cache.
+
+def load_mlx_vlm_turboquant():
+    """(mlx_vlm.turboquant module, version, None) or (None, None, one-line reason it cannot run here).
+
+    Only mlx_vlm/turboquant.py and mlx_vlm/models/cache.py are loaded from the wheel (mlx_vlm/__init__ pulls in
+    transformers, Pillow, opencv, fastapi, ...).
+    """
+
+    def smoke(mod):
         c = mod.TurboQuantKVCache(bits=4)
         k = mx.random.normal((1, 2, 8, 64))
         ks, vs = c.update_and_fetch(k, k)
         mx.eval(c.dequantize(ks, vs))
         ks, vs = c.update_and_fetch(k[:, :, :1], k[:, :, :1])
         mx.eval(c.decode_attention(mx.random.normal((1, 4, 1, 64)), keys_state=ks, values_state=vs, scale=0.125, mask=None))
-        return mod, MLX_VLM.split("==")[1], None
-    except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
-        return None, None, f"{MLX_VLM} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
 
-
-TQ_FULL = "turboquant-mlx-full==0.30.0"
+    return _load_peer(MLX_VLM, {"mlx_vlm": "mlx_vlm"}, "mlx_vlm.turboquant", smoke)
 
 
 def load_turboquant_mlx_full():
     """(turboquant_mlx.layers.polar_kv_cache module, version, None) or (None, None, one-line reason it cannot run
     here).
 
-    The sdist is `pip download --no-deps`-ed into the tq-mlx cache and unpacked there, never installed or built: its
-    root is the package `turboquant_mlx` (pyproject's package-dir maps it to "."), so turboquant_mlx,
-    turboquant_mlx.core and turboquant_mlx.layers are made empty packages over its folders (their __init__s import
-    config, the weight layers, kernels, ...; the distribution requires transformers) and only
-    layers/polar_kv_cache.py and the three core modules it imports (codebook, rotation, packing: mlx alone) are
-    loaded, so the project's environment stays as it is.
+    The sdist's root is the package `turboquant_mlx` (pyproject's package-dir maps it to "."); its __init__s import
+    config, the weight layers, kernels, ... (the distribution requires transformers), so only
+    layers/polar_kv_cache.py and the three core modules it imports (codebook, rotation, packing: mlx alone) are loaded.
     """
-    import importlib
-    import tarfile
-    import types
 
-    try:
-        from tests.support.real_models import cache_dir, pip_download
-
-        (sdist,) = pip_download([TQ_FULL], cache_dir() / "downloads")
-        top = sdist.name.removesuffix(".tar.gz")
-        root = cache_dir() / "peers" / top  # the sdist's one top folder
-        if not (root / "layers" / "polar_kv_cache.py").exists():
-            with tarfile.open(sdist) as tf:
-                tf.extractall(root.parent, filter="data")
-        for name, sub in (("turboquant_mlx", ""), ("turboquant_mlx.core", "core"), ("turboquant_mlx.layers", "layers")):
-            if name not in sys.modules:
-                pkg = types.ModuleType(name)
-                pkg.__path__ = [str(root / sub)]
-                sys.modules[name] = pkg
-        mod = importlib.import_module("turboquant_mlx.layers.polar_kv_cache")
-        # Smoke test on this back end: a prefill and a decode step through the cache, at its recommended K8/V3.
+    def smoke(mod):  # at its recommended K8/V3
         c = mod.TurboQuantKVCache(k_bits=8, v_bits=3)
         k = mx.random.normal((1, 2, 8, 64))
         ks, vs = c.update_and_fetch(k, k)
@@ -325,9 +326,9 @@ def load_turboquant_mlx_full():
         mx.eval(out)
         if ks.shape != (1, 2, 9, 64) or not (mx.abs(ks[:, :, :8] - k).max() < 0.1).item():
             raise RuntimeError(f"its K8 keys do not reproduce the keys stored (shape {ks.shape})")
-        return mod, TQ_FULL.split("==")[1], None
-    except Exception as e:  # noqa: BLE001 (any failure is the reason it cannot run here)
-        return None, None, f"{TQ_FULL} cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+
+    packages = {"turboquant_mlx": "", "turboquant_mlx.core": "core", "turboquant_mlx.layers": "layers"}
+    return _load_peer(TQ_FULL, packages, "turboquant_mlx.layers.polar_kv_cache", smoke)
 
 
 # --- the attention spy -------------------------------------------------------------------------------------------

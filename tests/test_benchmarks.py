@@ -661,9 +661,21 @@ def _tq_full():
     return caches, found
 
 
-def test_turboquant_mlx_full_peer_loads_from_its_sdist_unpacked_not_installed(monkeypatch) -> None:
-    # The sdist is unpacked into the tq-mlx cache and only the KV cache's modules are imported from there: not its
-    # __init__s (config, weight layers, kernels), nothing installed; a failure is one line that says which peer.
+PEER_LOADERS = {
+    # requirement: (loader name, distribution, the modules it may import, the module it returns)
+    "turboquant-mlx-full==0.30.0": ("load_turboquant_mlx_full", "turboquant-mlx-full", {
+        "turboquant_mlx", "turboquant_mlx.core", "turboquant_mlx.core.codebook", "turboquant_mlx.core.rotation",
+        "turboquant_mlx.core.packing", "turboquant_mlx.layers", "turboquant_mlx.layers.polar_kv_cache"}),
+    "mlx-vlm==0.7.10": ("load_mlx_vlm_turboquant", "mlx-vlm", {
+        "mlx_vlm", "mlx_vlm.turboquant", "mlx_vlm.models", "mlx_vlm.models.cache"}),
+}
+
+
+@pytest.mark.parametrize("requirement", sorted(PEER_LOADERS))
+def test_a_peer_loads_from_its_distribution_unpacked_not_installed(requirement, monkeypatch) -> None:
+    # The wheel or sdist is unpacked into the tq-mlx cache and only the KV cache's modules are imported from there:
+    # not its __init__s (transformers, weight layers, kernels), nothing installed; a failure is one line that says
+    # which peer.
     import importlib.metadata
 
     sys.path.insert(0, str(BENCH))
@@ -671,28 +683,28 @@ def test_turboquant_mlx_full_peer_loads_from_its_sdist_unpacked_not_installed(mo
 
     from tests.support import real_models
 
-    mod, version, reason = common.load_turboquant_mlx_full()
+    loader_name, distribution, modules = PEER_LOADERS[requirement]
+    loader = getattr(common, loader_name)
+    mod, version, reason = loader()
     if mod is None:
-        assert reason.startswith("turboquant-mlx-full==0.30.0 cannot run here: ") and "\n" not in reason
+        assert reason.startswith(f"{requirement} cannot run here: ") and "\n" not in reason
         pytest.skip(reason)
-    assert (version, reason) == ("0.30.0", None)
+    assert (version, reason) == (requirement.split("==")[1], None)
     assert Path(mod.__file__).resolve().is_relative_to((real_models.cache_dir() / "peers").resolve())
     assert hasattr(mod, "TurboQuantKVCache") and hasattr(mod.TurboQuantKVCache, "update_and_fetch")
     with pytest.raises(importlib.metadata.PackageNotFoundError):
-        importlib.metadata.distribution("turboquant-mlx-full")
-    assert {k for k in sys.modules if k.split(".")[0] == "turboquant_mlx"} == {
-        "turboquant_mlx", "turboquant_mlx.core", "turboquant_mlx.core.codebook", "turboquant_mlx.core.rotation",
-        "turboquant_mlx.core.packing", "turboquant_mlx.layers", "turboquant_mlx.layers.polar_kv_cache"}
-    assert common.load_turboquant_mlx_full()[0] is mod  # loaded once
+        importlib.metadata.distribution(distribution)
+    top = next(iter(modules)).split(".")[0]
+    assert {k for k in sys.modules if k.split(".")[0] == top} == modules
+    assert loader()[0] is mod  # loaded once
 
     def offline(*a, **k):
-        raise RuntimeError("could not download turboquant-mlx-full==0.30.0 from PyPI\nsecond line")
+        raise RuntimeError(f"could not download {requirement} from PyPI\nsecond line")
 
     monkeypatch.setattr(real_models, "pip_download", offline)
-    mod, version, reason = common.load_turboquant_mlx_full()
+    mod, version, reason = loader()
     assert (mod, version) == (None, None)
-    assert reason == ("turboquant-mlx-full==0.30.0 cannot run here: RuntimeError: could not download "
-                      "turboquant-mlx-full==0.30.0 from PyPI")
+    assert reason == f"{requirement} cannot run here: RuntimeError: could not download {requirement} from PyPI"
 
 
 def test_turboquant_mlx_full_settings_parse_and_price_what_they_hold() -> None:
