@@ -36,8 +36,11 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         contexts, key=lambda c: (any(str(c) in b for b in default), sum(str(c) in r["bits"] for r in measured), c))
     both = top != LONG  # at 32k itself one bits column says it
     headers = ["cache", f"bits/val @{ctx_label(top)}"] + (["bits/val @32k"] if both else [])
-    headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
-    headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t in texts for c in contexts]
+    # a column for each text and context some row measured (runs merged at other contexts leave the rest empty)
+    cells = [(t, c) for t in texts for c in contexts
+             if any(isinstance(r["texts"].get(t, {}).get(str(c)), dict) for r in m["rows"])]
+    headers += [f"KL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t, c in cells]
+    headers += [f"ΔPPL {TEXT_LABEL.get(t, t)} {ctx_label(c)}" for t, c in cells]
     rows = []
     for r in m["rows"]:
         if not r["texts"] and "error" not in r:
@@ -56,20 +59,18 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
         line = [canonical_name(r), bits_s] + ([
             f"{b32 + protection_bits(r, m['geometry'], LONG):.2f}†" if extra and b32 else common.fmt(b32)] if both else [])
         kls, dps = [], []
-        for t in texts:
-            cell = r["texts"].get(t, {})
-            for c in contexts:
-                x = cell.get(str(c))
-                if not isinstance(x, dict):
-                    kls.append("–")
-                    dps.append("–")
-                elif r["kind"] == "float":
-                    kls.append("0")
-                    dps.append(f"({x['ppl']:.2f})")
-                else:
-                    kl = max(x["kl"], 0.0)  # float rounding can make an exact match a hair negative
-                    kls.append(f"{kl:.4f}" if kl < 0.1 else f"{kl:.3f}")
-                    dps.append(common.fmt(x.get("ppl_delta_pct"), 1, "%"))
+        for t, c in cells:
+            x = r["texts"].get(t, {}).get(str(c))
+            if not isinstance(x, dict):
+                kls.append("–")
+                dps.append("–")
+            elif r["kind"] == "float":
+                kls.append("0")
+                dps.append(f"({x['ppl']:.2f})")
+            else:
+                kl = max(x["kl"], 0.0)  # float rounding can make an exact match a hair negative
+                kls.append(f"{kl:.4f}" if kl < 0.1 else f"{kl:.3f}")
+                dps.append(common.fmt(x.get("ppl_delta_pct"), 1, "%"))
         if "error" in r and not r["texts"]:
             kls = [r["error"][:50]] + ["–"] * (len(kls) - 1)
         rows.append(line + kls + dps)

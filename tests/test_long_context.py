@@ -146,6 +146,26 @@ def test_long_context_table_at_32k_gives_the_bits_once() -> None:
     assert headers[:3] == ["cache", "bits/val @16k", "bits/val @32k"] and rows[1][1:3] == ["5.00", "4.50"], (headers, rows)
 
 
+def test_long_context_table_has_no_column_that_no_row_measured() -> None:
+    # Runs merged at other contexts (Britannica at 8k, Novel at 8k and 16k) give columns for the cells some row
+    # measured, not every text at every context: a column of dashes says nothing.
+    import long_context_table as lc_table
+
+    cell = {"kl": 0.01, "ppl": 10.0, "ppl_delta_pct": 1.0}
+    rows = [{"setting": name, "kind": kind, "bits": {"8192": 6.0, "16384": 5.0}, "bits_32k": None,
+             "texts": {"britannica": {"8192": cell}, "novel": {"8192": cell, "16384": cell}}}
+            for name, kind in (("float (mlx-lm KVCache)", "float"), ("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx"))]
+    m = {"contexts": [8192, 16384], "texts": ["britannica", "novel"], "rows": rows,
+         "geometry": {"attention_layers": 2, "kv_heads": 1, "head_dim": 64}}
+    headers, table = lc_table.model_table(m)
+    kl_headers = [h for h in headers if h.startswith("KL ")]
+    assert kl_headers == ["KL Brit 8k", "KL Novel 8k", "KL Novel 16k"], headers
+    assert all(len(r) == len(headers) for r in table)
+    del rows[1]["texts"]["novel"]["16384"]  # one row measured it: the column stays, the other row's cell is a dash
+    headers, table = lc_table.model_table(m)
+    assert "KL Novel 16k" in headers and table[1][headers.index("KL Novel 16k")] == "–"
+
+
 def test_long_context_default_row_is_the_library_default() -> None:
     # The row labelled "the default" spells its config out; it must be what TurboQuantConfig() gives.
     sys.path.insert(0, str(BENCH))

@@ -264,9 +264,9 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
 
 
 def longest_table(res: dict, full: str) -> str:
-    """The presets, and the key_error settings that hold the target KL in every cell shown, at 16k and past it, on
-    the models measured there, before the 8k table: what the memory headline's contexts cost in quality (the
-    settings that miss it are in docs/benchmarks.md and DEFAULTS.md)."""
+    """The presets, and the key_error settings that hold the target KL in every cell shown at fewer bits than the
+    default, at 16k and past it, on the models measured there, before the 8k table: what the memory headline's
+    contexts cost in quality (the settings that miss it are in docs/benchmarks.md and DEFAULTS.md)."""
     import long_context_settings as lc_settings
     import long_context_table as lc_table
 
@@ -282,6 +282,12 @@ def longest_table(res: dict, full: str) -> str:
         kl = [i for i in cols if headers[i].startswith("KL")]
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS
                 or all(r[i] == "–" or float(r[i]) <= TARGET_KL for i in kl)]
+        b32 = headers.index("bits/val @32k")
+        bits = lambda r: float(r[b32].rstrip("†*")) if r[b32] != "–" else None  # noqa: E731
+        default = next((bits(r) for r in rows if r[0] == lc_settings.DEFAULT.name), None)
+        # a setting that holds no fewer bits than the default tells a reader choosing by memory nothing more
+        keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS or default is None
+                or (bits(r) is not None and bits(r) < default)]
         cols = [i for i in cols if any(r[i] != "–" for r in keep)]  # columns only a dropped row filled go too
         keep = [r for r in keep if any(r[i] != "–" for i in cols)]
         if not cols or not keep:
