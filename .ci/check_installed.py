@@ -73,7 +73,9 @@ def main() -> int:
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.float16)  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check warns: make it fatal
-        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4), head_dim=64)
+        # (prefill not read as decode: these views are read by queries of any count, as the cache holds them)
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4, prefill_as_decode=False),
+                                  head_dim=64)
         keys, values = cache.update_and_fetch(normal(1, 2, 60, 64), normal(1, 2, 60, 64))  # encode
         if not keys.n_coded:
             fail("the cache compressed no token: encode never ran")
@@ -89,7 +91,8 @@ def main() -> int:
                        K.prefill_attention_reference(qp, keys, values, 0.125, "causal")))
         # Channel groups and a head dim without a power-of-two WHT: encode_dense, then attention with the value
         # rotation done by the host.
-        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, sinks=4), head_dim=96)
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, sinks=4,
+                                                   prefill_as_decode=False), head_dim=96)
         k96, v96 = cache.update_and_fetch(normal(1, 2, 60, 96), normal(1, 2, 60, 96))
         if not k96.n_coded or k96.perm is None:
             fail("the 3.5/2.5-bit cache compressed no token with a channel order")
@@ -97,6 +100,17 @@ def main() -> int:
         k96, v96 = learned(q96, k96, v96, 0.1)
         checks.append(("decode_attention K3.5/V2.5 d96", K.dispatch_attention(q96, k96, v96, 0.1),
                        K.decode_attention_reference(q96, k96, v96, 0.1)))
+        # the default's prefill, read as decode: a 60-token chunk through the kernels run by run (16 queries a
+        # run: prefill_attention), against the reference run by run
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4, compress_block=16),
+                                  head_dim=64)
+        kd, vd = cache.update_and_fetch(normal(1, 2, 60, 64), normal(1, 2, 60, 64))
+        qd = normal(1, 4, 60, 64)
+        kd, vd = learned(qd, kd, vd, 0.125)
+        if kd.recent is None:
+            fail("the default's 60-token chunk over a 16-token window was not read as decode")
+        checks.append(("prefill read as decode", K.dispatch_attention(qd, kd, vd, 0.125, "causal"),
+                       K.turboquant_attention(qd, kd, vd, 0.125, "causal")))
         x = normal(3, 64).astype(mx.float32)
         rotation = keys.quantizer.groups[0].rotation
         checks.append(("rotate", K.dispatch_rotate(x, rotation, True), K.rotate_reference(x, rotation, True)))

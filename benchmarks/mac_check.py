@@ -259,15 +259,26 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             # keys that decay (integer MSE widths from 4 to 6: one bit fewer) after 40 tokens:
                             # the old keys re-coded (dispatch_recode), then read as a second span
                             decays = not qjl and kb == int(kb) and 3 < kb < 8
+                            # (prefill not read as decode: one view read by queries of any count, as below)
                             cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl,
                                                                        window=16, sinks=4, compress_block=8,
-                                                                       norm_bits=nb, decay_after=40 if decays else None))
+                                                                       norm_bits=nb, decay_after=40 if decays else None,
+                                                                       prefill_as_decode=False))
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
                             keys, values = cache.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             for L, mask in ((1, None), (40, "causal")):
                                 q = _normal(rng, (1, 8, L, dim), dt)
                                 keys, values = learned(q, keys, values, dim ** -0.5)  # as the attention hook does
                                 mx.eval(K.dispatch_attention(q, keys, values, dim ** -0.5, mask))
+                            # a prefill read as decode (prefill_as_decode): a 70-token chunk's queries run by run
+                            # (16 a run, the prefill kernel's), each with the compressed tokens a decode step reads
+                            pd = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl, window=16,
+                                                                    sinks=4, compress_block=16, norm_bits=nb,
+                                                                    prefill_as_decode=True))
+                            pk, pv = pd.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
+                            q = _normal(rng, (1, 8, 70, dim), dt)
+                            pk, pv = learned(q, pk, pv, dim ** -0.5)
+                            mx.eval(K.dispatch_attention(q, pk, pv, dim ** -0.5, "causal"))
                             mx.eval(K.dispatch_dequantize(keys, dt))
                             rot = values.quantizer.groups[0].rotation  # d/4 dims for fractional bits
                             mx.eval(K.dispatch_rotate(_normal(rng, (3, rot.dim), dt), rot, True))

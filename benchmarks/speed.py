@@ -17,6 +17,7 @@ or --no-smollm2, the real SmolLM2-135M (head_dim 64) at 1k/2k. Everything is flo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,10 @@ def settings(quick: bool) -> list[Setting]:
     tq-server run), the peer."""
     if quick:
         return [FLOAT, MLX4, preset("default"), PEER4]
-    return [FLOAT, MLX8, MLX4, *(preset(n) for n in PRESETS), PEER4]
+    # what reading prefill as decode costs the default's prefill (one attention call per compress block of a chunk)
+    before = Setting("TQ default, prefill not read as decode", "tq",
+                     config=dataclasses.replace(TurboQuantConfig(), prefill_as_decode=False))
+    return [FLOAT, MLX8, MLX4, *(preset(n) for n in PRESETS), before, PEER4]
 
 
 def llama_model(seed: int = 0) -> nn.Module:

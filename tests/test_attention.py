@@ -8,6 +8,8 @@ GQA, batch, mask kind and block size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -103,8 +105,9 @@ CASES = [
 def test_matches_float64_reference(D, kb, vb, qjl, center):
     rng = np.random.default_rng(D + int(2 * kb))
     B, H, R = 2, 2, 3
+    # (prefill not read as decode: the reference is the held codes decoded)
     cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, compress_block=4, sinks=3, step=16,
-                           center_keys=center, center_values=center)
+                           center_keys=center, center_values=center, prefill_as_decode=False)
     cache = TurboQuantKVCache(cfg, layer_index=1)
     # Prefill chunks, decode steps and a chunk larger than the window; block_size=5 splits the compressed
     # tokens into several blocks and puts block edges inside the causal triangle.
@@ -121,7 +124,8 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
 def test_array_masks_and_per_head_masks():
     rng = np.random.default_rng(5)
     B, H, R, D = 2, 2, 2, 64
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, compress_block=3, sinks=2), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, compress_block=3, sinks=2,
+                                               prefill_as_decode=False), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (17, 5), B, H, D)
     T = kh.n_tokens
     q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
@@ -243,7 +247,8 @@ def _attend(dtype, magnitude: float, cfg: TurboQuantConfig | None):
         f32 = lambda a: a.astype(mx.float32)  # noqa: E731
         out = mx.fast.scaled_dot_product_attention(f32(q), f32(k), f32(v), scale=0.125)
     else:
-        kh, vh = TurboQuantKVCache(cfg).update_and_fetch(k, v)
+        # (one query reads a 300-token update's views: as the cache holds them)
+        kh, vh = TurboQuantKVCache(dataclasses.replace(cfg, prefill_as_decode=False)).update_and_fetch(k, v)
         assert kh.sinks.dtype == kh.window.dtype == dtype  # the float parts keep the model's dtype
         out = turboquant_attention(q, kh, vh, 0.125)
     return np.array(out.astype(mx.float32)) / magnitude
@@ -273,7 +278,7 @@ def test_long_prefill_chunk_transient_is_flat_in_context():
     H, D, Hq, L = 2, 64, 8, 1024
     transients = {}
     for T in (L + 2048, L + 16384):
-        c = TurboQuantKVCache(TurboQuantConfig(), head_dim=D)
+        c = TurboQuantKVCache(TurboQuantConfig(prefill_as_decode=False), head_dim=D)  # (read as decode: below)
         for _ in range(0, T - L, 1024):
             c.update_and_fetch(mx.random.normal((1, H, 1024, D)), mx.random.normal((1, H, 1024, D)))
             mx.eval(c.held_arrays())
@@ -287,6 +292,28 @@ def test_long_prefill_chunk_transient_is_flat_in_context():
     scores = Hq * L * (L + 16384) * 4  # what one float32 score matrix over the whole context would take
     assert transients[L + 16384] < 1.5 * transients[L + 2048], transients
     assert transients[L + 16384] < 0.25 * scores, (transients, scores)
+
+
+def test_a_chunk_read_as_decode_holds_no_more_transient_than_read_at_once():
+    # Read as decode (prefill_as_decode), a chunk's queries attend run by run, each run over the whole compressed
+    # context: the runs go one after another, so their tiles are never all held at once (a lazy graph of 8
+    # independent runs held 146 MB here where the chunk read at once holds 79-90).
+    H, D, Hq, L, T = 2, 64, 8, 1024, 1024 + 16384
+    transients = {}
+    for as_decode in (False, True):
+        c = TurboQuantKVCache(TurboQuantConfig(prefill_as_decode=as_decode), head_dim=D)
+        for i in range(0, T - L, 1024):
+            c.update_and_fetch(*(mx.random.normal((1, H, 1024, D), key=mx.random.key(i + j)) for j in (0, 1)))
+            mx.eval(c.held_arrays())
+        kh, vh = c.update_and_fetch(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D)))
+        assert (kh.recent is not None) == as_decode
+        q = mx.random.normal((1, Hq, L, D))
+        mx.eval(kh, vh, q)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
+        transients[as_decode] = mx.get_peak_memory() - base
+    assert transients[True] < 1.25 * transients[False], transients
 
 
 def _sdpa_float(queries, k, v, scale, mask, sinks):
@@ -303,7 +330,8 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
     # float64 softmax with the sink column exactly.
     rng = np.random.default_rng(21)
     B, H, R, D = 1, 2, 3, 64
-    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4), layer_index=1)
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4, prefill_as_decode=False),
+                              layer_index=1)
     sinks = mx.array(rng.normal(size=(H * R,)) * 2 + 1, dtype=sink_dtype)
     ks, vs = [], []
     for L in (30, 1, 5, 1):

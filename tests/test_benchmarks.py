@@ -547,8 +547,9 @@ def test_attribution_splits_a_layer_error_by_side_and_by_age() -> None:
     kf = mx.array(rng.normal(size=(1, H, T, D)) + rng.normal(size=(1, H, 1, D)), dtype=mx.float32)
     vf = mx.array(rng.normal(size=(1, H, T, D)), dtype=mx.float32)
     q = mx.array(rng.normal(size=(1, Hq, L, D)), dtype=mx.float32)
+    # (prefill not read as decode: attribution splits the error of what the cache holds, which every query reads)
     config = TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3,
-                             decay_value_bits=None)
+                             decay_value_bits=None, prefill_as_decode=False)
     cache = TurboQuantKVCache(config, layer_index=2, head_dim=D)  # values keep their bits: none decay
     cache.update_and_fetch(kf[:, :, : T - L], vf[:, :, : T - L])
     keys, values = cache.update_and_fetch(kf[:, :, T - L:], vf[:, :, T - L:])

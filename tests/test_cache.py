@@ -287,6 +287,10 @@ def test_prefill_as_decode_views_by_run():
     for row, n, kr, vr in runs:
         assert kr.n_tokens == k.n_tokens - 40 + row + n and kr.recent is None and vr.n_tokens == kr.n_tokens
         assert kr.n_coded == dict(k.recent.runs)[row]
+    # the runs are rows of the update's own 40 queries: other queries get a clear error, not a wrong read
+    assert k.recent.queries == 40
+    with pytest.raises(ValueError, match="read by that update's 40 queries, one per token, got 1"):
+        turboquant_attention(mx.zeros((1, 4, 1, 64)), k, v, scale=0.125)
 
 
 def test_make_mask_like_kvcache():

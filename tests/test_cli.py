@@ -130,15 +130,20 @@ def test_value_centering_both_ways():
         config_from_args(parse("--tq-center-values", "--tq-no-center-values"))
 
 
-def test_key_weights_both_ways():
-    assert TurboQuantConfig().weigh_keys is True
-    assert config_from_args(parse("--tq-weigh-keys")).weigh_keys is True
-    assert config_from_args(parse("--tq-no-weigh-keys")).weigh_keys is False
+@pytest.mark.parametrize("field, on, off, said, word", [
+    ("weigh_keys", "--tq-weigh-keys", "--tq-no-weigh-keys", "keys not weighed", "weighed"),
+    ("prefill_as_decode", "--tq-prefill-as-decode", "--tq-no-prefill-as-decode", "prefill not read as decode", "prefill"),
+])
+def test_a_default_on_both_ways(field, on, off, said, word):
+    # on by default; --tq-no-... turns it off and the summary names that departure; both flags contradict
+    assert getattr(TurboQuantConfig(), field) is True
+    assert getattr(config_from_args(parse(on)), field) is True
+    assert getattr(config_from_args(parse(off)), field) is False
     with pytest.raises(ValueError, match="contradict"):
-        config_from_args(parse("--tq-weigh-keys", "--tq-no-weigh-keys"))
-    assert cache_flags_given(parse("--tq-no-weigh-keys")) == ["--tq-no-weigh-keys"]
-    assert "keys not weighed" in describe_config(config_from_args(parse("--tq-no-weigh-keys")))
-    assert "weighed" not in describe_config(TurboQuantConfig())
+        config_from_args(parse(on, off))
+    assert cache_flags_given(parse(off)) == [off]
+    assert said in describe_config(config_from_args(parse(off)))
+    assert word not in describe_config(TurboQuantConfig())
 
 
 def test_key_centering_before_or_after_rope():

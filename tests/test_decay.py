@@ -25,7 +25,9 @@ from tests.support.learning import learning
 turboquant_attention = learning(turboquant_attention)
 
 D = 64
-BASE = dict(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2)
+# (prefill not read as decode: the tests read what the cache holds, with queries of any count)
+BASE = dict(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2,
+            prefill_as_decode=False)
 
 
 def tokens(n, seed=0, B=1, H=2, d=D):

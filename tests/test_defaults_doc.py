@@ -39,7 +39,7 @@ def test_every_figure_is_its_results_files(figures) -> None:
 
 def test_a_figure_typed_differently_fails_and_write_restores_it(figures) -> None:
     text = DOC.read_text()
-    cell = "<!-- lc qwen05 default britannica 16k kl -->"
+    cell = "<!-- lc qwen05 default-1203 britannica 16k kl -->"
     written = re.search(r"(\S+?)" + re.escape(cell), text).group(1)
     assert written == figures.value(cell[5:-4])  # 0.0079: Qwen2.5-Coder-0.5B, Britannica 16k, the default's KL
     typed = text.replace(written + cell, "0.0080" + cell, 1)
@@ -47,7 +47,7 @@ def test_a_figure_typed_differently_fails_and_write_restores_it(figures) -> None
     assert len(check.problems) == 1 and "'0.0080'" in check.problems[0] and f"'{written}'" in check.problems[0]
     assert check.text == text  # what --write makes of it
     # a percentage, a count of layers, a needle count and a 1k-study figure are checked the same way
-    for cell in ("<!-- lc qwen05 default hamlet 32k dppl -->", "<!-- lc qwen05 default britannica 32k K6 -->",
+    for cell in ("<!-- lc qwen05 default-1203 hamlet 32k dppl -->", "<!-- lc qwen05 default-1203 britannica 32k K6 -->",
                  "<!-- needle smollm2 float 8k -->", '<!-- q smollm2 "TQ K4+qjl/V4" dppl -->'):
         m = re.search(r"(\S+?)" + re.escape(cell), text)
         assert m, cell
@@ -73,8 +73,8 @@ def test_the_command_line_check(tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, str(TOOL), "--check"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     doc = tmp_path / "DEFAULTS.md"
-    doc.write_text(DOC.read_text().replace("0.0079<!-- lc qwen05 default britannica 16k kl -->",
-                                           "0.0070<!-- lc qwen05 default britannica 16k kl -->", 1))
+    doc.write_text(DOC.read_text().replace("0.0079<!-- lc qwen05 default-1203 britannica 16k kl -->",
+                                           "0.0070<!-- lc qwen05 default-1203 britannica 16k kl -->", 1))
     stale = subprocess.run([sys.executable, str(TOOL), "--doc", str(doc), "--check"], cwd=REPO, capture_output=True,
                            text=True, timeout=300)
     assert stale.returncode == 1 and "the figure is '0.0070' where its results file gives '0.0079'" in stale.stderr

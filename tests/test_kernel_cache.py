@@ -16,6 +16,8 @@ tests/support/kernel_cases.py; the rest of the kernels' matrix: tests/test_kerne
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -37,7 +39,8 @@ from tq_mlx.quant.quantizer import MSE_BITS, PROD_BITS
 # ---------------------------------------------------------------- on the real cache
 def cache_handles(config, n_prompt, dim=64, B=1, H=2, seed=0):
     rng = np.random.default_rng(seed)
-    cache = TurboQuantKVCache(config)
+    # (prefill not read as decode: the kernels read what the cache holds, with queries of any count)
+    cache = TurboQuantKVCache(dataclasses.replace(config, prefill_as_decode=False))
     keys = normal(rng, (B, H, n_prompt, dim)) + 0.7  # a key mean the cache removes
     cache.update_and_fetch(keys, normal(rng, (B, H, n_prompt, dim)))
     return cache, rng

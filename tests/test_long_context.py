@@ -33,7 +33,21 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
     spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V4 after 6144, keys centered before RoPE, keys weighed by the queries, keys up to K6 above logit error 0.1)",
                "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1").config.to_dict()}
-    assert lc.canonical_name(spelled) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1") is lc.DEFAULT
+    assert lc.canonical_name(spelled) == lc.DEFAULT_1203.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1") is lc.DEFAULT_1203
+    # ... and reads a prefill chunk as decode steps would since 2026-12-03: the default's rows stored before keep
+    # their numbers under the name of the default until then (shown beside today's, never merged into it), and a
+    # row of the spelled-out setting read as decode is today's default's
+    stored = dict(spelled, setting=spelled["setting"][:-1] + ", the default)")
+    assert lc.canonical_name(stored) == lc.DEFAULT_1203.name == "TQ K4/V4 (8-bit norms, decaying to K3/V4 after 6144, keys centered before RoPE, keys weighed by the queries, keys up to K6 above logit error 0.1, the default until 2026-12-03)"
+    assert lc.parse_setting("default-1203") is lc.DEFAULT_1203 and lc.DEFAULT_1203.name in lc.HEADLINE_PRESETS
+    pd = {"setting": spelled["setting"][:-1] + ", prefill read as decode)", "kind": "tq",
+          "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd").config.to_dict()}
+    assert lc.canonical_name(pd) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd") is lc.DEFAULT
+    # compact and quality too: the same presets before it, by name
+    for key, old in (("compact", lc.COMPACT_1203), ("quality", lc.QUALITY_1203)):
+        before = dataclasses.replace(lc.parse_setting(key).config, prefill_as_decode=False)
+        assert lc.canonical_name({"setting": "x", "kind": "tq", "config": before.to_dict()}) == old.name
+        assert lc.parse_setting(f"{key}-1203") is old and old.name.endswith(f"{key} until 2026-12-03)")
     # ... with keys widened by their error and values at 4 bits at every age since 2026-11-28: the rows of the
     # default before (values decayed to V2, keys at K4) keep their numbers under the name of what they measured
     was = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, keys weighed by the queries, the default)",
@@ -41,12 +55,13 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     assert lc.canonical_name(was) == lc.DECAY_V2.name != lc.DEFAULT.name
     assert lc.DECAY_V2.name in lc.HEADLINE_PRESETS and lc.parse_setting("default-1127") is lc.DECAY_V2
     # ... and its keys are weighed by the queries later on 2026-11-26: the default's rows from before measured them
-    # unweighed and keep their numbers under that name, which the README's headline shows beside the default
+    # unweighed and keep their numbers under that name (docs/benchmarks.md; the README's headline keeps the two
+    # defaults before today's)
     unweighed = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE, the default)",
                  "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v2n8r").config.to_dict()}
     assert lc.canonical_name(unweighed) == lc.DEFAULT_ROPE.name != lc.DEFAULT.name
     assert lc.DEFAULT_ROPE.name == "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, keys centered before RoPE)"
-    assert lc.DEFAULT_ROPE.name in lc.HEADLINE_PRESETS and lc.parse_setting("default-rope") is lc.DEFAULT_ROPE
+    assert lc.parse_setting("default-rope") is lc.DEFAULT_ROPE
     # ... and its keys are centered before RoPE since later that day: the rows of the default and of compact
     # measured with the mean after RoPE keep their numbers under the name of what they measured
     before = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V2 after 6144, the default)", "kind": "tq",
@@ -60,7 +75,8 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     rope = dict(compact, setting=compact["setting"].replace(", compact)", ", keys centered before RoPE, compact)"),
                 config=lc.parse_setting("k4v3w768b128d4096k2v2n8r").config.to_dict())
     assert lc.canonical_name(rope) == "TQ K4/V3 (8-bit norms, decaying to K2/V2 after 4096, keys centered before RoPE)"
-    assert lc.parse_setting("k4v3w768b128d4096k2v2n8rq") is lc.COMPACT
+    assert lc.parse_setting("k4v3w768b128d4096k2v2n8rq") is lc.COMPACT_1203
+    assert lc.parse_setting("k4v3w768b128d4096k2v2n8rqpd") is lc.COMPACT
     # Every preset's row is what --tq-preset builds (the blocks compressed alike: None means the library's 128),
     # and the quality preset spelled out (8-bit keys, 2026-11-27) is that row
     from tq_mlx import TurboQuantConfig
@@ -71,7 +87,7 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
         row = lc.parse_setting(name).config
         assert row.to_dict() | {"compress_block": None} == built.to_dict() | {"compress_block": None}, name
         assert row.compress_block_size == built.compress_block_size
-    assert lc.parse_setting("k8v4w768b128n8rq") is lc.QUALITY and lc.QUALITY.name.endswith(", quality)")
+    assert lc.parse_setting("k8v4w768b128n8rqpd") is lc.QUALITY and lc.QUALITY.name.endswith(", quality)")
     legacy = {k: v for k, v in lc.K4V3.config.to_dict().items() if k not in ("norm_bits", "decay_after")}
     assert lc.canonical_name({"setting": "TQ K4/V3 (the default)", "kind": "tq", "config": legacy}) == lc.K4V3.name
     assert lc.canonical_name({"setting": "TQ K4/V4", "kind": "tq", "config": dict(legacy, value_bits=4)}) == "TQ K4/V4"

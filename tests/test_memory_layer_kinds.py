@@ -129,7 +129,9 @@ def test_layouts_of_real_configs():
 def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     base = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
             "hidden_size": 512, "intermediate_size": 1024, "torch_dtype": "float16"}
-    llama, olmo, tq = {**base, "model_type": "llama"}, {**base, "model_type": "olmo"}, TurboQuantConfig()
+    # (prefill not read as decode: its transient is priced below, on its own)
+    llama, olmo = {**base, "model_type": "llama"}, {**base, "model_type": "olmo"}
+    tq = TurboQuantConfig(prefill_as_decode=False)
     assert fetch_transient_bytes(llama, 8192, tq) == 0
     assert fetch_transient_bytes(olmo, 8192, tq) == 2 * 8192 * (64 + 64) * 2  # one layer's K+V decoded to float16
     assert fetch_transient_bytes(olmo, 8192, None) == 0  # mlx-lm's float cache has nothing to decode
@@ -157,9 +159,9 @@ def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     assert fetch_transient_bytes(llama, 8192, pdc) == 2 * (1024 + 2048) * (64 + 64) * (4 + 2)
     assert fetch_transient_bytes(llama, 1000, pdc) == 0
     # and the peak holds the calibration tokens in float, more than the window and codes just after them
-    cal = TurboQuantConfig(window=128, calibration_tokens=1024)
+    cal = TurboQuantConfig(window=128, calibration_tokens=1024, prefill_as_decode=False)
     assert estimate_kv_bytes(llama, 1028, cal) > estimate_kv_bytes(llama, 1100, cal)
-    plain = TurboQuantConfig(window=128)  # the same cache at 1,100 tokens, which never held more
+    plain = TurboQuantConfig(window=128, prefill_as_decode=False)  # the same cache at 1,100 tokens, which never held more
     assert estimate_kv_bytes(llama, 1100, cal) == estimate_kv_bytes(llama, 1100, plain)
     assert estimate_peak_bytes(llama, 1100, cal, weights=0) - estimate_peak_bytes(llama, 1100, plain, weights=0) == (
         estimate_kv_bytes(llama, 1028, cal) - estimate_kv_bytes(llama, 1100, cal))

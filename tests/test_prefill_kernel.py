@@ -113,7 +113,7 @@ def test_prefill_on_cache_views(emulator, dtype, center_values):
     # compressed and the causal mask reaches into the codes.
     rng = np.random.default_rng(11)
     cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8, step=64,
-                                               center_values=center_values))
+                                               center_values=center_values, prefill_as_decode=False))
     kv = lambda n, shift: ((normal(rng, (2, 2, n, 64)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(70, 0.7), kv(70, -0.3))
     keys, values = cache.update_and_fetch(kv(40, 0.7), kv(40, -0.3))

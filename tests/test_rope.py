@@ -99,7 +99,9 @@ def biased_keys(rng, fn, B, H, n, dim, first=0, bias=4.0, seed=0):
 
 
 def rope_cache(dim=64, center="rope", fn=None, **config):
-    cfg = TurboQuantConfig(**(dict(window=64, compress_block=32, sinks=4, step=64) | config), center_keys=center)
+    # (prefill not read as decode unless asked: these views are read by queries of any count, as held)
+    cfg = TurboQuantConfig(**(dict(window=64, compress_block=32, sinks=4, step=64, prefill_as_decode=False) | config),
+                           center_keys=center)
     fn = fn or model_rope(dim)
     return TurboQuantKVCache(cfg, head_dim=dim, rope=probe(fn, dim)), fn
 

@@ -153,8 +153,9 @@ class TurboQuantConfig:
     # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
     # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
     # logits do not depend on the prefill chunk (mlx-lm's 2048 against a 768-token window). In caches whose
-    # attention takes views ("codes" fetch); the others read what the cache holds.
-    prefill_as_decode: bool = False
+    # attention takes views ("codes" fetch); the others read what the cache holds. On since 2026-12-03, issue 53:
+    # inside mlx-lm's 2048-token chunks the queries read their neighbours as codes (benchmarks/DEFAULTS.md)
+    prefill_as_decode: bool = True
     # Temporal decay: compressed tokens at least decay_after tokens old (counted back from the newest) are
     # re-coded from their codes at decay_key_bits / decay_value_bits (None: that side keeps its bits), in whole
     # compress blocks. None: no decay. Integer bits below the side's own, which must be integer too (the codes

@@ -161,7 +161,8 @@ def cache_step(kb, vb, qjl, dim, B, R, L, dtype, H=2, n_prompt=70, seed=0, **con
     capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens."""
     rng = np.random.default_rng(seed)
     cfg = dict(window=16, sinks=4, compress_block=8, step=64) | config
-    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **cfg)
+    # (prefill not read as decode unless asked: these views are read by queries of any count, as held)
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **{"prefill_as_decode": False, **cfg})
     cache = TurboQuantKVCache(cfg)
     kv = lambda n, shift: ((normal(rng, (B, H, n, dim)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(n_prompt, 0.7), kv(n_prompt, -0.3))

@@ -382,6 +382,8 @@ def watch_paths(mp) -> Counter:
     def attention(kind):
         def make(f):
             def counted(queries, keys, values, *args, **kwargs):
+                if getattr(keys, "recent", None) is not None:  # read as decode: each run counts as it attends
+                    return f(queries, keys, values, *args, **kwargs)
                 if kind == "dispatch":
                     counts["latent" if keys is values else "codes"] += 1
                     counts["weighed"] += getattr(keys, "weights", None) is not None
@@ -416,6 +418,8 @@ def decoded_attention(mp) -> None:
     """While mp is active, attention on views decodes them to float (float_tokens) and runs mlx's SDPA instead of
     attending the codes: the same stored tokens, so the codes path must give the same logits to rounding. The
     caches' learning step (query weights) runs first, as on the codes."""
+    from tq_mlx.attention.reference import attention_by_run
+
     floats, _ = tq_function("float_tokens")
 
     def make(_):
@@ -423,6 +427,8 @@ def decoded_attention(mp) -> None:
             same = keys is values
             if getattr(keys, "learn", None) is not None:  # the caches learn first, as in the hook
                 keys, values = keys.learn(queries, keys, values, scale)
+            if getattr(keys, "recent", None) is not None:  # a prefill read as decode: run by run, as on the codes
+                return attention_by_run(attend, queries, keys, values, scale, mask, sinks)
             k = floats(keys, mx.float32)
             v = k if same else floats(values, mx.float32)
             out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask,

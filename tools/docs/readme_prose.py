@@ -252,50 +252,135 @@ def _kl_range(cells: list[dict]) -> str:
 TARGET_KL = 0.01  # issue 34's: the default at 16k and 32k
 
 
+def _preset_cells(model: str, setting: str, contexts) -> tuple[list[dict], list[tuple]]:
+    """`setting`'s cells at `contexts`, with those it lacks (text and context) taken from the same preset before
+    prefill was read as decode (long_context_settings.BEFORE_PREFILL: the same bits and fields but that one); and
+    the (text, context) pairs so taken."""
+    import long_context_settings as lc_settings
+
+    def cells(name: str) -> dict:
+        try:
+            row = _lc_row(model, name)
+        except Reword:
+            return {}
+        return {(t, int(c)): x for t, xs in row["texts"].items() for c, x in xs.items()
+                if isinstance(x, dict) and int(c) in contexts}
+
+    got = cells(setting)
+    before = lc_settings.BEFORE_PREFILL.get(setting)
+    lent = {k: x for k, x in (cells(before) if before else {}).items() if k not in got}
+    if not got and not lent:
+        raise Reword(f"no {setting} measurement of {model} at {contexts}")
+    return [*got.values(), *lent.values()], sorted(lent)
+
+
+def prefill_gap(models=("smollm2", "qwen05", "qwen15")) -> float:
+    """The largest |KL| difference between the default and the default before prefill was read as decode, over
+    the cells both measured (fed 512 tokens at a time)."""
+    import long_context_settings as lc_settings
+
+    gaps = []
+    for model in models:
+        rows = {}
+        for name in ("DEFAULT", lc_settings.BEFORE_PREFILL["DEFAULT"]):
+            try:
+                rows[name] = _lc_row(model, name)["texts"]
+            except Reword:
+                rows[name] = {}
+        new, old = rows.values()
+        gaps += [abs(x["kl"] - old[t][c]["kl"]) for t, xs in new.items() for c, x in xs.items()
+                 if isinstance(x, dict) and isinstance(old.get(t, {}).get(c), dict)]
+    if not gaps:
+        raise Reword("no cell measured both with prefill read as decode and without")
+    return max(gaps)
+
+
 def quality_values() -> tuple:
+    return _quality()[0]
+
+
+def quality_before_values() -> tuple:
+    """How many of quality_values' cells are the presets' from before prefill was read as decode, that date and
+    the most their KL and today's differ where both were measured."""
+    import long_context_settings as lc_settings
+
+    lent = _quality()[1]
+    if not lent:
+        raise Reword("every cell of the quality sentence is measured with prefill read as decode: drop this one")
+    chunks = {m["chunk"] for m in _long_context()["models"].values()}
+    if len(chunks) != 1:
+        raise Reword(f"long_context.json's models were fed {sorted(chunks)} tokens at a time: reword")
+    return len(lent), lc_settings.PREFILL_DATE, kl_text(prefill_gap()), chunks.pop()
+
+
+@functools.cache
+def _quality() -> tuple[tuple, tuple]:
     """The default's KL on Qwen2.5-Coder-0.5B at its longest context measured, 16k and 8k (every text), on
     Qwen2.5-Coder-1.5B at its longest and on SmolLM2 at 8k; the bits/value at 32k both Qwen models' layers took;
-    the previous default's bits and KL at 16k on both; the quality preset at 8k and its longest context
-    (results/long_context.json)."""
+    the default until 2026-11-27's bits and KL at 16k on both; the quality preset at 8k and its longest context
+    (results/long_context.json). A cell the default (or quality) has not measured yet since prefill is read as
+    decode is the same preset's before, and the sentence says so."""
     import long_context_settings as lc_settings
     from tq_mlx import TurboQuantConfig
 
     res = _long_context()["models"]
     short = max(c for c in res["smollm2"]["contexts"] if c <= lc_settings.TRAINED_CONTEXT["smollm2"])
-    measured = lambda setting, key="qwen05": {int(c) for x in _lc_row(key, setting)["texts"].values()  # noqa: E731
-                                              for c in x if c.isdigit()}
+    lent: list = []
+
+    def cells(key: str, setting: str, contexts) -> list[dict]:
+        got, borrowed = _preset_cells(key, setting, contexts)
+        lent.extend((key, setting, *cell) for cell in borrowed)
+        return got
+
+    def measured(setting: str, key: str = "qwen05") -> set[int]:
+        names = (setting, lc_settings.BEFORE_PREFILL.get(setting))
+        return {int(c) for name in names if name for c in _contexts(key, name)}
+
     longest, mid = max(measured("DEFAULT")), 2 * short
     l15 = max(measured("DEFAULT", "qwen15"))
     if l15 <= mid or mid not in measured("DEFAULT", "qwen15"):
         raise Reword("Qwen2.5-Coder-1.5B's default is not measured at two contexts past 8k: reword its figures")
     if mid not in measured("DECAY_V2") or mid not in measured("DECAY_V2", "qwen15"):
-        raise Reword("the previous default is not measured where the default is: reword the comparison")
+        raise Reword("the default until 2026-11-27 is not measured where the default is: reword the comparison")
     q_longest = max(measured("QUALITY"))
 
     def bits(key: str, setting: str) -> str:
-        r, g = _lc_row(key, setting), res[key]["geometry"]
+        try:
+            r = _lc_row(key, setting)
+        except Reword:  # the bits are the same preset's before prefill was read as decode
+            r = _lc_row(key, lc_settings.BEFORE_PREFILL[setting])
+        g = res[key]["geometry"]
         return f"{r['bits_32k'] + lc_settings.protection_bits(r, g, lc_settings.LONG):.2f}"
 
     prev = lc_settings.DECAY_V2.config
-    dppl = max((x["ppl_delta_pct"] for x in _lc_cells("qwen05", "DEFAULT", (short, mid, longest))), key=abs)
-    d15 = max((x["ppl_delta_pct"] for x in _lc_cells("qwen15", "DEFAULT", (mid, l15))), key=abs)
+    dppl = max((x["ppl_delta_pct"] for x in cells("qwen05", "DEFAULT", (short, mid, longest))), key=abs)
+    d15 = max((x["ppl_delta_pct"] for x in cells("qwen15", "DEFAULT", (mid, l15))), key=abs)
     g = res["qwen05"]["geometry"]
     qb = float(bits("qwen05", "QUALITY"))
-    return (f"{TARGET_KL:g}", g["kv_heads"], g["head_dim"],
-            _kl_range(_lc_cells("qwen05", "DEFAULT", (longest,))), _ctx(longest),
-            _kl_range(_lc_cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
-            _kl_range(_lc_cells("qwen05", "DEFAULT", (short,))), _ctx(short), f"{abs(dppl):.1f}",
-            _kl_range(_lc_cells("qwen15", "DEFAULT", (l15,))), _ctx(l15),
-            _kl_range(_lc_cells("qwen15", "DEFAULT", (mid,))), _ctx(mid), f"{abs(d15):.1f}",
-            _kl_range(_lc_cells("smollm2", "DEFAULT", (short,))), _ctx(short),
-            bits("qwen05", "DEFAULT"), bits("qwen15", "DEFAULT"), _ctx(lc_settings.LONG),
-            f"K{_bits(prev.key_bits)}", f"V{_bits(prev.decay_value_bits)}", prev.decay_after,
-            bits("qwen05", "DECAY_V2"), bits("qwen15", "DECAY_V2"),
-            _kl_range(_lc_cells("qwen05", "DECAY_V2", (mid,))), _kl_range(_lc_cells("qwen15", "DECAY_V2", (mid,))),
-            _ctx(mid),
-            _bits(TurboQuantConfig.preset("quality").key_bits), f"{qb:.2f}", _ctx(lc_settings.LONG),
-            f"{16 / qb:.1f}", _kl_range(_lc_cells("qwen05", "QUALITY", (short, q_longest))), _ctx(short),
-            _ctx(q_longest), _kl_range(_lc_cells("smollm2", "QUALITY", (short,))), _ctx(short))
+    values = (g["kv_heads"], g["head_dim"],
+              _kl_range(cells("qwen05", "DEFAULT", (longest,))), _ctx(longest),
+              _kl_range(cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
+              _kl_range(cells("qwen05", "DEFAULT", (short,))), _ctx(short), f"{abs(dppl):.1f}",
+              _kl_range(cells("qwen15", "DEFAULT", (l15,))), _ctx(l15),
+              _kl_range(cells("qwen15", "DEFAULT", (mid,))), _ctx(mid), f"{abs(d15):.1f}",
+              _kl_range(cells("smollm2", "DEFAULT", (short,))), _ctx(short),
+              bits("qwen05", "DEFAULT"), bits("qwen15", "DEFAULT"), _ctx(lc_settings.LONG),
+              lc_settings.DECAY_V2_DATE, f"K{_bits(prev.key_bits)}", f"V{_bits(prev.decay_value_bits)}",
+              prev.decay_after, bits("qwen05", "DECAY_V2"), bits("qwen15", "DECAY_V2"),
+              _kl_range(_lc_cells("qwen05", "DECAY_V2", (mid,))), _kl_range(_lc_cells("qwen15", "DECAY_V2", (mid,))),
+              _ctx(mid),
+              _bits(TurboQuantConfig.preset("quality").key_bits), f"{qb:.2f}", _ctx(lc_settings.LONG),
+              f"{16 / qb:.1f}", _kl_range(cells("qwen05", "QUALITY", (short, q_longest))), _ctx(short),
+              _ctx(q_longest), _kl_range(cells("smollm2", "QUALITY", (short,))), _ctx(short))
+    return (f"{TARGET_KL:g}", *values), tuple(sorted(set(lent)))
+
+
+def _contexts(model: str, setting: str) -> set[int]:
+    try:
+        row = _lc_row(model, setting)
+    except Reword:
+        return set()
+    return {int(c) for x in row["texts"].values() for c in x if c.isdigit()}
 
 
 def norm_values() -> tuple:
@@ -320,13 +405,22 @@ def prompt_cache_values() -> tuple:
     of benchmarks/results/prompt_cache.json: the prefix, tq-server's time to first token cold, after a memory hit
     and after a restart, mlx_lm.server's three, and the prefix's cache in MB: tq-server's in memory and on disk,
     mlx-lm's in memory."""
+    import dataclasses
+
+    import long_context_settings as lc_settings
+    from tq_mlx import TurboQuantConfig
+    from tq_mlx.planner.display import describe_config
     from tq_mlx.prompt_cache.store import DEFAULT_DISK_BYTES
 
     res = json.loads((common.RESULTS / "prompt_cache.json").read_text())
+    # measured before prefill was read as decode (whose describe_config then never named it): say so
+    before = describe_config(dataclasses.replace(TurboQuantConfig(), prefill_as_decode=False))
+    if res["settings"]["tq_config"] != before.replace(", prefill not read as decode", ""):
+        raise Reword("prompt_cache.json ran another config than the default until 2026-12-03: reword the sentence")
     rows = {(r["server"], r["phase"]): r["ttft_s"] for r in res["rows"] if r["prefix"] == PROMPT_CACHE_PREFIX}
     by = {b["server"]: b for b in res["bytes"] if b["prefix"] == PROMPT_CACHE_PREFIX}
     phases = ("cold", "memory hit", "after a restart")
-    return (f"{DEFAULT_DISK_BYTES / 1e9:.1f}", f"{PROMPT_CACHE_PREFIX // 1024}k",
+    return (f"{DEFAULT_DISK_BYTES / 1e9:.1f}", f"{PROMPT_CACHE_PREFIX // 1024}k", lc_settings.PREFILL_DATE,
             *(f"{rows[('tq', p)]:.1f}" for p in phases), *(f"{rows[('float', p)]:.1f}" for p in phases),
             f"{by['tq']['request_cache']['nbytes'] / 1e6:,.0f}", f"{by['tq']['disk_bytes'] / 1e6:,.0f}",
             f"{by['float']['request_cache']['nbytes'] / 1e6:,.0f}")
@@ -409,20 +503,23 @@ FIGURES = [
     Figure("quality", "The default's KL where it was measured (the target is {}): on Qwen2.5-Coder-0.5B ({} kv "
            "heads of {} dims, attention spread thin over thousands of tokens) {} at {}, {} at {} and {} at {} (|ΔPPL| up "
            "to {}%); on Qwen2.5-Coder-1.5B {} at {} and {} at {} (|ΔPPL| up to {}%); on SmolLM2-135M {} at {}. Their layers' keys took {} "
-           "and {} bits/value at {} (each layer its own width), where the previous default ({} keys, values at {} "
+           "and {} bits/value at {} (each layer its own width), where the default until {} ({} keys, values at {} "
            "past {} tokens) held {} and {} and left KL {} and {} at {}. `--tq-preset quality` ({}-bit keys, {} "
            "bits/value at {}, {}x smaller than float16) takes Qwen2.5-Coder-0.5B to KL {} at {} and {} (and SmolLM2 "
            "to {} at {}).", quality_values),
+    Figure("quality before", "{} of these cells are still the presets' from before {} (prefill not yet read as "
+           "decode: the same bits, KL within {} where both were measured, fed {} tokens at a time).",
+           quality_before_values),
     Figure("norms", "plus one norm (an {}-bit log code)", norm_values),
     Figure("protected keys", "keeps its keys at {} bits", protect_values),
     Figure("zoo", "Of {} architectures, {} are compressed; {} are refused because", zoo_values, zoo_refused),
     Figure("zoo not buildable", "; {} cannot run here (", zoo_unbuildable_values, zoo_unbuildable),
     Figure("mla", "at {} bits the latent path matches mlx-lm's float cache on the zoo's random models", mla_values),
-    Figure("mla default", "stored at the key bits ({} by default). What is not known: the quality at {}-{} bits",
+    Figure("mla default", "stored at the key bits ({} by default). Its quality at {}-{} bits",
            mla_default_values),
     Figure("prompt cache", "`--tq-prompt-cache-disk-bytes N` (default {} GB, zero turning it off), so a long system "
-           "prompt is prefilled once, not after every restart. On the demo model here (a CPU) with a {} system prompt, "
-           "the first token came {} s after a cold start, {} s after a memory hit and {} s after a restart, against "
+           "prompt is prefilled once, not after every restart. On the demo model here (a CPU) with a {} system prompt "
+           "(TurboQuant's default until {}), the first token came {} s after a cold start, {} s after a memory hit and {} s after a restart, against "
            "mlx_lm.server's {} s, {} s and {} s (a restart loses its float cache); the prefix's cache took {} MB in "
            "memory and {} MB on disk, mlx-lm's {} MB (both held in this run's float32: a float16 model's float parts, "
            "and mlx-lm's whole cache, take half).", prompt_cache_values),

@@ -288,6 +288,8 @@ def longest_table(res: dict, full: str) -> str:
         # a setting that holds no fewer bits than the default tells a reader choosing by memory nothing more
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS or default is None
                 or (bits(r) is not None and bits(r) < default)]
+        first = {name: i for i, name in enumerate(lc_settings.HEADLINE_PRESETS)}  # the presets first, in order
+        keep.sort(key=lambda r: first.get(r[0], len(first)))
         cols = [i for i in cols if any(r[i] != "–" for r in keep)]  # columns only a dropped row filled go too
         keep = [r for r in keep if any(r[i] != "–" for i in cols)]
         if not cols or not keep:

@@ -381,7 +381,10 @@ def attention_by_run(attend, queries: mx.array, keys: StreamView, values: Stream
     out = []
     for row, n, k, v in views_by_run(keys, values, queries.shape[2]):
         m = mask[..., row : row + n, : k.n_tokens] if isinstance(mask, mx.array) else mask
-        out.append(attend(queries[:, :, row : row + n], k, v, scale=scale, mask=m, sinks=sinks))
+        q = queries[:, :, row : row + n]
+        if out:  # each run reads the whole compressed context: one after another, or a lazy graph holds every run's tiles
+            (q,) = mx.depends([q], [out[-1]])
+        out.append(attend(q, k, v, scale=scale, mask=m, sinks=sinks))
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
 

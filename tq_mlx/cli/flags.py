@@ -40,7 +40,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
           "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
 
 
@@ -183,6 +183,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="each query of a prefill chunk reads the cache as a decode step at its position would (the "
                         "tokens a token-by-token cache holds in float, in float): a prompt's cache and logits do not "
                         f"depend on the prefill chunk (default {d.prefill_as_decode})")
+    g.add_argument("--tq-no-prefill-as-decode", dest="tq_no_prefill_as_decode", action="store_true",
+                   help="each query of a prefill chunk reads the cache as the whole chunk left it (the chunk's "
+                        "earlier tokens past the window as codes): one attention call per chunk, logits that "
+                        "depend on the prefill chunk")
     g.add_argument("--tq-key-half-steps", dest="tq_key_half_steps", action="store_true",
                    help="keys that widen by their error (--tq-key-error) also take K4.5 and K5.5: the quarter of "
                         "the channels with the most energy one bit wider, in groups rotated on their own "
@@ -296,8 +300,12 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["correct_norms"] = True
     if getattr(args, "tq_key_half_steps", False):
         kw["key_half_steps"] = True
+    if getattr(args, "tq_prefill_as_decode", False) and getattr(args, "tq_no_prefill_as_decode", False):
+        raise ValueError("--tq-prefill-as-decode and --tq-no-prefill-as-decode contradict each other: give one")
     if getattr(args, "tq_prefill_as_decode", False):
         kw["prefill_as_decode"] = True
+    if getattr(args, "tq_no_prefill_as_decode", False):
+        kw["prefill_as_decode"] = False
     if getattr(args, "tq_no_protect", False):
         if getattr(args, "tq_protect_factor", None) is not None:
             raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")

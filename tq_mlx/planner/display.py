@@ -205,8 +205,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
     if config.correct_norms:
         parts.append("norms corrected")
-    if config.prefill_as_decode:
-        parts.append("prefill read as decode")
+    if not config.prefill_as_decode and config.window > 0:
+        parts.append("prefill not read as decode")
     if config.value_error is not None:  # each layer's values choose between V2 and their own bits
         kd = format_bits(config.decayed_bits[0])
         parts.append(f"decaying to K{kd}/V2-V{format_bits(config.value_bits)} after {config.decay_after} tokens (values "

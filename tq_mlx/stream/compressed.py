@@ -186,7 +186,7 @@ class CompressedStream:
         runs = tuple(r for i, r in enumerate(runs) if i == 0 or r[1] != runs[i - 1][1])
         if runs == ((0, self.n_coded),):  # every query reads what the stream holds (a decode step)
             return self.view()
-        return self.view()._replace(recent=Recent(recent.astype(self._float_dtype(x)), coded, runs))
+        return self.view()._replace(recent=Recent(recent.astype(self._float_dtype(x)), coded, runs, t + x.shape[2]))
 
     def _append_recent(self, x: mx.array) -> mx.array | None:
         """Put tokens x after the window, compressing its overflow; returns, when it compressed, the float tokens

@@ -35,6 +35,7 @@ class Recent(NamedTuple):
     tokens: mx.array  # (B, H, n, D) the model's float dtype
     first: int
     runs: tuple[tuple[int, int], ...]
+    queries: int  # the update's tokens: the queries that read these views, one per token
 
 
 class StreamView(NamedTuple):
@@ -142,6 +143,10 @@ def views_by_run(keys: StreamView, values: StreamView, n_queries: int) -> list[t
     run's queries are the last rows of its views, so "causal" holds in each as in the whole. n_queries: the update's
     tokens (the views' last ones)."""
     runs = keys.recent.runs
+    if n_queries != keys.recent.queries:  # the runs are rows of the update's own queries
+        raise ValueError(f"views that carry their update's float tokens (prefill_as_decode) are read by that update's "
+                         f"{keys.recent.queries} queries, one per token, got {n_queries}: attend the views a cache "
+                         f"returns with the queries of the same tokens, or set prefill_as_decode=False")
     out = []
     for i, (row, coded) in enumerate(runs):
         end = runs[i + 1][0] if i + 1 < len(runs) else n_queries
