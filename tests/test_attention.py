@@ -270,26 +270,31 @@ def test_extreme_scales_stay_finite_and_track_the_float_cache(dtype, magnitude):
         assert err <= 1.1 * err_unit + 1e-3, (cfg.key_bits, err, err_unit)  # as good as at unit scale
 
 
+def _chunk_transient(T: int, as_decode: bool, H=2, D=64, Hq=8, L=1024) -> int:
+    """Peak bytes beyond what is held of one L-token chunk's attention over a cache of T tokens (the default's
+    codes, read as decode or at once)."""
+    c = TurboQuantKVCache(TurboQuantConfig(prefill_as_decode=as_decode), head_dim=D)
+    for i in range(0, T - L, 1024):
+        c.update_and_fetch(*(mx.random.normal((1, H, 1024, D), key=mx.random.key(i + j)) for j in (0, 1)))
+        mx.eval(c.held_arrays())
+    kh, vh = c.update_and_fetch(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D)))
+    assert (kh.recent is not None) == as_decode
+    q = mx.random.normal((1, Hq, L, D))
+    mx.eval(kh, vh, q)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
+    return mx.get_peak_memory() - base
+
+
 def test_long_prefill_chunk_transient_is_flat_in_context():
     # A prefill chunk attending to a compressed context: the lazy graph must not hold every tile's scores at
     # once, so the transient memory is bounded by a few tiles, whatever the context length. The two-stream
     # schedule moves the peak by +-15% from run to run, so the contexts are far apart (8x the compressed tokens):
-    # a graph holding every tile would add 0.5 GB at the longer one.
-    H, D, Hq, L = 2, 64, 8, 1024
-    transients = {}
-    for T in (L + 2048, L + 16384):
-        c = TurboQuantKVCache(TurboQuantConfig(prefill_as_decode=False), head_dim=D)  # (read as decode: below)
-        for _ in range(0, T - L, 1024):
-            c.update_and_fetch(mx.random.normal((1, H, 1024, D)), mx.random.normal((1, H, 1024, D)))
-            mx.eval(c.held_arrays())
-        kh, vh = c.update_and_fetch(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D)))
-        q = mx.random.normal((1, Hq, L, D))
-        mx.eval(kh, vh, q)
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
-        transients[T] = mx.get_peak_memory() - base
-    scores = Hq * L * (L + 16384) * 4  # what one float32 score matrix over the whole context would take
+    # a graph holding every tile would add 0.5 GB at the longer one. (Read as decode: the next test.)
+    L = 1024
+    transients = {T: _chunk_transient(T, as_decode=False) for T in (L + 2048, L + 16384)}
+    scores = 8 * L * (L + 16384) * 4  # what one float32 score matrix over the whole context would take
     assert transients[L + 16384] < 1.5 * transients[L + 2048], transients
     assert transients[L + 16384] < 0.25 * scores, (transients, scores)
 
@@ -298,21 +303,7 @@ def test_a_chunk_read_as_decode_holds_no_more_transient_than_read_at_once():
     # Read as decode (prefill_as_decode), a chunk's queries attend run by run, each run over the whole compressed
     # context: the runs go one after another, so their tiles are never all held at once (a lazy graph of 8
     # independent runs held 146 MB here where the chunk read at once holds 79-90).
-    H, D, Hq, L, T = 2, 64, 8, 1024, 1024 + 16384
-    transients = {}
-    for as_decode in (False, True):
-        c = TurboQuantKVCache(TurboQuantConfig(prefill_as_decode=as_decode), head_dim=D)
-        for i in range(0, T - L, 1024):
-            c.update_and_fetch(*(mx.random.normal((1, H, 1024, D), key=mx.random.key(i + j)) for j in (0, 1)))
-            mx.eval(c.held_arrays())
-        kh, vh = c.update_and_fetch(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D)))
-        assert (kh.recent is not None) == as_decode
-        q = mx.random.normal((1, Hq, L, D))
-        mx.eval(kh, vh, q)
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(turboquant_attention(q, kh, vh, 0.125, "causal"))
-        transients[as_decode] = mx.get_peak_memory() - base
+    transients = {as_decode: _chunk_transient(1024 + 16384, as_decode) for as_decode in (False, True)}
     assert transients[True] < 1.25 * transients[False], transients
 
 
