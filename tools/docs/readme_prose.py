@@ -252,6 +252,14 @@ def _kl_range(cells: list[dict]) -> str:
 TARGET_KL = 0.01  # issue 34's: the default at 16k and 32k
 
 
+def _lc_texts(model: str, setting: str) -> dict:
+    """The texts of `model`'s row that measured long_context.<setting>, {} when none did."""
+    try:
+        return _lc_row(model, setting)["texts"]
+    except Reword:
+        return {}
+
+
 def _preset_cells(model: str, setting: str, contexts) -> tuple[list[dict], list[tuple]]:
     """`setting`'s cells at `contexts`, with those it lacks (text and context) taken from the same preset before
     prefill was read as decode (long_context_settings.BEFORE_PREFILL: the same bits and fields but that one); and
@@ -259,11 +267,7 @@ def _preset_cells(model: str, setting: str, contexts) -> tuple[list[dict], list[
     import long_context_settings as lc_settings
 
     def cells(name: str) -> dict:
-        try:
-            row = _lc_row(model, name)
-        except Reword:
-            return {}
-        return {(t, int(c)): x for t, xs in row["texts"].items() for c, x in xs.items()
+        return {(t, int(c)): x for t, xs in _lc_texts(model, name).items() for c, x in xs.items()
                 if isinstance(x, dict) and int(c) in contexts}
 
     got = cells(setting)
@@ -281,13 +285,7 @@ def prefill_gap(models=("smollm2", "qwen05", "qwen15")) -> float:
 
     gaps = []
     for model in models:
-        rows = {}
-        for name in ("DEFAULT", lc_settings.BEFORE_PREFILL["DEFAULT"]):
-            try:
-                rows[name] = _lc_row(model, name)["texts"]
-            except Reword:
-                rows[name] = {}
-        new, old = rows.values()
+        new, old = (_lc_texts(model, name) for name in ("DEFAULT", lc_settings.BEFORE_PREFILL["DEFAULT"]))
         gaps += [abs(x["kl"] - old[t][c]["kl"]) for t, xs in new.items() for c, x in xs.items()
                  if isinstance(x, dict) and isinstance(old.get(t, {}).get(c), dict)]
     if not gaps:
@@ -376,11 +374,7 @@ def _quality() -> tuple[tuple, tuple]:
 
 
 def _contexts(model: str, setting: str) -> set[int]:
-    try:
-        row = _lc_row(model, setting)
-    except Reword:
-        return set()
-    return {int(c) for x in row["texts"].values() for c in x if c.isdigit()}
+    return {int(c) for x in _lc_texts(model, setting).values() for c in x if c.isdigit()}
 
 
 def norm_values() -> tuple:
