@@ -243,7 +243,8 @@ def decay_text(plan: Plan) -> str:
     c = plan.config
     text = f"{config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
     if c.boundary_layers:
-        text += f" (the {2 * c.boundary_layers} boundary layers keep theirs)"
+        what = {"kv": "layers", "k": "layers' keys", "v": "layers' values"}[c.boundary_sides]
+        text += f" (the {2 * c.boundary_layers} boundary {what} keep theirs)"
     return text
 
 

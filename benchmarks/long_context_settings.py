@@ -40,7 +40,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.window != BASE["window"] or cfg.compress_block != BASE["compress_block"]:
         extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
     if cfg.boundary_layers:
-        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits")
+        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits"
+                     + ("" if cfg.boundary_sides == "kv" else f" ({'keys' if cfg.boundary_sides == 'k' else 'values'})"))
     if cfg.protect_factor is None:
         extra.append("no key protection")
     if cfg.norm_bits != BASE["norm_bits"]:
@@ -72,16 +73,17 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?$")
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
+                  r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [h][ve<value error>][nc][pd][c<calibration tokens>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    [h][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
     corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
-    them), rotation + affine at other bits and windows (rot2w1700: the
+    them; bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
     TurboQuantKVCache tqfull<key bits>v<value bits>[m<float16 tokens>], bits 1 to 8 (tqfull8v3: its recommended
     K8/V3; tqfull4v4m128: K4/V4 with its first 128 tokens kept in float16, min_tokens_before_quant)."""
@@ -125,6 +127,8 @@ def parse_setting(key: str) -> Setting:
         over["prefill_as_decode"] = True
     if m["calib"]:
         over["calibration_tokens"] = int(m["calib"])
+    if m["bv_layers"]:
+        over.update(boundary_layers=int(m["bv_layers"]), boundary_bits=num(m["bv_bits"]), boundary_sides="v")
     s = tq(num(m["kb"]), num(m["vb"]), **over)
     return next((p for p in (*PRESET_ROWS, *EARLIER_PRESETS) if p.config == s.config), s)
 
@@ -159,7 +163,7 @@ def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
     full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
             "weigh_keys": False, "key_error": None, "correct_norms": False, "key_half_steps": False,
-            "prefill_as_decode": False, **stored}
+            "prefill_as_decode": False, "boundary_sides": "kv", **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 
@@ -175,6 +179,7 @@ def config_text(cfg: TurboQuantConfig) -> str:
             f"sinks {cfg.sinks}, center K/V {cfg.center_keys}/{cfg.center_values}, key protection "
             + (f"above factor {cfg.protect_factor:g} at {cfg.protect_bits:g} bits" if cfg.protect_factor else "off")
             + f", boundary_layers {cfg.boundary_layers}" + (f" at {cfg.boundary_bits:g}" if cfg.boundary_layers else "")
+            + (f" ({cfg.boundary_sides})" if cfg.boundary_layers and cfg.boundary_sides != "kv" else "")
             + (f", {cfg.norm_bits}-bit norms" if cfg.norm_bits != 16 else "")
             + (f", decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after} tokens" if cfg.decay_after else "")
             + (", keys weighed by the queries" if cfg.weigh_keys else "")

@@ -156,6 +156,22 @@ def test_layer_bits_boundary():
     assert not q.qjl and q.key_bits == 8
 
 
+def test_boundary_sides_widen_one_side_and_keep_the_other_s_rules():
+    c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=1, boundary_bits=4, boundary_sides="v",
+                         decay_after=2048, decay_key_bits=2)
+    assert [layer_plan(c, i, 4).bits for i in range(4)] == [(3, 4), (3, 2), (3, 2), (3, 4)]
+    # the boundary values keep their bits at every age; the keys beside them decay as every layer's do
+    assert layer_plan(c, 0, 4).decay_bits == (2, None) and layer_plan(c, 1, 4).decay_bits == (2, None)
+    keys = dataclasses.replace(c, boundary_sides="k")
+    assert [layer_plan(keys, i, 4).bits for i in range(4)] == [(4, 2), (3, 2), (3, 2), (4, 2)]
+    assert layer_plan(keys, 0, 4).decay_bits == (None, None)
+    # keys at their own bits in a values' boundary layer still widen by their error
+    assert layer_plan(TurboQuantConfig(boundary_layers=1, boundary_sides="v"), 0, 4).keys.widen is not None
+    assert layer_plan(TurboQuantConfig(boundary_layers=1), 0, 4).keys.widen is None
+    with pytest.raises(ValueError, match="boundary_sides must be one of 'kv', 'k', 'v', got 'values'"):
+        TurboQuantConfig(boundary_sides="values")
+
+
 # --- layout -----------------------------------------------------------------------------------------
 
 

@@ -65,13 +65,14 @@ def test_every_flag_maps_onto_the_config():
         "--tq-bits", "3", "--tq-value-bits", "2.5", "--tq-qjl", "--tq-window", "64", "--tq-block", "16",
         "--tq-sinks", "2", "--tq-boundary-layers", "1", "--tq-boundary-bits", "4", "--tq-no-center-keys",
         "--tq-no-center-values", "--tq-seed", "7", "--tq-protect-factor", "3.5", "--tq-protect-bits", "4",
-        "--tq-no-weigh-keys",
+        "--tq-no-weigh-keys", "--tq-boundary-sides", "v",
     )
     assert config_from_args(args) == TurboQuantConfig(
         key_bits=3, value_bits=2.5, qjl=True, window=64, compress_block=16, sinks=2, boundary_layers=1, boundary_bits=4,
         center_keys=False, center_values=False, seed=7, protect_factor=3.5, protect_bits=4, weigh_keys=False,
+        boundary_sides="v",
     )
-    assert len(cache_flags_given(args)) == 14
+    assert len(cache_flags_given(args)) == 15
 
 
 def test_key_protection_flags():

@@ -15,6 +15,7 @@ from .quant.quantizer import PROD_BITS, check_bits, format_bits
 # window tokens), and blocks of 64 measured worse than 128 (experiments/HISTORY.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
+BOUNDARY_SIDES = ("kv", "k", "v")
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 # The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, the keys of tokens 6144 old are re-coded at K3.
 AUTO = "auto"
@@ -119,6 +120,7 @@ class TurboQuantConfig:
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
+    boundary_sides: str = "kv"  # the sides the boundary layers widen: "kv", "k" or "v" (TurboQuant+'s boundary V)
     protect_factor: float | None = 5.0  # keys whose calibration bias_outlier_factor exceeds this: protect_bits
     protect_bits: float = 8
     # The largest RMS error of the attention logits a layer's keys may give the queries of its calibration tokens
@@ -193,6 +195,9 @@ class TurboQuantConfig:
         self._check_value_error()
         if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
+        if self.boundary_sides not in BOUNDARY_SIDES:
+            raise ValueError(f"boundary_sides must be one of {', '.join(map(repr, BOUNDARY_SIDES))}, got "
+                             f"{self.boundary_sides!r}")
         for name, low in (("window", 0), ("sinks", 0), ("boundary_layers", 0), ("seed", 0), ("step", 1)):
             check_int(name, getattr(self, name), low)
         if self.calibration_tokens is not None:

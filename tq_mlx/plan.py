@@ -145,7 +145,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     its fetch, whether its values are its keys (K=V), whether its RoPE was read off the model (rope), and the
     model layer (layer_index: seeds). Every per-layer rule of the cache is here.
 
-    - Boundary layers (config.boundary_layers) take boundary_bits on both sides and do not decay.
+    - Boundary layers (config.boundary_layers) take boundary_bits on their boundary_sides, which do not decay.
     - A latent layer's "values" are its rope key, which scores like a key: key bits, centered, the key's decay.
     - Keys are weighed, and so may widen by their error, only where attention takes the cache's views ("codes").
     - Values choose their decay bits by their error (value_error) only in "codes" layers that decay.
@@ -157,9 +157,11 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     n = c.boundary_layers
     boundary = bool(n) and n_attention_layers is not None and (
         attention_index < n or attention_index >= n_attention_layers - n)
-    kb, vb = (max(c.key_bits, c.boundary_bits), max(c.value_bits, c.boundary_bits)) if boundary else (
-        c.key_bits, c.value_bits)
-    kd, vd = (None, None) if c.decay_after is None or boundary else (c.decay_key_bits, c.decay_value_bits)
+    k_edge, v_edge = (boundary and "k" in c.boundary_sides), (boundary and "v" in c.boundary_sides)
+    kb = max(c.key_bits, c.boundary_bits) if k_edge else c.key_bits
+    vb = max(c.value_bits, c.boundary_bits) if v_edge else c.value_bits
+    kd, vd = (None, None) if c.decay_after is None else (
+        None if k_edge else c.decay_key_bits, None if v_edge else c.decay_value_bits)
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
                   step=c.step,
@@ -179,8 +181,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
         values = StreamPlan("v", kb, False, layer_seed(c.seed, layer_index, 1), center=bool(c.center_keys),
                             decay=keys.decay, **tokens)
     elif not k_eq_v:
-        narrows = (c.value_error is not None and vb == c.value_bits and (kd, vd) != (None, None)
-                   and fetch == "codes")
+        narrows = c.value_error is not None and c.decay_after is not None and not v_edge and fetch == "codes"
         values = StreamPlan("v", vb, False, layer_seed(c.seed, layer_index, 1), center=c.center_values,
                             decay=None if vd is None else (age, vd),
                             narrow=Narrow(c.value_error, age) if narrows else None, **tokens)

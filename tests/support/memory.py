@@ -74,6 +74,9 @@ CONFIGS = {
                                                   decay_after=64),
     "values by their error": TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08,
                                               boundary_layers=1),
+    # the boundary layers' values at V4 and kept, their keys widening and decaying as the middle layers' do
+    "boundary values": TurboQuantConfig(value_bits=3, boundary_layers=1, boundary_bits=4, boundary_sides="v", window=32,
+                                        compress_block=16, step=64, decay_after=64, decay_value_bits=2),
 }
 
 

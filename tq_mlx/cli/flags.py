@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from ..config import BOUNDARY_SIDES, NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
 from ..planner.display import bound_text
 from ..quant.quantizer import MSE_BITS, check_bits, format_bits
 
@@ -32,6 +32,7 @@ _FIELDS = {
     "tq_sinks": "sinks",
     "tq_boundary_layers": "boundary_layers",
     "tq_boundary_bits": "boundary_bits",
+    "tq_boundary_sides": "boundary_sides",
     "tq_seed": "seed",
     "tq_protect_factor": "protect_factor",
     "tq_protect_bits": "protect_bits",
@@ -140,6 +141,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help=f"first and last N attention layers use --tq-boundary-bits (default {d.boundary_layers})")
     g.add_argument("--tq-boundary-bits", dest="tq_boundary_bits", type=bits_arg, metavar="B",
                    help=f"bits of the boundary layers (default {d.boundary_bits})")
+    g.add_argument("--tq-boundary-sides", dest="tq_boundary_sides", choices=BOUNDARY_SIDES,
+                   help=f"the sides the boundary layers widen: keys and values, keys or values (default "
+                        f"{d.boundary_sides})")
     g.add_argument("--tq-protect-factor", dest="tq_protect_factor", type=_factor_arg, metavar="F",
                    help="a layer whose keys' score error along their mean direction is more than F times that of "
                         f"evenly spread keys stores its keys at --tq-protect-bits (default {d.protect_factor:g})")

@@ -193,7 +193,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     if config.first_window > config.window:
         parts.append(f"calibrating on {config.first_window} tokens")
     if config.boundary_layers:
-        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits")
+        sides = "" if config.boundary_sides == "kv" else f" ({'keys' if config.boundary_sides == 'k' else 'values'})"
+        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits{sides}")
     if config.protect_factor is None:
         parts.append("no key protection")
     if config.key_error is not None:

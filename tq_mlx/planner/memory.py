@@ -157,7 +157,7 @@ def estimate_kv_bytes(
     the references, the model's dtype next to TurboQuant, as RotatingKVCache holds); KV-shared layers hold
     nothing; linear-attention state (fixed size) is not counted. TurboQuant's float sinks and window hold the
     model's dtype (kv_float_bytes: `dtype`, else torch_dtype). Temporal decay (config.decay_after) is priced per
-    layer (tq_mlx.plan.layer_plan: boundary layers do not decay), as turboquant_layer_bytes says.
+    layer (tq_mlx.plan.layer_plan: a boundary layer's boundary sides do not decay), as turboquant_layer_bytes says.
 
     max_kv_size: a bounded cache. The references hold min(ctx, max_kv_size) tokens per full layer (mlx-lm's
     RotatingKVCache, decoding); TurboQuant follows layout.token_layout (decoding token by token).
