@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.config import WIDEST_KEY_BITS, derive_config, format_bits
+from tq_mlx.config import BOUNDARY_SIDES, WIDEST_KEY_BITS, derive_config, format_bits
 from tq_mlx.planner import memory
 from tq_mlx.models.architectures import FLOAT_FETCH
 from tq_mlx.models.architectures import attention_layout, model_types
@@ -243,7 +243,7 @@ def decay_text(plan: Plan) -> str:
     c = plan.config
     text = f"{config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
     if c.boundary_layers:
-        what = {"kv": "layers", "k": "layers' keys", "v": "layers' values"}[c.boundary_sides]
+        what = "layers" if c.boundary_sides == "kv" else f"layers' {BOUNDARY_SIDES[c.boundary_sides]}"
         text += f" (the {2 * c.boundary_layers} boundary {what} keep theirs)"
     return text
 

@@ -17,6 +17,7 @@ from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 from tq_mlx.planner.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
 from tq_mlx.plan import layer_plan  # noqa: E402
+from tq_mlx.planner.display import boundary_sides_note  # noqa: E402
 
 LONG = 32768
 EVAL = 512  # tokens scored at the end of each context
@@ -40,8 +41,7 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.window != BASE["window"] or cfg.compress_block != BASE["compress_block"]:
         extra.append(f"window {cfg.window}, block {cfg.compress_block_size}")
     if cfg.boundary_layers:
-        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits"
-                     + ("" if cfg.boundary_sides == "kv" else f" ({'keys' if cfg.boundary_sides == 'k' else 'values'})"))
+        extra.append(f"boundary_layers={cfg.boundary_layers} at {cfg.boundary_bits:g} bits" + boundary_sides_note(cfg))
     if cfg.protect_factor is None:
         extra.append("no key protection")
     if cfg.norm_bits != BASE["norm_bits"]:

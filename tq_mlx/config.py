@@ -15,7 +15,7 @@ from .quant.quantizer import PROD_BITS, check_bits, format_bits
 # window tokens), and blocks of 64 measured worse than 128 (experiments/HISTORY.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
-BOUNDARY_SIDES = ("kv", "k", "v")
+BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 # The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, the keys of tokens 6144 old are re-coded at K3.
 AUTO = "auto"

@@ -160,8 +160,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     k_edge, v_edge = (boundary and "k" in c.boundary_sides), (boundary and "v" in c.boundary_sides)
     kb = max(c.key_bits, c.boundary_bits) if k_edge else c.key_bits
     vb = max(c.value_bits, c.boundary_bits) if v_edge else c.value_bits
-    kd, vd = (None, None) if c.decay_after is None else (
-        None if k_edge else c.decay_key_bits, None if v_edge else c.decay_value_bits)
+    kd, vd = None if k_edge else c.decay_key_bits, None if v_edge else c.decay_value_bits  # (None without decay_after)
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
                   step=c.step,

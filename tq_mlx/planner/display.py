@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..cache import TurboQuantKVCache
-from ..config import WIDEST_KEY_BITS, TurboQuantConfig, bits_label
+from ..config import BOUNDARY_SIDES, WIDEST_KEY_BITS, TurboQuantConfig, bits_label
 from .memory import Saving, flat_caches
 from ..plan import layer_plan
 from ..quant.quantizer import format_bits
@@ -184,6 +184,11 @@ def _layer_list(layers: list[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def boundary_sides_note(config: TurboQuantConfig) -> str:
+    """" (values)" or " (keys)" where the boundary layers widen one side alone, "" where they widen both."""
+    return "" if config.boundary_sides == "kv" else f" ({BOUNDARY_SIDES[config.boundary_sides]})"
+
+
 def describe_config(config: TurboQuantConfig | None) -> str:
     """One line: "TurboQuant K4/V3, window 768, sinks 4" (or mlx-lm's cache)."""
     if config is None:
@@ -193,8 +198,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     if config.first_window > config.window:
         parts.append(f"calibrating on {config.first_window} tokens")
     if config.boundary_layers:
-        sides = "" if config.boundary_sides == "kv" else f" ({'keys' if config.boundary_sides == 'k' else 'values'})"
-        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits{sides}")
+        parts.append(f"boundary {config.boundary_layers} layers at {format_bits(config.boundary_bits)} bits"
+                     + boundary_sides_note(config))
     if config.protect_factor is None:
         parts.append("no key protection")
     if config.key_error is not None:
