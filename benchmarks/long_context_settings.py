@@ -28,7 +28,8 @@ EVAL = 512  # tokens scored at the end of each context
 BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, boundary_layers=0, boundary_bits=8,
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None,
-            prefill_as_decode=False)
+            prefill_as_decode=False, calibration_tokens=None, boundary_sides="kv", key_half_steps=False,
+            value_error=None, correct_norms=False)
 DEFAULTS = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=None,
                 center_keys="rope", weigh_keys=True, key_error=0.1, prefill_as_decode=True)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
@@ -248,7 +249,7 @@ PRESET_TAGS = ("the default", "compact", "quality")
 # the README's headline: the default, the defaults before it, compact, quality
 HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_1203.name, DECAY_V2.name, COMPACT.name, COMPACT_1203.name, QUALITY.name,
                     QUALITY_1203.name]
-ROT4 = rot(4, DEFAULTS["window"])
+ROT4 = rot(4, 768)  # the window the default had when rot4 was first measured: its rows say so
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
 BOUND = tq(4, 4, boundary_layers=2, boundary_bits=8, window=128, compress_block=None)

@@ -345,12 +345,12 @@ class TurboQuantConfig:
 # Named settings, by what they trade (the commands' --tq-preset); their bytes: --plan, estimate_kv_bytes; their
 # measurements: benchmarks/DEFAULTS.md and the README's quality tables.
 PRESETS: dict[str, dict] = {
-    # K8/V4, window 768, 8-bit norms, no decay: KL <= 0.0012 at 8k and 16k on Qwen2.5-Coder-0.5B
-    "quality": dict(key_bits=8, decay_after=None),
-    # K4/V4 with keys by their error (up to K6), window 768, 8-bit norms, keys past 6144 one bit narrower
+    # K8/V4, 8-bit norms, no decay; the window each was measured with, whatever the default's
+    "quality": dict(key_bits=8, decay_after=None, window=768),
+    # K4/V4 with keys by their error (up to K6), 8-bit norms, keys past 6144 one bit narrower
     "default": {},
     # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes
-    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None),
+    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None, window=768),
 }
 
 
