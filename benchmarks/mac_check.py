@@ -261,7 +261,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             decays = not qjl and kb == int(kb) and 3 < kb < 8
                             # (prefill not read as decode: one view read by queries of any count, as below)
                             cache = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl,
-                                                                       window=16, sinks=4, compress_block=8,
+                                                                       window=16, calibration_tokens=None, sinks=4,
+                                                                       compress_block=8,
                                                                        norm_bits=nb, decay_after=40 if decays else None,
                                                                        prefill_as_decode=False))
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
@@ -273,7 +274,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             # a prefill read as decode (prefill_as_decode): a 70-token chunk's queries run by run
                             # (16 a run, the prefill kernel's), each with the compressed tokens a decode step reads
                             pd = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl, window=16,
-                                                                    sinks=4, compress_block=16, norm_bits=nb,
+                                                                    calibration_tokens=None, sinks=4, compress_block=16,
+                                                                    norm_bits=nb,
                                                                     prefill_as_decode=True))
                             pk, pv = pd.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             q = _normal(rng, (1, 8, 70, dim), dt)

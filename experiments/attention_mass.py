@@ -36,6 +36,7 @@ import long_context_settings as lc_settings  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
+GEOMETRY = TurboQuantConfig(window=768, calibration_tokens=None)  # the window its results were measured with
 
 CHUNK = 512
 TOPS = (32, 128)
@@ -66,7 +67,7 @@ def run(key: str, text: str, context: int) -> dict:
     label, loader, _ = lc_settings.MODELS[key]
     model, tok = getattr(real_models, loader)(mx.float32)
     ids = long_context.text_ids(tok, text, context)
-    d = TurboQuantConfig()
+    d = GEOMETRY
     lo, hi = d.sinks, context - CHUNK - d.window
     layers: list[dict] = []
     measuring = [False]
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     texts = long_context.text_names(args.texts)
-    d = TurboQuantConfig()
+    d = GEOMETRY
     if args.context % CHUNK or args.context <= CHUNK + d.window + d.sinks:
         raise SystemExit(f"--context must be a multiple of {CHUNK} above {CHUNK + d.window + d.sinks}, "
                          f"got {args.context}")

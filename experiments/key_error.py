@@ -148,7 +148,7 @@ def run_model(key: str, context: int, bits: list[float]) -> dict:
     ids = quality.text_ids(tok, context)
     captured, scale = quality.capture_qkv(model, ids)
     d = TurboQuantConfig()
-    calib = slice(d.sinks, d.sinks + d.window)
+    calib = slice(d.sinks, d.sinks + d.first_window)
     layers = []
     # the calibration queries per kv head (B, H, R, n, D), and each layer's RoPE as the cache reads it
     q_all = [q.astype(mx.float32).reshape(q.shape[0], k.shape[1], -1, *q.shape[2:]) for q, k, _ in captured]

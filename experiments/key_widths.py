@@ -74,7 +74,7 @@ def run_model(key: str, context: int, targets: list[float]) -> dict:
     model, tok = getattr(real_models, loader)(mx.float32)
     captured, scale = quality.capture_qkv(model, quality.text_ids(tok, context))
     d = TurboQuantConfig()
-    calib = slice(d.sinks, d.sinks + d.window)
+    calib = slice(d.sinks, d.sinks + d.first_window)
     layers = []
     for i, (q, k, _) in enumerate(captured):
         rope = probe(model.model.layers[i].self_attn.rope, k.shape[-1])
@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
-    if args.context < d.sinks + d.window + QUERIES:
-        raise SystemExit(f"--context must be at least {d.sinks + d.window + QUERIES}, got {args.context}")
+    if args.context < d.sinks + d.first_window + QUERIES:
+        raise SystemExit(f"--context must be at least {d.sinks + d.first_window + QUERIES}, got {args.context}")
     targets = [float(t) for t in args.targets.split(",")]
     results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context, targets))
     headers = ["model", "logit error K4 (median, max)", "predicted / measured", "Σ attention error K4 / K5 / K6"] + [

@@ -39,11 +39,12 @@ from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
+GEOMETRY = TurboQuantConfig(window=768, calibration_tokens=None)  # the window its results were measured with
 
 
 def layer_row(q: mx.array, k: mx.array, v: mx.array, scale: float, base: float, bits: list[int],
               shifts: list[float]) -> dict:
-    d = TurboQuantConfig()
+    d = GEOMETRY
     B, Hq, N, D = q.shape
     H = k.shape[1]
     G = Hq // H
@@ -98,7 +99,7 @@ def main() -> None:
     ap.add_argument("--shifts", default="0.5,0,-0.25,-0.5", help="a in a·σ², comma list")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
-    d = TurboQuantConfig()
+    d = GEOMETRY
     if args.context <= d.sinks + d.window + QUERIES:
         raise SystemExit(f"--context must exceed {d.sinks + d.window + QUERIES} tokens, got {args.context}")
     bits = [int(b) for b in args.bits.split(",")]

@@ -110,7 +110,7 @@ def run_model(key: str, context: int, targets: list[float]) -> dict:
     d = TurboQuantConfig()
     layers = []
     for i, (q, k, v) in enumerate(captured):
-        r = layer_row(i, q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale, d.sinks, d.window)
+        r = layer_row(i, q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale, d.sinks, d.first_window)
         layers.append(r)
         print(f"  layer {i:2d}: V2/V3/V4 on the window {r['window_2']:.4f} / {r['window_3']:.4f} / {r['window_4']:.4f},"
               f" later {r['measured_2']:.4f} / {r['measured_3']:.4f} / {r['measured_4']:.4f}; unit forecast "
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
-    least = d.sinks + 2 * d.window + QUERIES
+    least = d.sinks + 2 * d.first_window + QUERIES
     if args.context < least:
         raise SystemExit(f"--context must be at least {least} (later queries read tokens past their window), got "
                          f"{args.context}")

@@ -46,7 +46,7 @@ class RecordingApp(ChatApp):
 
 
 def make_app(path: Path, **kw) -> RecordingApp:
-    settings = dict(ctx=1024, config=TurboQuantConfig(window=16, sinks=2), max_tokens=24)
+    settings = dict(ctx=1024, config=TurboQuantConfig(window=16, calibration_tokens=None, sinks=2), max_tokens=24)
     settings.update(kw)
     return RecordingApp(ChatSettings(source=ModelSource(str(path), path=path), **settings))
 
@@ -182,7 +182,7 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
 
 
 def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
-    config = TurboQuantConfig(window=16, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2,
+    config = TurboQuantConfig(window=16, calibration_tokens=None, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2,
                               key_error=None)  # K4/V4, every layer's keys at K4
 
     async def run():
@@ -282,7 +282,7 @@ def test_a_conversation_loaded_in_one_thread_continues_in_another(tiny_model_dir
 
     def start():
         model, tokenizer = load(str(tiny_model_dir))
-        return ChatSession(model, tokenizer, TurboQuantConfig(window=16, sinks=2), ctx=1024, max_tokens=8)
+        return ChatSession(model, tokenizer, TurboQuantConfig(window=16, calibration_tokens=None, sinks=2), ctx=1024, max_tokens=8)
 
     session = in_thread(start)
     assert in_thread(lambda: session.generate("remember this, it is a long enough question").generated) > 0
@@ -489,7 +489,7 @@ def test_download_progress_goes_to_the_app(tiny_model_dir, monkeypatch):
 
     async def run():
         app = RecordingApp(ChatSettings(source=ModelSource("org/tiny", repo_id="org/tiny"), ctx=256,
-                                        config=TurboQuantConfig(window=16)))
+                                        config=TurboQuantConfig(window=16, calibration_tokens=None)))
         async with app.run_test() as pilot:
             await loaded(pilot)
             downloads = [e for e in app.events if e[0] == "progress" and "Downloading org/tiny" in e[1]]

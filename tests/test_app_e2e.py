@@ -231,8 +231,8 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         assert f"mlx-lm float32 cache {format_bytes(mlx_lm)}" in text, text
         ratio = mlx_lm / expected
         assert f"saved {format_bytes(mlx_lm - expected)} ({ratio:.2f}x)" in text and ratio > 1, text
-        assert (f"all {tokens} tokens in float32 (4 sinks + 768-token window): compression starts at token 773"
-                in text), text
+        assert (f"all {tokens} tokens in float32 (4 sinks + 128-token window, 768 tokens until the first compression "
+                "calibrates on them): compression starts at token 773" in text), text
         for label in ("compressed 0 tokens", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in text
         assert re.search(r"decode\s+[\d.]+ tok/s", text), text
@@ -258,7 +258,7 @@ def test_every_command_and_save_load_continue_in_a_terminal(tmp_path):
     from tq_chat.chat import screenshot_dir
 
     events = Events(tmp_path / "events.jsonl")
-    term = start("pty", {"TERM": "xterm-256color"}, events.path, "--tq-window", "16", "--tq-no-prefill-as-decode")
+    term = start("pty", {"TERM": "xterm-256color"}, events.path, "--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-no-prefill-as-decode")
     saved = tmp_path / "conv.safetensors"
 
     def compressed(screen: str) -> int:

@@ -169,8 +169,8 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 32768 - 6144
     text = format_plan(default)
     assert f"decay       K4→3/V4 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in text
-    assert ("TurboQuant K4/V4, window 768, sinks 4, keys up to K6 where their logit error exceeds 0.1, decaying to "
-            "K3/V4 after 6144 tokens") in " ".join(text.split())
+    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
+            "exceeds 0.1, decaying to K3/V4 after 6144 tokens") in " ".join(text.split())
     # only the values decay (keys left at AUTO would decay to K3 with the default bits)
     boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(boundary_layers=1, decay_after=2048,
                                                                    decay_key_bits=None, decay_value_bits=2), 10**10)

@@ -13,7 +13,7 @@ from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.prompt_cache.store import PromptStore, model_id
 from tq_mlx.prompt_cache.resume import cache_counts
 
-CFG = TurboQuantConfig(window=16, sinks=2, compress_block=8, decay_after=64)
+CFG = TurboQuantConfig(window=16, calibration_tokens=None, sinks=2, compress_block=8, decay_after=64)
 SYSTEM = "You are a terse assistant for the river archive. " * 6  # ~300 byte tokens: compressed and decayed
 
 

@@ -27,7 +27,7 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     from tests.support.tiny_models import tiny_hybrid, tiny_tokenizer
 
     model, _ = tiny_hybrid()
-    session = ChatSession(model, tiny_tokenizer(), TurboQuantConfig(window=16), ctx=2048, max_tokens=12)
+    session = ChatSession(model, tiny_tokenizer(), TurboQuantConfig(window=16, calibration_tokens=None), ctx=2048, max_tokens=12)
     first = session.generate("first question")
     assert first.reused_tokens == 0 and first.generated > 0
     prompt_end = first.new_tokens - 1  # the checkpoint: everything but the last prompt token
@@ -66,7 +66,7 @@ def fed_session(path: Path, config: TurboQuantConfig, n: int, ctx: int = 1024):
     return session
 
 
-@pytest.mark.parametrize("config, n", [(TurboQuantConfig(), 42), (TurboQuantConfig(window=16, sinks=2), 300)],
+@pytest.mark.parametrize("config, n", [(TurboQuantConfig(), 42), (TurboQuantConfig(window=16, calibration_tokens=None, sinks=2), 300)],
                          ids=["nothing compressed yet", "compressed"])
 def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_dir, config, n):
     from tq_chat.widgets import MemoryPanel
@@ -105,7 +105,8 @@ def test_the_panel_summary_cache_bytes_and_plan_agree_on_one_state(tiny_model_di
     if s["saved_bytes"] > 0:
         assert saved.endswith("x) against mlx-lm's float32 cache") and f"saved {saved}" in summary
     if n == 42:  # before compression starts the first screen says so, and what --ctx will reach
-        assert window == "all 42 tokens in float32 (4 sinks + 768-token window): compression starts at token 773"
+        assert window == ("all 42 tokens in float32 (4 sinks + 128-token window, 768 tokens until the first compression "
+                          "calibrates on them): compression starts at token 773")
 
 
 def test_the_first_screen_shows_what_the_cache_reaches_at_ctx(tiny_model_dir):
@@ -118,8 +119,8 @@ def test_the_first_screen_shows_what_the_cache_reaches_at_ctx(tiny_model_dir):
     plan = make_plan("tiny", cfg, weight_bytes(tiny_model_dir), 4096, TurboQuantConfig(), 10**10, dtype="float32")
     assert plan.saving == planned_saving(cfg, 4096, TurboQuantConfig(), dtype="float32")
     panel = " ".join(panel_text(MemoryPanel(), {**session.snapshot(), "plan": plan}).split())
-    assert ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): compression starts at "
-            "token 773") in panel, panel
+    assert ("no tokens yet; the first 772 stay in float32 (4 sinks + 128-token window, 768 tokens until the first "
+            "compression calibrates on them): compression starts at token 773") in panel, panel
     assert planned_text(plan.saving, 4096, plan.kv_dtype) in panel
     assert planned_text(plan.saving, 4096, "float32") == (
         f"planned at 4,096 tokens (--ctx): {format_bytes(plan.kv)} held, saved "
@@ -142,4 +143,5 @@ def test_presets_on_a_short_prompt_show_what_they_hold_now_and_will_save_at_ctx(
         panel = " ".join(panel_text(MemoryPanel(), stats).split())
         assert f"held {format_bytes(stats['kv_bytes'])}" in panel and planned_text(plan.saving, 4096, plan.kv_dtype) in panel
         planned[name] = plan.saving.ratio
-    assert planned["quality"] < planned["default"] < planned["compact"], planned
+    # at 4k the default's 128-token window holds less than compact's 768 (compact is the fewest bytes past ~8k)
+    assert planned["quality"] < planned["compact"] < planned["default"], planned

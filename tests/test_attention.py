@@ -106,7 +106,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
     rng = np.random.default_rng(D + int(2 * kb))
     B, H, R = 2, 2, 3
     # (prefill not read as decode: the reference is the held codes decoded)
-    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, compress_block=4, sinks=3, step=16,
+    cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, window=8, calibration_tokens=None, compress_block=4, sinks=3, step=16,
                            center_keys=center, center_values=center, prefill_as_decode=False)
     cache = TurboQuantKVCache(cfg, layer_index=1)
     # Prefill chunks, decode steps and a chunk larger than the window; block_size=5 splits the compressed
@@ -124,7 +124,7 @@ def test_matches_float64_reference(D, kb, vb, qjl, center):
 def test_array_masks_and_per_head_masks():
     rng = np.random.default_rng(5)
     B, H, R, D = 2, 2, 2, 64
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, compress_block=3, sinks=2,
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=3, window=6, calibration_tokens=None, compress_block=3, sinks=2,
                                                prefill_as_decode=False), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (17, 5), B, H, D)
     T = kh.n_tokens
@@ -148,7 +148,7 @@ def test_array_masks_and_per_head_masks():
 
 def test_bf16_fp16_queries_and_value_dim():
     rng = np.random.default_rng(7)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1), layer_index=2)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=4, calibration_tokens=None, sinks=1), layer_index=2)
     B, H, D, Dv = 1, 2, 64, 128  # value head_dim different from key head_dim
     *_, (L, (kh, vh)) = feed(cache, rng, (12, 1), B, H, D, Dv)
     for dtype in (mx.float16, mx.bfloat16):
@@ -161,7 +161,7 @@ def test_bf16_fp16_queries_and_value_dim():
 
 def test_queries_untouched_and_only_float_parts():
     rng = np.random.default_rng(3)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=64, sinks=4), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=64, calibration_tokens=None, sinks=4), layer_index=0)
     (L, (kh, vh)), = feed(cache, rng, (20,), 1, 2, 128)
     assert kh.codes is None and kh.n_sinks == 4 and kh.n_window == 16
     q = mx.array(rng.normal(size=(1, 4, L, 128)), dtype=mx.float32)
@@ -186,7 +186,7 @@ def test_before_the_first_compression_a_model_runs_as_with_the_float_cache(dtype
 
     model = tiny_llama(dtype=dtype)[0]
     tokens = mx.array(np.random.default_rng(7).integers(0, 256, (1, 40)))
-    cfg = TurboQuantConfig(window=64, sinks=4)
+    cfg = TurboQuantConfig(window=64, calibration_tokens=None, sinks=4)
     caches = {"float": [KVCache() for _ in model.layers], "tq": tq_mlx.make_prompt_cache(model, cfg)}
     logits = {}
     for name, cache in caches.items():
@@ -199,7 +199,7 @@ def test_before_the_first_compression_a_model_runs_as_with_the_float_cache(dtype
 
 def test_block_size_does_not_change_result():
     rng = np.random.default_rng(11)
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=2, value_bits=2, window=16, sinks=0), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=2, value_bits=2, window=16, calibration_tokens=None, sinks=0), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (300, 1), 1, 2, 64)
     q = mx.array(rng.normal(size=(1, 2, L, 64)), dtype=mx.float32)
     outs = [turboquant_attention(q, kh, vh, 0.125, None, tile_tokens=b) for b in (7, 64, 4096)]
@@ -213,7 +213,7 @@ def test_runs_in_a_worker_thread_with_a_cache_made_elsewhere():
     import threading
 
     rng = np.random.default_rng(5)
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=3, qjl=False, window=8, sinks=2), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=3, qjl=False, window=8, calibration_tokens=None, sinks=2), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (200, 1), 1, 2, 64)
     q = mx.array(rng.normal(size=(1, 4, L, 64)), dtype=mx.float32)
     expected = np.array(turboquant_attention(q, kh, vh, 0.125, None, tile_tokens=64))
@@ -259,7 +259,7 @@ def _attend(dtype, magnitude: float, cfg: TurboQuantConfig | None):
 def test_extreme_scales_stay_finite_and_track_the_float_cache(dtype, magnitude):
     # 1e5 overflows float16 (a float16 window or norm would give inf, then NaN); 1e-8 is below float16's
     # normal range (a float16 norm would lose its precision). Neither may change what compression does.
-    for cfg, tol in ((TurboQuantConfig.from_bits(8, window=32, sinks=4), 0.02), (TurboQuantConfig(window=32), 0.2)):
+    for cfg, tol in ((TurboQuantConfig.from_bits(8, window=32, calibration_tokens=None, sinks=4), 0.02), (TurboQuantConfig(window=32, calibration_tokens=None), 0.2)):
         out = _attend(dtype, magnitude, cfg)
         assert np.isfinite(out).all()
         ref = _attend(dtype, magnitude, None)
@@ -321,7 +321,7 @@ def test_learned_sinks_match_fast_sdpa_on_the_float_cache_at_8_bits(sink_dtype):
     # float64 softmax with the sink column exactly.
     rng = np.random.default_rng(21)
     B, H, R, D = 1, 2, 3, 64
-    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=4, prefill_as_decode=False),
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, calibration_tokens=None, sinks=2, compress_block=4, prefill_as_decode=False),
                               layer_index=1)
     sinks = mx.array(rng.normal(size=(H * R,)) * 2 + 1, dtype=sink_dtype)
     ks, vs = [], []
@@ -351,7 +351,7 @@ def test_learned_sinks_without_compressed_tokens_are_fast_sdpa(dtype):
     # A context shorter than the window: exactly mx.fast SDPA(sinks=) on the float tokens, in the model's dtype
     # (sinks of another dtype are cast to the queries' where SDPA would refuse them).
     rng = np.random.default_rng(4)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=64, sinks=4), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(window=64, calibration_tokens=None, sinks=4), layer_index=0)
     (L, (kh, vh)), = feed(cache, rng, (20,), 1, 2, 64)
     assert kh.codes is None
     q = mx.array(rng.normal(size=(1, 4, L, 64)), dtype=mx.float32).astype(dtype)
@@ -371,7 +371,7 @@ def test_learned_sinks_with_array_masks_and_batch_views():
 
     rng = np.random.default_rng(9)
     B, H, R, D = 2, 2, 2, 64
-    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=4, window=6, compress_block=3, sinks=2), layer_index=0)
+    cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3, value_bits=4, window=6, calibration_tokens=None, compress_block=3, sinks=2), layer_index=0)
     *_, (L, (kh, vh)) = feed(cache, rng, (17, 3), B, H, D)
     T = kh.n_tokens
     q = mx.array(rng.normal(size=(B, H * R, L, D)), dtype=mx.float32)
@@ -413,7 +413,7 @@ def test_keys_that_are_the_values_with_an_additive_mask():
     rng = np.random.default_rng(12)
     B, R, D = 2, 16, 64
     for bits, tol in ((4, None), (8, 0.02)):
-        cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=4), layer_index=0)
+        cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, calibration_tokens=None, sinks=2, compress_block=4), layer_index=0)
         latent = mx.array(rng.normal(size=(B, 1, 60, D)) + 0.3, dtype=mx.float32)
         cache.update_and_fetch(latent[:, :, :59], latent[:, :, :59])
         kv, _ = cache.update_and_fetch(latent[:, :, 59:], latent[:, :, 59:])

@@ -31,7 +31,7 @@ from tq_mlx.hook import quantized_scaled_dot_product_attention as hooked_attenti
 REPO = Path(__file__).resolve().parent.parent
 
 # Small window and blocks, so that prompts of a few dozen tokens are mostly compressed.
-CFG = TurboQuantConfig(window=16, compress_block=8, sinks=2)
+CFG = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2)
 LENGTHS = (40, 23, 57)  # different lengths: left and right padding in every batch
 
 
@@ -208,7 +208,7 @@ def test_each_row_attends_as_it_would_alone_and_padding_gets_zeros(route):
 
 
 def test_batched_decode_builds_the_graph_without_host_sync(monkeypatch):
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2, protect_factor=None)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, protect_factor=None)
     tq, _, _ = filled(LENGTHS, cfg=cfg)
     batch = TurboQuantKVCache.merge(tq)
     q = mx.ones((3, 4, 1, 64))
@@ -361,7 +361,7 @@ def test_hybrid_models_batch_with_mlx_lm_batch_caches_for_their_other_layers(arc
     # layers (keys_and_values) next to TurboQuant layers.
     from tests.support import zoo
 
-    model = tq_mlx.patch_model(zoo.build(arch), TurboQuantConfig(window=16, compress_block=8, sinks=2, key_bits=8,
+    model = tq_mlx.patch_model(zoo.build(arch), TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, key_bits=8,
                                                                  value_bits=8))
     prompts = prompts_of((30, 19, 41))
     r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=6, return_token_ids=True,
@@ -475,8 +475,8 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
     finally:
         stop(proc, grace=20)
     # --tq-bits 4 is the default's K4/V4: keys by their error, decaying to K3/V4 after 6144 tokens
-    assert ("TurboQuant K4/V4, window 768, sinks 4, keys up to K6 where their logit error exceeds 0.1, decaying to "
-            "K3/V4 after 6144 tokens; batching on") in log.read_text()
+    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
+            "exceeds 0.1, decaying to K3/V4 after 6144 tokens; batching on") in log.read_text()
 
 
 # --- SmolLM2 (real model) -----------------------------------------------------------------------------------
@@ -528,7 +528,7 @@ def test_smollm2_batch_generate_equals_generating_alone():
 
 # Tokens decay once more than 24 fresh and window tokens are held: rows of 40 and 57 tokens hold decayed codes when
 # merged, the row of 23 starts decaying while the batch decodes.
-DECAY_CFG = TurboQuantConfig(window=16, compress_block=8, sinks=2, decay_after=24, decay_key_bits=3,
+DECAY_CFG = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, decay_after=24, decay_key_bits=3,
                              decay_value_bits=2)
 
 

@@ -38,13 +38,14 @@ def fill(cache, lengths, seed=0, **kw):
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
     assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, "rope", False)
-    assert (c.window, c.sinks, c.boundary_layers, c.seed, c.step) == (768, 4, 0, 0, 256)
+    assert (c.window, c.calibration_tokens, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 768, 4, 0, 0, 256)
+    assert c.first_window == 768 and c.compress_block_size == 128
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
     assert c.norm_bits == 8 and layer_plan(c).keys.norm_dtype == mx.uint8
     assert c.weigh_keys is True
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
-    assert TurboQuantConfig(window=32).compress_block_size == 32
-    d = TurboQuantConfig.from_bits(2.5, window=32)
+    assert TurboQuantConfig(window=32, calibration_tokens=None).compress_block_size == 32
+    d = TurboQuantConfig.from_bits(2.5, window=32, calibration_tokens=None)
     assert (d.key_bits, d.value_bits, d.window) == (2.5, 2.5, 32)
     assert TurboQuantConfig(key_bits=4.0).key_bits == 4 and isinstance(TurboQuantConfig(key_bits=4.0).key_bits, int)
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
@@ -65,9 +66,9 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
     # The default bits (K4/V4, no QJL) decay their keys to K3 after 6144 tokens (values keep V4); the resolved
     # config holds no AUTO.
     assert decay_of(TurboQuantConfig()) == (6144, 3, None)
-    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32)) == (6144, 3, None)
+    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32, calibration_tokens=None)) == (6144, 3, None)
     # A window that alone reaches 6144 moves decay_after: one compress block always stays at full bits.
-    assert decay_of(TurboQuantConfig(window=6144)) == (6144 + 128, 3, None)
+    assert decay_of(TurboQuantConfig(window=6144, calibration_tokens=None)) == (6144 + 128, 3, None)
     # Every integer width by one rule: keys one bit less down to 3, values keep theirs; 8-bit, fractional and
     # floor widths, and QJL keys, keep their bits at every age (nothing decays when no side does).
     for kw, want in ((dict(key_bits=3), (None,) * 3), (dict(value_bits=3), (6144, 3, None)),
@@ -85,7 +86,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
     assert decay_of(TurboQuantConfig(key_bits=3, decay_key_bits=2)) == (6144, 2, None)
     assert decay_of(TurboQuantConfig(decay_key_bits=2)) == (6144, 2, None)
     assert decay_of(TurboQuantConfig(key_bits=3, decay_value_bits=2)) == (6144, None, 2)
-    assert decay_of(TurboQuantConfig(value_bits=3, window=7000, compress_block=100, decay_value_bits=2)) == (
+    assert decay_of(TurboQuantConfig(value_bits=3, window=7000, calibration_tokens=None, compress_block=100, decay_value_bits=2)) == (
         7100, 3, 2)
     # An explicit decay_after with the default bits keeps the default decay bits.
     assert decay_of(TurboQuantConfig(decay_after=2048)) == (2048, 3, None)
@@ -131,7 +132,7 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
         ({"decay_after": "soon"}, "decay_after must be a number, None or 'auto'"),
         ({"decay_key_bits": "auto3"}, "decay_key_bits must be a number, None or 'auto'"),
         ({"window": 6144, "decay_after": 6144}, "decay_after must be an integer >= 6272"),
-        ({"decay_after": 800, "decay_key_bits": 3}, "decay_after must be an integer >= 896"),
+        ({"decay_after": 200, "decay_key_bits": 3}, "decay_after must be an integer >= 256"),
         ({"decay_after": 2048, "decay_key_bits": 4}, "decay_key_bits=4 must be an integer below key_bits=4"),
         ({"decay_after": 2048, "decay_value_bits": 2.5}, "decay_value_bits must be one of (1, 2, 3, 4, 5) or None"),
         ({"key_bits": 3.5, "decay_after": 2048, "decay_key_bits": 2}, "itself an integer"),
@@ -176,7 +177,7 @@ def test_boundary_sides_widen_one_side_and_keep_the_other_s_rules():
 
 
 def test_token_layout_and_block_compression():
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=4)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=4)
     c = TurboQuantKVCache(cfg)
     counts = []
     for L in (2, 3, 10, 7, 1, 1, 40):
@@ -190,9 +191,9 @@ def test_token_layout_and_block_compression():
 
 # float16 norms: the 0.1 bound below is the 8-bit codes'; an 8-bit log norm alone is up to 2.2% off (norm_bits)
 @pytest.mark.parametrize("cfg", [
-    TurboQuantConfig.from_bits(8, window=16, compress_block=4, sinks=3, norm_bits=16),
-    TurboQuantConfig.from_bits(8, window=16, sinks=0, center_keys=False, norm_bits=16),
-    TurboQuantConfig(key_bits=8, value_bits=8, window=0, sinks=2, norm_bits=16),
+    TurboQuantConfig.from_bits(8, window=16, calibration_tokens=None, compress_block=4, sinks=3, norm_bits=16),
+    TurboQuantConfig.from_bits(8, window=16, calibration_tokens=None, sinks=0, center_keys=False, norm_bits=16),
+    TurboQuantConfig(key_bits=8, value_bits=8, window=0, calibration_tokens=None, sinks=2, norm_bits=16),
 ])
 def test_stored_tokens_are_the_input_tokens(cfg):
     """Whatever the chunking, the views stand for the tokens fed so far, in order: exact copies in the input's
@@ -223,7 +224,7 @@ def test_stored_tokens_are_the_input_tokens(cfg):
 
 
 def test_chunked_and_one_shot_compress_the_same_tokens():
-    cfg = TurboQuantConfig(window=32, compress_block=16, sinks=4)
+    cfg = TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4)
     one, many = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
     fill(one, (300,))
     fill(many, (100, 100, 100))
@@ -277,7 +278,7 @@ def test_decode_runs_end_where_a_token_by_token_window_compresses():
         counts = [overflow(held + m, W, K, first) for m in range(1, n + 1)]
         assert decode_runs(held, n, W, K, first) == [(r, c) for r, c in enumerate(counts)
                                                      if r == 0 or c != counts[r - 1]]
-    assert not layer_plan(TurboQuantConfig(window=0, prefill_as_decode=True)).keys.as_decode
+    assert not layer_plan(TurboQuantConfig(window=0, calibration_tokens=None, prefill_as_decode=True)).keys.as_decode
     assert layer_plan(TurboQuantConfig(prefill_as_decode=True)).keys.as_decode
 
 
@@ -287,7 +288,7 @@ def test_prefill_as_decode_views_by_run():
     # run's last query. Never held: the stream's own view and bytes are those of a cache without the option.
     from tq_mlx.stream.view import views_by_run
 
-    cfg = TurboQuantConfig(window=16, compress_block=4, sinks=2, prefill_as_decode=True)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=4, sinks=2, prefill_as_decode=True)
     cache, plain = TurboQuantKVCache(cfg), TurboQuantKVCache(dataclasses.replace(cfg, prefill_as_decode=False))
     fill(plain, (10, 40))
     fill(cache, (10,))
@@ -339,8 +340,8 @@ def test_update_and_attention_build_the_graph_without_host_sync(monkeypatch, hea
     # storing tokens and attending to them never does, with key protection off. (With it on, the first
     # compression reads one number per key stream: test_key_protection_reads_one_number_at_calibration.)
     D = head_dim
-    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, compress_block=4, sinks=2, protect_factor=None),
-                TurboQuantConfig(key_bits=2, qjl=True, window=0, sinks=0, protect_factor=None)):
+    for cfg in (TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=8, calibration_tokens=None, compress_block=4, sinks=2, protect_factor=None),
+                TurboQuantConfig(key_bits=2, qjl=True, window=0, calibration_tokens=None, sinks=0, protect_factor=None)):
         c = TurboQuantKVCache(cfg, layer_index=0, head_dim=D)
         k = mx.random.normal((1, 2, 30, D))
         with forbid_host_sync(monkeypatch):
@@ -356,7 +357,7 @@ def test_decode_step_of_a_model_without_host_sync(monkeypatch):
     import tq_mlx
 
     model, _ = tiny_llama()
-    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, compress_block=2, sinks=1))
+    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, calibration_tokens=None, compress_block=2, sinks=1))
     mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache))
     with forbid_host_sync(monkeypatch):
         logits = model(mx.array([[7]]), cache=cache)  # includes a window flush
@@ -391,7 +392,7 @@ def test_bias_outlier_factor_is_one_for_isotropic_keys_and_large_for_biased_ones
 
 def test_a_layer_with_biased_keys_protects_its_keys():
     x = _biased_keys()
-    base = dict(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2, weigh_keys=False)  # no attention here
+    base = dict(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2, weigh_keys=False)  # no attention here
     fresh = lambda **kw: TurboQuantKVCache(TurboQuantConfig(**{**base, **kw}), layer_index=3, head_dim=64)  # noqa: E731
     on, off = fresh(), fresh(protect_factor=None)
     for c in (on, off):
@@ -424,7 +425,7 @@ def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state():
     # correct_norms is one config field: the keys' protected quantizer, the values' own and decaying ones take it,
     # a cache rebuilt from the state codes as the original did, and a config saved before the field codes plainly.
     x = _biased_keys()
-    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, compress_block=8, sinks=2, decay_after=16,
+    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2, decay_after=16,
                            decay_key_bits=3, decay_value_bits=2, weigh_keys=False, correct_norms=True)
     c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
     c.update_and_fetch(x, x)
@@ -448,7 +449,7 @@ def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state():
 
 def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it():
     x = _biased_keys()
-    cfg = TurboQuantConfig(window=8, compress_block=8, sinks=2)
+    cfg = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=8, sinks=2)
     c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
     c.update_and_fetch(x, x)
     assert c.protected
@@ -479,7 +480,7 @@ def test_key_protection_reads_one_number_at_calibration(monkeypatch):
 
     monkeypatch.setattr(calibration, "bias_outlier_factor", counted)
     x = _biased_keys()
-    c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=8, sinks=2), layer_index=0, head_dim=64)
+    c = TurboQuantKVCache(TurboQuantConfig(window=8, calibration_tokens=None, compress_block=8, sinks=2), layer_index=0, head_dim=64)
     c.update_and_fetch(x[:, :, :20], x[:, :, :20])  # the first compression: keys decide, values do not
     assert len(reads) == 1 and c.protected
     with forbid_host_sync(monkeypatch):  # every later update and attention is graph construction again
@@ -496,12 +497,12 @@ def test_keys_coded_without_queries_are_described_as_unweighed():
 
     rng = np.random.default_rng(0)
     kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
-    bare = TurboQuantKVCache(TurboQuantConfig(window=32, sinks=4))
+    bare = TurboQuantKVCache(TurboQuantConfig(window=32, calibration_tokens=None, sinks=4))
     bare.update_and_fetch(kv(100), kv(100))
     mx.eval(bare.held_arrays())
     assert bare.config.weigh_keys and bare.key_stream.n_coded > 0 and bare.key_stream.weights is None
     assert "keys unweighed: no queries seen" in bits_summary([bare])
-    attended = TurboQuantKVCache(TurboQuantConfig(window=32, sinks=4))
+    attended = TurboQuantKVCache(TurboQuantConfig(window=32, calibration_tokens=None, sinks=4))
     k, v = attended.update_and_fetch(kv(100), kv(100))
     queries = mx.array(rng.standard_normal((1, 4, 100, 64)).astype(np.float32))
     mx.eval(turboquant_attention(queries, k, v, 0.125, mask="causal"), attended.held_arrays())
@@ -516,7 +517,7 @@ def test_a_bound_that_drops_every_coded_token_keeps_the_calibration_and_the_weig
 
     rng = np.random.default_rng(1)
     kv = lambda n: mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))  # noqa: E731
-    config = TurboQuantConfig(window=16, compress_block=8, sinks=2, center_keys=True)
+    config = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, center_keys=True)
     bound = config.sinks + config.window + config.compress_block_size - 1
     cache = TurboQuantKVCache(config, max_size=bound)
     k, v = cache.update_and_fetch(kv(40), kv(40))

@@ -77,12 +77,12 @@ def layout_nbytes(cfg: TurboQuantConfig, B: int, H: int, D: int, capacity: int, 
 @pytest.mark.parametrize(
     "cfg, D",
     [
-        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, decay_after=None), 128),
-        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, center_values=False), 64),
-        (TurboQuantConfig(key_bits=2.5, value_bits=8, window=0, sinks=2, center_keys=False), 80),
-        (TurboQuantConfig(key_bits=1, value_bits=1, qjl=True, window=32, sinks=4), 96),
-        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, sinks=4, norm_bits=16, decay_after=None), 128),
-        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, sinks=0, norm_bits=16), 64),
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, calibration_tokens=None, sinks=4, decay_after=None), 128),
+        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, calibration_tokens=None, sinks=0, center_values=False), 64),
+        (TurboQuantConfig(key_bits=2.5, value_bits=8, window=0, calibration_tokens=None, sinks=2, center_keys=False), 80),
+        (TurboQuantConfig(key_bits=1, value_bits=1, qjl=True, window=32, calibration_tokens=None, sinks=4), 96),
+        (TurboQuantConfig(key_bits=4, value_bits=2, window=16, calibration_tokens=None, sinks=4, norm_bits=16, decay_after=None), 128),
+        (TurboQuantConfig(key_bits=3, value_bits=3.5, qjl=True, window=8, calibration_tokens=None, sinks=0, norm_bits=16), 64),
     ],
 )
 def test_nbytes_equals_layout_formula(cfg, D):
@@ -101,7 +101,7 @@ def test_nbytes_equals_layout_formula(cfg, D):
 
 
 def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
-    c = TurboQuantKVCache(TurboQuantConfig(window=0, sinks=0, step=64, center_values=True))
+    c = TurboQuantKVCache(TurboQuantConfig(window=0, calibration_tokens=None, sinks=0, step=64, center_values=True))
     sizes = []
     for _ in range(5):
         fill(c, (50,))
@@ -128,7 +128,7 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
 
 @pytest.mark.parametrize("norm_bits", [16, 8])
 def test_state_round_trip_is_exact(norm_bits):
-    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, compress_block=4, sinks=2, seed=3,
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, calibration_tokens=None, compress_block=4, sinks=2, seed=3,
                            norm_bits=norm_bits)
     c = TurboQuantKVCache(cfg, layer_index=4, attention_index=1, n_attention_layers=3)
     fill(c, (30, 1, 1))
@@ -172,7 +172,7 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
     # (8-bit codes with uint8 norms) loads with the norms it holds and continues exactly as its cache would.
     from tq_mlx.stream import codec
 
-    cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, compress_block=4, sinks=2, norm_bits=8)
+    cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, calibration_tokens=None, compress_block=4, sinks=2, norm_bits=8)
     c = TurboQuantKVCache(cfg)
     fill(c, (30,))
     assert c.key_stream.codes.norms.dtype == mx.float16 and c.value_stream.codes.norms.dtype == mx.uint8
@@ -197,7 +197,7 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
 
 
 def test_state_is_stored_references():
-    c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1))
+    c = TurboQuantKVCache(TurboQuantConfig(window=4, calibration_tokens=None, sinks=1))
     fill(c, (20,))
     meta, arrays = c.state
     assert arrays["k_window"] is c.key_stream.window and arrays["k_codes"][0] is c.key_stream.codes[0]
@@ -214,7 +214,7 @@ def test_empty_cache_state_round_trip():
 
 
 def test_corrupted_state_raises_clear_errors():
-    c = TurboQuantKVCache(TurboQuantConfig(window=4, sinks=1), layer_index=6)
+    c = TurboQuantKVCache(TurboQuantConfig(window=4, calibration_tokens=None, sinks=1), layer_index=6)
     fill(c, (20,))
     meta, arrays = c.state
 
@@ -293,7 +293,7 @@ def test_bad_shapes_name_the_layer():
 
 
 def test_trim_window_compressed_sinks_and_beyond():
-    c = TurboQuantKVCache(TurboQuantConfig(window=8, compress_block=4, sinks=3))
+    c = TurboQuantKVCache(TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=3))
     fill(c, (40,))
     assert (c.n_sinks, c.n_coded, c.n_window) == (3, 32, 5)
     assert c.trim(2) == 2 and (c.n_coded, c.n_window, c.offset) == (32, 3, 38)
@@ -310,7 +310,7 @@ def test_trim_window_compressed_sinks_and_beyond():
 
 def test_trim_then_readd_equals_never_added():
     """What speculative decoding does: append drafts, trim the rejected ones, append again."""
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2)
     rng = np.random.default_rng(1)
     data = list(chunks(rng, (20, 3, 1)))
     a, b = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
@@ -363,7 +363,7 @@ def test_trim_below_the_compressed_tokens_recalibrates_like_a_fresh_cache():
     # A reused prompt cache that shares only its float16 sinks with the new prompt: nothing encoded with the old
     # μ, ν is left, so it must end up exactly where a fresh cache fed the new prompt does.
     x = mx.array(np.random.default_rng(5).normal(0.5, 1.0, size=(1, 2, 200, 64)), dtype=mx.float16)
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=2, center_values=True)  # μ and ν both recalibrate
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, center_values=True)  # μ and ν both recalibrate
     reused = TurboQuantKVCache(cfg)
     _feed16(reused, mx.concatenate([x[:, :, :2], -x[:, :, 2:]], axis=2), [200])  # diverges after the sinks
     assert reused.n_coded > 0 and reused.calibrated
@@ -388,7 +388,7 @@ def test_a_non_finite_token_in_the_calibration_block_affects_only_itself(bits, b
     x = rng.normal(0.5, 1.0, size=(1, 2, 40, 64)).astype(np.float32)
     poisoned = x.copy()
     poisoned[:, :, 7, 5] = bad  # token 7: inside the calibration block (tokens 2..17 after 2 sinks)
-    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=16, compress_block=16, sinks=2, center_values=True)
+    cfg = TurboQuantConfig(key_bits=bits, value_bits=bits, window=16, calibration_tokens=None, compress_block=16, sinks=2, center_values=True)
     clean, dirty = TurboQuantKVCache(cfg), TurboQuantKVCache(cfg)
     clean.update_and_fetch(mx.array(x), mx.array(x))
     kh, vh = dirty.update_and_fetch(mx.array(poisoned), mx.array(poisoned))

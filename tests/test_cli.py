@@ -173,11 +173,12 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
     # the default: K4/V4, keys up to K6 by their error, 8-bit norms, keys of tokens past 6144 re-coded a bit narrower
     default = config_from_args(parse())
-    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 768, 8)
+    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 128, 8)
+    assert default.calibration_tokens == 768
     assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error) == (6144, 3, None,
                                                                                                          0.1)
-    assert describe_config(default) == ("TurboQuant K4/V4, window 768, sinks 4, keys up to K6 where their logit error "
-                                        "exceeds 0.1, decaying to K3/V4 after 6144 tokens")
+    assert describe_config(default) == ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 "
+                                        "where their logit error exceeds 0.1, decaying to K3/V4 after 6144 tokens")
     # other bits decay by the same rule: keys one bit less down to 3 (3-bit keys keep theirs), values keep theirs
     k3 = config_from_args(parse("--tq-key-bits", "3"))
     assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error) == (3, 4, 8, None)  # a width you set is kept
@@ -207,7 +208,7 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
     p = add_cache_args(argparse.ArgumentParser(), short_aliases=True)
     assert config_from_args(p.parse_args(["--preset", "compact"])) == compact
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "4",
-                        "--tq-preset", "compact", "--tq-window", "8", "--tq-block", "4", "--tq-sinks", "2",
+                        "--tq-preset", "compact", "--tq-window", "8", "--tq-calibration-tokens", "8", "--tq-block", "4", "--tq-sinks", "2",
                         "--tq-decay-after", "12"])
     out = capsys.readouterr().out
     assert rc == 0 and "K4→2/V3→2 after 12 on all 3 attention layers" in out and "decayed" in out
@@ -266,7 +267,7 @@ def test_invalid_combination_names_the_conflict():
 
 def test_generate_uses_turboquant_and_prints_the_memory_summary(tiny_model_dir, capsys):
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "6",
-                        "--tq-bits", "3", "--tq-window", "8", "--tq-sinks", "2"])
+                        "--tq-bits", "3", "--tq-window", "8", "--tq-calibration-tokens", "8", "--tq-sinks", "2"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "Generation:" in out  # mlx_lm.generate's own verbose output
@@ -331,7 +332,7 @@ def save_turboquant_cache(model_dir: Path, path: Path, metadata: dict | None) ->
     from tq_mlx import make_prompt_cache
 
     model, tokenizer = load(str(model_dir))
-    cache = make_prompt_cache(model, TurboQuantConfig(window=16, sinks=2))
+    cache = make_prompt_cache(model, TurboQuantConfig(window=16, calibration_tokens=None, sinks=2))
     tokens = tokenizer.encode("A shared preamble about rivers, stones and lamps, long enough to compress.")
     model(mx.array(tokens)[None], cache=cache)
     mx.eval([c.state for c in cache])
@@ -367,7 +368,7 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
     assert made.returncode == 0 and path.exists(), made.stderr
     before = path.read_bytes()
     proc = tq_generate("--model", str(tiny_model_dir), "--prompt-cache-file", str(path), "--prompt", "go on",
-                       "--max-tokens", "4", "--tq-window", "16", "--tq-sinks", "2")
+                       "--max-tokens", "4", "--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
                   rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed, decaying to K3/V4 after "

@@ -26,7 +26,7 @@ turboquant_attention = learning(turboquant_attention)
 
 D = 64
 # (prefill not read as decode: the tests read what the cache holds, with queries of any count)
-BASE = dict(window=64, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2,
+BASE = dict(window=64, calibration_tokens=None, compress_block=32, sinks=4, decay_after=160, decay_key_bits=3, decay_value_bits=2,
             prefill_as_decode=False)
 
 

@@ -46,7 +46,7 @@ from tq_mlx.quant.quantizer import TurboQuantMSE
 from tq_mlx.stream.view import decode as stream_decode
 
 # (prefill not read as decode: the kernels read what the cache holds, with queries of any count)
-DECAY = dict(window=64, compress_block=32, decay_after=160, sinks=4, step=64, prefill_as_decode=False)
+DECAY = dict(window=64, calibration_tokens=None, compress_block=32, decay_after=160, sinks=4, step=64, prefill_as_decode=False)
 
 
 def decayed_views(dim=64, kb=4, vb=3, dkb=3, dvb=2, qjl=False, B=1, H=2, n_prompt=300, L=1, dtype=mx.float16,

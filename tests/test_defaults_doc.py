@@ -65,8 +65,8 @@ def test_a_number_without_a_source_fails(figures) -> None:
     nowhere = "\n0.5<!-- lc qwen05 default britannica 64k kl -->\n"
     bad = figures.check(text.replace(anchor, anchor + nowhere, 1)).problems
     assert len(bad) == 1 and "no britannica cell at 64k" in bad[0]
-    heading = figures.check(text.replace("## window = 768", "## window = 512", 1)).problems
-    assert len(heading) == 1 and "window = 512" in heading[0] and "'768'" in heading[0]
+    heading = figures.check(text.replace("## window = 128", "## window = 512", 1)).problems
+    assert len(heading) == 1 and "window = 512" in heading[0] and "'128'" in heading[0]
 
 
 def test_the_command_line_check(tmp_path: Path) -> None:

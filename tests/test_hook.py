@@ -185,7 +185,7 @@ from mlx_lm import generate
 from tq_mlx import hook
 from tests.support.tiny_models import tiny_llama
 model, _ = tiny_llama(layers=1)
-tq_mlx.patch_model(model, tq_mlx.TurboQuantConfig(window=8, compress_block=4, sinks=2))
+tq_mlx.patch_model(model, tq_mlx.TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2))
 
 from tests.support.tiny_models import tiny_tokenizer
 generate(model, tiny_tokenizer(), "hi", max_tokens=20, max_kv_size=16)

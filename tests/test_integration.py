@@ -23,10 +23,10 @@ from tests.support.blas import ran_on_reference_blas
 from tests.support.tiny_models import TINY_MODELS, tiny_llama, tiny_tokenizer
 
 # Small window and blocks, so that a 64-token run is mostly compressed tokens.
-COMPRESSING = TurboQuantConfig(window=8, compress_block=4, sinks=2)
+COMPRESSING = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2)
 # The same at the defaults the accuracy tests below were written against (K4/V3, float16 norms, no decay), pinned:
 # they vary the bits with dataclasses.replace, which would carry COMPRESSING's resolved decay bits (K3/V2) over.
-PLAIN = TurboQuantConfig(window=8, compress_block=4, sinks=2, value_bits=3, norm_bits=16, decay_after=None,
+PLAIN = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2, value_bits=3, norm_bits=16, decay_after=None,
                          key_error=None)
 
 
@@ -114,7 +114,7 @@ def test_half_precision_models(dtype):
 
 def test_chunked_prefill_equals_one_shot(models):
     model = models["llama"]
-    cfg = TurboQuantConfig(window=32, compress_block=16, sinks=4)
+    cfg = TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4)
     prompt = mx.array(np.random.default_rng(1).integers(0, 256, 300))
     outs, layouts = [], []
     for step in (2048, 64):
@@ -172,7 +172,7 @@ def test_models_that_post_process_their_fetch_get_float_tensors_from_compressed_
     model = models["qwen3"]
     model.model_type = "gemma2"  # tq_mlx.models.architectures.FLOAT_FETCH: gemma2 computes attention by hand
     try:
-        cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=8, compress_block=4, sinks=2))
+        cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2))
     finally:
         model.model_type = "qwen3"
     assert all(isinstance(c, TurboQuantKVCache) and c.fetch == "float" for c in cache)
@@ -271,7 +271,7 @@ def test_speculative_decoding_runs():
 @pytest.mark.parametrize("name", ["llama", "hybrid"])
 def test_save_load_round_trip_is_bit_exact(models, name, tmp_path):
     model = models[name]
-    cfg = TurboQuantConfig(key_bits=3.5, value_bits=3, window=8, compress_block=4, sinks=2, seed=7)
+    cfg = TurboQuantConfig(key_bits=3.5, value_bits=3, window=8, calibration_tokens=None, compress_block=4, sinks=2, seed=7)
     cache = tq_mlx.make_prompt_cache(model, cfg)
     model(mx.array([TOKENS[:40]]), cache=cache)
     path = str(tmp_path / "cache.safetensors")
@@ -376,7 +376,7 @@ def test_smollm2_chat_answer_at_4_bits(smollm2):
         return mx.softmax(mx.stack(out).astype(mx.float32), axis=-1)
 
     p = along_the_answer(mlx_cache.make_prompt_cache(model))
-    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig.from_bits(4, window=16, sinks=4))
+    cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig.from_bits(4, window=16, calibration_tokens=None, sinks=4))
     q = along_the_answer(cache)
     kl = mx.sum(p * (mx.log(p) - mx.log(q)), axis=-1)
     assert cache[0].n_coded > 0
@@ -389,7 +389,7 @@ def test_smollm2_save_load_trim_nbytes_chunked(smollm2, tmp_path):
     from tests.support.texts import britannica_text
 
     ids = tok.encode(britannica_text()[:1500])[:128]
-    cfg = TurboQuantConfig(window=16, compress_block=8, sinks=4)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=4)
 
     def kl(p, q):
         return float(mx.sum(p * (mx.log(p) - mx.log(q))))
@@ -434,7 +434,7 @@ def test_a_converted_float_cache_says_its_keys_are_unweighed_and_the_planner_agr
     model, _ = tiny_llama()
     float_cache = mlx_cache.make_prompt_cache(model)
     model(mx.array(np.random.default_rng(0).integers(0, 64, (1, 300))), cache=float_cache)
-    config = TurboQuantConfig(window=64, sinks=4, key_error=0.01)  # key widths need queries too
+    config = TurboQuantConfig(window=64, calibration_tokens=None, sinks=4, key_error=0.01)  # key widths need queries too
     assert config.weigh_keys
     cache, n = compress_float_cache(model, float_cache, config, "float.safetensors", chunk=128)
     assert n == len(cache) == len(float_cache)

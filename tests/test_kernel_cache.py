@@ -49,7 +49,7 @@ def cache_handles(config, n_prompt, dim=64, B=1, H=2, seed=0):
 @pytest.mark.emulator
 @pytest.mark.parametrize("qjl", [False, True])
 def test_decode_on_cache_handles_strided(emulator, qjl):
-    config = TurboQuantConfig(key_bits=3, value_bits=2, qjl=qjl, window=16, sinks=4, compress_block=8, step=64)
+    config = TurboQuantConfig(key_bits=3, value_bits=2, qjl=qjl, window=16, calibration_tokens=None, sinks=4, compress_block=8, step=64)
     cache, rng = cache_handles(config, 70)
     for L in (1, 4):
         keys, values = cache.update_and_fetch(normal(rng, (1, 2, L, 64)), normal(rng, (1, 2, L, 64)))
@@ -225,7 +225,7 @@ def test_decode_schedules_on_cache_batch_2(emulator, schedule, kb, vb, qjl, dim,
 
 @pytest.mark.emulator
 def test_encode_matches_cache_compression(emulator):
-    config = TurboQuantConfig(key_bits=4, value_bits=3, window=0, sinks=0, qjl=True)
+    config = TurboQuantConfig(key_bits=4, value_bits=3, window=0, calibration_tokens=None, sinks=0, qjl=True)
     cache, rng = cache_handles(config, 24)
     x = normal(rng, (1, 2, 8, 64))
     for q, mean in ((cache.key_stream.quantizer, cache.key_stream.mean), (cache.value_stream.quantizer, cache.value_stream.mean)):

@@ -158,7 +158,7 @@ def test_learned_sinks_at_8_bits_track_fast_sdpa_on_the_float_cache(emulator, mo
     f = Emu()
     K.set_kernel_factory(f)
     rng = np.random.default_rng(6)
-    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, sinks=2, compress_block=8, step=64,
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(8, window=8, calibration_tokens=None, sinks=2, compress_block=8, step=64,
                                                          prefill_as_decode=False))
     sinks = (normal(rng, (8,)) + 2).astype(mx.bfloat16)
     ks, vs = [], []

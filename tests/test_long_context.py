@@ -42,7 +42,11 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     assert lc.parse_setting("default-1203") is lc.DEFAULT_1203 and lc.DEFAULT_1203.name in lc.HEADLINE_PRESETS
     pd = {"setting": spelled["setting"][:-1] + ", prefill read as decode)", "kind": "tq",
           "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd").config.to_dict()}
-    assert lc.canonical_name(pd) == lc.DEFAULT.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd") is lc.DEFAULT
+    assert lc.canonical_name(pd) == lc.DEFAULT_1204.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd") is lc.DEFAULT_1204
+    assert lc.parse_setting("default-1204") is lc.DEFAULT_1204 and lc.DEFAULT_1204.name.endswith("the default until 2026-12-04)")
+    # ... and keeps 128 tokens in float since 2026-12-04, calibrating on 768: that spelled-out row is today's default's
+    small = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768").config.to_dict()}
+    assert lc.canonical_name(small) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768") is lc.DEFAULT
     # compact and quality too: the same presets before it, by name
     for key, old in (("compact", lc.COMPACT_1203), ("quality", lc.QUALITY_1203)):
         before = dataclasses.replace(lc.parse_setting(key).config, prefill_as_decode=False)
@@ -315,7 +319,7 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
         assert mx.allclose(store[c], logps[c], atol=1e-5), c
 
     # A TurboQuant pass (tokens compressed, decayed and widened by their error before the stop) resumes the same way
-    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=96,
+    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, calibration_tokens=None, compress_block=32, sinks=4, decay_after=96,
                                                          key_error=0.01))
     cache = lc.make_cache(model, s)
     want, _ = lc.run_pass(model, cache, ids, contexts, chunk, scored, store)
@@ -363,7 +367,7 @@ def test_a_checkpoint_made_by_other_library_code_is_not_resumed(tmp_path, monkey
     assert store.dir == tmp_path / "logprobs" / "tiny-random-c32-e32"  # the float pass's files, named as before
     assert store.partial(160).name == f"160-{caches.digest(ids[:161])[:16]}.partial.safetensors"
 
-    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=32, compress_block=32, sinks=4, decay_after=64))
+    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=32, calibration_tokens=None, compress_block=32, sinks=4, decay_after=64))
     this = common.library_fingerprint()
     assert caches.pass_code(FLOAT) is None and caches.pass_code(s) == this and len(this) == 64
     want, _ = lc.run_pass(model, lc.make_cache(model, s), ids, contexts, chunk, scored, store)
@@ -504,7 +508,7 @@ def test_a_needle_probe_stopped_midway_resumes_and_a_finished_one_is_read_from_d
     monkeypatch.setattr(caches, "CHECKPOINT_SECONDS", 0.0)
     made = []  # the probes' caches, as needle_probe builds them (a resumed one is filled in place)
     monkeypatch.setattr(quality, "make_cache", lambda _, s: made.append(caches.make_cache(model, s)) or made[-1])
-    tq = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, compress_block=32, sinks=4, decay_after=96,
+    tq = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, calibration_tokens=None, compress_block=32, sinks=4, decay_after=96,
                                                           key_error=0.01))
     for s in (FLOAT, tq):
         store = tmp_path / s.kind

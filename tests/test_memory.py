@@ -74,7 +74,7 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
 def test_short_contexts_hold_only_the_window_they_use(models, n):
     # The float16 window grows in 32-token steps until the first compression, token by token or in one shot.
     model, args = models["llama"]
-    cfg = TurboQuantConfig(window=128)  # 4 sinks
+    cfg = TurboQuantConfig(window=128, calibration_tokens=None)  # 4 sinks
     for one_shot in (True, False):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n, one_shot=one_shot)
@@ -101,7 +101,7 @@ def test_float16_and_affine_estimates_equal_mlx_lm_caches(models):
 
 def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     model, args = models["hybrid"]
-    cache = make_prompt_cache(model, TurboQuantConfig(window=16))
+    cache = make_prompt_cache(model, TurboQuantConfig(window=16, calibration_tokens=None))
     fill(model, cache, 100)
     s = cache_bytes(cache)
     tq = [c for c in cache if hasattr(c, "key_bits")]
@@ -285,21 +285,21 @@ def test_layout_code_and_constant_bytes_equal_real_quantizers():
 
 
 LAYOUT_SWEEP = {
-    "default": dict(window=24, compress_block=8, sinks=3, step=16, decay_after=40),
-    "fractional": dict(key_bits=3.5, value_bits=2.5, window=16, compress_block=4, sinks=2, step=32),
-    "qjl, 16-bit norms": dict(key_bits=3, value_bits=2, qjl=True, window=16, compress_block=16, norm_bits=16,
+    "default": dict(window=24, calibration_tokens=None, compress_block=8, sinks=3, step=16, decay_after=40),
+    "fractional": dict(key_bits=3.5, value_bits=2.5, window=16, calibration_tokens=None, compress_block=4, sinks=2, step=32),
+    "qjl, 16-bit norms": dict(key_bits=3, value_bits=2, qjl=True, window=16, calibration_tokens=None, compress_block=16, norm_bits=16,
                               step=16, weigh_keys=False),
-    "8 bits": dict(key_bits=8, value_bits=8, window=8, compress_block=8, sinks=1, step=8),
-    "no window": dict(key_bits=4, value_bits=3, window=0, sinks=2, step=16, decay_after=None),
-    "values decay": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16, decay_after=32,
+    "8 bits": dict(key_bits=8, value_bits=8, window=8, calibration_tokens=None, compress_block=8, sinks=1, step=8),
+    "no window": dict(key_bits=4, value_bits=3, window=0, calibration_tokens=None, sinks=2, step=16, decay_after=None),
+    "values decay": dict(key_bits=4, value_bits=3, window=16, calibration_tokens=None, compress_block=8, sinks=0, step=16, decay_after=32,
                          decay_value_bits=1, center_values=True),
-    "6 and 5 bits decaying": dict(key_bits=6, value_bits=5, window=16, compress_block=8, sinks=2, step=16,
+    "6 and 5 bits decaying": dict(key_bits=6, value_bits=5, window=16, calibration_tokens=None, compress_block=8, sinks=2, step=16,
                                   decay_after=32),  # K6 (float16 norms) -> K5, V5 -> V3
-    "5 bits, 16-bit norms": dict(key_bits=5, value_bits=6, window=8, compress_block=8, sinks=1, step=16,
+    "5 bits, 16-bit norms": dict(key_bits=5, value_bits=6, window=8, calibration_tokens=None, compress_block=8, sinks=1, step=16,
                                  norm_bits=16, decay_after=None),
     # fed()'s random keys and queries give a logit error of about 0.1 at K4, 0.05 at K5, 0.026 at K6
-    "keys widened to 6": dict(window=24, compress_block=8, sinks=3, step=16, decay_after=40, key_error=0.03),
-    "keys widened to 5": dict(key_bits=4, value_bits=3, window=16, compress_block=8, sinks=0, step=16,
+    "keys widened to 6": dict(window=24, calibration_tokens=None, compress_block=8, sinks=3, step=16, decay_after=40, key_error=0.03),
+    "keys widened to 5": dict(key_bits=4, value_bits=3, window=16, calibration_tokens=None, compress_block=8, sinks=0, step=16,
                               decay_after=None, key_error=0.07),
     # the first compression waits for 30 tokens (held in float), the window holds 8 from then on
     "calibration tokens": dict(window=8, compress_block=4, sinks=2, step=16, decay_after=40, calibration_tokens=30),
@@ -387,7 +387,7 @@ def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
     from tq_mlx.planner.memory import SAVED_AGAINST, Saving, estimate_mlx_lm_bytes, planned_saving
 
     model, args = models["llama"]
-    cfg = TurboQuantConfig(window=16, sinks=2)
+    cfg = TurboQuantConfig(window=16, calibration_tokens=None, sinks=2)
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, n)
     s = cache_bytes(cache)
@@ -421,16 +421,16 @@ def test_an_empty_turboquant_cache_already_says_where_compression_starts(models)
 
     model, _ = models["llama"]
     s = cache_bytes(make_prompt_cache(model, TurboQuantConfig()))
-    assert (s["kv_bytes"], s["sinks"], s["window"]) == (0, 4, 768)
+    assert (s["kv_bytes"], s["sinks"], s["window"], s["calibration"]) == (0, 4, 128, 768)
     s["kv_dtype"] = "float32"  # tq-chat's snapshot names the model's dtype before the first token
-    assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): "
-                              "compression starts at token 773")
-    # a window smaller than its calibration holds the calibration tokens until the first compression
-    s = cache_bytes(make_prompt_cache(model, TurboQuantConfig(window=128, calibration_tokens=768)))
-    assert (s["window"], s["calibration"]) == (128, 768)
-    s["kv_dtype"] = "float32"
+    # the default's window is smaller than its calibration: it holds the calibration tokens until the first compression
     assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 128-token window, 768 tokens "
                               "until the first compression calibrates on them): compression starts at token 773")
+    s = cache_bytes(make_prompt_cache(model, TurboQuantConfig(window=768, calibration_tokens=None)))
+    assert (s["window"], s["calibration"]) == (768, 768)
+    s["kv_dtype"] = "float32"
+    assert window_text(s) == ("no tokens yet; the first 772 stay in float32 (4 sinks + 768-token window): "
+                              "compression starts at token 773")
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 24, 100, 256, 259, 898, 899, 5000])
@@ -438,8 +438,8 @@ def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
     from tq_mlx.config import check_max_size
     from tq_mlx.config import derive_config, fit_max_kv_size
 
-    for base in (TurboQuantConfig(), TurboQuantConfig.preset("compact"), TurboQuantConfig(window=0, sinks=2),
-                 TurboQuantConfig(window=64, compress_block=16), TurboQuantConfig(window=128, calibration_tokens=768)):
+    for base in (TurboQuantConfig(), TurboQuantConfig.preset("compact"), TurboQuantConfig(window=0, calibration_tokens=None, sinks=2),
+                 TurboQuantConfig(window=64, calibration_tokens=None, compress_block=16), TurboQuantConfig(window=128, calibration_tokens=768)):
         fitted = fit_max_kv_size(base, M)
         if base.bound_floor <= M:
             assert fitted == base

@@ -38,7 +38,7 @@ from tq_mlx.quant.quantizer import constant_arrays
 
 # Small window and blocks so that a few hundred tokens decay; no protection (a layer that protects its keys is
 # priced on its own, below).
-DECAY = dict(window=32, compress_block=8, sinks=2, step=32, decay_after=48, protect_factor=None)
+DECAY = dict(window=32, calibration_tokens=None, compress_block=8, sinks=2, step=32, decay_after=48, protect_factor=None)
 DECAY_SIDES = {"both": dict(decay_key_bits=3, decay_value_bits=2), "keys": dict(decay_key_bits=2),
                "values": dict(decay_value_bits=1)}
 
@@ -145,7 +145,7 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
 def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
     from tq_mlx.planner.memory import protect_layer_bytes
 
-    cfg = TurboQuantConfig(protect_factor=1.0, window=32, step=64, decay_after=64, decay_key_bits=3,
+    cfg = TurboQuantConfig(protect_factor=1.0, window=32, calibration_tokens=None, step=64, decay_after=64, decay_key_bits=3,
                            decay_value_bits=2)
     k1, k2 = mx.random.split(mx.random.key(0))
     latent = mx.concatenate([mx.full((1, 1, 300, 1), 20.0), mx.random.normal((1, 1, 300, 511), key=k1)], axis=-1)
@@ -174,7 +174,7 @@ def test_decay_bits_per_value_at_32k_by_hand():
     # 2,048 - 641 = 1,407, in steps of 256: 1,536.
     ctx, H = 32768, 8
     for D, norm_bits, want in ((128, 16, 3.01), (128, 8, 2.95), (64, 16, 3.13), (64, 8, 3.01)):
-        cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=768, compress_block=128, decay_after=2048,
+        cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=768, calibration_tokens=None, compress_block=128, decay_after=2048,
                                decay_key_bits=3, decay_value_bits=2, norm_bits=norm_bits, weigh_keys=False)
         assert bounded_tokens(ctx, None, cfg) == (4, 32000, 764) and decayed_tokens(ctx, None, cfg) == 30720
         assert (buffer_layout(cfg, ctx).fresh, buffer_layout(cfg, ctx).decayed) == (1536, 30720)
@@ -200,7 +200,7 @@ def test_the_planned_bound_names_what_a_protecting_layer_adds():
     from tests.support.memory import fed
     from tq_mlx.planner.memory import estimate_kv_bytes, protect_layer_bytes
 
-    cfg = TurboQuantConfig(window=64)
+    cfg = TurboQuantConfig(window=64, calibration_tokens=None)
     H, D, n = 2, 64, 3000
     model = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": H, "head_dim": D}
     k1, k2 = mx.random.split(mx.random.key(3))

@@ -161,14 +161,14 @@ def test_peak_prices_the_decode_to_float_copy_and_the_mla_prefill_expansion():
     # and the peak holds the calibration tokens in float, more than the window and codes just after them
     cal = TurboQuantConfig(window=128, calibration_tokens=1024, prefill_as_decode=False)
     assert estimate_kv_bytes(llama, 1028, cal) > estimate_kv_bytes(llama, 1100, cal)
-    plain = TurboQuantConfig(window=128, prefill_as_decode=False)  # the same cache at 1,100 tokens, which never held more
+    plain = TurboQuantConfig(window=128, calibration_tokens=None, prefill_as_decode=False)  # the same cache at 1,100 tokens, which never held more
     assert estimate_kv_bytes(llama, 1100, cal) == estimate_kv_bytes(llama, 1100, plain)
     assert estimate_peak_bytes(llama, 1100, cal, weights=0) - estimate_peak_bytes(llama, 1100, plain, weights=0) == (
         estimate_kv_bytes(llama, 1028, cal) - estimate_kv_bytes(llama, 1100, cal))
 
 
-@pytest.mark.parametrize("cfg", [TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32),
-                                 TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=40, compress_block=8, sinks=2,
+@pytest.mark.parametrize("cfg", [TurboQuantConfig(window=64, calibration_tokens=None, compress_block=16, sinks=4, step=32),
+                                 TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=40, calibration_tokens=None, compress_block=8, sinks=2,
                                                   step=64)], ids=["K16-step32", "fractional-K8-step64"])
 def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
     M, n_max = 120, 420
@@ -185,7 +185,7 @@ def test_bounded_estimate_equals_a_real_bounded_cache_token_by_token(cfg):
 
 
 def test_a_bounded_cache_stops_growing():
-    cfg, M = TurboQuantConfig(window=64, compress_block=16, sinks=4, step=32), 200
+    cfg, M = TurboQuantConfig(window=64, calibration_tokens=None, compress_block=16, sinks=4, step=32), 200
     llama = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     for n in (50, 200):  # within the bound: the unbounded figure
         assert estimate_kv_bytes(llama, n, cfg, max_kv_size=M) == estimate_kv_bytes(llama, n, cfg)
@@ -248,7 +248,7 @@ def test_mla_hybrids_count_only_their_latent_layers():
 def test_a_protected_latent_layer_keeps_its_rope_key_at_the_key_bits():
     from tq_mlx.planner.memory import protect_layer_bytes
 
-    cfg = TurboQuantConfig(protect_factor=1.0, window=32, step=64)
+    cfg = TurboQuantConfig(protect_factor=1.0, window=32, calibration_tokens=None, step=64)
     cache = TurboQuantKVCache(cfg, fetch="latent")
     k1, k2 = mx.random.split(mx.random.key(0))
     # a latent that never varies along its mean (channel 0 constant): its keys protect themselves

@@ -77,7 +77,7 @@ def test_learned_sinks_reach_attention_on_the_codes(calls):
 def test_sinks_change_the_answer():
     """The sinks are not dropped on the way: attention with and without them differs, and with them it matches
     mx.fast's attention on the same float tokens."""
-    c = TurboQuantKVCache(TurboQuantConfig(key_bits=8, value_bits=8, window=4, compress_block=4, sinks=2,
+    c = TurboQuantKVCache(TurboQuantConfig(key_bits=8, value_bits=8, window=4, calibration_tokens=None, compress_block=4, sinks=2,
                                            prefill_as_decode=False))  # (its views read by one query)
     k, v = mx.random.normal((1, 2, 30, 32), key=mx.random.key(1)), mx.random.normal((1, 2, 30, 32), key=mx.random.key(2))
     kv, vv = c.update_and_fetch(k, v)
@@ -198,7 +198,7 @@ def test_fetch_and_bound_survive_save_and_load(tmp_path):
 
 # --- the bounded cache ---------------------------------------------------------------------------------------
 
-BOUNDED = TurboQuantConfig(key_bits=8, value_bits=8, window=4, compress_block=1, sinks=4)
+BOUNDED = TurboQuantConfig(key_bits=8, value_bits=8, window=4, calibration_tokens=None, compress_block=1, sinks=4)
 
 
 def test_bounded_cache_keeps_what_rotating_kv_cache_keeps():
@@ -218,7 +218,7 @@ def test_bounded_cache_keeps_what_rotating_kv_cache_keeps():
 def test_bounded_cache_drops_whole_blocks_and_prices_as_the_planner_says():
     from tq_mlx.planner.memory import bounded_tokens
 
-    config = TurboQuantConfig(window=8, compress_block=4, sinks=2)
+    config = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2)
     c = TurboQuantKVCache(config, max_size=20)
     for n in (13, 7, 30, 1, 1, 1, 1, 1, 1):
         held = c.n_held
@@ -237,7 +237,7 @@ def test_max_kv_size_reaches_the_patched_model_and_bad_bounds_are_refused():
 
     model, _ = tiny_llama(layers=1)
     with pytest.raises(ValueError, match=r"max_kv_size=8: a bounded TurboQuant cache needs at least .* = 10"):
-        tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, compress_block=4, sinks=3), max_kv_size=8)
+        tq_mlx.make_prompt_cache(model, TurboQuantConfig(window=4, calibration_tokens=None, compress_block=4, sinks=3), max_kv_size=8)
     tq_mlx.patch_model(model, CONFIG)
     try:
         cache = mlx_cache.make_prompt_cache(model, max_kv_size=64)  # what --max-kv-size reaches
@@ -260,7 +260,7 @@ def test_batch_generate_serves_every_path_as_each_sequence_alone(arch):
     from tests.support.tiny_models import tiny_tokenizer
     from tests.test_batch import alone, prompts_of
 
-    model = tq_mlx.patch_model(zoo.build(arch), TurboQuantConfig(window=16, compress_block=8, sinks=2, key_bits=8,
+    model = tq_mlx.patch_model(zoo.build(arch), TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2, key_bits=8,
                                                                  value_bits=8))
     prompts = prompts_of((30, 19, 41))
     r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=6, return_token_ids=True,

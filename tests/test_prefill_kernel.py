@@ -112,7 +112,7 @@ def test_prefill_on_cache_views(emulator, dtype, center_values):
     # a 70-token prompt, then a 40-token chunk, longer than the 16-token window, so part of the chunk itself is
     # compressed and the causal mask reaches into the codes.
     rng = np.random.default_rng(11)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=16, sinks=4, compress_block=8, step=64,
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, calibration_tokens=None, sinks=4, compress_block=8, step=64,
                                                center_values=center_values, prefill_as_decode=False))
     kv = lambda n, shift: ((normal(rng, (2, 2, n, 64)) + shift) * 2.0).astype(dtype)  # noqa: E731
     cache.update_and_fetch(kv(70, 0.7), kv(70, -0.3))
@@ -292,7 +292,7 @@ def test_dispatch_reads_a_prefill_as_decode_chunk_run_by_run(emulator, monkeypat
     monkeypatch.setenv(K.ENV_VAR, "metal")
     f = Emu()
     K.set_kernel_factory(f)
-    cache = TurboQuantKVCache(TurboQuantConfig(window=16, compress_block=16, sinks=4, weigh_keys=False,
+    cache = TurboQuantKVCache(TurboQuantConfig(window=16, calibration_tokens=None, compress_block=16, sinks=4, weigh_keys=False,
                                                prefill_as_decode=True))
     rng = np.random.default_rng(0)
     cache.update_and_fetch(normal(rng, (1, 2, 60, 64), mx.float16), normal(rng, (1, 2, 60, 64), mx.float16))

@@ -33,7 +33,7 @@ import serve  # noqa: E402
 
 # read as decode: a prompt's logits do not depend on where a hit splits its prefill, so a hit can equal a fresh prefill
 # to the token (without it the chunk moves them; on an AMD EPYC CPU the disk hit's greedy answer parts at token 8)
-SMALL = ["--tq-prefill-as-decode", "--tq-window", "64", "--tq-compress-block", "32", "--tq-decay-after", "256", "--tq-max-context", "0",
+SMALL = ["--tq-prefill-as-decode", "--tq-window", "64", "--tq-calibration-tokens", "64", "--tq-compress-block", "32", "--tq-decay-after", "256", "--tq-max-context", "0",
          "--max-tokens", "16"]
 NEEDLE = " The special magic number for the archive is 7314926. "
 TIMEOUT = 600
@@ -135,7 +135,7 @@ def needle_run(folder: str) -> dict:
     from tq_mlx.prompt_cache.lru import PromptCache
 
     model, tok = load_qwen25_coder_05b(mx.float32)
-    config = TurboQuantConfig(window=256, compress_block=64)
+    config = TurboQuantConfig(window=256, calibration_tokens=None, compress_block=64)
     tq_mlx.patch_model(model, config)
     hay = tok.decode(tok.encode(britannica_text()[:12000])[:1440])
     at = hay.find(". ", len(hay) // 2) + 1

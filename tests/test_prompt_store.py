@@ -24,7 +24,7 @@ from tq_mlx import TurboQuantConfig
 from tq_mlx.prompt_cache.store import FOLDER_ENV, NAME, PromptStore, config_id, default_folder, model_id, read_header
 from tq_mlx.prompt_cache.resume import cache_counts
 
-CFG = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96)
+CFG = TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4, decay_after=96)
 LOG = "tq_mlx.prompt_cache.store"
 
 
@@ -230,7 +230,7 @@ def test_a_damaged_file_is_one_line_never_used_and_not_deleted(model, tmp_path, 
 def test_a_file_of_another_model_or_config_is_never_used(model, other_model, tmp_path, caplog):
     tokens = ids(100)
     saved(tmp_path, other_model, tokens)
-    saved(tmp_path, model, tokens, config=TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=64))
+    saved(tmp_path, model, tokens, config=TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4, decay_after=64))
     mine = store(tmp_path, model)
     assert mine.lookup(tokens[:90] + [5]) is None and mine.entries() == []
     assert "2 of other models or configs" in mine.describe()

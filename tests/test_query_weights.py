@@ -66,7 +66,7 @@ def tokens(seed, T, q_heads=4, shift=0.0, q_gain=1.0):
 
 def cfg(**kw):
     # (prefill not read as decode: the attention checked is the one over what the cache holds)
-    return TurboQuantConfig(**(dict(key_bits=3, value_bits=4, window=32, compress_block=8, sinks=2, step=32,
+    return TurboQuantConfig(**(dict(key_bits=3, value_bits=4, window=32, calibration_tokens=None, compress_block=8, sinks=2, step=32,
                                     weigh_keys=True, prefill_as_decode=False) | kw))
 
 
@@ -299,7 +299,7 @@ def test_attention_on_weighted_codes_matches_float64(kb, qjl, center):
 
     rng = np.random.default_rng(int(4 * kb))
     B, H, R = 2, 2, 3
-    config = TurboQuantConfig(key_bits=kb, value_bits=3, qjl=qjl, window=8, compress_block=4, sinks=3, step=16,
+    config = TurboQuantConfig(key_bits=kb, value_bits=3, qjl=qjl, window=8, calibration_tokens=None, compress_block=4, sinks=3, step=16,
                               center_keys=center, weigh_keys=True, prefill_as_decode=False)
     rope = probe(model_rope(D), D) if center == "rope" else None
     cache = TurboQuantKVCache(config, layer_index=1, head_dim=D, rope=rope)

@@ -359,7 +359,7 @@ def test_the_screenshot_check_catches_a_stale_panel(tmp_path: Path, monkeypatch:
     assert problems(lambda s: None) == []
     assert any("panel's text" in p for p in problems(lambda s: s["panel"].__setitem__(1, "held 1 byte")))
     assert any("kv_bytes" in p for p in problems(lambda s: s["stats"].__setitem__("kv_bytes", 1)))
-    assert any("cache config" in p for p in problems(lambda s: s["facts"]["config"].__setitem__("window", 128)))
+    assert any("cache config" in p for p in problems(lambda s: s["facts"]["config"].__setitem__("window", 768)))
     assert any("sha256" in p for p in problems(lambda s: s.__setitem__("png_sha256", "0" * 64)))
 
 

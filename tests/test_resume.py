@@ -17,7 +17,7 @@ from tq_mlx import TurboQuantConfig, make_prompt_cache
 from tq_mlx.prompt_cache.resume import (LayerCounts, StreamCounts, cache_counts, counts_from_json, counts_to_json, resume,
                            resume_point)
 
-CFG = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96)
+CFG = TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4, decay_after=96)
 # the first compression waits for 100 tokens and calibrates on them; the window holds 32 from then on
 CALIBRATED = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96, calibration_tokens=100)
 

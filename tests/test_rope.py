@@ -100,7 +100,7 @@ def biased_keys(rng, fn, B, H, n, dim, first=0, bias=4.0, seed=0):
 
 def rope_cache(dim=64, center="rope", fn=None, **config):
     # (prefill not read as decode unless asked: these views are read by queries of any count, as held)
-    cfg = TurboQuantConfig(**(dict(window=64, compress_block=32, sinks=4, step=64, prefill_as_decode=False) | config),
+    cfg = TurboQuantConfig(**(dict(window=64, calibration_tokens=None, compress_block=32, sinks=4, step=64, prefill_as_decode=False) | config),
                            center_keys=center)
     fn = fn or model_rope(dim)
     return TurboQuantKVCache(cfg, head_dim=dim, rope=probe(fn, dim)), fn
@@ -381,7 +381,7 @@ def test_make_prompt_cache_probes_every_layer_and_tracks_float_closer():
     logp = lambda x: x - mx.logsumexp(x, axis=-1, keepdims=True)  # noqa: E731
     kl = {}
     for center in (True, "rope"):
-        cache = make_prompt_cache(model, TurboQuantConfig(window=128, compress_block=64, center_keys=center,
+        cache = make_prompt_cache(model, TurboQuantConfig(window=128, calibration_tokens=None, compress_block=64, center_keys=center,
                                                           key_bits=3, value_bits=4))
         assert all((c.key_stream.rope is not None) == (center == "rope") for c in cache)
         out = mx.concatenate([model(tokens[:, a : a + 100], cache=cache) for a in range(0, 600, 100)], axis=1)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import serve  # noqa: E402
 
-TQ = ["--tq-window", "16", "--tq-compress-block", "8", "--tq-sinks", "2", "--prompt-cache-size", "0"]
+TQ = ["--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-compress-block", "8", "--tq-sinks", "2", "--prompt-cache-size", "0"]
 TIMEOUT = 120  # seconds per request: the tiny model answers in well under a second
 
 

@@ -16,7 +16,7 @@ from tq_mlx.prompt_cache.store import PromptStore, model_id
 from tq_mlx.prompt_cache.resume import cache_counts
 from tq_mlx.prompt_cache.lru import PromptCache
 
-CFG = TurboQuantConfig(window=32, compress_block=16, sinks=4, decay_after=96)
+CFG = TurboQuantConfig(window=32, calibration_tokens=None, compress_block=16, sinks=4, decay_after=96)
 
 
 @pytest.fixture(scope="module")

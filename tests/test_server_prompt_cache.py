@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import serve  # noqa: E402
 
-CACHE_FLAGS = ["--tq-window", "32", "--tq-compress-block", "16", "--tq-sinks", "4", "--tq-decay-after", "128"]
+CACHE_FLAGS = ["--tq-window", "32", "--tq-calibration-tokens", "32", "--tq-compress-block", "16", "--tq-sinks", "4", "--tq-decay-after", "128"]
 TQ = [*CACHE_FLAGS, "--tq-max-context", "0"]
 TIMEOUT = 120
 CONFIG = config_from_args(add_cache_args(argparse.ArgumentParser()).parse_args(CACHE_FLAGS))  # the servers'

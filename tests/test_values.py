@@ -25,7 +25,7 @@ from tests.support.learning import learning
 turboquant_attention = learning(turboquant_attention)
 
 D = 64
-BASE = dict(window=96, compress_block=32, sinks=4, decay_after=160)
+BASE = dict(window=96, calibration_tokens=None, compress_block=32, sinks=4, decay_after=160)
 N = 600
 
 
@@ -280,7 +280,7 @@ def test_bytes_follow_the_choice_at_every_stage():
 
 def test_a_model_prices_the_widths_it_chose():
     model, args = tiny_llama(layers=3)
-    cfg = TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    cfg = TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08)
     for n, one_shot in ((200, True), (120, False)):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n, one_shot)
@@ -296,7 +296,7 @@ def test_the_summary_names_each_layers_choice():
     from tq_mlx.planner.display import bits_summary
 
     model, _ = tiny_llama(layers=3)
-    cfg = TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    cfg = TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08)
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, 200)
     text = bits_summary(cache)

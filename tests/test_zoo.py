@@ -30,7 +30,7 @@ from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.attention import kernels_enabled
 from tests.support import zoo
 
-CONFIG = TurboQuantConfig(key_bits=8, value_bits=8, window=8, compress_block=4, sinks=2)
+CONFIG = TurboQuantConfig(key_bits=8, value_bits=8, window=8, calibration_tokens=None, compress_block=4, sinks=2)
 TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 # The 8-bit check runs on three token draws and bounds the best of their max errors: on these random-weight
 # MoE models any perturbation of the cache can flip an expert route on a draw, and the logits after it (olmoe:
@@ -40,7 +40,7 @@ PREFILL = 16
 # The default config at the zoo's window: K4/V4 with 8-bit norms, keys weighed by the queries and centered before
 # RoPE, widened by their error, the keys of tokens older than 12 decayed a bit narrower (the default's decay_after
 # is 6144).
-LOW = TurboQuantConfig(window=8, compress_block=4, sinks=2, decay_after=12)
+LOW = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2, decay_after=12)
 PATH_WORDS = {"codes": "on the codes", "latent": "latent (MLA): decode on the codes, prefill decoded to float",
               "float": "decode-to-float"}
 README = Path(__file__).resolve().parent.parent / "docs" / "models.md"

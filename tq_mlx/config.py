@@ -80,8 +80,9 @@ class TurboQuantConfig:
     The defaults were chosen by measurement; the numbers are in benchmarks/DEFAULTS.md. In short: keys at 4 bits
     keep top-1 attention agreement at 0.98-0.99 on SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost
     2-4x the KL; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
-    (4k-8k tokens) the float window decides quality: 768 recent tokens (compressed 128 at a time) bring KL at 8k
-    from 0.0126 (window 512) to 0.0072 nats on SmolLM2. Norms in 8 bits (a log code, RMS 1.25% off) cost little
+    (4k-8k tokens) the float window's share of the bytes is large: 128 recent tokens stay in float (compressed 128 at
+    a time), and the first compression waits for 768 tokens and calibrates on them (calibration_tokens), which keeps
+    the quality of the 768-token window the default had before for fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
     codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144 tokens of
     age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
@@ -95,7 +96,7 @@ class TurboQuantConfig:
     per-channel weights from the queries of the calibration tokens, the queries divided by them (weigh_keys,
     exact): KL at 4k 0.0120 -> 0.0061 on Qwen2.5-Coder-0.5B (Britannica), and SmolLM2 finds at 8k the needles
     float finds. μ, ν, the weights (and the outlier channels of 2.5/3.5 bits) are calibrated on the first
-    `window` tokens after the sinks, however the prompt is fed (though the queries of a later layer, and so its
+    `first_window` tokens after the sinks (calibration_tokens, or the window when larger), however the prompt is fed (though the queries of a later layer, and so its
     weights, move a little with the prefill chunks, as every activation past the first compression does).
 
     Decay fields left at AUTO follow one rule for every width (auto_decay_bits): keys of tokens older than
@@ -110,13 +111,13 @@ class TurboQuantConfig:
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4, 5, 6 or 8 (quantizer.MSE_BITS)
     value_bits: float = 4
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
-    window: int = 768  # recent tokens kept in the model's float dtype (0: compress every token at once)
+    window: int = 128  # recent tokens kept in the model's float dtype (0: compress every token at once)
     compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
     # the window if smaller (COMPRESS_BLOCK)
     # The first compression waits for this many tokens after the sinks and calibrates on them (the keys' mean,
     # scales, query weights, widths and protection): a window smaller than the calibration holds them in float
     # until then, and its own size from then on. None (or at most the window): the window's tokens.
-    calibration_tokens: int | None = None
+    calibration_tokens: int | None = 768
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values
     boundary_bits: float = 8
@@ -154,7 +155,7 @@ class TurboQuantConfig:
     # Each query of a prefill chunk reads the cache as a decode step at its position would: the compressed tokens
     # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
     # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
-    # logits do not depend on the prefill chunk (mlx-lm's 2048 against a 768-token window). In caches whose
+    # logits do not depend on the prefill chunk (mlx-lm's 2048 against the window). In caches whose
     # attention takes views ("codes" fetch); the others read what the cache holds. On since 2026-12-03, issue 53:
     # inside mlx-lm's 2048-token chunks the queries read their neighbours as codes (benchmarks/DEFAULTS.md)
     prefill_as_decode: bool = True
@@ -346,11 +347,13 @@ class TurboQuantConfig:
 # measurements: benchmarks/DEFAULTS.md and the README's quality tables.
 PRESETS: dict[str, dict] = {
     # K8/V4, 8-bit norms, no decay; the window each was measured with, whatever the default's
-    "quality": dict(key_bits=8, decay_after=None, window=768),
+    "quality": dict(key_bits=8, decay_after=None, window=768, calibration_tokens=None),
     # K4/V4 with keys by their error (up to K6), 8-bit norms, keys past 6144 one bit narrower
     "default": {},
-    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes
-    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None, window=768),
+    # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes past ~8k tokens (below, its
+    # 768-token window holds more than the default's 128)
+    "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None, window=768,
+                    calibration_tokens=None),
 }
 
 

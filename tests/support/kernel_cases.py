@@ -160,7 +160,7 @@ def cache_step(kb, vb, qjl, dim, B, R, L, dtype, H=2, n_prompt=70, seed=0, **con
     """A decode step on a real TurboQuantKVCache (mean and scale from its calibration, strided views of its
     capacity buffers): queries and the views update_and_fetch returns after a prompt and L new tokens."""
     rng = np.random.default_rng(seed)
-    cfg = dict(window=16, sinks=4, compress_block=8, step=64) | config
+    cfg = dict(window=16, calibration_tokens=None, sinks=4, compress_block=8, step=64) | config
     # (prefill not read as decode unless asked: these views are read by queries of any count, as held)
     cfg = TurboQuantConfig(key_bits=kb, value_bits=vb, qjl=qjl, **{"prefill_as_decode": False, **cfg})
     cache = TurboQuantKVCache(cfg)
@@ -243,7 +243,7 @@ def mla_step(R: int, D: int, bits=4, B=2, n_prompt=80, seed=0):
     latent is both keys and values, R query heads, and the additive rope scores (B, R, 1, T) in bfloat16 with
     the batch's left padding folded in at finfo.min. Returns (queries, latent view, mask, float latent)."""
     rng = np.random.default_rng(seed)
-    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, sinks=2, compress_block=8, step=64))
+    cache = TurboQuantKVCache(TurboQuantConfig.from_bits(bits, window=8, calibration_tokens=None, sinks=2, compress_block=8, step=64))
     latent = (normal(rng, (B, 1, n_prompt + 1, D)) + 0.3).astype(mx.bfloat16)
     cache.update_and_fetch(latent[:, :, :n_prompt], latent[:, :, :n_prompt])
     kv, _ = cache.update_and_fetch(latent[:, :, n_prompt:], latent[:, :, n_prompt:])

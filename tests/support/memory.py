@@ -65,17 +65,17 @@ def models():
 
 CONFIGS = {
     "default": TurboQuantConfig(),
-    "fractional+boundary": TurboQuantConfig(key_bits=3.5, value_bits=2.5, boundary_layers=1, window=32, sinks=2,
+    "fractional+boundary": TurboQuantConfig(key_bits=3.5, value_bits=2.5, boundary_layers=1, window=32, calibration_tokens=None, sinks=2,
                                            step=64),
-    "qjl, no window": TurboQuantConfig(key_bits=3, value_bits=2, qjl=True, window=0, center_values=False),
-    "block": TurboQuantConfig(key_bits=2, value_bits=4, window=48, compress_block=16, step=32),
-    "8-bit norms": TurboQuantConfig(key_bits=3, value_bits=3.5, norm_bits=8, window=32, step=64),
-    "keys centered before RoPE": TurboQuantConfig(center_keys="rope", window=32, compress_block=16, step=64,
+    "qjl, no window": TurboQuantConfig(key_bits=3, value_bits=2, qjl=True, window=0, calibration_tokens=None, center_values=False),
+    "block": TurboQuantConfig(key_bits=2, value_bits=4, window=48, calibration_tokens=None, compress_block=16, step=32),
+    "8-bit norms": TurboQuantConfig(key_bits=3, value_bits=3.5, norm_bits=8, window=32, calibration_tokens=None, step=64),
+    "keys centered before RoPE": TurboQuantConfig(center_keys="rope", window=32, calibration_tokens=None, compress_block=16, step=64,
                                                   decay_after=64),
-    "values by their error": TurboQuantConfig(window=48, compress_block=16, step=32, decay_after=96, value_error=0.08,
+    "values by their error": TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08,
                                               boundary_layers=1),
     # the boundary layers' values at V4 and kept, their keys widening and decaying as the middle layers' do
-    "boundary values": TurboQuantConfig(value_bits=3, boundary_layers=1, boundary_bits=4, boundary_sides="v", window=32,
+    "boundary values": TurboQuantConfig(value_bits=3, boundary_layers=1, boundary_bits=4, boundary_sides="v", window=32, calibration_tokens=None,
                                         compress_block=16, step=64, decay_after=64, decay_value_bits=2),
 }
 

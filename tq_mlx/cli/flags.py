@@ -116,7 +116,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "(K4/V4; each layer's keys take up to K6 where their logit error exceeds "
                         f"{format(d.key_error, 'g')}; keys of tokens past {d.decay_after} one bit narrower, values "
                         "keep their bits), compact (K4/V3, tokens past 4096 decaying to K2/V2, keys not widened); all "
-                        "with window 768 and 8-bit norms; --plan gives their bytes, benchmarks/DEFAULTS.md their "
+                        f"with 8-bit norms, quality and compact with window 768, the default with {d.window} "
+                        f"calibrating on {d.calibration_tokens}; --plan gives their bytes, benchmarks/DEFAULTS.md their "
                         "measurements")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
                    help=f"bits per value for keys and values (default: keys {format_bits(d.key_bits)}, values "
@@ -134,7 +135,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="tokens compressed at a time when the window overflows (default: 128, or the window if smaller)")
     g.add_argument("--tq-calibration-tokens", dest="tq_calibration_tokens", type=count_arg(1), metavar="N",
                    help="the first compression waits for N tokens after the sinks and calibrates on them; a smaller "
-                        "window holds them in float until then (default: the window's tokens)")
+                        f"window holds them in float until then (default {d.calibration_tokens}; N at most the "
+                        "window: the window's tokens)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=count_arg(0), metavar="N",
                    help=f"first tokens kept in the model's float dtype (default {d.sinks})")
     g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=count_arg(0), metavar="N",

@@ -76,8 +76,9 @@ def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: 
 
 def window_text(s: dict) -> str | None:
     """How much of the context cache_bytes(...) found still in TurboQuant's float window (None without
-    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 768-token window): compression starts at token 773",
-    or "3,228 tokens compressed (1,152 decayed), 772 in float16 (4 sinks + 768-token window)"."""
+    TurboQuant layers): "all 85 tokens in float32 (4 sinks + 128-token window, 768 tokens until the first compression
+    calibrates on them): compression starts at token 773", or "3,228 tokens compressed (1,152 decayed), 132 in
+    float16 (4 sinks + 128-token window)"."""
     if s.get("window") is None:
         return None
     kept = f"{s['kv_dtype'] or 'float'} ({s['sinks']} sinks + {s['window']:,}-token window)"
@@ -190,7 +191,7 @@ def boundary_sides_note(config: TurboQuantConfig) -> str:
 
 
 def describe_config(config: TurboQuantConfig | None) -> str:
-    """One line: "TurboQuant K4/V3, window 768, sinks 4" (or mlx-lm's cache)."""
+    """One line: "TurboQuant K4/V3, window 128, sinks 4" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
     parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
