@@ -74,7 +74,7 @@ def main() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed self-check warns: make it fatal
         # (prefill not read as decode: these views are read by queries of any count, as the cache holds them)
-        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4, prefill_as_decode=False),
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, calibration_tokens=None, sinks=4, prefill_as_decode=False),
                                   head_dim=64)
         keys, values = cache.update_and_fetch(normal(1, 2, 60, 64), normal(1, 2, 60, 64))  # encode
         if not keys.n_coded:
@@ -91,7 +91,7 @@ def main() -> int:
                        K.prefill_attention_reference(qp, keys, values, 0.125, "causal")))
         # Channel groups and a head dim without a power-of-two WHT: encode_dense, then attention with the value
         # rotation done by the host.
-        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, sinks=4,
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=3.5, value_bits=2.5, window=16, calibration_tokens=None, sinks=4,
                                                    prefill_as_decode=False), head_dim=96)
         k96, v96 = cache.update_and_fetch(normal(1, 2, 60, 96), normal(1, 2, 60, 96))
         if not k96.n_coded or k96.perm is None:
@@ -102,7 +102,7 @@ def main() -> int:
                        K.decode_attention_reference(q96, k96, v96, 0.1)))
         # the default's prefill, read as decode: a 60-token chunk through the kernels run by run (16 queries a
         # run: prefill_attention), against the reference run by run
-        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, sinks=4, compress_block=16),
+        cache = TurboQuantKVCache(TurboQuantConfig(key_bits=4, value_bits=4, window=16, calibration_tokens=None, sinks=4, compress_block=16),
                                   head_dim=64)
         kd, vd = cache.update_and_fetch(normal(1, 2, 60, 64), normal(1, 2, 60, 64))
         qd = normal(1, 4, 60, 64)
