@@ -33,10 +33,9 @@ import numpy as np  # noqa: E402
 import long_context  # noqa: E402
 import long_context_settings as lc_settings  # noqa: E402
 
-from tq_mlx import TurboQuantConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
-GEOMETRY = TurboQuantConfig(window=768, calibration_tokens=None)  # the window its results were measured with
+GEOMETRY = lc_settings.DEFAULT_1204.config  # the default's sinks and 768-token window, as its results were measured
 
 CHUNK = 512
 TOPS = (32, 128)

@@ -31,15 +31,15 @@ import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+import long_context_settings as lc_settings  # noqa: E402
 import quality  # noqa: E402
 from key_error import MODELS, QUERIES, centered_means  # noqa: E402
-from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.models.architectures import load_model_config  # noqa: E402
 from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # experiments/results/, beside the probes
-GEOMETRY = TurboQuantConfig(window=768, calibration_tokens=None)  # the window its results were measured with
+GEOMETRY = lc_settings.DEFAULT_1204.config  # the default's sinks and 768-token window, as its results were measured
 
 
 def layer_row(q: mx.array, k: mx.array, v: mx.array, scale: float, base: float, bits: list[int],

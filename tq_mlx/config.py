@@ -81,8 +81,9 @@ class TurboQuantConfig:
     keep top-1 attention agreement at 0.98-0.99 on SmolLM2-135M and Qwen2.5-Coder-1.5B, while 3-bit keys cost
     2-4x the KL; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
     (4k-8k tokens) the float window's share of the bytes is large: 128 recent tokens stay in float (compressed 128 at
-    a time), and the first compression waits for 768 tokens and calibrates on them (calibration_tokens): KL a little above the 768-token window the default had before, for
-    fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a log code, RMS 1.25% off) cost little
+    a time), and the first compression waits for 768 tokens and calibrates on them (calibration_tokens): KL a little
+    above the 768-token window the default had before, for fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a
+    log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
     codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144 tokens of
     age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
@@ -96,8 +97,9 @@ class TurboQuantConfig:
     per-channel weights from the queries of the calibration tokens, the queries divided by them (weigh_keys,
     exact): KL at 4k 0.0120 -> 0.0061 on Qwen2.5-Coder-0.5B (Britannica), and SmolLM2 finds at 8k the needles
     float finds. μ, ν, the weights (and the outlier channels of 2.5/3.5 bits) are calibrated on the first
-    `first_window` tokens after the sinks (calibration_tokens, or the window when larger), however the prompt is fed (though the queries of a later layer, and so its
-    weights, move a little with the prefill chunks, as every activation past the first compression does).
+    `first_window` tokens after the sinks (calibration_tokens, or the window when larger), however the prompt is fed
+    (though the queries of a later layer, and so its weights, move a little with the prefill chunks, as every
+    activation past the first compression does).
 
     Decay fields left at AUTO follow one rule for every width (auto_decay_bits): keys of tokens older than
     DECAY_AFTER decay to one bit less (not below 3), values keep their bits: K4/V4 -> K3/V4, K5 -> K4 (a widened

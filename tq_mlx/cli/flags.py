@@ -116,7 +116,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "(K4/V4; each layer's keys take up to K6 where their logit error exceeds "
                         f"{format(d.key_error, 'g')}; keys of tokens past {d.decay_after} one bit narrower, values "
                         "keep their bits), compact (K4/V3, tokens past 4096 decaying to K2/V2, keys not widened); all "
-                        f"with 8-bit norms, quality and compact with window 768, the default with {d.window} "
+                        f"with 8-bit norms, quality and compact with window {TurboQuantConfig.preset('compact').window}, "
+                        f"the default with {d.window} "
                         f"calibrating on {d.calibration_tokens}; --plan gives their bytes, benchmarks/DEFAULTS.md their "
                         "measurements")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
