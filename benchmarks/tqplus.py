@@ -177,12 +177,18 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
         for s, c in cells.items():
             when = c.get("measured", {}).get("date", "an unrecorded date")
             runs.setdefault(when, []).append(f"{int(ctx) // 1024}k {s}")
+    bases = sorted({f"{c['ppl_base']:.4f}" for cells in results["cells"].values() for c in cells.values()
+                    if "ppl_base" in c})
+    # cells run with other thread counts compare only if the f16 base they were scored against is the same
+    base_note = (f"the f16 base's perplexity is {bases[0]} in every cell" if len(bases) == 1
+                 else f"the f16 base's perplexity differs between cells ({', '.join(bases)})")
     notes = [
         "Measured (each cell's date, our commit and the command are in tqplus.json; the header is the last run's): "
         + "; ".join(f"{', '.join(cells)} on {when}" for when, cells in sorted(runs.items())) + ".",
         f"TurboQuant+ at {fork['repository']} @ {str(fork['commit'])[:9]} with "
         "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored, nothing else), "
-        f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, {results['meta'].get('threads')} threads; "
+        f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, the threads each cell's command sets "
+        f"({base_note}); "
         "the GGUF our float32 Qwen2.5-Coder-1.5B is converted from; Britannica, the last 512 predictions of each "
         "context, the same tokens (checked against the logits file the fork wrote).",
         "KL against each cache's own float reference: the fork's f16 KV cache on its GGUF weights, ours the "
