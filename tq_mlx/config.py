@@ -118,7 +118,7 @@ class TurboQuantConfig:
     # the window if smaller (COMPRESS_BLOCK)
     # The first compression waits for this many tokens after the sinks and calibrates on them (the keys' mean,
     # scales, query weights, widths and protection): a window smaller than the calibration holds them in float
-    # until then, and its own size from then on. None (or at most the window): the window's tokens.
+    # until then, and its own size from then on. None, or no more than the window: the window itself.
     calibration_tokens: int | None = 768
     sinks: int = 4  # first tokens of the sequence kept in float16
     boundary_layers: int = 0  # the first and last N attention layers use boundary_bits for keys and values

@@ -136,8 +136,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="tokens compressed at a time when the window overflows (default: 128, or the window if smaller)")
     g.add_argument("--tq-calibration-tokens", dest="tq_calibration_tokens", type=count_arg(1), metavar="N",
                    help="the first compression waits for N tokens after the sinks and calibrates on them; a smaller "
-                        f"window holds them in float until then (default {d.calibration_tokens}; N at most the "
-                        "window: the window's tokens)")
+                        f"window holds them in float until then (default {d.calibration_tokens}; an N no larger than "
+                        "the window calibrates on the window itself)")
     g.add_argument("--tq-sinks", dest="tq_sinks", type=count_arg(0), metavar="N",
                    help=f"first tokens kept in the model's float dtype (default {d.sinks})")
     g.add_argument("--tq-boundary-layers", dest="tq_boundary_layers", type=count_arg(0), metavar="N",
