@@ -261,6 +261,17 @@ def needle_line(m: dict) -> str | None:
     return f"Needles on {m['model']} (the magic number at depths {depths} of a Britannica haystack, greedy): " + "; ".join(parts)
 
 
+def merge_needles(have: list[dict], new: list[dict]) -> list[dict]:
+    """Probes of two runs: one per (setting, haystack length, depth), the earlier kept as a cell is unless it erred
+    (a probe run again, as a float probe each run repeats, is the same probe and not one more found)."""
+    key = lambda x: (x["setting"], x.get("length"), x.get("depth"))  # noqa: E731
+    out = {key(x): x for x in have}
+    for x in new:
+        if key(x) not in out or ("error" in out[key(x)] and "error" not in x):
+            out[key(x)] = x
+    return list(out.values())
+
+
 def merge(paths: list[str], out: str | None) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
@@ -276,7 +287,7 @@ def merge(paths: list[str], out: str | None) -> None:
             have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
             if have is m or have == m:
                 continue
-            have["needles"] = have.get("needles", []) + [x for x in m.get("needles", []) if x not in have.get("needles", [])]
+            have["needles"] = merge_needles(have.get("needles", []), m.get("needles", []))
             rows = {x["setting"]: x for x in have["rows"]}
             for x in m["rows"]:
                 if x["setting"] not in rows:

@@ -28,10 +28,15 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 pytestmark = pytest.mark.slow
 
 
-def run_script(name: str, out: Path, *extra: str, timeout: float = 600) -> dict:
+def script_env() -> dict:
     env = dict(os.environ)
     if sys.platform.startswith("linux") and Path(OPENBLAS).exists() and "openblas" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = OPENBLAS  # the reference BLAS of the mlx-cpu wheel is ~20x slower
+    return env
+
+
+def run_script(name: str, out: Path, *extra: str, timeout: float = 600) -> dict:
+    env = script_env()
     cmd = [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -819,3 +824,37 @@ def test_turboquant_mlx_full_peer_runs_on_a_tiny_model_near_float_and_counts_the
     _, logps = lc_run.run_pass(model, caches.make_cache(model, caches.FLOAT), tokens, [256], 128, 128, None)
     out, _ = lc_run.run_pass(model, caches.make_cache(model, s), tokens, [256], 128, 128, logps)
     assert 1e-6 < out[256]["kl"] < 0.05 and out[256]["bits_real"] == lc.bits_at(s, cfg, 256), out
+
+
+def test_model_dtype_runs_the_cell_with_the_weights_and_the_float_cache_in_each_dtype(tmp_path) -> None:
+    # model_dtype.py: the same SmolLM2 cell in float32 and float16, each setting against the float cache in its own
+    # dtype (a float16 model's mlx-lm cache holds 16 bits a value); an unknown dtype is refused with what is allowed.
+    env = script_env()
+    out = tmp_path / "model_dtype.json"
+    base = [sys.executable, str(EXPERIMENTS / "model_dtype.py"), "--models", "smollm2", "--context", "1024"]
+    bad = subprocess.run([*base, "--dtypes", "float8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--dtypes takes float32, float16, bfloat16; got float8" in bad.stderr
+    proc = subprocess.run([*base, "--dtypes", "float32,float16", "--settings", "default", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cells = {c["dtype"]: c["rows"] for c in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {"float32", "float16"}
+    for dtype, rows in cells.items():
+        assert rows["float"]["kl"] == 0 and rows["float"]["bits_real"] == (32 if dtype == "float32" else 16)
+        assert 0 < rows["default"]["kl"] < 0.05 and abs(rows["default"]["ppl_delta_pct"]) < 5, (dtype, rows)
+    assert cells["float16"]["float"]["ppl"] == pytest.approx(cells["float32"]["float"]["ppl"], rel=0.02)
+
+
+def test_long_context_merge_counts_a_needle_probe_run_again_once() -> None:
+    # Two runs that both probe float at the same length and depth (each run repeats the float probes): the merged
+    # file holds one probe per (setting, length, depth), the earlier one, unless it erred and the later did not.
+    sys.path.insert(0, str(BENCH))
+    import long_context_table as lc_table
+
+    probe = lambda s, d, **x: {"setting": s, "length": 8192, "depth": d, **x}  # noqa: E731
+    first = [probe("float", 0.1, hit=False, seconds=1), probe("default", 0.1, error="skipped: time budget spent")]
+    again = [probe("float", 0.1, hit=True, seconds=2), probe("float", 0.5, hit=True),
+             probe("default", 0.1, hit=False, seconds=3)]
+    merged = lc_table.merge_needles(first, again)
+    assert merged == [first[0], again[2], again[1]]
+    assert lc_table.merge_needles(merged, again) == merged
