@@ -229,6 +229,11 @@ class FloatReference:
         (self.dir / f"{name}.json").write_text(json.dumps(r))  # written last: its presence means the pair is whole
 
 
+def token_kl(ref: mx.array, lp: mx.array) -> mx.array:
+    """KL(ref ‖ lp) of each scored token, from two (tokens, vocab) log-prob arrays."""
+    return mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
+
+
 def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int, eval_tokens: int,
              reference: FloatReference | dict | None, store: FloatReference | None = None,
              checkpoint: caches.Checkpoint | None = None) -> tuple[dict, dict]:
@@ -269,8 +274,7 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
             if store is None:
                 logps[C] = lp
         else:
-            ref = reference[C]
-            kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
+            kl = token_kl(reference[C], lp)
             mx.eval(kl)
             r["kl"] = kl.mean().item()
             r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))

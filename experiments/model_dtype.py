@@ -35,7 +35,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def kl(ref: mx.array, lp: mx.array) -> tuple[float, float]:
     """Mean KL(ref ‖ lp) over the scored tokens, and its standard error."""
-    per_token = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
+    per_token = lc.token_kl(ref, lp)
     return per_token.mean().item(), mx.std(per_token).item() / math.sqrt(per_token.size)
 
 
