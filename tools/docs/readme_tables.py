@@ -255,12 +255,33 @@ def quality_headline(results: Path, suffix: str, full: str, readme_dir: Path) ->
     trained = " (its trained context)" if ctx == lc_settings.TRAINED_CONTEXT["smollm2"] else ""
     note = (f"{m['model']} at {lc_table.ctx_label(ctx)} tokens{trained}: KL(float ‖ cache) in nats of the "
             "next-token distributions over the last 512 tokens, lower is better; bits per value with the float window "
-            f"and sinks counted in float16, as a Mac holds them (* = the peer's bytes as measured in this float32 run). Rows from {lc_table.runs_text(res['meta'], 'smollm2')}. Every setting, two more models, ΔPPL and needles: "
+            f"and sinks counted in float16, as a Mac holds them (* = the peer's bytes as measured in this float32 run).{dtype_note()} Rows from {lc_table.runs_text(res['meta'], 'smollm2')}. Every setting, two more models, ΔPPL and needles: "
             f"[{full}#quality-at-long-context]({full}#quality-at-long-context).")
     picture = link(common.REPO / "docs" / "kl_vs_bits.png", readme_dir)
     return (f"### Quality at long context\n\n{longest_table(res, full)}\n\n"
             f"{common.markdown_table([headers[i] for i in cols], [[r[i] for i in cols] for r in picked])}"
             f"\n\n{note}\n\n![KL against bits per value at {lc_table.ctx_label(ctx)} tokens, every setting and peer]({picture})")
+
+
+def dtype_note() -> str:
+    """What a bfloat16 run reads beside these float32 KLs (experiments/model_dtype.py), each against the float cache
+    of its own dtype: a reader measuring on a Mac compares with this."""
+    import long_context_settings as lc_settings
+    import long_context_table as lc_table
+
+    path = common.REPO / "experiments" / "results" / "model_dtype.json"
+    if not path.exists():
+        return ""
+    cells = json.loads(path.read_text())["cells"]
+    for bf in (c for c in cells if c["dtype"] == "bfloat16" and "default" in c["rows"]):
+        f32 = next((c for c in cells if c["dtype"] == "float32" and "default" in c["rows"]
+                    and (c["model"], c["text"], c["context"]) == (bf["model"], bf["text"], bf["context"])), None)
+        if f32:
+            ratio = bf["rows"]["default"]["kl"] / f32["rows"]["default"]["kl"]
+            return (f" Weights and caches in float32: in bfloat16 the default's KL, against a bfloat16 float cache, reads "
+                    f"{ratio:.1f}x its float32 figure ({lc_settings.MODELS[bf['model']][0]}, "
+                    f"{lc_table.ctx_label(bf['context'])} tokens, `experiments/model_dtype.py`).")
+    return ""
 
 
 def longest_table(res: dict, full: str) -> str:
