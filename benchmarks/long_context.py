@@ -239,8 +239,9 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
              checkpoint: caches.Checkpoint | None = None) -> tuple[dict, dict]:
     """Feed ids[:max(contexts)] through `cache` in chunks; at each context C, score the chunk ending at C.
 
-    Returns ({C: {ppl, kl, kl_se, kl_max (the worst token's), bits_real}}, {C: float log-probs}) (the log-probs
-    only when reference is None: this is the float pass; with `store` they go to disk instead of memory).
+    Returns ({C: {ppl, kl, kl_se, kl_max (the worst token's), ppl_delta_pct_se, bits_real}}, {C: float log-probs})
+    (the log-probs only when reference is None: this is the float pass; with `store` they go to disk instead of
+    memory).
 
     With `checkpoint` (at FloatReference.partial) the pass saves its cache and figures there every
     caches.CHECKPOINT_SECONDS and resumes from them: a pass to 32k on Qwen2.5-Coder-1.5B outlives a session here."""
@@ -279,6 +280,10 @@ def run_pass(model, cache: list, ids: list[int], contexts: list[int], chunk: int
             r["kl"] = kl.mean().item()
             r["kl_se"] = (mx.std(kl).item() / math.sqrt(kl.size))
             r["kl_max"] = kl.max().item()  # one token can move the mean (experiments/HISTORY.md)
+            # ΔPPL is exp(the mean per-token Δnll) - 1; its standard error says how much of it 512 tokens can tell
+            dnll = nll + mx.take_along_axis(reference[C], y[:, None], axis=-1)[:, 0]
+            mean = mx.mean(dnll).item()
+            r["ppl_delta_pct_se"] = 100 * math.exp(mean) * mx.std(dnll).item() / math.sqrt(dnll.size)
         caches.eval_cache(cache)
         r["bits_real"] = caches.bits_per_value(cache, b, caches.kv_geometry(_MODEL_CONFIG[0]))
         if reference is None and store is not None:

@@ -161,6 +161,8 @@ def test_long_context_quick(long_context: dict) -> None:
                 else:
                     assert x["kl"] < 1, (name, text, c, x)
                     assert x["kl"] <= x["kl_max"] < 512 * x["kl"] + 1e-6, (name, text, c, x)  # one token of the mean
+                    if r["kind"] != "peer" or "ppl_delta_pct_se" in x:
+                        assert 0 < x["ppl_delta_pct_se"] < 50, (name, text, c, x)
         if r["kind"] != "peer":
             assert 0 < r["bits"]["1152"] <= 17 and 2 < r["bits_32k"] <= 16, (name, r["bits"], r["bits_32k"])
     default = rows[lc.DEFAULT.name]
