@@ -4,6 +4,7 @@ too), and --merge: runs of different models, settings or contexts joined into on
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -272,6 +273,11 @@ def merge_needles(have: list[dict], new: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def same_measurement(a: dict, b: dict) -> bool:
+    """Two cells of one setting, text and context that measured the same thing (the pass is deterministic)."""
+    return all(k in a and k in b and math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12) for k in ("ppl", "kl"))
+
+
 def merge(paths: list[str], out: str | None) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
@@ -304,6 +310,9 @@ def merge(paths: list[str], out: str | None) -> None:
                         for c, r in cell.items():
                             if isinstance(r, dict) and c not in old:
                                 old[c] = r
+                            elif isinstance(r, dict) and same_measurement(old[c], r):
+                                for k, v in r.items():  # the same pass again, by a version that records more
+                                    old[c].setdefault(k, v)
                         for part in ("key_widths", "value_widths"):
                             if cell.get(part):
                                 old.setdefault(part, cell[part])

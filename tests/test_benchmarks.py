@@ -205,6 +205,7 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
         r["bits"]["2048"] = r["bits"]["1152"] / 2
         for cell in r["texts"].values():
             cell["1024"] = dict(cell["1024"], kl=123.0)  # must not replace the earlier run's cell
+            cell["1152"] = dict(cell["1152"], recorded_later=1.5)  # the same pass again, recording more: added
             cell["2048"] = dict(cell["1152"], kl=cell["1152"]["kl"] + 0.5)
     paths = []
     for i, run in enumerate((long_context, longer)):
@@ -217,6 +218,8 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
     for r in merged["rows"]:
         for text, cell in r["texts"].items():
             assert cell["1024"] == before[r["setting"]]["texts"][text]["1024"]
+            again = r["setting"] in {x["setting"] for x in m["rows"]}
+            assert cell["1152"] == dict(before[r["setting"]]["texts"][text]["1152"], **({"recorded_later": 1.5} if again else {}))
             assert ("2048" in cell) == (r["setting"] in {x["setting"] for x in m["rows"]})
     headers, rows = lc_table.model_table(merged)
     assert headers[1] == "bits/val @1152" and "KL Brit 2k" in headers
