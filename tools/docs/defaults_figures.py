@@ -20,6 +20,7 @@ References (words split as a shell would, so a quoted name holds spaces):
                                                text, CTX - is 32k (bits only). FIELD:
                                                  kl, kl_se, kl_max, ppl   that cell's
                                                  dppl                     ppl_delta_pct, signed, with %
+                                                 dppl_se                  its standard error, with %
                                                  bits                     bits/value at CTX, float parts in float16,
                                                                           every layer at the configured bits
                                                  bitsw                    the same with the widths the row's layers
@@ -188,12 +189,14 @@ def lc_value(stem: str, model: str, setting: str, text: str, ctx: str, field: st
     cell = cells.get(str(ctx_tokens(ctx))) if cells is not None else None
     if not isinstance(cell, dict):
         raise Problem(f"{stem}.json: {model} {setting} has no {text} cell at {ctx}")
-    key = {"dppl": "ppl_delta_pct"}.get(field, field)
+    key = {"dppl": "ppl_delta_pct", "dppl_se": "ppl_delta_pct_se"}.get(field, field)
     if key not in cell:
         raise Problem(f"{stem}.json: {model} {setting} {text} {ctx} has no {key!r}")
     x = cell[key]
     if field == "dppl":
         return pct_format(x)
+    if field == "dppl_se":
+        return f"{x:.2f}%"
     if field.startswith("kl"):
         return kl_format(x)
     return f"{x:.2f}"
