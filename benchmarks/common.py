@@ -201,6 +201,16 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | os.Pat
     return jp, mp
 
 
+def write_cells(path: Path, results: dict, key: Callable[[dict], tuple]) -> None:
+    """Write results (its "cells": what this run measured so far) to path, keeping the cells already there that it
+    has not run again (the same key(cell)): a probe writes after each cell, so a run that stops keeps what it got."""
+    ran = {key(c) for c in results["cells"]}
+    earlier = json.loads(path.read_text())["cells"] if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**results, "cells": [c for c in earlier if key(c) not in ran] + results["cells"]},
+                               indent=1))
+
+
 def per_model(keys: str, names: dict, run) -> dict:
     """A per-model benchmark's results: {"meta", "models": {key: run(key)}, "seconds"} for the comma-separated
     keys, each model named (names[key][0]) as it starts."""

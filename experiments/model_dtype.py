@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import time
@@ -111,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     dtypes.sort(key=DTYPES.index)  # float32 first: the others are scored against its float pass too
     settings = args.settings.split(",")
     results = {"meta": common.metadata(), "cells": []}
-    earlier = json.loads(args.out.read_text())["cells"] if args.out.exists() else []
     cell_key = lambda c: (c["model"], c["text"], c["context"], c["dtype"])  # noqa: E731
     for key in args.models.split(","):
         for text in args.texts:
@@ -121,10 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 f32 = base if dtype == "float32" else f32
                 results["cells"].append({"model": key, "text": text, "context": args.context, "dtype": dtype,
                                          "command": results["meta"]["command"], "rows": rows})
-                ran = {cell_key(c) for c in results["cells"]}
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({**results, "cells": [c for c in earlier if cell_key(c) not in ran]
-                                                + results["cells"]}, indent=1))
+                common.write_cells(args.out, results, cell_key)
     print(f"wrote {args.out}")
 
 

@@ -850,6 +850,54 @@ def test_model_dtype_runs_the_cell_with_the_weights_and_the_float_cache_in_each_
     assert cells["float16"]["float"]["ppl"] == pytest.approx(cells["float32"]["float"]["ppl"], rel=0.02)
 
 
+def test_calibration_shift_scores_the_body_behind_another_texts_opening(tmp_path) -> None:
+    # calibration_shift.py: the body alone and the body whose first tokens are code's, each setting against the float
+    # pass of its own tokens, the widths its layers took recorded; a lead past the scored tokens is refused.
+    sys.path.insert(0, str(EXPERIMENTS))
+    import calibration_shift as cs
+
+    from tests.support import real_models
+
+    _, tok = real_models.load_smollm2()
+    led = cs.context_ids(tok, "britannica", "code", 300, 1024)
+    alone = cs.context_ids(tok, "britannica", cs.NONE, 300, 1024)
+    assert len(led) == len(alone) == 1025 and led[300:] == alone[300:] and led[:300] != alone[:300]
+    env = script_env()
+    out = tmp_path / "calibration_shift.json"
+    base = [sys.executable, str(EXPERIMENTS / "calibration_shift.py"), "--models", "smollm2", "--context", "1024"]
+    bad = subprocess.run([*base, "--lead-tokens", "600"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--lead-tokens must be between 1 and" in bad.stderr
+    proc = subprocess.run([*base, "--leads", "none,code", "--lead-tokens", "300", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cells = {c["lead"]: c for c in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {"none", "code"} and cells["none"]["lead_tokens"] == 0 and cells["code"]["lead_tokens"] == 300
+    for cell in cells.values():
+        rows = cell["rows"]
+        assert rows["float"]["kl"] == 0 and 0 < rows["default"]["kl"] < 0.05, rows
+        assert rows["default"]["widened"] and all(5 <= bits <= 6 for _, bits in rows["default"]["widened"])
+    assert cells["none"]["rows"]["float"]["ppl"] != cells["code"]["rows"]["float"]["ppl"]
+
+
+def test_a_probe_run_again_replaces_its_own_cells_and_keeps_the_rest(tmp_path) -> None:
+    # common.write_cells, called after each cell: an earlier run's cells that this run does not measure stay, the one it
+    # measures again is replaced (once, however many times it writes), and a fresh file holds just this run's.
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    out = tmp_path / "probe.json"
+    key = lambda c: (c["model"], c["context"])  # noqa: E731
+    common.write_cells(out, {"meta": {"run": 1}, "cells": [{"model": "a", "context": 1, "kl": 1.0},
+                                                          {"model": "a", "context": 2, "kl": 2.0}]}, key)
+    run = {"meta": {"run": 2}, "cells": [{"model": "a", "context": 2, "kl": 3.0}]}
+    common.write_cells(out, run, key)
+    run["cells"].append({"model": "b", "context": 2, "kl": 4.0})
+    common.write_cells(out, run, key)
+    d = json.loads(out.read_text())
+    assert d["meta"] == {"run": 2}
+    assert [(c["model"], c["context"], c["kl"]) for c in d["cells"]] == [("a", 1, 1.0), ("a", 2, 3.0), ("b", 2, 4.0)]
+
+
 def test_long_context_merge_counts_a_needle_probe_run_again_once() -> None:
     # Two runs that both probe float at the same length and depth (each run repeats the float probes): the merged
     # file holds one probe per (setting, length, depth), the earlier one, unless it erred and the later did not.
