@@ -831,18 +831,26 @@ def test_turboquant_mlx_full_peer_runs_on_a_tiny_model_near_float_and_counts_the
     assert 1e-6 < out[256]["kl"] < 0.05 and out[256]["bits_real"] == lc.bits_at(s, cfg, 256), out
 
 
+def run_probe(tmp_path, probe: str, refused: list[str], message: str, args: list[str]) -> list[dict]:
+    """An experiments/ probe on a SmolLM2 1k cell: with `refused` it must fail saying `message`; with args it must
+    write its JSON. Returns the cells written."""
+    env, out = script_env(), tmp_path / "probe.json"
+    base = [sys.executable, str(EXPERIMENTS / probe), "--models", "smollm2", "--context", "1024"]
+    bad = subprocess.run([*base, *refused], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+    proc = subprocess.run([*base, *args, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())["cells"]
+
+
 def test_model_dtype_runs_the_cell_with_the_weights_and_the_float_cache_in_each_dtype(tmp_path) -> None:
     # model_dtype.py: the same SmolLM2 cell in float32 and float16, each setting against the float cache in its own
     # dtype (a float16 model's mlx-lm cache holds 16 bits a value); an unknown dtype is refused with what is allowed.
-    env = script_env()
-    out = tmp_path / "model_dtype.json"
-    base = [sys.executable, str(EXPERIMENTS / "model_dtype.py"), "--models", "smollm2", "--context", "1024"]
-    bad = subprocess.run([*base, "--dtypes", "float8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--dtypes takes float32, float16, bfloat16; got float8" in bad.stderr
-    proc = subprocess.run([*base, "--dtypes", "float32,float16", "--settings", "default", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    cells = {c["dtype"]: c["rows"] for c in json.loads(out.read_text())["cells"]}
+    cells = run_probe(tmp_path, "model_dtype.py", ["--dtypes", "float8"],
+                      "--dtypes takes float32, float16, bfloat16; got float8",
+                      ["--dtypes", "float32,float16", "--settings", "default"])
+    cells = {c["dtype"]: c["rows"] for c in cells}
     assert set(cells) == {"float32", "float16"}
     for dtype, rows in cells.items():
         assert rows["float"]["kl"] == 0 and rows["float"]["bits_real"] == (32 if dtype == "float32" else 16)
@@ -862,15 +870,9 @@ def test_calibration_shift_scores_the_body_behind_another_texts_opening(tmp_path
     led = cs.context_ids(tok, "britannica", "code", 300, 1024)
     alone = cs.context_ids(tok, "britannica", cs.NONE, 300, 1024)
     assert len(led) == len(alone) == 1025 and led[300:] == alone[300:] and led[:300] != alone[:300]
-    env = script_env()
-    out = tmp_path / "calibration_shift.json"
-    base = [sys.executable, str(EXPERIMENTS / "calibration_shift.py"), "--models", "smollm2", "--context", "1024"]
-    bad = subprocess.run([*base, "--lead-tokens", "600"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--lead-tokens must be between 1 and" in bad.stderr
-    proc = subprocess.run([*base, "--leads", "none,code", "--lead-tokens", "300", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    cells = {c["lead"]: c for c in json.loads(out.read_text())["cells"]}
+    cells = run_probe(tmp_path, "calibration_shift.py", ["--lead-tokens", "600"], "--lead-tokens must be between 1 and",
+                      ["--leads", "none,code", "--lead-tokens", "300"])
+    cells = {c["lead"]: c for c in cells}
     assert set(cells) == {"none", "code"} and cells["none"]["lead_tokens"] == 0 and cells["code"]["lead_tokens"] == 300
     for cell in cells.values():
         rows = cell["rows"]
