@@ -286,8 +286,9 @@ def dtype_note() -> str:
 
 def longest_table(res: dict, full: str) -> str:
     """The presets, and the key_error settings that hold the target KL in every cell shown at fewer bits than the
-    default and that no other row shown beats (fewer bits, no more KL), at 16k and past it, on the models measured there, before the 8k table: what the memory headline's
-    contexts cost in quality (the settings that miss it are in docs/benchmarks.md and DEFAULTS.md)."""
+    default and that no other row shown beats (no more bits, no more KL), at 16k and past it, on the models measured
+    there, before the 8k table: what the memory headline's contexts cost in quality (the settings that miss it are in
+    docs/benchmarks.md and DEFAULTS.md)."""
     import long_context_settings as lc_settings
     import long_context_table as lc_table
 
@@ -309,7 +310,7 @@ def longest_table(res: dict, full: str) -> str:
         # a setting that holds no fewer bits than the default tells a reader choosing by memory nothing more
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS or default is None
                 or (bits(r) is not None and bits(r) < default)]
-        # ... nor one that another row shown beats: fewer bits, and no more KL in every cell it fills
+        # ... nor one that another row shown beats: no more bits, and no more KL in every cell it fills
         beaten = lambda r, o: (o is not r and bits(o) is not None and bits(r) is not None and bits(o) <= bits(r)  # noqa: E731
                                and all(r[i] == "–" or (o[i] != "–" and float(o[i]) <= float(r[i])) for i in kl))
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS or not any(beaten(r, o) for o in keep)]
