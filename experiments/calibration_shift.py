@@ -49,11 +49,10 @@ def run(key: str, body: str, lead: str, lead_tokens: int, context: int, settings
         t = time.perf_counter()
         setting = lc.FLOAT if name == "float" else parse_setting(name)
         cache = lc.make_cache(model, setting)
-        r, lps = lc.run_pass(model, cache, ids, [context], 512, 512, None)
-        cell, lp = r[context], lps[context]
-        base = lp if base is None else base
-        per_token = lc.token_kl(base, lp)
-        cell["kl"], cell["kl_se"] = per_token.mean().item(), mx.std(per_token).item() / per_token.size ** 0.5
+        # the float pass returns its log-probs; each setting's pass scores itself against them (KL, its SEs)
+        r, lps = lc.run_pass(model, cache, ids, [context], 512, 512, None if base is None else {context: base})
+        cell = r[context]
+        base = lps[context] if base is None else base
         cell["ppl_delta_pct"] = 100 * (cell["ppl"] / out["float"]["ppl"] - 1) if out else 0.0
         if name != "float":
             cell["widened"] = lc.widened_layers(cache)
