@@ -35,7 +35,7 @@ LONG_CONTEXT = 32768
 # what a row measures. BASE is the reference tq()'s labels describe deviations from (quality.py's rows;
 # long_context_settings.py spells its settings from its own BASE).
 BASE = dict(window=128, sinks=4, center_keys=True, center_values=True, boundary_layers=0, boundary_bits=8, qjl=False,
-            norm_bits=16, decay_after=None, key_error=None, calibration_tokens=None)  # the settings these rows measured (the defaults then;
+            norm_bits=16, decay_after=None, key_error=None, calibration_tokens=None, correct_norms=False)  # the settings these rows measured (the defaults then;
 # a row's label is its keys' width, which key_error would change per layer)
 
 

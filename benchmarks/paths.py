@@ -2,8 +2,8 @@
 for mlx-lm's float KVCache, TurboQuant on the codes, the latent path (MLA decode: one view as keys and values,
 an additive rope mask), and decode-to-float (the layer's cache decoded to float each step, then
 mx.fast.scaled_dot_product_attention). TurboQuant runs `TurboQuantConfig()` as a model gets it: keys centered
-before a RoPE (a Llama-style one of 128 dims), weighed by the queries of the first prefill chunk, and past
-`decay_after` tokens decayed. Times are this machine's (CPU, reference path; ratios matter, not the absolute
+before a RoPE (a Llama-style one of 128 dims), weighed by the queries of the first prefill chunk, and (where it
+decays) past `decay_after` tokens decayed. Times are this machine's (CPU, reference path; ratios matter, not the absolute
 figures): the caches of one layer shape take turns step by step, so load from other processes hits them alike.
 The transient is the float bytes a step materializes beyond the cache. tools/docs/readme_tables.py writes the
 README's per-path table from results/paths.json.
@@ -101,8 +101,11 @@ def step(case: Case, cache, ctx: int, i: int) -> float:
     t = time.perf_counter() - t0
     if case.path == CODES:  # what the README claims is measured: the default as a model runs it
         assert kk.weights is not None and kk.rope is not None, "the keys are not weighed or centered before RoPE"
-        if ctx >= 2 * CONFIG.decay_after or ctx <= CONFIG.decay_after:  # tokens past decay_after decayed
-            assert (kk.n_decayed > 0) == (ctx > CONFIG.decay_after), (ctx, kk.n_decayed)
+        after = CONFIG.decay_after
+        if after is None:  # nothing decays
+            assert kk.n_decayed == 0, (ctx, kk.n_decayed)
+        elif ctx >= 2 * after or ctx <= after:  # tokens past decay_after decayed
+            assert (kk.n_decayed > 0) == (ctx > after), (ctx, kk.n_decayed)
     return t
 
 

@@ -121,11 +121,11 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             n = len(session.tokens)
             assert stats["mlx_lm_bytes"] == 3 * 2 * 256 * -(-n // 256) * 2 * 64 * 4
             assert "mlx-lm float32 cache" in text and f"({stats['mlx_lm_bytes'] / stats['kv_bytes']:.2f}x)" in text
-            # the default decays (after 6144 tokens, more than this context holds); the label wraps in the panel
+            # the label wraps in the panel
             assert f"{len(session.tokens):,} / 1,024" in text
             # each layer's keys at the width their error chose (random weights: any of K4-K6)
             assert bits_summary(session.cache) in " ".join(text.split())
-            assert re.search(r"K[456]→[345]/V4 after 6144", bits_summary(session.cache))
+            assert re.search(r"K[456]/V3", bits_summary(session.cache))
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
@@ -174,16 +174,16 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
             await say(pilot, "/clear")  # the predicted peak stays next to the measured one
             assert "planned peak" in rendered(app)
 
-    # the default: K4/V4, decaying to K3/V2 after 6144 tokens
-    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
-    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
+    # the default: K4/V3 at every age
+    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
+    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
     # the tiny model's weights are float32
-    asyncio.run(run(None, "tiny · float32 · TurboQuant K4→3/V4 after 6144 · ctx 1k"))
+    asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
 
 
 def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
-    config = TurboQuantConfig(window=16, calibration_tokens=None, sinks=2, decay_after=32, decay_key_bits=3, decay_value_bits=2,
-                              key_error=None)  # K4/V4, every layer's keys at K4
+    config = TurboQuantConfig(value_bits=4, window=16, calibration_tokens=None, sinks=2, decay_after=32, decay_key_bits=3,
+                              decay_value_bits=2, key_error=None)  # K4/V4, every layer's keys at K4
 
     async def run():
         app = make_app(tiny_model_dir, config=config)
@@ -365,10 +365,10 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
         async with app.run_test() as pilot:
             await loaded(pilot)
             await say(pilot, "/bits")
-            bits = messages(app, "notice")[-1].source  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
-            assert ("**Cache**: TurboQuant K4/V4, window 16, sinks 2, keys up to K6 where their logit error exceeds "
-                    "0.1, decaying to K3/V4 after 6144 tokens") in bits
-            assert "**Bits per layer**: K4→3/V4 after 6144 on all 3 attention layers" in bits
+            bits = messages(app, "notice")[-1].source  # the default: K4/V3 at every age
+            assert ("**Cache**: TurboQuant K4/V3, window 16, sinks 2, keys up to K6 where their logit error exceeds "
+                    "0.1\n") in bits
+            assert "**Bits per layer**: K4/V3 on all 3 attention layers" in bits
             await say(pilot, "/stats")
             assert "KV cache held" in messages(app, "notice")[-1].source
             await say(pilot, "/help")

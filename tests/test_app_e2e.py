@@ -236,9 +236,9 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         for label in ("compressed 0 tokens", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in text
         assert re.search(r"decode\s+[\d.]+ tok/s", text), text
-        # the default: K4/V4, decaying to K3/V4 after 6144 tokens (the panel wraps the label); nothing is
-        # compressed yet, so no layer has chosen a wider key
-        assert "K4→3/V4 after 6144 on all 30 attention layers" in text, text
+        # the default: K4/V3 at every age (the panel wraps the label); nothing is compressed yet, so no layer has
+        # chosen a wider key
+        assert "K4/V3 on all 30 attention layers" in text, text
         events.command(term, f"/screenshot {shot}")
         wait_for(term, r"Saved a screenshot", timeout=30)
         assert shot.exists() and "Paris" in shot.read_text()

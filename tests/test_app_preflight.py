@@ -87,8 +87,8 @@ def test_plan_prints_the_estimate(tiny_model_dir, capsys):
 
 def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
     cfg = load_model_config(tiny_model_dir)
-    # the default (its keys decay to K3 past 6144 tokens, which protected keys do not) and one without decay
-    for config in (TurboQuantConfig(), TurboQuantConfig(decay_after=None)):
+    # keys that decay to K3 past 6144 tokens (protected keys do not) and the default, without decay
+    for config in (TurboQuantConfig(decay_after=6144), TurboQuantConfig()):
         plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
         n = plan.attention_layers
         # every layer's keys at protect_bits, never decaying; the values as configured (decaying or not)
@@ -116,9 +116,9 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert config == TurboQuantConfig()  # the default
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
     n = plan.attention_layers
-    # the plan prices every layer's keys at the most they take: 6 bits decaying to 5, plus the K4 quantizers a
-    # widened stream keeps; a layer that keeps K4 holds widen_bytes less
-    all_wide = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=6, decay_key_bits=5, key_error=None))
+    # the plan prices every layer's keys at the most they take: 6 bits, plus the K4 quantizers a widened stream
+    # keeps; a layer that keeps K4 holds widen_bytes less
+    all_wide = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=6, key_error=None))
     floor = estimate_kv_bytes(cfg, 32768, replace(config, key_error=None))
     assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == floor + n * plan.widen_bytes
     assert plan.widen_bytes == widen_layer_bytes(cfg, 32768, config) > 0
@@ -137,7 +137,7 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
     from tq_mlx.planner.memory import narrow_layer_bytes
 
     cfg = load_model_config(tiny_model_dir)
-    config = TurboQuantConfig(value_error=0.05)
+    config = TurboQuantConfig(value_bits=4, value_error=0.05)
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
     n = plan.attention_layers
     # the plan prices every layer's values kept at V4, the most; a layer whose values decay to V2 holds
@@ -155,7 +155,7 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
 
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     cfg = load_model_config(tiny_model_dir)
-    decay = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # the default bits, K4/V4
+    decay = TurboQuantConfig(value_bits=4, decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # K4/V4
     plan = make_plan("m", cfg, 10**8, 32768, decay, 10**10)
     no_decay = replace(decay, decay_after=None, decay_key_bits=None, decay_value_bits=None)
     assert plan.kv == estimate_kv_bytes(cfg, 32768, decay) < estimate_kv_bytes(cfg, 32768, no_decay)
@@ -164,15 +164,17 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     assert "decay       K4→3/V4→2 after 2048: 30,720 of 32,768 tokens at the decay bits" in text
     assert "decaying to K3/V2 after 2048 tokens" in text  # the KV cache row's description
     assert "decay " not in format_plan(make_plan("m", cfg, 10**8, 32768, no_decay, 10**10))
-    # the default decays: tokens 6144 old are at K3/V4 (6144 and 32768 are whole compress blocks of 128)
+    # the default does not decay; an age alone decays its keys one bit (6144 and 32768 are whole blocks of 128)
     default = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
-    assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 32768 - 6144
+    assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 0
     text = format_plan(default)
-    assert f"decay       K4→3/V4 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in text
-    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
-            "exceeds 0.1, decaying to K3/V4 after 6144 tokens") in " ".join(text.split())
-    # only the values decay (keys left at AUTO would decay to K3 with the default bits)
-    boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(boundary_layers=1, decay_after=2048,
+    assert "decay " not in text and "decaying" not in text
+    assert ("TurboQuant K4/V3, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
+            "exceeds 0.1") in " ".join(text.split())
+    aged = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(decay_after=6144), 10**10)
+    assert f"decay       K4→3/V3 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in format_plan(aged)
+    # only the values decay (keys left at AUTO would decay to K3 once an age is given)
+    boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(value_bits=4, boundary_layers=1, decay_after=2048,
                                                                    decay_key_bits=None, decay_value_bits=2), 10**10)
     assert "K4/V4→2 after 2048: 30,720 of 32,768 tokens at the decay bits (the 2 boundary layers keep theirs)" in \
         format_plan(boundary)
@@ -183,11 +185,11 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
                                                    decay_value_bits=2)
     assert (with_bits(decay, 3).decay_key_bits, with_bits(decay, 3).decay_value_bits) == (None, 2)
     assert with_bits(decay, 3.5) == TurboQuantConfig(key_bits=3.5, value_bits=3.5)  # fractional bits cannot decay
-    # the default's decay is the one TurboQuantConfig gives K4/V4 by itself: a suggestion prices what --bits gives
+    # the default asks for no decay, at any bits: a suggestion prices what --bits gives
     for bits in ("4", "3.5", "3", "2.5", "2"):
         assert with_bits(TurboQuantConfig(), float(bits)) == config_from_args(
             cli.build_parser().parse_args(["m", "--bits", bits])), bits
-    assert with_bits(TurboQuantConfig.from_bits(8), 4) == TurboQuantConfig()  # --bits 4 from K8/V8: the default
+    assert with_bits(TurboQuantConfig.from_bits(8), 4) == TurboQuantConfig(value_bits=4)  # --bits 4 from K8/V8
 
 
 def test_context_beyond_training_warns(tiny_model_dir, capsys):
@@ -249,7 +251,7 @@ def test_plan_works_offline_from_the_config_tq_chat_ships(tmp_path):
     assert ("source      the config tq-chat ships for Qwen3.5-35B-A3B (configs/qwen3.5-35b-a3b.json; offline); "
             "weights estimated as 35B parameters x 4.5 bits") in out, out
     kv = estimate_kv_bytes(shipped["config"], 131072, TurboQuantConfig())
-    assert f"KV cache    {format_bytes(kv)}  TurboQuant K4/V4" in out
+    assert f"KV cache    {format_bytes(kv)}  TurboQuant K4/V3" in out
     assert f"weights     {format_bytes(int(35e9 * 4.5 / 8))}" in out
     # a name that is neither a short name nor a repo id, but one of the README's models
     proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "Llama-3.1-8B", "--plan"], cwd=REPO, env=env,

@@ -44,8 +44,8 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     stats = session.snapshot()
     text = panel_text(MemoryPanel(), stats)
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
-    # the default (K4/V4, decaying after 6144 tokens); the label wraps in the panel
-    assert "K4→3/V4 after 6144 on its 1 attention layer" in " ".join(text.split())
+    # the default (K4/V3 at every age); the label wraps in the panel
+    assert "K4/V3 on its 1 attention layer" in " ".join(text.split())
 
 
 # --- one state, every surface: the panel, tq-generate's summary, cache_bytes and the plan --------------------------

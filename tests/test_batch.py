@@ -474,9 +474,9 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
         assert len(results) == 2 and all(isinstance(a, str) and a for a, _ in results.values())
     finally:
         stop(proc, grace=20)
-    # --tq-bits 4 is the default's K4/V4: keys by their error, decaying to K3/V4 after 6144 tokens
+    # --tq-bits 4: K4/V4, keys by their error, every token at its bits
     assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
-            "exceeds 0.1, decaying to K3/V4 after 6144 tokens; batching on") in log.read_text()
+            "exceeds 0.1; batching on") in log.read_text()
 
 
 # --- SmolLM2 (real model) -----------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, "rope", False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, "rope", False)
+    assert c.correct_norms is True and c.decay_after is None
     assert (c.window, c.calibration_tokens, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 768, 4, 0, 0, 256)
     assert c.first_window == 768 and c.compress_block_size == 128
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
@@ -63,19 +64,25 @@ def test_decay_fields_left_at_auto_follow_the_default_bits():
 
     fields = {f.name: f.default for f in dataclasses.fields(TurboQuantConfig)}
     assert (fields["decay_after"], fields["decay_key_bits"], fields["decay_value_bits"]) == (AUTO,) * 3
-    # The default bits (K4/V4, no QJL) decay their keys to K3 after 6144 tokens (values keep V4); the resolved
-    # config holds no AUTO.
-    assert decay_of(TurboQuantConfig()) == (6144, 3, None)
-    assert decay_of(TurboQuantConfig(key_bits=4.0, value_bits=4.0, window=32, calibration_tokens=None)) == (6144, 3, None)
-    # A window that alone reaches 6144 moves decay_after: one compress block always stays at full bits.
-    assert decay_of(TurboQuantConfig(window=6144, calibration_tokens=None)) == (6144 + 128, 3, None)
+    # Asked for no decay, nothing decays (the default); the resolved config holds no AUTO.
+    assert decay_of(TurboQuantConfig()) == (None, None, None)
+    assert decay_of(TurboQuantConfig(key_bits=5, value_bits=5)) == (None, None, None)
+    # An age asks for it: the default bits (K4, no QJL) decay their keys to K3 (values keep theirs).
+    assert decay_of(TurboQuantConfig(decay_after=6144, key_bits=4.0, value_bits=4.0, window=32,
+                                     calibration_tokens=None)) == (6144, 3, None)
+    # Asked without an age: 6144, or window + compress_block where a window alone reaches 6144 (one compress block
+    # always stays at full bits).
+    assert decay_of(TurboQuantConfig(window=6144, calibration_tokens=None, decay_key_bits=3)) == (6144 + 128, 3, None)
     # Every integer width by one rule: keys one bit less down to 3, values keep theirs; 8-bit, fractional and
     # floor widths, and QJL keys, keep their bits at every age (nothing decays when no side does).
     for kw, want in ((dict(key_bits=3), (None,) * 3), (dict(value_bits=3), (6144, 3, None)),
                      (dict(key_bits=5, value_bits=5), (6144, 4, None)), (dict(key_bits=2, value_bits=2), (None,) * 3),
                      (dict(key_bits=8, value_bits=8), (None,) * 3), (dict(qjl=True), (None,) * 3),
                      (dict(key_bits=8, value_bits=4), (None,) * 3), (dict(value_bits=8), (6144, 3, None))):
-        assert decay_of(TurboQuantConfig(**kw)) == want, kw
+        assert decay_of(TurboQuantConfig(decay_after=6144, **kw) if want[0] else TurboQuantConfig(**kw)) == want, kw
+    for kw in (dict(key_bits=3), dict(key_bits=2, value_bits=2), dict(key_bits=8, value_bits=8), dict(qjl=True)):
+        with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
+            TurboQuantConfig(decay_after=6144, **kw)  # an age where no side decays by itself says so
     assert decay_of(TurboQuantConfig.from_bits(2.5)) == (None, None, None)
     assert decay_of(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == (None, None, None)
     # decay_after=None turns decay off; the decay bits left at AUTO follow.
@@ -149,7 +156,7 @@ def test_layer_bits_boundary():
     c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
     got = [layer_plan(c, i, 6).bits for i in range(6)]
     assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
-    assert layer_plan(TurboQuantConfig(key_bits=3), 0, 6).bits == (3, 4)  # the default value_bits
+    assert layer_plan(TurboQuantConfig(key_bits=3), 0, 6).bits == (3, 3)  # the default value_bits
     cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
     assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
     # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.
@@ -530,6 +537,7 @@ def test_a_bound_that_drops_every_coded_token_keeps_the_calibration_and_the_weig
         mx.eval(turboquant_attention(mx.repeat(kv(1), 2, axis=1), k, v, 0.125), cache.held_arrays())
         seen_empty |= cache.key_stream.n_coded == 0
         assert cache.key_stream.weights is weights and cache.key_stream.scale is scale
-        planned = turboquant_layer_bytes(cache.offset, 2, 64, 64, 4, 4, config, float_bytes=4, max_kv_size=bound)
+        planned = turboquant_layer_bytes(cache.offset, 2, 64, 64, config.key_bits, config.value_bits, config,
+                                         float_bytes=4, max_kv_size=bound)
         assert planned == cache.nbytes
     assert seen_empty  # the bound did empty the codes at some step

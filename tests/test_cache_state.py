@@ -112,8 +112,8 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
     assert arrays["k_mean"].shape == arrays["v_mean"].shape == (1, 2, 64)  # keys and values centered
     assert arrays["k_scale"].shape == arrays["v_scale"].shape == (1, 2)
     const = c.nbytes - state_bytes
-    # Rotation signs, codebooks and lookup tables only, at fill's D = 64: the default K4/V4 quantizers and those
-    # the streams decay to (K3/V2, held from the start though 250 tokens are far from decay_after).
+    # Rotation signs, codebooks and lookup tables only, at fill's D = 64: the config's quantizers and those the
+    # streams decay to (held from the start though 250 tokens are far from decay_after).
     cfg = c.config
     assert arrays["k_decayed"] is None and arrays["v_decayed"] is None and c.n_decayed == (0, 0)
     assert const == sum(mse_layout(64, b)[2] for b in (cfg.key_bits, cfg.value_bits, cfg.decay_key_bits,

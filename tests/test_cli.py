@@ -116,7 +116,7 @@ def test_value_error_flag(capsys):
 def test_decay_bits_off_keeps_a_side_at_its_bits():
     # keys widened by error with values that keep 4 bits at every age: the setting that holds KL 0.01 at 16k on
     # Qwen2.5-Coder-0.5B (benchmarks/DEFAULTS.md)
-    c = config_from_args(parse("--tq-key-error", "0.1", "--tq-decay-value-bits", "off"))
+    c = config_from_args(parse("--tq-key-error", "0.1", "--tq-decay-after", "6144", "--tq-decay-value-bits", "off"))
     assert (c.decay_after, c.decay_key_bits, c.decay_value_bits, c.key_error) == (6144, 3, None, 0.1)
     c = config_from_args(parse("--tq-decay-value-bits", "off", "--tq-decay-key-bits", "off"))
     assert (c.decay_after, c.decay_key_bits, c.decay_value_bits) == (None, None, None)
@@ -134,6 +134,7 @@ def test_value_centering_both_ways():
 @pytest.mark.parametrize("field, on, off, said, word", [
     ("weigh_keys", "--tq-weigh-keys", "--tq-no-weigh-keys", "keys not weighed", "weighed"),
     ("prefill_as_decode", "--tq-prefill-as-decode", "--tq-no-prefill-as-decode", "prefill not read as decode", "prefill"),
+    ("correct_norms", "--tq-correct-norms", "--tq-no-correct-norms", "norms not corrected", "norms"),
 ])
 def test_a_default_on_both_ways(field, on, off, said, word):
     # on by default; --tq-no-... turns it off and the summary names that departure; both flags contradict
@@ -171,26 +172,27 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
 
     assert set(PRESETS) == {"quality", "default", "compact"}
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
-    # the default: K4/V4, keys up to K6 by their error, 8-bit norms, keys of tokens past 6144 re-coded a bit narrower
+    # the default: K4/V3, keys up to K6 by their error, 8-bit norms corrected, every token at its bits
     default = config_from_args(parse())
-    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 128, 8)
-    assert default.calibration_tokens == 768
-    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error) == (6144, 3, None,
+    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 3, 128, 8)
+    assert default.calibration_tokens == 768 and default.correct_norms
+    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error) == (None, None, None,
                                                                                                          0.1)
-    assert describe_config(default) == ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 "
-                                        "where their logit error exceeds 0.1, decaying to K3/V4 after 6144 tokens")
-    # other bits decay by the same rule: keys one bit less down to 3 (3-bit keys keep theirs), values keep theirs
+    assert describe_config(default) == ("TurboQuant K4/V3, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 "
+                                        "where their logit error exceeds 0.1")
+    # other bits keep theirs at every age too; asked for decay, keys lose one bit down to 3 (3-bit keys keep
+    # theirs), values keep theirs
     k3 = config_from_args(parse("--tq-key-bits", "3"))
-    assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error) == (3, 4, 8, None)  # a width you set is kept
+    assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error) == (3, 3, 8, None)  # a width you set is kept
     assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (None, None, None)
-    v3 = config_from_args(parse("--tq-value-bits", "3"))
-    assert (v3.decay_after, v3.decay_key_bits, v3.decay_value_bits) == (6144, 3, None)
+    v4 = config_from_args(parse("--tq-value-bits", "4"))
+    assert (v4.decay_after, v4.decay_key_bits, v4.decay_value_bits) == (None, None, None)
     assert config_from_args(parse("--tq-decay-value-bits", "2")).decay_value_bits == 2
-    # --tq-decay-after alone moves the default's decay
+    # --tq-decay-after alone asks for the decay the bits give
     later = config_from_args(parse("--tq-decay-after", "8192"))
-    assert (later.key_bits, later.value_bits) == (4, 4)
+    assert (later.key_bits, later.value_bits) == (4, 3)
     assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, None)
-    assert "decaying to K3/V4 after 8192 tokens" in describe_config(later)
+    assert "decaying to K3/V3 after 8192 tokens" in describe_config(later)
     # ... but bits with none to go to (fractional, 8-bit, the floor): the error names them
     with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
         config_from_args(parse("--tq-key-bits", "3.5", "--tq-value-bits", "2.5", "--tq-decay-after", "8192"))
@@ -284,7 +286,7 @@ def test_generate_quiet_prints_only_the_answer_and_summary_to_stderr(tiny_model_
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4", "--verbose", "F"])
     captured = capsys.readouterr()
     assert rc == 0 and "KV cache:" not in captured.out
-    assert "K4→3/V4 after 6144 on all 3 attention layers" in captured.err  # the default's bits
+    assert "K4/V3 on all 3 attention layers" in captured.err  # the default's bits
 
 
 def test_generate_kv_bits_alone_is_mlx_lm_cache(tiny_model_dir, capsys):
@@ -306,8 +308,8 @@ def test_generate_speculative_with_draft_model(tiny_model_dir, capsys):
     rc = generate_main(["--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--prompt", "hi",
                         "--max-tokens", "5", "--num-draft-tokens", "2", "--tq-bits", "4"])
     assert rc == 0
-    # --tq-bits 4 is the default's K4/V4, which decays to K3/V2 after 6144 tokens
-    assert "K4→3/V4 after 6144 on all 3 attention layers" in capsys.readouterr().out
+    # --tq-bits 4 gives K4/V4 and nothing decays
+    assert "K4/V4 on all 3 attention layers" in capsys.readouterr().out
 
 
 def tq_generate(*argv: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -353,10 +355,9 @@ def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, 
     summary = proc.stdout.strip().splitlines()[-1]
     held = int(re.search(r"KV cache: [\d.]+ [KM]?B for ([\d,]+) tokens", summary).group(1).replace(",", ""))
     assert held > n  # the file's tokens, then the new prompt and the answer
-    # the file's config (the default bits, decaying) came back with it
+    # the file's config (the default bits) came back with it
     assert "in float32 (2 sinks + 16-token window)" in summary
-    assert re.search(r"(K4→3/V4 after 6144 on all 3 attention layers|(L[\d-]+ K[4-6]→[3-5]/V4 after 6144( · )?)+)$",
-                     summary), summary
+    assert re.search(r"(K4/V3 on all 3 attention layers|(L[\d-]+ K[4-6]/V3( · )?)+)$", summary), summary
 
 
 def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_dir, tmp_path):
@@ -371,8 +372,8 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed, decaying to K3/V4 after "
-                  rf"6144 tokens for this run \(the file is unchanged; it holds no queries to weigh the keys by\)",
+                  rf"converted it to TurboQuant K4/V3, window 16, sinks 2, keys not weighed for this run \(the file "
+                  rf"is unchanged; it holds no queries to weigh the keys by\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
@@ -434,7 +435,7 @@ def test_generate_model_errors_are_one_line(tmp_path, case):
 
 def test_tq_bits_help_names_the_real_default():
     help_text = " ".join(add_cache_args(argparse.ArgumentParser(prog="t")).format_help().split())
-    assert "bits per value for keys and values (default: keys 4, values 4, i.e. K4/V4)" in help_text
+    assert "bits per value for keys and values (default: keys 4, values 3, i.e. K4/V3)" in help_text
 
 
 # --- tq-server -------------------------------------------------------------------------------------------
@@ -577,7 +578,7 @@ def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
         stop(proc)
     text = log.read_text()
     assert f"tq-server: smollm2-135m is the demo model, smollm2-135m-instruct in float16: {tiny_model_dir}" in text
-    assert "KV cache: TurboQuant K4/V4" in text
+    assert "KV cache: TurboQuant K4/V3" in text
 
 
 def test_generate_max_tokens_is_a_count_or_minus_one():

@@ -64,14 +64,15 @@ def test_config_round_trips_and_boundary_layers_do_not_decay():
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and isinstance(c.decay_key_bits, int)
     assert layer_plan(c, 0, 4).decay_bits == (None, None) and layer_plan(c, 3, 4).decay_bits == (None, None)
     assert layer_plan(c, 1, 4).decay_bits == (3, 2)
-    # The default decays its keys (K4 to K3; values keep V4), but not in its boundary layers, nor with
-    # decay_after=None. Every integer width decays by one rule (keys one bit less down to 3, values not unless
-    # asked); fractional, 8-bit and floor widths keep theirs, and with nothing to decay nothing does.
-    assert layer_plan(TurboQuantConfig(), 1, 4).decay_bits == (3, None)
-    assert layer_plan(TurboQuantConfig(boundary_layers=1), 0, 4).decay_bits == (None, None)
+    # The default does not decay; an age decays its keys (K4 to K3; values keep theirs), but not in its boundary
+    # layers, nor with decay_after=None. Every integer width decays by one rule (keys one bit less down to 3,
+    # values not unless asked); fractional, 8-bit and floor widths keep theirs, and with nothing to decay nothing does.
+    assert layer_plan(TurboQuantConfig(), 1, 4).decay_bits == (None, None)
+    assert layer_plan(TurboQuantConfig(decay_after=6144), 1, 4).decay_bits == (3, None)
+    assert layer_plan(TurboQuantConfig(decay_after=6144, boundary_layers=1), 0, 4).decay_bits == (None, None)
     assert layer_plan(TurboQuantConfig(decay_after=None), 1, 4).decay_bits == (None, None)
-    assert layer_plan(TurboQuantConfig(value_bits=3), 1, 4).decay_bits == (3, None)
-    assert layer_plan(TurboQuantConfig(key_bits=5, value_bits=5), 1, 4).decay_bits == (4, None)
+    assert layer_plan(TurboQuantConfig(value_bits=4, decay_after=6144), 1, 4).decay_bits == (3, None)
+    assert layer_plan(TurboQuantConfig(key_bits=5, value_bits=5, decay_after=6144), 1, 4).decay_bits == (4, None)
     assert TurboQuantConfig(key_bits=3, value_bits=3).decay_after is None
     assert TurboQuantConfig(key_bits=8, value_bits=8).decay_after is None
     assert TurboQuantConfig(key_bits=3.5, value_bits=2.5).decay_after is None

@@ -247,8 +247,8 @@ def generate_single(qwen2_dir) -> tuple[str, str]:
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_tq_generate_under_mlx_launch_matches_single_process(mode, qwen2_dir, generate_single):
     text, summary = generate_single
-    # boundary layers at 8 bits; the middle ones' keys at the width their error chose, decaying a bit narrower
-    assert text.strip() and re.search(r"L0 K8/V8 · (L[\d-]+ K[4-6]→[3-5]/V3 after 6144 · )+L3 K8/V8$", summary), summary
+    # boundary layers at 8 bits; the middle ones' keys at the width their error chose
+    assert text.strip() and re.search(r"L0 K8/V8 · (L[\d-]+ K[4-6]/V3 · )+L3 K8/V8$", summary), summary
     r = mlx_launch(*GENERATE, *generate_args(qwen2_dir), *(["--pipeline"] if mode == "pipeline" else []))
     shard = [line for line in r.stderr.splitlines() if line.startswith("KV cache:")]
     assert r.returncode == 0 and len(shard) == 1, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
@@ -288,7 +288,7 @@ def test_tq_server_pipeline_under_mlx_launch_answers_like_one_process(qwen2_dir,
     assert reply["choices"][0]["text"] == generate_single[0].rstrip("\n")
     text = log.read_text()
     assert text.count("KV cache: TurboQuant K4/V3, window 16, sinks 2, boundary 1 layers at 8 bits, keys up to K6 where "
-                      "their logit error exceeds 0.1, decaying to K3/V3 after 6144 tokens; batching off") == 2  # both ranks
+                      "their logit error exceeds 0.1; batching off") == 2  # both ranks
 
 
 def _worker(model_dir: str, mode: str, out: str) -> None:

@@ -72,7 +72,7 @@ def test_decode_on_cache_handles_strided(emulator, qjl):
 # reason, so dispatch_attention takes the reference path.
 KERNEL_KEY_BITS = {False: MSE_BITS, True: (2, 3, 4)}
 KERNEL_VALUE_BITS = MSE_BITS
-DEFAULT_PAIR = (4, 4, False)  # TurboQuantConfig's default K4/V4 (its decayed K3/V2 is among the others)
+DEFAULT_PAIR = (4, 3, False)  # TurboQuantConfig's default K4/V3 (decayed pairs are among the others)
 ALL_PAIRS = [(kb, vb, qjl) for qjl, kbits in ((False, MSE_BITS), (True, PROD_BITS)) for kb in kbits for vb in MSE_BITS]
 KERNEL_PAIRS = [DEFAULT_PAIR] + [
     (kb, vb, qjl) for kb, vb, qjl in ALL_PAIRS

@@ -44,9 +44,13 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
           "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd").config.to_dict()}
     assert lc.canonical_name(pd) == lc.DEFAULT_1204.name and lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1pd") is lc.DEFAULT_1204
     assert lc.parse_setting("default-1204") is lc.DEFAULT_1204 and lc.DEFAULT_1204.name.endswith("the default until 2026-12-04)")
-    # ... and keeps 128 tokens in float since 2026-12-04, calibrating on 768: that spelled-out row is today's default's
+    # ... and keeps 128 tokens in float since 2026-12-04, calibrating on 768: that spelled-out row is the default
+    # until 2026-12-05's, when values fell to V3 with their norms corrected and keys stopped decaying: today's
     small = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768").config.to_dict()}
-    assert lc.canonical_name(small) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768") is lc.DEFAULT
+    assert lc.canonical_name(small) == lc.DEFAULT_1205.name and lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768") is lc.DEFAULT_1205
+    assert lc.parse_setting("default-1205") is lc.DEFAULT_1205 and lc.DEFAULT_1205.name.endswith("the default until 2026-12-05)")
+    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768").config.to_dict()}
+    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768") is lc.DEFAULT
     # compact and quality too: the same presets before it, by name
     for key, old in (("compact", lc.COMPACT_1203), ("quality", lc.QUALITY_1203)):
         before = dataclasses.replace(lc.parse_setting(key).config, prefill_as_decode=False)
@@ -116,8 +120,8 @@ def test_long_context_counts_protected_layers_in_the_bits() -> None:
     # With decay the protected keys also stay out of it: 8 bits instead of the 3 the others decay to
     row["config"] = dict(row["config"], decay_after=2048, decay_key_bits=3, decay_value_bits=2)
     assert lc.protection_bits(row, g, 32768) > 1.2 * plain
-    # The default's protected keys: 8 bits with float16 norms, against K4/K3 codes with uint8 norms
-    row["config"] = lc.DEFAULT.config.to_dict()
+    # The default until 2026-12-05's protected keys: 8 bits with float16 norms, against K4/K3 codes with uint8 norms
+    row["config"] = lc.DEFAULT_1205.config.to_dict()
     assert lc.protection_bits(row, g, 32768) > 1.2 * plain
     row["texts"]["britannica"]["protected_layers"] = []
     assert lc.protection_bits(row, g, 32768) == 0

@@ -115,7 +115,7 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     assert s["mlx_lm_bytes"] == 1 * 1 * 256 * 2 * 256 * 4
     assert s["ratio"] == pytest.approx(s["mlx_lm_bytes"] / s["kv_bytes"])
     assert s["saved_bytes"] == s["mlx_lm_bytes"] - s["kv_bytes"]
-    assert bits_summary(cache) == "K4→3/V4 after 6144 on its 1 attention layer"  # the default decays
+    assert bits_summary(cache) == "K4/V3 on its 1 attention layer"  # the default's bits, at every age
 
 
 def test_empty_cache():
@@ -226,13 +226,13 @@ def test_bits_summary_names_the_layers_that_stay_float():
     from tests.support import zoo
 
     sliding = make_prompt_cache(zoo.build("gemma3"), TurboQuantConfig())  # global layer every second layer
-    tq = "K4→3/V4 after 6144"  # the default: K4/V4, decaying to K3/V2 after 6144 tokens
+    tq = "K4/V3"  # the default: K4/V3 at every age
     assert bits_summary(sliding) == f"L0 float (sliding window 16) · L1 {tq} · L2 float (sliding window 16) · L3 {tq}"
     nested = make_prompt_cache(zoo.build("falcon_h1"), TurboQuantConfig(boundary_layers=1))  # KVCache in CacheList
     assert bits_summary(nested) == f"L0 K8/V8 · L1-2 {tq} · L3 K8/V8"  # boundary layers do not decay
     hybrid = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig())  # linear-attention state left out
     assert bits_summary(hybrid) == f"{tq} on all 2 attention layers"
-    plain = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig(decay_after=None))
+    plain = make_prompt_cache(zoo.build("qwen3_next"), TurboQuantConfig(value_bits=4))
     assert bits_summary(plain) == "K4/V4 on all 2 attention layers"
 
 
@@ -252,14 +252,14 @@ def test_peak_estimate_is_flat_for_turboquant_and_grows_with_the_float_cache():
 
     cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
            "hidden_size": 576, "intermediate_size": 1536, "torch_dtype": "float32"}
-    tq = TurboQuantConfig()
-    peak = {(c, n): estimate_peak_bytes(cfg, n, c, weights=10**8) for c in (None, tq) for n in (4096, 16384)}
-    kv = {(c, n): estimate_kv_bytes(cfg, n, c) * (2 if c is None else 1) for c in (None, tq) for n in (4096, 16384)}
+    tq = TurboQuantConfig()  # (past 8k its codes outweigh the calibration tokens waiting in float)
+    peak = {(c, n): estimate_peak_bytes(cfg, n, c, weights=10**8) for c in (None, tq) for n in (8192, 16384)}
+    kv = {(c, n): estimate_kv_bytes(cfg, n, c) * (2 if c is None else 1) for c in (None, tq) for n in (8192, 16384)}
     transient = {k: peak[k] - 10**8 - kv[k] for k in peak}
-    assert transient[tq, 16384] == transient[tq, 4096]  # tiles of scores, whatever the context
-    assert transient[None, 16384] > 3 * transient[None, 4096] // 2  # a score matrix over the whole context
-    assert peak[tq, 4096] < peak[None, 4096] and peak[tq, 16384] < peak[None, 16384]
-    assert estimate_peak_bytes(cfg, 4096, tq, weights=10**8, prefill_step=512) < peak[tq, 4096]  # smaller chunks
+    assert transient[tq, 16384] == transient[tq, 8192]  # tiles of scores, whatever the context
+    assert transient[None, 16384] > 3 * transient[None, 8192] // 2  # a score matrix over the whole context
+    assert peak[tq, 8192] < peak[None, 8192] and peak[tq, 16384] < peak[None, 16384]
+    assert estimate_peak_bytes(cfg, 8192, tq, weights=10**8, prefill_step=512) < peak[tq, 8192]  # smaller chunks
 
 
 # --- tq_mlx.layout: the token counts and bytes of every part, from the bit widths alone (issue 33) ---------------

@@ -72,13 +72,14 @@ def test_decay_labels():
     assert decay_label(4, 3, True, (None, 2), 2048) == "K4+qjl/V3→2 after 2048"
     assert decay_label(4, 3, False, (3, None), 2048) == "K4→3/V3 after 2048"
     assert decay_label(4, 3, False, (None, None), 2048) == decay_label(4, 3) == "K4/V3"
-    cfg = TurboQuantConfig(decay_after=2048, decay_key_bits=3, decay_value_bits=2, boundary_layers=1)
+    cfg = TurboQuantConfig(value_bits=4, decay_after=2048, decay_key_bits=3, decay_value_bits=2, boundary_layers=1)
     assert config_label(cfg) == "K4→3/V4→2 after 2048" and config_label(cfg, 0, 4) == "K8/V8"
-    assert config_label(TurboQuantConfig()) == "K4→3/V4 after 6144"
-    assert config_label(TurboQuantConfig(), 0, 4) == "K4→3/V4 after 6144"
+    assert config_label(TurboQuantConfig()) == "K4/V3"
+    assert config_label(TurboQuantConfig(decay_after=6144)) == "K4→3/V3 after 6144"
+    assert config_label(TurboQuantConfig(decay_after=6144), 0, 4) == "K4→3/V3 after 6144"
     assert config_label(TurboQuantConfig(boundary_layers=1), 3, 4) == "K8/V8"
-    assert config_label(TurboQuantConfig(decay_after=None)) == "K4/V4"
-    assert config_label(TurboQuantConfig(value_bits=3)) == "K4→3/V3 after 6144"  # every width decays by one rule (values keep theirs)
+    assert config_label(TurboQuantConfig(value_bits=4, decay_after=None)) == "K4/V4"
+    assert config_label(TurboQuantConfig(value_bits=4, decay_after=6144)) == "K4→3/V4 after 6144"  # every width decays by one rule (values keep theirs)
     assert config_label(TurboQuantConfig(key_bits=3.5, value_bits=3.5)) == "K3.5/V3.5"  # ... but fractional ones
     assert config_label(TurboQuantConfig(value_bits=3, decay_value_bits=2)) == "K4→3/V3→2 after 6144"
     assert config_label(TurboQuantConfig(value_bits=3, decay_key_bits=None)) == "K4/V3"  # nothing left to decay
@@ -145,8 +146,8 @@ def test_decay_estimate_equals_a_bounded_cache_token_by_token(M):
 def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
     from tq_mlx.planner.memory import protect_layer_bytes
 
-    cfg = TurboQuantConfig(protect_factor=1.0, window=32, calibration_tokens=None, step=64, decay_after=64, decay_key_bits=3,
-                           decay_value_bits=2)
+    cfg = TurboQuantConfig(value_bits=4, protect_factor=1.0, window=32, calibration_tokens=None, step=64, decay_after=64,
+                           decay_key_bits=3, decay_value_bits=2)
     k1, k2 = mx.random.split(mx.random.key(0))
     latent = mx.concatenate([mx.full((1, 1, 300, 1), 20.0), mx.random.normal((1, 1, 300, 511), key=k1)], axis=-1)
     rope = mx.random.normal((1, 1, 300, 64), key=k2)
@@ -158,7 +159,7 @@ def test_a_protected_layer_does_not_decay_its_keys_but_its_rope_key_decays():
         flags = dict(float_bytes=4, latent=fetch == "latent")
         protected = turboquant_layer_bytes(300, 1, *dims, cfg.key_bits, cfg.value_bits, cfg, protected=True, **flags)
         assert cache.nbytes == protected
-        # the rope key decays at the key's decay bits, plain values at theirs (the default K4/V4)
+        # the rope key decays at the key's decay bits, plain values at theirs (K4/V4)
         label = "K8/V4→3 after 64" if fetch == "latent" else "K8/V4→2 after 64"
         assert bits_summary([cache]) == f"{label} on its 1 attention layer"
     protected, plain = (turboquant_layer_bytes(300, 1, 512, 64, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,

@@ -56,10 +56,9 @@ def test_four_concurrent_clients_are_batched_and_get_their_sequential_answers(tm
         wall, replies = serve.concurrent(srv.port, contents, 160, TIMEOUT)
         batches = srv.batches_since(at)
     log = (tmp_path / "server.log").read_text()
-    # the flags' window and sinks, at the default bits (K4/V4, keys by their error, decaying to K3/V4 after 6144)
-    assert "TurboQuant K4/V4, window 16, sinks 4" not in log
-    assert ("TurboQuant K4/V4, window 16, sinks 2, keys up to K6 where their logit error exceeds 0.1, decaying to "
-            "K3/V4 after 6144 tokens; batching on") in log
+    # the flags' window and sinks, at the default bits (K4/V3, keys by their error)
+    assert "TurboQuant K4/V3, window 16, sinks 4" not in log
+    assert "TurboQuant K4/V3, window 16, sinks 2, keys up to K6 where their logit error exceeds 0.1; batching on" in log
     assert "Context bound: none per request (--tq-max-context)" in log
     assert all(r is not None and r["status"] == 200 for r in replies), replies
     assert [serve.answer(r) for r in replies] == [serve.answer(r) for r in alone]

@@ -25,7 +25,7 @@ from tests.support.learning import learning
 turboquant_attention = learning(turboquant_attention)
 
 D = 64
-BASE = dict(window=96, calibration_tokens=None, compress_block=32, sinks=4, decay_after=160)
+BASE = dict(value_bits=4, window=96, calibration_tokens=None, compress_block=32, sinks=4, decay_after=160)
 N = 600
 
 
@@ -73,7 +73,7 @@ def worst_errors(monkeypatch):
 
 
 def test_config_takes_value_error_and_says_what_is_allowed():
-    c = TurboQuantConfig(value_error=0.05)
+    c = TurboQuantConfig(value_bits=4, value_error=0.05)
     assert (c.value_error, c.decay_value_bits, c.decay_after) == (0.05, None, 6144)
     assert value_widths(4) == (2, 3) and value_widths(3) == (2,) and value_widths(2.5) == value_widths(8) == ()
     # values alone decay: decay_after resolves though K3 keys (at the floor) do not decay
@@ -157,7 +157,7 @@ def test_the_error_is_the_output_error_of_re_coded_old_values():
     for i, bits in enumerate((2, 3)):
         from tq_mlx.stream.codec import make_quantizer
 
-        qb = make_quantizer(D, bits, False, vs.quantizer.seed, vs.quantizer.norm_dtype)
+        qb = make_quantizer(D, bits, False, vs.quantizer.seed, vs.quantizer.norm_dtype, vs.quantizer.correct_norms)
         e = p[..., a:b] @ (qb.dequantize(qb.quantize(old / sc)) * sc - old)
         np.testing.assert_allclose(np.array(sums[0][..., i]), np.array(mx.sum(e * e, axis=(2, 3))), rtol=1e-3)
     np.testing.assert_allclose(np.array(sums[0][..., 2]), np.array(mx.sum(o * o, axis=(2, 3))), rtol=1e-4)
@@ -280,7 +280,8 @@ def test_bytes_follow_the_choice_at_every_stage():
 
 def test_a_model_prices_the_widths_it_chose():
     model, args = tiny_llama(layers=3)
-    cfg = TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    cfg = TurboQuantConfig(value_bits=4, window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96,
+                           value_error=0.08)
     for n, one_shot in ((200, True), (120, False)):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n, one_shot)
@@ -296,7 +297,8 @@ def test_the_summary_names_each_layers_choice():
     from tq_mlx.planner.display import bits_summary
 
     model, _ = tiny_llama(layers=3)
-    cfg = TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08)
+    cfg = TurboQuantConfig(value_bits=4, window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96,
+                           value_error=0.08)
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, 200)
     text = bits_summary(cache)
@@ -314,7 +316,7 @@ def test_the_summary_names_each_layers_choice():
 def test_a_converted_float_cache_does_not_choose_its_values():
     from tq_mlx.convert import converted_config
 
-    for cfg in (TurboQuantConfig(value_error=0.05), TurboQuantConfig(key_bits=3, value_error=0.05)):
+    for cfg in (TurboQuantConfig(value_bits=4, value_error=0.05), TurboQuantConfig(key_bits=3, value_bits=4, value_error=0.05)):
         c = converted_config(cfg)  # a float prompt cache holds no queries: its values follow decay_value_bits
         assert c.value_error is None and c.decay_value_bits is None
         assert c.decay_after == (None if cfg.key_bits == 3 else 6144)

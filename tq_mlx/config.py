@@ -17,14 +17,14 @@ COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
-# The default setting's decay (benchmarks/DEFAULTS.md): with K4/V4, the keys of tokens 6144 old are re-coded at K3.
 AUTO = "auto"
 DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
 WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
-DECAY_AFTER = 6144
-# Bits an integer width loses with age when none are given (0: that side keeps its bits at every age), never
-# below the floor. Values decayed to 2 bits were half the default's error at 16k on both Qwen models, so they keep
-# theirs (benchmarks/DEFAULTS.md).
+DECAY_AFTER = 6144  # the age decay starts at when it is asked for by its bits alone
+# Bits an integer width loses with age once decay is asked for but its bits are not given (0: that side keeps its
+# bits at every age), never below the floor. The default asks for none: decayed keys were most of its error at
+# 16k; values decayed to 2 bits were half the error at 16k on both Qwen models, so they keep theirs
+# (benchmarks/DEFAULTS.md).
 DECAY_STEP = {"key": 1, "value": 0}
 DECAY_FLOOR = {"key": 3, "value": 2}
 # Keys by their error (TurboQuantConfig.key_error) when none is given: the target that holds KL 0.01 at 16k and 32k
@@ -85,13 +85,12 @@ class TurboQuantConfig:
     above the 768-token window the default had before, for fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a
     log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
-    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Past 6144 tokens of
-    age, keys are re-coded one bit narrower (temporal decay; values keep their bits: decayed to 2 they were half
-    the error at 16k), and each layer's keys take the fewest bits from K4 up to K6 whose attention-logit error on
-    its first window's queries is at most KEY_ERROR (key_error): that is what holds both Qwen2.5-Coder models under
-    KL 0.01 at 16k (and Qwen2.5-Coder-0.5B at 32k), for about 1.5 bits/value more at 32k than decayed K3/V2 values
-    (benchmarks/DEFAULTS.md). A key stream whose tokens barely vary along their own mean direction (bias_outlier_factor >
-    protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
+    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Values take 3 bits with
+    their norms corrected (correct_norms) and no token decays: old keys re-coded a bit narrower were most of the
+    default's error at 16k, where V3 values cost less for the same bytes. Each layer's keys take the fewest bits from
+    K4 up to K6 whose attention-logit error on its first window's queries is at most KEY_ERROR (key_error): that is
+    what holds both Qwen2.5-Coder models under KL 0.01 at 16k (benchmarks/DEFAULTS.md). A key stream whose tokens
+    barely vary along their own mean direction (bias_outlier_factor > protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.models.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
     per-channel weights from the queries of the calibration tokens, the queries divided by them (weigh_keys,
@@ -101,17 +100,18 @@ class TurboQuantConfig:
     (though the queries of a later layer, and so its weights, move a little with the prefill chunks, as every
     activation past the first compression does).
 
-    Decay fields left at AUTO follow one rule for every width (auto_decay_bits): keys of tokens older than
-    DECAY_AFTER decay to one bit less (not below 3), values keep their bits: K4/V4 -> K3/V4, K5 -> K4 (a widened
-    layer); fractional and 8-bit widths, widths at the floor and QJL keys keep their bits at every age. key_error
-    left at AUTO is KEY_ERROR for weighed MSE keys at K4 (auto_key_error), None otherwise. An explicit
+    Decay fields left at AUTO decay nothing until decay is asked for (decay_after, either side's decay bits, or
+    value_error); then they follow one rule for every width (auto_decay_bits): keys of tokens older than
+    decay_after (DECAY_AFTER when not given) decay to one bit less (not below 3), values keep their bits:
+    K4/V3 -> K3/V3, K5 -> K4 (a widened layer); fractional and 8-bit widths, widths at the floor and QJL keys keep
+    their bits at every age. key_error left at AUTO is KEY_ERROR for weighed MSE keys at K4 (auto_key_error), None otherwise. An explicit
     value is always validated as given. The resolved values are the fields: dataclasses.replace(config,
-    key_bits=8) keeps K3 decay from a default config (derive_config(config, bits=8) derives both again, as the
+    key_bits=8) keeps K3 decay from a config that decays (derive_config(config, bits=8) derives both again, as the
     commands' flags do).
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4, 5, 6 or 8 (quantizer.MSE_BITS)
-    value_bits: float = 4
+    value_bits: float = 3
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
     window: int = 128  # recent tokens kept in the model's float dtype (0: compress every token at once)
     compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
@@ -152,8 +152,9 @@ class TurboQuantConfig:
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
-    correct_norms: bool = False  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
-    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding
+    correct_norms: bool = True  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
+    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on with
+    # the default's V3 values since 2026-12-05 (benchmarks/DEFAULTS.md)
     # Each query of a prefill chunk reads the cache as a decode step at its position would: the compressed tokens
     # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
     # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
@@ -244,9 +245,12 @@ class TurboQuantConfig:
                 if getattr(self, name) == AUTO:
                     set_(name, None)
             return
+        # bits left at AUTO follow auto_decay_bits once decay is asked for (an age, either side's bits, or
+        # value_error); asked for nothing, nothing decays
+        asked = self.value_error is not None or any(getattr(self, name) != AUTO for name in names)
         for side in DECAY_STEP:
             if getattr(self, f"decay_{side}_bits") == AUTO:  # values by their error choose theirs per layer
-                set_(f"decay_{side}_bits", None if side == "value" and self.value_error is not None
+                set_(f"decay_{side}_bits", None if not asked or (side == "value" and self.value_error is not None)
                      else auto_decay_bits(side, getattr(self, f"{side}_bits"), self.qjl))
         if self.decay_after == AUTO:
             decays = (any(getattr(self, f"decay_{side}_bits") is not None for side in DECAY_STEP)
@@ -348,14 +352,15 @@ class TurboQuantConfig:
 # Named settings, by what they trade (the commands' --tq-preset); their bytes: --plan, estimate_kv_bytes; their
 # measurements: benchmarks/DEFAULTS.md and the README's quality tables.
 PRESETS: dict[str, dict] = {
-    # K8/V4, 8-bit norms, no decay; the window each was measured with, whatever the default's
-    "quality": dict(key_bits=8, decay_after=None, window=768, calibration_tokens=None),
-    # K4/V4 with keys by their error (up to K6), 8-bit norms, keys past 6144 one bit narrower
+    # K8/V4, 8-bit norms, no decay; the window and norms each was measured with, whatever the default's
+    "quality": dict(key_bits=8, value_bits=4, decay_after=None, window=768, calibration_tokens=None,
+                    correct_norms=False),
+    # K4/V3 with keys by their error (up to K6), 8-bit norms corrected, every token at its bits
     "default": {},
     # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes past ~8k tokens (below, its
     # 768-token window holds more than the default's 128)
     "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None, window=768,
-                    calibration_tokens=None),
+                    calibration_tokens=None, correct_norms=False),
 }
 
 
@@ -399,7 +404,7 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
                 and (decay_bits >= new_bits or new_bits != int(new_bits))):
             fields[name] = None
     merged = {**start, **fields}
-    vb = merged.get("value_bits", 4)
+    vb = merged.get("value_bits", TurboQuantConfig.value_bits)
     if "value_error" not in fields and merged.get("value_error") is not None and not value_widths(vb):
         merged["value_error"] = None  # old values decay by their error only from integer widths above the floor
     if merged.get("decay_after", AUTO) is not None and merged.get("value_error") is None and all(

@@ -41,7 +41,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
           "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
 
 
@@ -113,11 +113,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
                    help="a named setting the other --tq-* flags then adjust: quality (K8/V4, no decay), default "
-                        "(K4/V4; each layer's keys take up to K6 where their logit error exceeds "
-                        f"{format(d.key_error, 'g')}; keys of tokens past {d.decay_after} one bit narrower, values "
-                        "keep their bits), compact (K4/V3, tokens past 4096 decaying to K2/V2, keys not widened); all "
-                        f"with 8-bit norms, quality and compact with window {TurboQuantConfig.preset('compact').window}, "
-                        f"the default with {d.window} "
+                        f"({bits_label(d.key_bits, d.value_bits)}, norms corrected, no decay; each layer's keys take up "
+                        f"to K6 where their logit error exceeds {format(d.key_error, 'g')}), compact (K4/V3, tokens "
+                        "past 4096 decaying to K2/V2, keys not widened); all with 8-bit norms, quality and compact "
+                        f"with window {TurboQuantConfig.preset('compact').window}, the default with {d.window} "
                         f"calibrating on {d.calibration_tokens}; --plan gives their bytes, benchmarks/DEFAULTS.md their "
                         "measurements")
     g.add_argument(*names("--tq-bits", "--bits"), dest="tq_bits", type=bits_arg, metavar="B",
@@ -186,6 +185,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-correct-norms", dest="tq_correct_norms", action="store_true",
                    help="store each compressed token's norm so that its decoded vector keeps the token's norm "
                         f"(the same bytes; lower error at 2-3 bits) (default {d.correct_norms})")
+    g.add_argument("--tq-no-correct-norms", dest="tq_no_correct_norms", action="store_true",
+                   help="store each compressed token's own norm (its decoded vector's norm a little off)")
     g.add_argument("--tq-prefill-as-decode", dest="tq_prefill_as_decode", action="store_true",
                    help="each query of a prefill chunk reads the cache as a decode step at its position would (the "
                         "tokens a token-by-token cache holds in float, in float): a prompt's cache and logits do not "
@@ -200,12 +201,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"(default {d.key_half_steps})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
-                        f"(default {d.decay_after}; keys decay one bit, down to 3, values keep their bits, unless "
-                        "--tq-decay-*-bits say otherwise; fractional and 8-bit widths never decay)")
+                        "(default: none, every token keeps its bits; with it, keys decay one bit, down to 3, values "
+                        "keep their bits, unless --tq-decay-*-bits say otherwise; fractional and 8-bit widths never "
+                        "decay)")
     g.add_argument("--tq-decay-key-bits", dest="tq_decay_key_bits", type=decay_bits_arg, metavar="B",
-                   help="bits keys decay to: an integer below the key bits, or off (default "
-                        f"{format_bits(d.decay_key_bits)} at key bits {format_bits(d.key_bits)}: one bit less, not below 3; "
-                        "none for fractional or 8-bit keys)")
+                   help="bits keys decay to: an integer below the key bits, or off (default with --tq-decay-after: "
+                        "one bit less than the key bits, not below 3; none for fractional or 8-bit keys)")
     g.add_argument("--tq-decay-value-bits", dest="tq_decay_value_bits", type=decay_bits_arg, metavar="B",
                    help="bits values decay to: an integer below the value bits, or off (default off: values keep "
                         "their bits at every age)")
@@ -303,8 +304,12 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["center_keys"] = False
     if getattr(args, "tq_center_values", False) and getattr(args, "tq_no_center_values", False):
         raise ValueError("--tq-center-values and --tq-no-center-values contradict each other: give one")
+    if getattr(args, "tq_correct_norms", False) and getattr(args, "tq_no_correct_norms", False):
+        raise ValueError("--tq-correct-norms and --tq-no-correct-norms contradict each other: give one")
     if getattr(args, "tq_correct_norms", False):
         kw["correct_norms"] = True
+    if getattr(args, "tq_no_correct_norms", False):
+        kw["correct_norms"] = False
     if getattr(args, "tq_key_half_steps", False):
         kw["key_half_steps"] = True
     if getattr(args, "tq_prefill_as_decode", False) and getattr(args, "tq_no_prefill_as_decode", False):

@@ -210,8 +210,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append("keys not weighed")
     if config.center_keys != "rope":
         parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
-    if config.correct_norms:
-        parts.append("norms corrected")
+    if not config.correct_norms:
+        parts.append("norms not corrected")
     if not config.prefill_as_decode and config.window > 0:
         parts.append("prefill not read as decode")
     if config.value_error is not None:  # each layer's values choose between V2 and their own bits
