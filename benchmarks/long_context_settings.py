@@ -198,12 +198,16 @@ def rot(bits: int, window: int) -> Setting:
 
 
 ROT_WINDOW: dict[str, int] = {}
-_DEFAULT = {k: v for k, v in DEFAULTS.items() if k not in ("key_bits", "value_bits")}  # (tq takes the bits apart)
-DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_DEFAULT)
+def _without_bits(fields: dict) -> dict:
+    """A defaults dict's other fields (tq takes the bits apart)."""
+    return {k: v for k, v in fields.items() if k not in ("key_bits", "value_bits")}
+
+
+DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_without_bits(DEFAULTS))
 # the default before its values fell to V3 (norms corrected) and its keys stopped decaying
 DEFAULT_DATE = "2026-12-05"
-_1205 = {k: v for k, v in DEFAULTS_1205.items() if k not in ("key_bits", "value_bits")}
-DEFAULT_1205 = tq(4, 4, f"the default until {DEFAULT_DATE}", **_1205)
+_1205 = _without_bits(DEFAULTS_1205)
+DEFAULT_1205 = tq(DEFAULTS_1205["key_bits"], DEFAULTS_1205["value_bits"], f"the default until {DEFAULT_DATE}", **_1205)
 # the default before its window fell to 128 tokens (calibrating on 768 as that window did)
 WINDOW_DATE = "2026-12-04"
 _WIDE = dict(_1205, window=768, calibration_tokens=None)

@@ -410,7 +410,7 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     if merged.get("decay_after", AUTO) is not None and merged.get("value_error") is None and all(
             merged.get(f"decay_{side}_bits", AUTO) is None for side in ("key", "value")):
         merged["decay_after"] = None  # nothing left to decay to
-    kb = merged.get("key_bits", 4)
+    kb = merged.get("key_bits", TurboQuantConfig.key_bits)
     if "key_error" not in fields and merged.get("key_error", AUTO) != AUTO and (merged.get("qjl") or kb != int(kb)):
         merged["key_error"] = None  # widths by error choose among integer MSE widths: QJL or 2.5/3.5 keep theirs
     return fit_max_kv_size(TurboQuantConfig(**merged), max_kv_size)
