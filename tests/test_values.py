@@ -129,10 +129,15 @@ def test_the_choice_hardly_depends_on_how_the_prompt_is_fed(monkeypatch, lengths
     assert c.n_decayed == ref.n_decayed
 
 
-def test_the_error_is_the_output_error_of_re_coded_old_values():
+# the span is the first window's: the window itself, or the calibration tokens a smaller window waits for
+FIRST_WINDOWS = [{}, {"window": 32, "calibration_tokens": 96}]
+
+
+@pytest.mark.parametrize("first_window", FIRST_WINDOWS, ids=["window", "calibration"])
+def test_the_error_is_the_output_error_of_re_coded_old_values(first_window):
     """The sums against a direct computation: float attention of the span's queries, old values as coded at V4
     re-coded at V2 and V3."""
-    c = cache(value_error=1e-9)
+    c = cache(value_error=1e-9, **first_window)
     k, v, q = data()
     first, last = value_error_span(4, 96)
     sums = []
@@ -265,8 +270,9 @@ def test_trim_before_the_choice_forgets_the_sums_and_below_the_codes_forgets_the
 # --- bytes ------------------------------------------------------------------------------------------------------
 
 
-def test_bytes_follow_the_choice_at_every_stage():
-    cfg = TurboQuantConfig(**BASE, value_error=0.12)
+@pytest.mark.parametrize("first_window", FIRST_WINDOWS, ids=["window", "calibration"])
+def test_bytes_follow_the_choice_at_every_stage(first_window):
+    cfg = TurboQuantConfig(**{**BASE, **first_window}, value_error=0.12)
     first, last = value_error_span(4, 96)
     for n in (50, first + 10, last, 300, N):
         c = TurboQuantKVCache(cfg, layer_index=2, head_dim=D)

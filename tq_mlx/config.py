@@ -138,8 +138,8 @@ class TurboQuantConfig:
     key_half_steps: bool = False
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
     # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
-    # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the window's
-    # last third came. Needs integer value_bits of 3 to 7, no decay_value_bits and a window of 3 or more; caches
+    # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the first window's
+    # last third came (config.first_window). Needs integer value_bits of 3 to 7, no decay_value_bits and a window of 3 or more; caches
     # whose attention takes views ("codes" fetch) choose, the others keep their bits. None: every layer's values
     # follow decay_value_bits.
     value_error: float | None = None

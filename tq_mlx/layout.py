@@ -248,10 +248,11 @@ def part_bytes(config, tokens: int, dim: int, bits: float, qjl: bool = False, de
                   cap.window * dim * float_bytes)
 
 
-def value_error_span(sinks: int, window: int) -> tuple[int, int]:
+def value_error_span(sinks: int, first_window: int) -> tuple[int, int]:
     """The positions [first, last) of the queries whose attention outputs the values' error is measured on
-    (config.value_error, tq_mlx.stream.values): the window's last third."""
-    return sinks + window - window // 3, sinks + window
+    (config.value_error, tq_mlx.stream.values): the first window's last third (the calibration tokens, or the
+    window when larger)."""
+    return sinks + first_window - first_window // 3, sinks + first_window
 
 
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
@@ -270,7 +271,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     that do not decay, and it keeps its configured quantizer (and decay quantizer) next to the protecting one.
     widened: the bits the keys chose at calibration (config.key_error): codes at those bits decaying by the
     same step, and the configured quantizers kept next to theirs. narrow: values by their error (config.value_error)
-    that choose, once the queries of the window's last third came, the bits they decay to: these (`bits`: none);
+    that choose, once the queries of the first window's last third came, the bits they decay to: these (`bits`: none);
     before, their sums (float32 per width, kv head and query position) and quantizers at the widths below `bits`
     from the first of those queries on, and no decay.
     """
@@ -278,7 +279,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         return 0
     extra = 0
     if narrow is not None:
-        first, last = value_error_span(config.sinks, config.window)
+        first, last = value_error_span(config.sinks, config.first_window)
         decay_bits = narrow if tokens >= last and narrow < bits else None
         if first < tokens < last:
             widths = value_widths(bits)

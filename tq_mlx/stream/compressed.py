@@ -87,7 +87,7 @@ class CompressedStream:
     the calibration queries (one more number read back, once the queries came); a widened stream decays by
     the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.stream.values): the
     stream decays its tokens older than `age` to the bits it chooses once attention handed it the queries of its
-    window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
+    first window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
 
     def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, recoder: Callable = recode,
@@ -129,7 +129,7 @@ class CompressedStream:
         self.narrow_age, self.value_width, self.value_sums = None, None, None
         if plan.narrow is not None and plan.window:
             self.narrow_age = plan.narrow.age
-            self.value_sums = ValueSums(plan.sinks, plan.window, quantizer, plan.narrow.target)
+            self.value_sums = ValueSums(plan.sinks, plan.calibration, quantizer, plan.narrow.target)
 
     @property
     def dim(self) -> int:

@@ -3,8 +3,8 @@ values were re-coded at fewer bits, measured on its first window, and the bits t
 
 Layers differ by ten times in what their old values may lose: where attention spreads over many old tokens their
 errors average away, where it parks on a few, or the outputs are small next to the values, they do not. The
-window shows it before any token is old: its last third of queries (`span` = window // 3 of them, 256 at the
-default window) read the window's tokens at least `span` positions older than the first of them, far back and
+first window (the calibration tokens, or the window when larger) shows it before any token is old: its last third
+of queries (`span` = first_window // 3 of them, 256 at the default calibration) read the window's tokens at least `span` positions older than the first of them, far back and
 among many as decayed tokens are read, and the relative error of their outputs,
 
     √(Σ_q ‖Σ_i p_qi (v̂ᵇ_i − v̂_i)‖² / Σ_q ‖o_q‖²),   the largest over (batch, kv head),
@@ -54,11 +54,11 @@ def _recoded(x: mx.array, quantizer, scale: mx.array) -> mx.array:
 
 
 class ValueSums:
-    """The sums a value stream's choice of decay bits adds up over the queries of its window's last third."""
+    """The sums a value stream's choice of decay bits adds up over the queries of its first window's last third."""
 
-    def __init__(self, sinks: int, window: int, quantizer, target: float):
-        self.first, self.last = value_error_span(sinks, window)  # the queries' positions
-        self.old = (sinks, sinks + window - 2 * (window // 3))  # the tokens they read far back
+    def __init__(self, sinks: int, first_window: int, quantizer, target: float):
+        self.first, self.last = value_error_span(sinks, first_window)  # the queries' positions
+        self.old = (sinks, sinks + first_window - 2 * (first_window // 3))  # the tokens they read far back
         self.quantizer, self.target = quantizer, target
         self.widths = value_widths(quantizer.bits)  # the bits the values may decay to
         self.reset()
