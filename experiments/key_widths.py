@@ -83,9 +83,9 @@ def run_model(key: str, context: int, targets: list[float]) -> dict:
         print(f"  layer {i:2d}: logit error K4 predicted {r['predicted_4']:.3f} measured {r['measured_4']:.3f}, "
               f"attention {r['attention_4']:.2e} / {r['attention_5']:.2e} / {r['attention_6']:.2e} at K4/5/6", flush=True)
     D = captured[0][1].shape[-1]
-    widths = {f"{t:g}": [key_width(r["unit"], 4, 6, t, D) for r in layers] for t in targets}
+    widths = {f"{t:g}": [key_width(r["unit"], BITS, t, D) for r in layers] for t in targets}
     # what a width per kv head (each head its own fewest bits) would take instead of the layer's widest head's
-    head_widths = {f"{t:g}": [[key_width(u, 4, 6, t, D) for u in r["unit_heads"]] for r in layers] for t in targets}
+    head_widths = {f"{t:g}": [[key_width(u, BITS, t, D) for u in r["unit_heads"]] for r in layers] for t in targets}
     return {"model": label, "context": context, "layers": layers, "widths": widths, "head_widths": head_widths}
 
 

@@ -881,6 +881,42 @@ def test_calibration_shift_scores_the_body_behind_another_texts_opening(tmp_path
     assert cells["none"]["rows"]["float"]["ppl"] != cells["code"]["rows"]["float"]["ppl"]
 
 
+def test_layer_sensitivity_allocations_and_widths_follow_the_costs() -> None:
+    # layer_sensitivity.py's rules: a width by output error is the fewest bits whose error (K4's scaled by D_mse) holds
+    # the target, K6 when none does, a protected layer none; the greedy allocation meets its budget with the fewest
+    # bits and widens the costly layer first.
+    sys.path.insert(0, str(EXPERIMENTS))
+    import layer_sensitivity as ls
+
+    from tq_mlx.quant.codebook import lloyd_max
+
+    r5 = lloyd_max(64, 5).mse / lloyd_max(64, 4).mse
+    assert ls.output_widths([1e-3, 1e-3 / r5 * 0.99, 1.0, None, 0.0], 1e-3, 64) == [4.0, 5.0, 6.0, None, 3.0]
+    w = ls.allocate([1.0, 0.01], 1.05, 64)
+    assert w == [4, 3], w
+    w = ls.allocate([1.0, 0.01], 0.5, 64)
+    assert w == [5, 3] and 1.0 * r5 + 0.01 * lloyd_max(64, 3).mse / lloyd_max(64, 4).mse <= 0.5
+
+
+def test_layer_sensitivity_measures_each_layer_alone(tmp_path) -> None:
+    # layer_sensitivity.py on two SmolLM2 layers at 1.5k: each layer alone gives a KL above 0 (its keys coded, the
+    # rest float), beside the cache's own predicted error and output error; a context too short is refused.
+    env, out = script_env(), tmp_path / "probe.json"
+    base = [sys.executable, str(EXPERIMENTS / "layer_sensitivity.py"), "--models", "smollm2"]
+    bad = subprocess.run([*base, "--context", "1024"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--context must be at least 1412" in bad.stderr, bad.stderr[-2000:]
+    proc = subprocess.run([*base, "--context", "1536", "--layers", "3,11", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["kind"] == "layers" and [r["layer"] for r in cell["layers"]] == [3, 11]
+    for r in cell["layers"]:
+        assert r["kl"] > 0 and r["predicted_4"] > 0 and r["output_error_4"] > 0 and 4 <= r["width"] <= 6, r
+    # layer 3's keys cost the model more than layer 11's, and its own output error says so
+    a, b = cell["layers"]
+    assert a["kl"] > b["kl"] and a["output_error_4"] > b["output_error_4"], cell["layers"]
+
+
 def test_a_probe_run_again_replaces_its_own_cells_and_keeps_the_rest(tmp_path) -> None:
     # common.write_cells, called after each cell: an earlier run's cells that this run does not measure stay, the one it
     # measures again is replaced (once, however many times it writes), and a fresh file holds just this run's.
