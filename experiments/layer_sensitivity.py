@@ -115,12 +115,10 @@ def output_errors(model, ids: list[int], base: float) -> list[float]:
         j = mx.arange(N)[None]
         coded = (j >= d.sinks) & (j < pos - d.window)
         seen = j <= pos
-        def attend(keys):  # noqa: E306
-            s_ = mx.where(seen, ql @ keys.swapaxes(-1, -2), -mx.inf)
-            return mx.softmax(s_, axis=-1, precise=True) @ v
-        o = attend(k)
-        s_hat = mx.where(coded, ql @ k_hat.swapaxes(-1, -2), ql @ k.swapaxes(-1, -2))
-        o_hat = mx.softmax(mx.where(seen, s_hat, -mx.inf), axis=-1, precise=True) @ v
+        exact = ql @ k.swapaxes(-1, -2)
+        o = mx.softmax(mx.where(seen, exact, -mx.inf), axis=-1, precise=True) @ v
+        coded_scores = mx.where(coded, ql @ k_hat.swapaxes(-1, -2), exact)
+        o_hat = mx.softmax(mx.where(seen, coded_scores, -mx.inf), axis=-1, precise=True) @ v
         out.append(float(mx.sum(mx.square(o_hat - o)) / mx.sum(mx.square(o))))
     return out
 
