@@ -60,6 +60,11 @@ CHUNK = 512
 WIDTHS = (3, 4, 5, 6)
 
 
+def mse_ratios(D: int, base: int = 4) -> dict[int, float]:
+    """D_mse(b) / D_mse(base) for each of WIDTHS: what a layer's error at `base` bits is scaled by at b bits."""
+    return {b: lloyd_max(D, b).mse / lloyd_max(D, base).mse for b in WIDTHS}
+
+
 def predicted(model, ids: list[int]) -> tuple[list[float], list[float]]:
     """The default cache's predicted K4 logit error (the worst kv head's) and chosen width per attention layer, from
     the calibration queries of the first tokens of ids: key_width's own inputs, recorded as it is called."""
@@ -90,7 +95,7 @@ def predicted(model, ids: list[int]) -> tuple[list[float], list[float]]:
     return out, widths
 
 
-def output_errors(model, ids: list[int], base: float) -> list[float]:
+def output_errors(model, mcfg: dict, ids: list[int]) -> list[float]:
     """Per attention layer: ‖o(K4 codes) − o‖² / ‖o‖² summed over the first window's last third of queries (all
     heads), each query reading as codes the tokens between the sinks and its 128 most recent, the rest float."""
     d = TurboQuantConfig()
@@ -105,7 +110,7 @@ def output_errors(model, ids: list[int], base: float) -> list[float]:
         H = k.shape[1]
         G = Hq // H
         rope = probe(model.model.layers[i].self_attn.rope, D)
-        mean = centered_means(k, "rope", calib, base)
+        mean = centered_means(k, "rope", calib, float(mcfg.get("rope_theta", 10000.0)))
         qc = q.reshape(B, H, G, N, D)[:, :, :, calib].reshape(B, H, -1, D)
         w = query_weights(mx.sum(qc * qc, axis=2), (k - mean)[:, :, calib], rope)[:, :, None]
         quant = TurboQuantMSE(D, 4, seed=1)
@@ -125,12 +130,13 @@ def output_errors(model, ids: list[int], base: float) -> list[float]:
 
 def output_widths(errors: list[float | None], target: float, D: int) -> list[float | None]:
     """Each layer's fewest bits (WIDTHS) whose output error is at most target (None: a protected layer)."""
-    mse = {b: lloyd_max(D, b).mse / lloyd_max(D, 4).mse for b in WIDTHS}
+    mse = mse_ratios(D)
     return [None if e is None else float(next((b for b in WIDTHS if e * mse[b] <= target), WIDTHS[-1]))
             for e in errors]
 
 
-def check(model, key: str, text: str, ids: list[int], contexts: list[int], widths: list[float | None]) -> dict:
+def check(model, key: str, mcfg: dict, text: str, ids: list[int], contexts: list[int],
+          widths: list[float | None]) -> dict:
     """The default cache to `contexts` with the key widths forced (key_width returns them in layer order)."""
     forced = [w for w in widths if w is not None]
     calls = [0]
@@ -154,14 +160,14 @@ def check(model, key: str, text: str, ids: list[int], contexts: list[int], width
     float_rows = ref.row(contexts)
     att = [c for c in cache if hasattr(c, "key_stream")]
     taken = [float(c.key_bits) for c in att]
-    n_att, H, D = caches.kv_geometry(long_context._MODEL_CONFIG[0])
+    geometry = caches.kv_geometry(mcfg)
     out = {}
     for c, r in res.items():
         # bits/value as the tables price them: the float parts in float16, the widths the layers took
         row = {"kl": r["kl"], "kl_se": r["kl_se"], "ppl_delta_pct": 100 * (r["ppl"] / float_rows[c]["ppl"] - 1),
                "ppl_delta_pct_se": r["ppl_delta_pct_se"], "bits_as_run": r["bits_real"],
-               "bits_float16": float(estimate_kv_bytes(
-                   long_context._MODEL_CONFIG[0], c, cfg, dtype="float16", key_widths=taken)) * 8 / (c * n_att * H * D * 2)}
+               "bits_float16": common.bits_per_value(
+                   estimate_kv_bytes(mcfg, c, cfg, dtype="float16", key_widths=taken), c, geometry)}
         out[str(c)] = row
         print(f"  forced widths @{c}: KL {row['kl']:.4f} ± {row['kl_se']:.4f}, ΔPPL {row['ppl_delta_pct']:+.2f}%, "
               f"{row['bits_float16']:.2f} bits/value (float parts in float16), {row['bits_as_run']:.2f} as run",
@@ -173,7 +179,7 @@ def allocate(costs: list[float], budget: float, D: int) -> list[int]:
     """Whole widths (WIDTHS) per layer, fewest bits first: start every layer at the narrowest, then widen the layer
     whose next bit removes the most cost per bit until the summed cost is within budget (cost at b bits: cost ×
     D_mse(b) / D_mse(4))."""
-    mse = {b: lloyd_max(D, b).mse / lloyd_max(D, 4).mse for b in WIDTHS}
+    mse = mse_ratios(D)
     b = [WIDTHS[0]] * len(costs)
     total = lambda: sum(c * mse[w] for c, w in zip(costs, b))  # noqa: E731
     while total() > budget:
@@ -195,7 +201,7 @@ def layer_cells(model, key: str, mcfg: dict, text: str, ids: list[int], context:
         print(f"  float pass to {context} ...", flush=True)
         long_context.run_pass(model, make_prompt_cache(model), ids, [context], CHUNK, CHUNK, None, store=ref)
     pred, widths = predicted(model, ids)
-    outerr = output_errors(model, ids, float(mcfg.get("rope_theta", 10000.0)))
+    outerr = output_errors(model, mcfg, ids)
     cfg = TurboQuantConfig(key_bits=bits, value_bits=8, key_error=None)
     att = [i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache]
     rows = []
@@ -219,7 +225,7 @@ def layer_cells(model, key: str, mcfg: dict, text: str, ids: list[int], context:
 def allocations(rows: list[dict], D: int, bits: int = 4) -> dict:
     """The default's mean key bits and summed KL over the unprotected layers, and each allocation's widths, mean
     key bits, summed KL and how well its cost's log follows the measured KL's (Pearson)."""
-    mse = {b: lloyd_max(D, b).mse / lloyd_max(D, bits).mse for b in WIDTHS}
+    mse = mse_ratios(D, bits)
     free = [r for r in rows if not r["protected"] and r["predicted_4"] is not None]
     kl = [r["kl"] for r in free]
     budget = sum(r["kl"] * mse[int(r["width"])] for r in free)
@@ -240,11 +246,11 @@ def allocations(rows: list[dict], D: int, bits: int = 4) -> dict:
 def check_cell(model, key: str, mcfg: dict, text: str, ids: list[int], contexts: list[int], target: float) -> dict:
     """The default cache with each layer's key width by its output error (output_widths at `target`)."""
     _, _, D = caches.kv_geometry(mcfg)
-    outerr = output_errors(model, ids, float(mcfg.get("rope_theta", 10000.0)))
+    outerr = output_errors(model, mcfg, ids)
     pred, _ = predicted(model, ids)  # the layers that protect themselves take no width
     widths = output_widths([None if p is None else e for p, e in zip(pred, outerr)], target, D)
     print(f"  widths by output error ≤ {target:g}: {widths}", flush=True)
-    return {"output_target": target, "output_errors": outerr, **check(model, key, text, ids, contexts, widths)}
+    return {"output_target": target, "output_errors": outerr, **check(model, key, mcfg, text, ids, contexts, widths)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def table(cells: list[dict]) -> str:
-    """The layers cells as one row per model and text."""
+    """The layers cells, one row per model and text, then the check cells, one row per context."""
     rows = []
     for c in cells:
         if c["kind"] != "layers":
