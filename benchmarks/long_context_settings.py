@@ -61,6 +61,9 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.key_error is not None:
         extra.append(f"keys up to K6 above logit error {cfg.key_error:g}"
                      + (" in half steps" if cfg.key_half_steps else ""))
+    if cfg.key_output_error is not None:
+        extra.append(f"keys K3-K6 within output error {cfg.key_output_error:g}"
+                     + (" in half steps" if cfg.key_half_steps else ""))
     if cfg.value_error is not None:
         extra.append(f"old values down to V2 within output error {cfg.value_error:g}")
     if cfg.correct_norms:
@@ -77,15 +80,16 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
                   r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [h][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
-    the queries; e0.2: key_error 0.2; h: keys widen in half steps too; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
+    [h][o<key output error>][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    the queries; e0.2: key_error 0.2; h: keys widen in half steps too; o0.014: key_output_error 0.014, the keys' widths K3-K6 by
+    their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
     corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
     them; bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
@@ -123,6 +127,8 @@ def parse_setting(key: str) -> Setting:
         over["key_error"] = float(m["error"])
     if m["half"]:
         over["key_half_steps"] = True
+    if m["oerror"]:
+        over["key_output_error"] = float(m["oerror"])
     if m["verror"]:
         over["value_error"] = float(m["verror"])
     if m["nc"]:

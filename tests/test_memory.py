@@ -301,6 +301,9 @@ LAYOUT_SWEEP = {
     "keys widened to 6": dict(window=24, calibration_tokens=None, compress_block=8, sinks=3, step=16, decay_after=40, key_error=0.03),
     "keys widened to 5": dict(key_bits=4, value_bits=3, window=16, calibration_tokens=None, compress_block=8, sinks=0, step=16,
                               decay_after=None, key_error=0.07),
+    # keys K3-K6 by their output error: the queries of the first window's last third held until the first compression
+    "keys by output error": dict(key_bits=4, value_bits=3, window=8, calibration_tokens=30, compress_block=4, sinks=2,
+                                 step=16, decay_after=40, key_output_error=0.05),
     # the first compression waits for 30 tokens (held in float), the window holds 8 from then on
     "calibration tokens": dict(window=8, compress_block=4, sinks=2, step=16, decay_after=40, calibration_tokens=30),
 }
@@ -327,7 +330,9 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
             lays[0].sinks, lays[0].window, lays[0].compressed, lays[0].dropped), (name, M, n)
         assert cache.n_decayed == tuple(lay.decayed for lay in lays), (name, M, n)
         bound = dict(max_kv_size=cache.max_size, float_bytes=4, heads=H)
-        q = dict(qjl=layer_plan(cfg).keys.qjl, center=bool(cfg.center_keys), weigh=cfg.weigh_keys)
+        by_output = cfg.key_output_error is not None  # the model's 4 query heads: 2 per kv head
+        q = dict(qjl=layer_plan(cfg).keys.qjl, center=bool(cfg.center_keys), weigh=cfg.weigh_keys,
+                 span_heads=2 if by_output else None)
         kd, vd = layer_plan(cfg, 0, None).decay_bits
         width = cache.key_bits if cache.key_stream.widened else None  # the keys' choice (key_error)
         assert cache.key_stream.nbytes == stream_bytes(cfg, n, D, cfg.key_bits, decay_bits=kd, widened=width, **q,
@@ -335,13 +340,13 @@ def test_layout_equals_a_real_cache_at_every_token(name, M):
         assert cache.value_stream.nbytes == stream_bytes(cfg, n, D, cfg.value_bits, decay_bits=vd,
                                                          center=cfg.center_values, **bound)
         layer = turboquant_layer_bytes(n, H, D, D, cfg.key_bits, cfg.value_bits, cfg, float_bytes=4,
-                                       max_kv_size=cache.max_size, key_width=width)
+                                       max_kv_size=cache.max_size, key_width=width, query_heads=2)
         bound = dict(dtype="float32", max_kv_size=cache.max_size)
         assert cache.nbytes == layer == estimate_kv_bytes(model, n, cfg, key_widths=[width], **bound), (name, M, n)
         # without the cache, the plan prices the most the keys may take (the least: widen_layer_bytes less)
         most = estimate_kv_bytes(model, n, cfg, **bound)
         extra = widen_layer_bytes(model, n, cfg, **bound)
-        assert (extra > 0) == (cfg.key_error is not None and cfg.key_bits < WIDEST_KEY_BITS), (name, n)
+        assert (extra > 0) == ((cfg.key_error is not None or by_output) and cfg.key_bits < WIDEST_KEY_BITS), (name, n)
         if width is None:
             assert most == layer + extra, (name, M, n)
         else:

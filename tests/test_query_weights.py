@@ -579,3 +579,150 @@ def test_the_width_reads_one_number_per_stream_and_decode_then_reads_none(monkey
             at += L
         _ = cache.state, cache.nbytes
     assert len(reads) == 1 and cache.n_decayed[0] > 0
+
+
+# ===================================================================================== keys by their output error
+from tq_mlx.stream.calibration import output_errors  # noqa: E402
+from tq_mlx.stream.view import first_tokens  # noqa: E402
+
+SPAN_CFG = dict(key_bits=4, value_bits=4, window=32, calibration_tokens=96, protect_factor=None, decay_after=96,
+                decay_key_bits=3, decay_value_bits=2)  # sinks 2: the span is positions 66 .. 97
+
+
+def by_output(target, chunks=(300,), **kw):
+    keys, values, queries = tokens(11, sum(chunks))
+    return run_cache(cfg(**(SPAN_CFG | dict(key_output_error=target) | kw)), keys, values, queries, list(chunks))[0]
+
+
+def float64_output_errors(queries, keys, coded, values, sinks, first, last, window):
+    """Per kv head, √(Σ‖ô − o‖² / Σ‖o‖²) over the queries of positions first .. last - 1 (all query heads), each
+    reading the tokens after the sinks at least window + 1 older than itself as `coded`, the rest as `keys`."""
+    q, k, c, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, coded, values))
+    G = q.shape[1] // k.shape[1]
+    out = []
+    for h in range(k.shape[1]):
+        num = den = 0.0
+        for p in range(first, last):
+            for g in range(G):
+                qv = q[0, h * G + g, p] * D**-0.5
+                j = np.arange(p + 1)
+                s_exact = k[0, h, : p + 1] @ qv
+                s = np.where((j >= sinks) & (j < p - window), c[0, h, : p + 1] @ qv, s_exact)
+                o = np.exp(s_exact - s_exact.max()) @ v[0, h, : p + 1] / np.exp(s_exact - s_exact.max()).sum()
+                oh = np.exp(s - s.max()) @ v[0, h, : p + 1] / np.exp(s - s.max()).sum()
+                num, den = num + ((oh - o) ** 2).sum(), den + (o**2).sum()
+        out.append(math.sqrt(num / den))
+    return out
+
+
+def test_output_errors_are_the_relative_output_error_of_reading_old_keys_as_codes():
+    rng = np.random.default_rng(3)
+    k = mx.array(rng.normal(size=(1, 2, 40, D)), dtype=mx.float32)
+    c = k + mx.array(rng.normal(size=(1, 2, 40, D)) * 0.1, dtype=mx.float32)
+    v = mx.array(rng.normal(size=(1, 2, 40, D)), dtype=mx.float32)
+    q = mx.array(rng.normal(size=(1, 4, 40, D)), dtype=mx.float32)
+    got = np.asarray(output_errors(q[:, :, 25:], k, [c, k], v, 3, 25, 8))
+    want = float64_output_errors(q, k, c, v, 3, 25, 40, 8)
+    assert np.allclose(got[0, :, 0], want, rtol=1e-4) and np.all(got[..., 1] == 0)
+
+
+def test_keys_take_the_fewest_bits_whose_output_error_is_under_the_target():
+    # each width's error, computed in float64 from caches coding at that width alone (the same calibration: their
+    # codes are those the stream measures), sets which width each target gives
+    keys, values, queries = tokens(11, 300)
+    one = by_output(1.0)
+    v = first_tokens(one.value_stream.view(), 98)
+    errors = {}
+    for b in (3, 4, 5, 6):
+        c, _ = run_cache(cfg(**(SPAN_CFG | dict(key_bits=b, key_error=None, decay_key_bits=None if b == 3 else b - 1))),
+                         keys, values, queries, [100])  # compressed, nothing decayed yet
+        errors[b] = max(float64_output_errors(queries, keys[:, :, :98], first_tokens(c.key_stream.view(), 98), v,
+                                              2, 66, 98, 32))
+    assert errors[3] > errors[4] > errors[5] > errors[6] > 0, errors
+    for b in (3, 4, 5, 6):
+        for target in (errors[b] * 1.02, (errors[b] + errors[b - 1]) / 2 if b > 3 else 1.0):
+            c = by_output(target)
+            assert c.key_bits == b and c.key_stream.widened == (b != 4), (b, target, errors)
+            assert c.decay_bits == (b - 1, 2) and c.key_stream.view().decayed.quantizer.bits == b - 1
+    assert by_output(errors[6] / 2).key_bits == 6  # none is under it: the widest
+    assert "keys K3 to K6 by their output error (at most 0.02)" in describe_config(cfg(key_output_error=0.02))
+
+
+def test_the_output_width_does_not_depend_on_how_the_prompt_is_fed():
+    cuts = [(300,), (40, 1, 1, 100, 158), (1,) * 99 + (201,), (70, 30, 200)]
+    caches = [by_output(0.2, c) for c in cuts]
+    assert len({c.key_bits for c in caches}) == 1 and caches[0].key_bits not in (4, 6)
+    for c in caches[1:]:
+        assert np.array_equal(np.asarray(c.key_stream.view().codes.codes), np.asarray(caches[0].key_stream.view().codes.codes))
+    assert all(c.key_stream.span.queries is None for c in caches)  # dropped once chosen
+
+
+def test_output_width_state_round_trips_while_the_queries_are_held():
+    keys, values, queries = tokens(11, 300)
+    config = cfg(**(SPAN_CFG | dict(key_output_error=0.2)))
+    whole, _ = run_cache(config, keys, values, queries, [300])
+    for cut in (50, 85, 98):
+        first, _ = run_cache(config, keys, values, queries, [cut])
+        meta, arrays = first.state
+        held = cut > 66
+        assert (arrays["k_span"] is not None) == held and meta["key_span_seen"] == ([66, cut] if held else [0, 0])
+        loaded = TurboQuantKVCache()
+        loaded.state = (meta, arrays)
+        kh, vh = loaded.update_and_fetch(keys[:, :, cut:], values[:, :, cut:])
+        turboquant_attention(queries[:, :, cut:], kh, vh, D**-0.5, "causal")
+        assert loaded.key_bits == whole.key_bits and loaded.nbytes == whole.nbytes
+        assert np.array_equal(np.asarray(loaded.key_stream.view().codes.codes), np.asarray(whole.key_stream.view().codes.codes))
+    meta, arrays = run_cache(config, keys, values, queries, [85])[0].state
+    with pytest.raises(ValueError, match="k_span: held queries, but this stream does not choose"):
+        TurboQuantKVCache().state = (dict(meta, config=dict(meta["config"], key_output_error=None)), arrays)
+    with pytest.raises(ValueError, match="k_span has shape"):
+        TurboQuantKVCache().state = (meta, dict(arrays, k_span=arrays["k_span"][..., :8]))
+
+
+def test_a_trim_forgets_the_held_queries_past_it_and_a_trim_to_nothing_chooses_again():
+    keys, values, queries = tokens(11, 300)
+    config = cfg(**(SPAN_CFG | dict(key_output_error=0.2)))
+    c, _ = run_cache(config, keys, values, queries, [90])
+    c.trim(10)
+    assert c.key_stream.span_seen == (66, 80)
+    c.trim(20)
+    assert c.key_stream.span_seen == (0, 0)
+    whole = by_output(0.2)
+    whole.trim(whole.offset)
+    assert whole.key_bits == 4 and whole.key_stream.span.queries is None
+
+
+def test_key_output_error_is_validated_and_derived():
+    from tq_mlx.config import derive_config
+
+    for bad in (0, -1, True, "0.1"):
+        with pytest.raises(ValueError, match="key_output_error must be a number > 0"):
+            TurboQuantConfig(key_output_error=bad)
+    with pytest.raises(ValueError, match="key_output_error and key_error both choose"):
+        TurboQuantConfig(key_output_error=0.02, key_error=0.1)
+    for kw in (dict(key_bits=3.5), dict(key_bits=3, qjl=True), dict(weigh_keys=False)):
+        with pytest.raises(ValueError, match="key_output_error needs weighed"):
+            TurboQuantConfig(key_output_error=0.02, **kw)
+    with pytest.raises(ValueError, match="needs a window of 3 or more"):
+        TurboQuantConfig(key_output_error=0.02, window=2, calibration_tokens=None)
+    c = TurboQuantConfig(key_output_error=0.02)  # the default's automatic key_error gives way
+    assert c.key_error is None and c.key_output_error == 0.02
+    assert derive_config(c, key_bits=3.5).key_output_error is None and derive_config(c, key_bits=5).key_output_error == 0.02
+    assert derive_config("default", key_output_error=0.02).key_error is None
+    assert TurboQuantConfig.from_dict(c.to_dict()) == c and TurboQuantConfig.from_dict(
+        TurboQuantConfig().to_dict()).key_output_error is None
+
+
+def test_the_output_width_reads_one_number_and_decode_then_reads_none(monkeypatch):
+    from tests.support.host_sync import forbid_host_sync
+
+    keys, values, queries = tokens(11, 250)
+    cache, _ = run_cache(cfg(**(SPAN_CFG | dict(key_output_error=0.2))), keys, values, queries, [130])
+    assert cache.key_stream.widened
+    with forbid_host_sync(monkeypatch):
+        at = 130
+        for L in (1, 1, 9, 1, 40, 1):
+            kh, vh = cache.update_and_fetch(keys[:, :, at : at + L], values[:, :, at : at + L])
+            turboquant_attention(queries[:, :, at : at + L], kh, vh, D**-0.5, "causal" if L > 1 else None)
+            at += L
+        _ = cache.state, cache.nbytes

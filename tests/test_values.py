@@ -149,7 +149,7 @@ def test_the_error_is_the_output_error_of_re_coded_old_values(first_window):
         ValueSums.choose = orig
     vs = c.value_stream
     keys_view, values_view = c.keys_and_values()
-    from tq_mlx.stream.values import first_tokens
+    from tq_mlx.stream.view import first_tokens
 
     kf, vf = first_tokens(keys_view, last), first_tokens(values_view, last)
     qs = q[:, :, first:last].reshape(1, 2, 2 * (last - first), D) * D**-0.5

@@ -34,8 +34,8 @@ from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream.compressed import CompressedStream
 from .stream.view import StreamView, with_recent
 
-STATE_VERSION = 10
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+STATE_VERSION = 11
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 # The fields of a state's meta each version added, with the meaning their absence had before (version 2 renamed
 # the config's `block`, TurboQuantConfig.from_dict reads either; 3 added each stream's `scale` and float buffers in
 # the model's dtype, 7 each stream's RoPE: arrays, read by tq_mlx.stream.codec).
@@ -45,6 +45,7 @@ ADDED_FIELDS = {
     6: {"n_decayed": [0, 0]},  # temporal decay
     9: {"key_bits": None, "query_count": None},  # widths by error; the queries summed for the weights
     10: {"value_width": None, "value_seen": [0, 0]},  # values by their error and the sums they come from
+    11: {"key_span_seen": [0, 0]},  # keys by their output error: the positions of the queries they hold
 }
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
@@ -368,12 +369,16 @@ class TurboQuantKVCache(_BaseCache):
     def learn(self, queries: mx.array, keys: StreamView, values, scale: float | None = None):
         """What the cache learns from the queries (B, n_q_heads, L, D) that attend its last L tokens, in one step
         before attention reads its views (tq_mlx.batch.learned calls it, from the attention hook): the key stream
-        sums them for its weights and width (a first compression coded before they came is coded again), then the
+        sums them for its weights and width (a first compression coded before they came is coded again; keys by
+        their output error hold them and read the value stream's first tokens), then the
         value stream measures, on the keys' view, the error its old values would give at fewer bits. Returns the
         views to attend (keys, values); `values` as given when the value stream learns nothing."""
         given = keys
-        keys = self.key_stream.observe(queries, scale) if self.key_stream.wants_queries else self.key_stream.view()
         v = self.value_stream
+        if self.key_stream.wants_queries:  # keys by their output error read the values at their first compression
+            keys = self.key_stream.observe(queries, scale, values=None if v is None else v.view())
+        else:
+            keys = self.key_stream.view()
         if v is not None and v.wants_queries and isinstance(values, StreamView):
             values = with_recent(v.observe(queries, scale, keys), values.recent)
         return with_recent(keys, given.recent)._replace(learn=None), values
@@ -513,6 +518,7 @@ class TurboQuantKVCache(_BaseCache):
             "query_count": self.key_stream.query_sums.count if self.key_stream else 0,
             "value_width": self.value_width,  # the bits old values chose (value_error; None: not chosen)
             "value_seen": list(self.value_stream.value_seen if self.value_stream else (0, 0)),
+            "key_span_seen": list(self.key_stream.span_seen if self.key_stream else (0, 0)),
             "fetch": self.fetch,
             "max_size": self.max_size,
             "n_dropped": self.n_dropped,
@@ -549,6 +555,10 @@ class TurboQuantKVCache(_BaseCache):
             if not isinstance(value_seen, (list, tuple)) or len(value_seen) != 2:
                 raise ValueError(f"TurboQuantKVCache state has value_seen {value_seen!r}; expected [start, end]")
             value_seen = tuple(check_int("value_seen", t, 0) for t in value_seen)
+            span_seen = meta["key_span_seen"]
+            if not isinstance(span_seen, (list, tuple)) or len(span_seen) != 2:
+                raise ValueError(f"TurboQuantKVCache state has key_span_seen {span_seen!r}; expected [start, end]")
+            span_seen = tuple(check_int("key_span_seen", t, 0) for t in span_seen)
             fetch = meta["fetch"]
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
@@ -599,7 +609,7 @@ class TurboQuantKVCache(_BaseCache):
             widen = self.key_stream.widen
             widths = () if widen is None else widen.widths(self.key_bits)
             if not n_c or key_bits not in widths:
-                raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error and compressed "
+                raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error or key_output_error and compressed "
                           f"tokens, to {', '.join(map(format_bits, widths or (self.key_bits, WIDEST_KEY_BITS)))} bits")
             self.key_stream.set_bits(check_bits(key_bits, allowed=QUANTIZER_BITS))
         if value_width is not None:
@@ -612,6 +622,6 @@ class TurboQuantKVCache(_BaseCache):
             for s, d in zip(self.streams, n_decayed):
                 if d > n_c:
                     raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
-                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count, value_seen)
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count, value_seen, span_seen)
         except ValueError as e:
             raise bad(str(e)) from None

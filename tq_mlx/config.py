@@ -20,6 +20,7 @@ DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share t
 AUTO = "auto"
 DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
 WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
+NARROWEST_KEY_BITS = 3  # the fewest bits key_output_error gives a layer's keys
 DECAY_AFTER = 6144  # the age decay starts at when it is asked for by its bits alone
 # Bits an integer width loses with age once decay is asked for but its bits are not given (0: that side keeps its
 # bits at every age), never below the floor. The default asks for none: decayed keys were most of its error at
@@ -136,6 +137,13 @@ class TurboQuantConfig:
     # most energy at the calibration (after the weights) one bit wider, each group rotated on its own (two norms
     # per token). No effect where keys do not widen (key_error None).
     key_half_steps: bool = False
+    # Keys by their output error instead: the largest relative error of the attention outputs a layer's keys may give
+    # the queries of its first window's last third, each reading the tokens more than a window older than itself as
+    # codes (tq_mlx.stream.calibration.output_errors); the layer's keys take the fewest bits from NARROWEST_KEY_BITS
+    # up to WIDEST_KEY_BITS whose error, measured by coding its calibration keys at each, is at most this, chosen at
+    # its first compression. Needs query weights, integer MSE key bits, no key_error and a window of 3 or more.
+    # None: off (key_error decides, if set).
+    key_output_error: float | None = None
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
     # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
     # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the first window's
@@ -188,7 +196,7 @@ class TurboQuantConfig:
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
         e = self.key_error
         if e == AUTO:
-            e = auto_key_error(self.key_bits, self.qjl, self.weigh_keys)
+            e = None if self.key_output_error is not None else auto_key_error(self.key_bits, self.qjl, self.weigh_keys)
             set_("key_error", e)
         if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0):
             raise ValueError(f"key_error must be a number > 0, None (keys keep key_bits) or {AUTO!r}, got {e!r}")
@@ -196,6 +204,7 @@ class TurboQuantConfig:
             raise ValueError(f"key_error needs integer key_bits without QJL (the widths it chooses from are "
                              f"{format_bits(self.key_bits)} .. {WIDEST_KEY_BITS}), got key_bits="
                              f"{format_bits(self.key_bits)}{' with qjl' if self.qjl else ''}")
+        self._check_key_output_error()
         self._check_value_error()
         if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
@@ -214,6 +223,23 @@ class TurboQuantConfig:
                 )
         self._resolve_decay()
         self._check_decay()
+
+    def _check_key_output_error(self) -> None:
+        e = self.key_output_error
+        if e is None:
+            return
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
+            raise ValueError(f"key_output_error must be a number > 0 or None (off), got {e!r}")
+        if self.key_error is not None:
+            raise ValueError(f"key_output_error and key_error both choose the keys' widths: set one, got key_error="
+                             f"{self.key_error!r} and key_output_error={e!r}")
+        if self.qjl or self.key_bits != int(self.key_bits) or not self.weigh_keys:
+            raise ValueError(f"key_output_error needs weighed (weigh_keys) integer MSE key bits (the widths it "
+                             f"chooses from are {NARROWEST_KEY_BITS} .. {WIDEST_KEY_BITS}), got key_bits="
+                             f"{format_bits(self.key_bits)}{' with qjl' if self.qjl else ''}, weigh_keys={self.weigh_keys}")
+        if isinstance(self.window, int) and self.window < 3:
+            raise ValueError(f"key_output_error measures on the first window's queries: it needs a window of 3 or "
+                             f"more, got {self.window!r}")
 
     def _check_value_error(self) -> None:
         e = self.value_error
@@ -337,7 +363,7 @@ class TurboQuantConfig:
         d.setdefault("correct_norms", False)
         d.setdefault("key_half_steps", False)
         d.setdefault("prefill_as_decode", False)
-        for name in ("key_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
+        for name in ("key_error", "key_output_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")
         for name in ("decay_after", "decay_key_bits", "decay_value_bits"):
@@ -413,6 +439,9 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     kb = merged.get("key_bits", TurboQuantConfig.key_bits)
     if "key_error" not in fields and merged.get("key_error", AUTO) != AUTO and (merged.get("qjl") or kb != int(kb)):
         merged["key_error"] = None  # widths by error choose among integer MSE widths: QJL or 2.5/3.5 keep theirs
+    if "key_output_error" not in fields and merged.get("key_output_error") is not None and (
+            merged.get("qjl") or kb != int(kb)):
+        merged["key_output_error"] = None
     return fit_max_kv_size(TurboQuantConfig(**merged), max_kv_size)
 
 
@@ -444,7 +473,8 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
         if window < block:  # too small for two blocks next to a window: a window and blocks of 1
             window, block = room - 1, 1
     return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block, calibration_tokens=None,
-                               value_error=config.value_error if window >= 3 else None)
+                               value_error=config.value_error if window >= 3 else None,
+                               key_output_error=config.key_output_error if window >= 3 else None)
 
 
 def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:

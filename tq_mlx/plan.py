@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .config import WIDEST_KEY_BITS, TurboQuantConfig
+from .config import NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig
 from .layout import stream_bytes, widened_decay
 from .quant.quantizer import PROD_BITS
 
@@ -31,17 +31,24 @@ class Protect(NamedTuple):
 
 
 class Widen(NamedTuple):
-    """Key widths by error (config.key_error): the fewest bits up to `max_bits` whose logit error on the
-    calibration queries is at most `target` (calibration.key_width)."""
+    """Key widths by error: the fewest bits up to `max_bits` whose logit error on the calibration queries is at
+    most `target` (config.key_error, calibration.key_width), or with `least` (config.key_output_error) the fewest
+    from `least` whose attention-output error on the first window's last third of queries is (output_errors)."""
 
     target: float
     max_bits: int
     step: float = 1  # 0.5 (config.key_half_steps): half steps too, the extra half bit on a quarter of the channels
+    least: int | None = None  # keys by their output error: the narrowest width (None: by their logit error)
+
+    @property
+    def output(self) -> bool:
+        return self.least is not None
 
     def widths(self, bits: float) -> tuple[float, ...]:
-        """Every width keys configured at `bits` may take: bits, then steps of `step` up to max_bits."""
-        n = int(round((self.max_bits - bits) / self.step))
-        return tuple(int(w) if w == int(w) else w for w in (bits + i * self.step for i in range(n + 1)))
+        """Every width keys configured at `bits` may take: bits (or `least`), then steps of `step` up to max_bits."""
+        start = bits if self.least is None else min(self.least, bits)
+        n = int(round((self.max_bits - start) / self.step))
+        return tuple(int(w) if w == int(w) else w for w in (start + i * self.step for i in range(n + 1)))
 
 
 class Narrow(NamedTuple):
@@ -168,13 +175,16 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
     weigh = c.weigh_keys and fetch == "codes"
-    widens = c.key_error is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
+    target = c.key_error if c.key_error is not None else c.key_output_error
+    widens = target is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
     protects = c.protect_factor is not None and c.protect_bits > kb
     keys = StreamPlan("k", kb, c.qjl and kb in PROD_BITS, layer_seed(c.seed, layer_index, 0),
                       center=bool(c.center_keys), rope=rope and c.center_keys == "rope" and not k_eq_v and not latent,
                       weigh=weigh, decay=None if kd is None else (age, kd),
                       protect=Protect(c.protect_factor, c.protect_bits) if protects else None,
-                      widen=Widen(c.key_error, WIDEST_KEY_BITS, 0.5 if c.key_half_steps else 1) if widens else None, **tokens)
+                      widen=Widen(target, WIDEST_KEY_BITS, 0.5 if c.key_half_steps else 1,
+                                  None if c.key_output_error is None else NARROWEST_KEY_BITS) if widens else None,
+                      **tokens)
     values = None
     if latent:  # the rope key: key bits, centered like keys, decaying at the key's decay bits
         values = StreamPlan("v", kb, False, layer_seed(c.seed, layer_index, 1), center=bool(c.center_keys),
@@ -189,7 +199,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
 
 def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, *, batch: int = 1,
                 float_bytes: int = 2, max_kv_size: int | None = None, rope_pairs: int | None = None,
-                protected: bool = False, key_width: float | None = None, value_width: int | None = None) -> int:
+                protected: bool = False, key_width: float | None = None, value_width: int | None = None,
+                query_heads: int = 1) -> int:
     """TurboQuantKVCache.nbytes of a layer built from `plan` after `tokens` tokens (filled in one prefill or
     token by token; bounded caches token by token), each stream priced by layout.stream_bytes.
 
@@ -197,12 +208,13 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
     themselves), key_width (the width the keys chose by their error; None: their bits), value_width (the bits
     old values chose, or their own bits: kept; None: not chosen yet). rope_pairs: the channel pairs the layer's
     RoPE rotates (priced where the plan centers keys before RoPE). value_dim 0: zero-wide values (an indexer's
-    keys-only cache), no value stream."""
+    keys-only cache), no value stream. query_heads: query heads per kv head (keys by their output error hold the
+    queries of their first window's last third until their first compression)."""
     k, v, c = plan.keys, plan.values, plan.config
     common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
     total = stream_bytes(c, tokens, key_dim, k.bits, qjl=k.qjl, decay_bits=k.decay_bits, protected=protected,
                          widened=key_width, center=k.center, weigh=k.weigh, rope_pairs=rope_pairs if k.rope else None,
-                         **common)
+                         span_heads=query_heads if k.widen is not None and k.widen.output else None, **common)
     if v is not None and value_dim:
         total += stream_bytes(c, tokens, value_dim, v.bits, decay_bits=v.decay_bits, center=v.center,
                               narrow=value_width if v.narrow is not None else None, **common)

@@ -42,7 +42,7 @@ _FIELDS = {
     "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
-          "tq_no_decay", "tq_key_error", "tq_value_error", *_FIELDS)
+          "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", *_FIELDS)
 
 
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
@@ -74,7 +74,7 @@ def decay_bits_arg(text: str) -> float | str:
 
 
 def error_arg(text: str) -> float | str:
-    """argparse type for --tq-key-error and --tq-value-error: a number > 0, or "off" (every layer keeps its bits)."""
+    """argparse type for --tq-key-error, --tq-key-output-error and --tq-value-error: a number > 0, or "off" (every layer keeps its bits)."""
     if text == "off":
         return text
     try:
@@ -157,6 +157,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "(off: every layer keeps the key bits) (default "
                         f"{'off' if d.key_error is None else format(d.key_error, 'g')} for {format_bits(d.key_bits)}-bit "
                         "keys without --tq-qjl, off for keys at bits you set)")
+    g.add_argument("--tq-key-output-error", dest="tq_key_output_error", type=error_arg, metavar="E",
+                   help="instead of --tq-key-error: each layer's keys take the fewest bits from 3 to 6 whose relative "
+                        "error on the attention outputs of its first window's last third of queries is at most E, "
+                        "chosen at its first compression (integer key bits without --tq-qjl) (default off)")
     g.add_argument("--tq-value-error", dest="tq_value_error", type=error_arg, metavar="E",
                    help="values of tokens past the decay age re-coded, layer by layer, at the fewest bits from 2 up "
                         "whose relative error on the attention outputs of the layer's first window is at most E, or "
@@ -324,6 +328,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["protect_factor"] = None
     if getattr(args, "tq_key_error", None) is not None:
         kw["key_error"] = None if args.tq_key_error == "off" else args.tq_key_error
+    if getattr(args, "tq_key_output_error", None) is not None:
+        kw["key_output_error"] = None if args.tq_key_output_error == "off" else args.tq_key_output_error
     if getattr(args, "tq_value_error", None) is not None:
         kw["value_error"] = None if args.tq_value_error == "off" else args.tq_value_error
     if getattr(args, "tq_center_values", False):

@@ -96,6 +96,7 @@ def turboquant_layer_bytes(
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
     weighted: bool | None = None, key_width: float | None = None, value_width: int | None = None,
+    query_heads: int = 1,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token): tq_mlx.plan.layer_bytes of the plan of a layer of this kind (latent, K=V,
@@ -104,7 +105,7 @@ def turboquant_layer_bytes(
     key_bits, value_bits: the layer's configured bits (a latent layer's rope key takes key_bits). decay_bits =
     (keys, values): the bits its old tokens decay to (None: the plan's, a middle layer's). weighted: the keys
     are weighed by the queries (None: as the plan says). protected, key_width, value_width: what the layer chose
-    at its first compression (plan.layer_bytes).
+    at its first compression, and query_heads the query heads per kv head (plan.layer_bytes).
     """
     plan = layer_plan(config, fetch="latent" if latent else "codes", k_eq_v=k_eq_v, rope=rope_pairs is not None)
     kd, vd = plan.decay_bits if decay_bits is None else decay_bits
@@ -121,7 +122,7 @@ def turboquant_layer_bytes(
     plan = replace(plan, keys=keys, values=values)
     return layer_bytes(plan, tokens, n_kv_heads, key_dim, value_dim, batch=batch, float_bytes=float_bytes,
                        max_kv_size=max_kv_size, rope_pairs=rope_pairs, protected=protected, key_width=key_width,
-                       value_width=value_width)
+                       value_width=value_width, query_heads=query_heads)
 
 
 FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -198,7 +199,8 @@ def estimate_kv_bytes(
             if plan.values is not None and plan.values.narrow is not None:
                 v_width = int(plan.values.bits) if value_widths is None or value_widths[a] is None else value_widths[a]
             total += layer_bytes(plan, ctx, H, dk, dv, batch=batch, float_bytes=float_bytes, max_kv_size=max_kv_size,
-                                 rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width)
+                                 rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width,
+                                 query_heads=max(1, lay.n_heads // max(H, 1)))
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:

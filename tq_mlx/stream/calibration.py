@@ -6,7 +6,8 @@ sinks): μ per (batch, kv head) if centered (calibration_mean; μ0 before RoPE w
 per (batch, kv head) (calibration_scale), for fractional bit widths the channel order whose first d/4 channels get
 the extra bit (outlier_order), and with query weights the weights w (query_weights). Keys of a layer whose
 queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor), and with a
-key error target keys may take more bits (logit_error, key_width).
+key error target keys may take more bits (logit_error, key_width), or with an output error target the fewest bits
+whose attention outputs on the first window's last third of queries err at most that (SpanQueries, output_errors).
 
 Query weights (`weigh`, keys only): the cache's learning step (TurboQuantKVCache.learn, before attention reads the
 views) hands the stream the queries that attend it (CompressedStream.observe), and QuerySums adds the squares of those at the
@@ -27,6 +28,7 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..layout import value_error_span
 from ..quant.codebook import lloyd_max
 from ..quant.quantizer import TurboQuantMSE, split_dims
 from ..models.rope import Rope, centers, pair_mean, rotate
@@ -240,6 +242,7 @@ class PendingCode(NamedTuple):
     n: int  # how many it compressed
     window_after: int  # how many stayed in the window
     observed: int  # QuerySums.end when it was coded
+    force: bool = False  # coded again at the next settle whatever came (keys by their output error: with the values)
 
 
 class QuerySums:
@@ -276,9 +279,10 @@ class QuerySums:
             self.start = lo
         self.end = hi
 
-    def wait(self, x: mx.array, n: int, window_after: int) -> None:
-        """A first compression was coded before its queries came: code it again once they do (settle)."""
-        self.pending = PendingCode(x, n, window_after, self.end)
+    def wait(self, x: mx.array, n: int, window_after: int, force: bool = False) -> None:
+        """A first compression was coded before its queries came: code it again once they do (settle), or at the
+        next settle whatever came (force)."""
+        self.pending = PendingCode(x, n, window_after, self.end, force)
 
     def fix(self) -> None:
         """The weights are fixed: the sums are dropped."""
@@ -290,7 +294,7 @@ class QuerySums:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        if self.end > pending.observed:
+        if self.end > pending.observed or pending.force:
             return pending
         self.fix()
         return None
@@ -306,3 +310,75 @@ class QuerySums:
         by the query heads per kv head, so keys err towards more bits)."""
         self.total, self.start, self.end, self.pending = total, 0, (n_tokens if total is not None else 0), None
         self.count = 0 if total is None else n_tokens if count is None else count
+
+
+def output_errors(queries: mx.array, keys: mx.array, coded: list[mx.array], values: mx.array, n_sinks: int,
+                  first: int, window: int, scale: float | None = None) -> mx.array:
+    """(B, H, len(coded)): per kv head, how far the attention outputs of `queries` (B, n_q_heads, S, D), those of
+    positions first .. first + S - 1, move when they read the keys of `coded` (each (B, H, T, D), float32: `keys` with
+    the compressed ones as some width codes them) instead of `keys` (B, H, T, D) for the tokens at least `window` + 1
+    older than themselves after the n_sinks sinks (what a query reads as codes at decode), as the relative error
+    √(Σ_q ‖ô_q − o_q‖² / Σ_q ‖o_q‖²) over the queries of the kv head's query heads. values (B, H, T, D); scale: the
+    attention's (None: 1/√D)."""
+    B, Hq, S, D = queries.shape
+    H, T = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    q = queries.astype(mx.float32).reshape(B, H, G * S, D) * (D**-0.5 if scale is None else scale)
+    pos = mx.tile(mx.arange(first, first + S), G)[:, None]
+    j = mx.arange(T)[None]
+    seen, read_coded = j <= pos, (j >= n_sinks) & (j < pos - window)
+    exact = q @ keys.swapaxes(-1, -2)
+    o = mx.softmax(mx.where(seen, exact, -mx.inf), axis=-1, precise=True) @ values
+    norm = mx.sum(o * o, axis=(2, 3))
+    errors = []
+    for k in coded:
+        s = mx.where(read_coded, q @ k.swapaxes(-1, -2), exact)
+        d = mx.softmax(mx.where(seen, s, -mx.inf), axis=-1, precise=True) @ values - o
+        errors.append(mx.sum(d * d, axis=(2, 3)))
+    return mx.sqrt(mx.stack(errors, axis=-1) / mx.maximum(norm, 1e-30)[..., None])
+
+
+class SpanQueries:
+    """The queries of a key stream's first window's last third (layout.value_error_span: those the values' error is
+    measured on too), held in the stream's float dtype until its first compression chooses the keys' width by their
+    output error (output_errors), then dropped."""
+
+    def __init__(self, sinks: int, first_window: int):
+        self.first, self.last = value_error_span(sinks, first_window)
+        self.reset()
+
+    def reset(self) -> None:
+        self.queries: mx.array | None = None  # (B, n_q_heads, last - first, D), rows of positions not seen zero
+        self.start = self.end = 0  # the queries of positions [start, end) are held
+
+    @property
+    def complete(self) -> bool:
+        return self.start <= self.first and self.end >= self.last
+
+    def add(self, queries: mx.array, n_tokens: int, dtype: mx.Dtype) -> None:
+        """Hold the queries (B, n_q_heads, L, D) attending the last L of n_tokens tokens at the span's positions
+        not held yet. Graph construction only."""
+        B, Hq, L, D = queries.shape
+        lo, hi = max(n_tokens - L, self.end, self.first), min(n_tokens, self.last)
+        if hi <= lo:
+            return
+        if self.queries is None:
+            self.queries = mx.zeros((B, Hq, self.last - self.first, D), dtype)
+        self.queries[:, :, lo - self.first : hi - self.first] = queries[:, :, lo - (n_tokens - L) : hi - (n_tokens - L)
+                                                                        ].astype(dtype)
+        if lo > self.end:  # the first held, or a gap before these: coverage starts here
+            self.start = lo
+        self.end = hi
+
+    def forget_after(self, n_tokens: int) -> None:
+        """A trim left n_tokens tokens: the queries past them go."""
+        if self.end > n_tokens:
+            if n_tokens <= self.start:
+                self.reset()
+            else:
+                self.end = n_tokens
+
+    def load(self, queries: mx.array | None, start: int, end: int) -> None:
+        """Queries read from a file, those of positions [start, end)."""
+        self.queries, self.start, self.end = queries, (start if queries is not None else 0), (
+            end if queries is not None else 0)

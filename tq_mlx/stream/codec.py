@@ -5,7 +5,8 @@ checked (read_state, check_state).
 The token counts are the cache's (tq_mlx.cache); a stream's parts are STATE_PARTS, each None while empty. Parts
 came with state versions: `scale` with 3 (None: 1), `decayed` with 6, `rope` (keys centered before RoPE) with 7,
 `weights` and `queries` (query-aware key weights, and the queries summed before they are fixed) with 8, `errors`
-(the values' error sums, value_error) with 10. Older files lack the newer parts and still load.
+(the values' error sums, value_error) with 10, `span` (the queries keys by their output error hold,
+key_output_error) with 11. Older files lack the newer parts and still load.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class StreamState(NamedTuple):
     weights: mx.array | None = None  # (B, H, D) float32
     queries: mx.array | None = None  # (B, H, D) float32: summed squared queries (QuerySums.total)
     errors: mx.array | None = None  # (B, H, widths + 1, span) float32: values' error sums (tq_mlx.stream.values.ValueSums)
+    span: mx.array | None = None  # (B, n_q_heads, span, D) float dtype: queries held for keys' output error (SpanQueries)
 
 
 # A stream's arrays, under "<name>_<part>" in a cache's state.
@@ -178,6 +180,10 @@ def check_state(state: StreamState, counts: Counts, bh: BatchHeads | None, *, na
             check(part, getattr(state, part), (B, H, D), mx.float32)
     if state.errors is not None:
         check("errors", state.errors, (B, H, None, None), mx.float32, 1)
+    if state.span is not None:
+        check("span", state.span, (B, None, None, D), FLOAT_DTYPES, 1)
+        if H and state.span.shape[1] % H:
+            raise ValueError(f"{name}_span holds {state.span.shape[1]} query heads, not a multiple of the {H} kv heads")
     if counts.decayed or state.decayed is not None:
         if decay_quantizer is None:
             raise ValueError(f"{name}_decayed: decayed tokens, but the config has no decay")

@@ -48,7 +48,8 @@ import numpy as np
 
 import mlx.core as mx
 
-from .calibration import QuerySums, calibrate, has_channel_order, key_width, needs_protection
+from .calibration import (QuerySums, SpanQueries, calibrate, has_channel_order, key_width, needs_protection,
+                          output_errors)
 from .codec import (STATE_PARTS, BatchHeads, Counts, StreamState, appended, batch_heads_of, check_state, make_quantizer, remade,
                     moved, quantizer_as_written, read_state, state_arrays)
 from ..layout import decayed_split, decode_runs, fresh_bound, overflow, window_capacity
@@ -56,7 +57,7 @@ from ..plan import StreamPlan
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd, constant_arrays
 from ..models.rope import Rope, centers
 from .values import ValueSums
-from .view import Recent, StreamView, encode, recode
+from .view import Recent, StreamView, decode, encode, first_tokens, recode
 
 
 
@@ -65,6 +66,9 @@ class Decay(NamedTuple):
 
     age: int
     quantizer: TurboQuantMSE
+
+
+HELD_BY_SUMS = ("queries", "errors", "span")  # state parts the query sums, value sums and span queries hold
 
 
 # --- the stream --------------------------------------------------------------------------------------------
@@ -125,6 +129,8 @@ class CompressedStream:
         self.weigh = plan.weigh
         self.weights = None  # (B, H, D) float32, with the first compressed tokens (weigh)
         self.query_sums = QuerySums()
+        # keys by their output error: the queries of the first window's last third, held until the width is chosen
+        self.span = SpanQueries(plan.sinks, plan.calibration) if plan.widen is not None and plan.widen.output else None
         # values by their error: the decay's age, the bits chosen (None: not yet) and the sums they come from
         self.narrow_age, self.value_width, self.value_sums = None, None, None
         if plan.narrow is not None and plan.window:
@@ -215,22 +221,26 @@ class CompressedStream:
             self.window[:, :, : self.n_window] = x[:, :, n_c:].astype(self.window.dtype)
         return x
 
-    def _compress(self, x: mx.array, n: int, window_after: int = 0, final: bool = False) -> None:
+    def _compress(self, x: mx.array, n: int, window_after: int = 0, final: bool = False,
+                  values: StreamView | None = None) -> None:
         """Compress the first n tokens of x (the window's tokens, then the new ones), window_after tokens
-        staying in the window; then decay what is old enough."""
+        staying in the window; then decay what is old enough. values: the value stream's view, which keys by
+        their output error read at their first compression (from the learning step: observe)."""
         x = x.astype(mx.float32)
         if self.scale is None:  # calibrate on the first tokens after the sinks (a bound's drops keep it)
             # With a window, the first compression sees at least `window + 1` tokens after the sinks, however
             # the prompt is fed: calibrating on the first `window` gives the most tokens independent of feeding.
             calib = x[:, :, : self.calibration] if self.calibration else x
             sums = self.query_sums
-            if self.weigh and not final and not sums.covers(self.n_sinks, calib.shape[2]):
-                # the queries of some calibration tokens come with this chunk's attention: code now, and again
-                # with them when attention hands them over (observe), before anything reads these codes
-                sums.wait(x, n, window_after)
             # protection: one value read back; a settle keeps the first compression's decision
             if not final and self.protect is not None and self.protect.bits > self.base_quantizer.bits:
                 self.set_protected(needs_protection(calib, self.protect.factor))
+            by_output = self.span is not None and not self.protected
+            if self.weigh and not final and (by_output or not sums.covers(self.n_sinks, calib.shape[2])):
+                # the queries of some calibration tokens come with this chunk's attention (or, keys by their output
+                # error, the values they are read with): code now, and again with them when attention hands them
+                # over (observe), before anything reads these codes
+                sums.wait(x, n, window_after, force=by_output)
             halves = self.widen is not None and self.widen.step != 1 and not self.protected
             cal = calibrate(calib, self.quantizer, center=self.center, rope=self.rope, position=self._position(0),
                             queries=sums.total if self.weigh else None, query_count=sums.count,
@@ -240,7 +250,10 @@ class CompressedStream:
                 # the width: one value read back once the queries came (a first compression that waits for
                 # them codes at the configured bits and is coded again at the chosen ones when they come)
                 bits = self.base_quantizer.bits
-                if sums.pending is None and cal.error is not None:
+                if by_output:
+                    if sums.pending is None and values is not None and self.span.complete:
+                        bits = self._output_width(calib, cal, values)
+                elif sums.pending is None and cal.error is not None:
                     errors = np.array(cal.error if cal.split is None else mx.concatenate(
                         [cal.error[..., None], cal.split], axis=-1))  # every kv head's, read back at once
                     split = None if cal.split is None else errors[..., 1:]
@@ -251,6 +264,8 @@ class CompressedStream:
                     self.perm = None  # a whole width: one group, no channel order
             if sums.pending is None:
                 sums.fix()  # the weights are fixed
+                if self.span is not None:
+                    self.span.reset()  # and the width chosen
         new = x[:, :, :n]
         mean = self.mean
         if self.rope is not None:
@@ -280,7 +295,8 @@ class CompressedStream:
         return (self.weigh and (self.query_sums.pending is not None or self.scale is None)
                 or self.value_sums is not None and self.value_width is None)
 
-    def observe(self, queries: mx.array, scale: float | None = None, keys: StreamView | None = None) -> StreamView:
+    def observe(self, queries: mx.array, scale: float | None = None, keys: StreamView | None = None,
+                values: StreamView | None = None) -> StreamView:
         """Take the queries (B, n_q_heads, L, D) that attend this stream's last L tokens, adding the squares of
         those at calibration positions (the first `window` after the sinks) to the query sums; then finish a
         first compression that waited for them. A value stream choosing its decay bits (narrow) takes them with
@@ -296,9 +312,12 @@ class CompressedStream:
             bh = self.batch_heads()
             end = self.max_sinks + self.calibration if self.calibration else self.n_tokens
             self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
-        self._settle()
+            if self.span is not None:
+                self.span.add(queries, self.n_tokens, self._float_dtype(queries))
+        self._settle(values)
         view = self.view()
-        sums = [a for a in (self.query_sums.total, self.value_sums and self.value_sums.errors) if a is not None]
+        sums = [a for a in (self.query_sums.total, self.value_sums and self.value_sums.errors,
+                            self.span and self.span.queries) if a is not None]
         if sums:
             # Still calibrating or choosing, so the window holds tokens: the float tokens attention reads carry the
             # sums, which are then computed with the output, on the thread that attends. Left out of the graph
@@ -309,14 +328,44 @@ class CompressedStream:
                 view = view._replace(**{part: mx.depends(getattr(view, part), sums)})
         return view
 
-    def _settle(self) -> None:
+    def _settle(self, values: StreamView | None = None) -> None:
         """Finish a first compression that waited for queries: code it again (the same tokens) if queries came
-        since; the weights are then fixed and the summed queries dropped."""
+        since (or, keys by their output error, with the value stream's view `values`: without it, at their
+        configured bits); the weights are then fixed and the summed queries dropped."""
         redo = self.query_sums.settle()
         if redo is not None:
             self.codes = self.decayed = self.mean = self.perm = self.scale = self.weights = None
             self.n_fresh = self.n_decayed = 0
-            self._compress(redo.x, redo.n, redo.window_after, final=True)  # the same tokens: the same protection
+            # the same tokens: the same protection
+            self._compress(redo.x, redo.n, redo.window_after, final=True, values=values)
+
+    def _output_width(self, calib: mx.array, cal, values: StreamView) -> float:
+        """The fewest bits of the widths keys may take whose output error (calibration.output_errors) on the held
+        queries is at most the target in every (batch, kv head): the calibration keys coded at each width as this
+        stream codes them, read with the value stream's first tokens. One value read back."""
+        span, n_s = self.span, self.n_sinks
+        widths = self.widen.widths(self.base_quantizer.bits)
+        position = self._position(0)
+        x, mean = calib, cal.mean
+        if self.rope is not None:
+            x, mean = x - centers(cal.mean, self.rope, position, x.shape[2]), None
+        if cal.weights is not None:
+            x = x * cal.weights[:, :, None, :]
+            mean = None if mean is None else mean * cal.weights
+        coded = []
+        for b in widths:
+            q = remade(self.base_quantizer, b)
+            perm = cal.perm if has_channel_order(q) else None
+            view = StreamView(q, encode(x, q, mean, perm, cal.scale), None, None, cal.mean, perm, cal.scale,
+                              rope=self.rope, position=position, weights=cal.weights)
+            coded.append(decode(view, mx.float32))
+        sinks = [] if not n_s else [self.sinks[:, :, :n_s].astype(mx.float32)]
+        keys = mx.concatenate([*sinks, calib], axis=2)[:, :, : span.last]
+        coded = [mx.concatenate([*sinks, c], axis=2)[:, :, : span.last] for c in coded]
+        v = first_tokens(values, span.last)
+        errors = output_errors(span.queries, keys, coded, v, n_s, span.first, self.max_window, self.query_sums.scale)
+        worst = np.asarray(mx.max(errors, axis=(0, 1)))  # every width's, read back at once
+        return next((b for b, e in zip(widths, worst) if e <= self.widen.target), widths[-1])
 
     @property
     def _first(self) -> int:
@@ -400,6 +449,12 @@ class CompressedStream:
             self.decay = Decay(d.age, remade(d.quantizer, self.plan.decay_at(bits)))
 
     @property
+    def span_seen(self) -> tuple[int, int]:
+        """The positions [start, end) whose queries keys by their output error hold while their width is not chosen."""
+        sp = self.span
+        return (0, 0) if sp is None or sp.queries is None else (sp.start, sp.end)
+
+    @property
     def value_seen(self) -> tuple[int, int]:
         """The positions [start, end) whose queries the value sums hold while the decay bits are not chosen."""
         vs = self.value_sums
@@ -453,6 +508,8 @@ class CompressedStream:
             self.mean = self.perm = self.scale = self.weights = None
             self.quantizer, self.decay, self._protected = self.base_quantizer, self.base_decay, False
             self.query_sums.forget_after(self.n_tokens)
+            if self.span is not None:
+                self.span.forget_after(self.n_tokens)
 
     def batch_heads(self) -> BatchHeads | None:
         """(batch, kv heads) of the stored arrays, None before the first tokens."""
@@ -461,13 +518,14 @@ class CompressedStream:
     def _parts(self) -> StreamState:
         return StreamState(self.codes, self.sinks, self.window, self.mean, self.perm, self.scale, self.decayed,
                            self.rope, self.weights, self.query_sums.total,
-                           None if self.value_sums is None else self.value_sums.errors)
+                           None if self.value_sums is None else self.value_sums.errors,
+                           None if self.span is None else self.span.queries)
 
     def held_arrays(self) -> list[mx.array]:
         """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
         p = self._parts()
         parts = [*(p.codes or ()), *(p.decayed or ()), *(p.rope or ()), p.sinks, p.window, p.mean, p.perm, p.scale,
-                 p.weights, p.queries, p.errors]
+                 p.weights, p.queries, p.errors, p.span]
         quantizers = (self.quantizer,) + ((self.base_quantizer,) if self.quantizer is not self.base_quantizer else ())
         if self.decay is not None:  # a widened stream keeps the configured decay quantizer too
             quantizers += tuple(dict.fromkeys((self.decay.quantizer, self.base_decay.quantizer)))
@@ -486,9 +544,10 @@ class CompressedStream:
         new = copy.copy(self)
         memo[id(self)] = new
         for name in STATE_PARTS:
-            if name not in ("queries", "errors"):  # held by query_sums and value_sums
+            if name not in HELD_BY_SUMS:
                 setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         new.query_sums = copy.deepcopy(self.query_sums, memo)
+        new.span = copy.deepcopy(self.span, memo)  # its queries are written in place
         new.value_sums = copy.copy(self.value_sums)  # its sums are replaced, never written in place
         return new
 
@@ -501,10 +560,11 @@ class CompressedStream:
 
     def load_state(self, arrays: dict, n_sinks: int, n_fresh: int, n_window: int, bh: BatchHeads | None,
                    n_decayed: int = 0, n_dropped: int = 0, query_count: int | None = None,
-                   value_seen: tuple[int, int] = (0, 0)) -> None:
+                   value_seen: tuple[int, int] = (0, 0), span_seen: tuple[int, int] = (0, 0)) -> None:
         """Take the arrays of `state` and the token counts, checking every shape and dtype against them and
         this stream's settings (a corrupted file raises ValueError naming the array, nothing else happens).
-        value_seen: the positions [start, end) whose queries the value sums (narrow, not chosen yet) hold."""
+        value_seen: the positions [start, end) whose queries the value sums (narrow, not chosen yet) hold; span_seen:
+        those whose queries keys by their output error hold (not chosen yet)."""
         parts = read_state(arrays, self.name, ProdCodes if isinstance(self.quantizer, TurboQuantProd) else MSECodes)
         quantizer = quantizer_as_written(self.quantizer, parts.codes)
         check_state(parts, Counts(n_sinks, n_fresh, n_window, n_decayed), bh, name=self.name, quantizer=quantizer,
@@ -516,7 +576,7 @@ class CompressedStream:
         self.quantizer = quantizer
         # every part is the file's; its RoPE is what its codes were centered with, whatever the model at hand says
         for name, a in zip(STATE_PARTS, parts):
-            if name not in ("queries", "errors"):
+            if name not in HELD_BY_SUMS:
                 setattr(self, name, a)
         self.n_sinks, self.n_fresh, self.n_window, self.n_decayed = n_sinks, n_fresh, n_window, n_decayed
         self.n_dropped = n_dropped
@@ -528,6 +588,15 @@ class CompressedStream:
                                  f"holds {() if vs is None else (len(vs.widths) + 1, vs.last - vs.first)} sums per kv "
                                  f"head, got {parts.errors.shape[2:]}")
             vs.load(parts.errors, *value_seen)
+        if parts.span is not None:
+            sp = self.span
+            if sp is None or parts.span.shape[2] != sp.last - sp.first:
+                raise ValueError(f"{self.name}_span: held queries, but this stream does not choose its keys' width by "
+                                 f"their output error or holds {None if sp is None else sp.last - sp.first} positions, got "
+                                 f"{parts.span.shape[2]}")
+            sp.load(parts.span, *span_seen)
+        elif self.span is not None:
+            self.span.reset()
         # queries summed before the file was written are those of every token it holds (attention saw them all)
         self.query_sums.load(parts.queries, self.n_tokens, query_count)
         if not self.weigh:

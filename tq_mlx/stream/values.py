@@ -28,23 +28,7 @@ from .calibration import calibration_scale
 from .codec import remade
 from ..config import value_widths
 from ..layout import value_error_span
-from .view import StreamView, decode
-
-
-def first_tokens(view: StreamView, n: int) -> mx.array:
-    """The first n tokens of a view (sinks, compressed tokens decoded, window) in the model basis, float32."""
-    parts = [] if view.sinks is None else [view.sinks[:, :, :n]]
-    left = n - view.n_sinks
-    for _, seg in view.segments():
-        if left <= 0:
-            break
-        k = min(left, seg.n_fresh)
-        parts.append(decode(seg._replace(codes=type(seg.codes)(*(a[:, :, :k] for a in seg.codes))), mx.float32))
-        left -= k
-    if left > 0 and view.window is not None:
-        parts.append(view.window[:, :, :left])
-    parts = [a.astype(mx.float32) for a in parts]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+from .view import StreamView, first_tokens
 
 
 def _recoded(x: mx.array, quantizer, scale: mx.array) -> mx.array:
