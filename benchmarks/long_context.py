@@ -152,7 +152,7 @@ def protected_layers(cache: list) -> list[int]:
 
 
 def widened_layers(cache: list) -> list[list[float]]:
-    """Attention layers (cache positions) whose keys took more bits at calibration (key_error): [layer, bits]."""
+    """Attention layers (cache positions) whose keys took other bits than configured at calibration (key_error, key_output_error): [layer, bits]."""
     return [[i, c.key_bits] for i, c in enumerate(cache)
             if getattr(getattr(c, "key_stream", None), "widened", False)]
 

@@ -175,7 +175,7 @@ def _protection_note(results: dict) -> str:
         return ", ".join(f"{side}{b} in layers {', '.join(map(str, sorted(ls)))}" for b, ls in sorted(by_bits.items()))
 
     widened = [f"{m['model']}: {widths(m)}" for m in results["models"].values() if widths(m)]
-    more = (" Layers whose keys took more bits (key_error; † too): " + "; ".join(widened) + ".") if widened else ""
+    more = (" Layers whose keys took other bits than configured (key_error, key_output_error; † too): " + "; ".join(widened) + ".") if widened else ""
     narrowed = [f"{m['model']}: {widths(m, 'value_widths', 'V')}" for m in results["models"].values()
                 if widths(m, "value_widths", "V")]
     if narrowed:

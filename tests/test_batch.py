@@ -609,3 +609,23 @@ def test_batch_generate_with_decay_equals_generating_alone(request, arch):
         assert got == alone(model, p, 10, prefill_step_size=16)[0]
         tq = [c for c in caches if isinstance(c, TurboQuantKVCache)]
         assert tq and all(c.n_decayed[0] > 0 for c in tq)
+
+
+def test_rows_choose_their_keys_widths_by_output_error_as_they_would_alone(request):
+    # keys by their output error: each row holds its own first window's queries and chooses from its own values
+    if ran_on_reference_blas(request):  # rows equal to their sequences alone, bit for bit: see reference_blas_env
+        return
+    model = TINY_MODELS["llama"]()[0]
+    tq_mlx.patch_model(model, TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2,
+                                               key_output_error=0.05))
+    prompts = prompts_of(LENGTHS)
+    r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=10, prefill_step_size=16,
+                       return_token_ids=True, return_prompt_caches=True)
+    widths = set()
+    for p, got, caches in zip(prompts, r.token_ids, r.caches):
+        solo = model.make_cache()
+        assert got == alone(model, p, 10, prompt_cache=solo, prefill_step_size=16)[0]
+        tq = [c for c in caches if isinstance(c, TurboQuantKVCache)]
+        assert tq and [c.key_bits for c in tq] == [c.key_bits for c in solo if isinstance(c, TurboQuantKVCache)]
+        widths.update(c.key_bits for c in tq)
+    assert widths - {4}  # the target moves some layer off the configured bits

@@ -235,6 +235,12 @@ def calibrate(x: mx.array, quantizer, *, center: bool, rope: Rope | None, positi
     return Calibration(mean, order, calibration_scale(x, shift), weights, error, groups)
 
 
+def unseen(n_tokens: int, L: int, end: int, first: int, last: int) -> tuple[int, int]:
+    """The positions [lo, hi) in [first, last), from `end` on (those before were taken), of the queries attending the
+    last L of n_tokens tokens: what the query sums, the span queries and the value sums take of an update."""
+    return max(n_tokens - L, end, first), min(n_tokens, last)
+
+
 class PendingCode(NamedTuple):
     """A first compression coded before the queries of all its calibration tokens came."""
 
@@ -267,7 +273,7 @@ class QuerySums:
         `scale`. Graph construction only."""
         B, Hq, L, D = queries.shape
         self.scale = self.scale if scale is None else float(scale)
-        lo, hi = max(n_tokens - L, self.end, first), min(n_tokens, last)
+        lo, hi = unseen(n_tokens, L, self.end, first, last)
         if hi <= lo:
             return
         q = queries[:, :, lo - (n_tokens - L) : hi - (n_tokens - L)].astype(mx.float32)
@@ -359,7 +365,7 @@ class SpanQueries:
         """Hold the queries (B, n_q_heads, L, D) attending the last L of n_tokens tokens at the span's positions
         not held yet. Graph construction only."""
         B, Hq, L, D = queries.shape
-        lo, hi = max(n_tokens - L, self.end, self.first), min(n_tokens, self.last)
+        lo, hi = unseen(n_tokens, L, self.end, self.first, self.last)
         if hi <= lo:
             return
         if self.queries is None:

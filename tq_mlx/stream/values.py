@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .calibration import calibration_scale
+from .calibration import calibration_scale, unseen
 from .codec import remade
 from ..config import value_widths
 from ..layout import value_error_span
@@ -63,7 +63,7 @@ class ValueSums:
         """Add the queries (B, n_q_heads, L, D) that attend the last L of n_tokens tokens, at positions of the span
         not added yet, reading the keys and values of these views (no token dropped before them). Graph only."""
         B, Hq, L, D = queries.shape
-        lo, hi = max(n_tokens - L, self.end, self.first), min(n_tokens, self.last)
+        lo, hi = unseen(n_tokens, L, self.end, self.first, self.last)
         if hi <= lo or keys.position != keys.n_sinks:  # nothing of the span, or its tokens were dropped
             return
         H = keys.n_heads
