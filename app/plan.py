@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.config import BOUNDARY_SIDES, WIDEST_KEY_BITS, derive_config, format_bits
+from tq_mlx.config import BOUNDARY_SIDES, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, derive_config, format_bits
 from tq_mlx.planner import memory
 from tq_mlx.models.architectures import FLOAT_FETCH
 from tq_mlx.models.architectures import attention_layout, model_types
@@ -271,10 +271,12 @@ def format_plan(plan: Plan) -> str:
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
     if plan.widen_bytes:
-        rows.append(("", f"at most: every layer's keys at K{WIDEST_KEY_BITS} (each takes the fewest bits from "
-                         f"K{format_bits(plan.config.key_bits)} whose logit error is at most {plan.config.key_error:g}, "
+        c, kb = plan.config, format_bits(plan.config.key_bits)
+        rule = (f"K{kb} whose logit error is at most {c.key_error:g}" if c.key_output_error is None else
+                f"K{NARROWEST_KEY_BITS} whose output error on its first window is at most {c.key_output_error:g}")
+        rows.append(("", f"at most: every layer's keys at K{WIDEST_KEY_BITS} (each takes the fewest bits from {rule}, "
                          f"at its first compression; the panel names them); -{format_bytes(plan.widen_bytes)} for "
-                         f"each layer that keeps K{format_bits(plan.config.key_bits)}"))
+                         f"each layer that keeps K{kb}" + ("" if c.key_output_error is None else f", more at K{NARROWEST_KEY_BITS}")))
     if plan.narrow_bytes:
         vb = format_bits(plan.config.value_bits)
         rows.append(("", f"at most: every layer's old values kept at V{vb} (each decays them to the fewest bits from "

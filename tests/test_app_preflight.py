@@ -128,6 +128,14 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert "keys up to K6 where their logit error exceeds 0.1" in text
     assert ("at most: every layer's keys at K6 (each takes the fewest bits from K4 whose logit error is at most "
             "0.1") in text
+    # keys by their output error: priced at the most as well, named by their own rule (K3 allowed)
+    by_output = TurboQuantConfig(key_output_error=0.03)
+    plan = make_plan("m", cfg, 10**8, 32768, by_output, 10**10)
+    assert plan.kv == floor + n * plan.widen_bytes and plan.widen_bytes == widen_layer_bytes(cfg, 32768, by_output)
+    text = format_plan(plan)
+    assert "keys K3 to K6 by their output error (at most 0.03)" in text and "logit" not in text
+    assert ("every layer's keys at K6 (each takes the fewest bits from K3 whose output error on its first window is "
+            "at most 0.03") in text and "for each layer that keeps K4, more at K3" in text
     plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(key_error=None), 10**10)
     assert plan.widen_bytes == 0 and "at most: every layer's keys" not in format_plan(plan)
     assert plan.kv == floor

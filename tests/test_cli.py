@@ -97,6 +97,22 @@ def test_key_error_flag(capsys):
         assert "must be a number > 0 or off" in capsys.readouterr().err
 
 
+def test_key_output_error_flag(capsys):
+    config = config_from_args(parse("--tq-key-output-error", "0.03"))
+    assert (config.key_output_error, config.key_error) == (0.03, None)  # the default's logit error gives way
+    assert "keys K3 to K6 by their output error (at most 0.03)" in describe_config(config)
+    assert config_from_args(parse("--tq-key-output-error", "off")).key_output_error is None
+    assert cache_flags_given(parse("--tq-key-output-error", "0.03")) == ["--tq-key-output-error"]
+    with pytest.raises(ValueError, match="key_output_error and key_error both choose"):
+        config_from_args(parse("--tq-key-output-error", "0.03", "--tq-key-error", "0.1"))
+    with pytest.raises(ValueError, match="key_output_error needs weighed"):
+        config_from_args(parse("--tq-key-output-error", "0.03", "--tq-key-bits", "3.5"))
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse("--tq-key-output-error", bad)
+        assert "must be a number > 0 or off" in capsys.readouterr().err
+
+
 def test_value_error_flag(capsys):
     config = config_from_args(parse("--tq-value-error", "0.05"))
     assert (config.value_error, config.decay_value_bits, config.decay_after) == (0.05, None, 6144)

@@ -15,9 +15,9 @@ from .integration import make_prompt_cache
 def converted_config(config: TurboQuantConfig) -> TurboQuantConfig:
     """The config a converted cache has: `config` with keys not weighed and at their configured bits, and values
     following decay_value_bits, since a float cache holds no queries to weigh the keys by or to measure either
-    side's error on (key_error, value_error), so the cache, its description and the planner agree on what it
+    side's error on (key_error, key_output_error, value_error), so the cache, its description and the planner agree on what it
     holds."""
-    config = dataclasses.replace(config, weigh_keys=False, key_error=None)
+    config = dataclasses.replace(config, weigh_keys=False, key_error=None, key_output_error=None)
     if config.value_error is None:
         return config
     decays = config.decay_key_bits is not None or config.decay_value_bits is not None  # without the values'
