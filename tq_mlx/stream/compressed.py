@@ -266,13 +266,7 @@ class CompressedStream:
                 sums.fix()  # the weights are fixed
                 if self.span is not None:
                     self.span.reset()  # and the width chosen
-        new = x[:, :, :n]
-        mean = self.mean
-        if self.rope is not None:
-            new, mean = new - centers(self.mean, self.rope, self._position(self.n_coded), n), None
-        if self.weights is not None:  # (x - c)·w: weigh the token and its center alike
-            new = new * self.weights[:, :, None, :]
-            mean = None if mean is None else mean * self.weights
+        new, mean = self._quantizer_input(x[:, :, :n], self._position(self.n_coded), self.mean, self.weights)
         new = self.encoder(new, self.quantizer, mean, self.perm, self.scale)
         d = decayed_split(self.n_fresh + n, window_after, self.decay.age if self.decaying else None,
                           self.compress_block)
@@ -339,6 +333,16 @@ class CompressedStream:
             # the same tokens: the same protection
             self._compress(redo.x, redo.n, redo.window_after, final=True, values=values)
 
+    def _quantizer_input(self, x: mx.array, position: int, mean: mx.array | None, weights: mx.array | None):
+        """(tokens x at positions position .. as the encoder takes them, the mean it subtracts): with the rope
+        centered by R(p) μ0 (no mean left), times the weights (the token and its center alike: (x - c)·w)."""
+        if self.rope is not None:
+            x, mean = x - centers(mean, self.rope, position, x.shape[2]), None
+        if weights is not None:
+            x = x * weights[:, :, None, :]
+            mean = None if mean is None else mean * weights
+        return x, mean
+
     def _output_width(self, calib: mx.array, cal, values: StreamView) -> float:
         """The fewest bits of the widths keys may take whose output error (calibration.output_errors) on the held
         queries is at most the target in every (batch, kv head): the calibration keys coded at each width as this
@@ -346,12 +350,7 @@ class CompressedStream:
         span, n_s = self.span, self.n_sinks
         widths = self.widen.widths(self.base_quantizer.bits)
         position = self._position(0)
-        x, mean = calib, cal.mean
-        if self.rope is not None:
-            x, mean = x - centers(cal.mean, self.rope, position, x.shape[2]), None
-        if cal.weights is not None:
-            x = x * cal.weights[:, :, None, :]
-            mean = None if mean is None else mean * cal.weights
+        x, mean = self._quantizer_input(calib, position, cal.mean, cal.weights)
         coded = []
         for b in widths:
             q = remade(self.base_quantizer, b)
