@@ -69,6 +69,13 @@ def check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
+def check_target(name: str, value: Any, otherwise: str) -> None:
+    """An error target (key_error, key_output_error, value_error): a number > 0, or None (`otherwise` says what
+    None does); ValueError naming `name` otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"{name} must be a number > 0 or {otherwise}, got {value!r}")
+
+
 def bits_label(key_bits: float, value_bits: float, qjl: bool = False) -> str:
     """"K4/V3", "K4+qjl/V3": how every table, panel and summary names a key/value bit pair."""
     return f"K{format_bits(key_bits)}{'+qjl' if qjl else ''}/V{format_bits(value_bits)}"
@@ -198,8 +205,7 @@ class TurboQuantConfig:
         if e == AUTO:
             e = None if self.key_output_error is not None else auto_key_error(self.key_bits, self.qjl, self.weigh_keys)
             set_("key_error", e)
-        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0):
-            raise ValueError(f"key_error must be a number > 0, None (keys keep key_bits) or {AUTO!r}, got {e!r}")
+        check_target("key_error", e, f"None (keys keep key_bits) or {AUTO!r}")
         if e is not None and (self.qjl or self.key_bits != int(self.key_bits)):
             raise ValueError(f"key_error needs integer key_bits without QJL (the widths it chooses from are "
                              f"{format_bits(self.key_bits)} .. {WIDEST_KEY_BITS}), got key_bits="
@@ -226,10 +232,9 @@ class TurboQuantConfig:
 
     def _check_key_output_error(self) -> None:
         e = self.key_output_error
+        check_target("key_output_error", e, "None (off)")
         if e is None:
             return
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
-            raise ValueError(f"key_output_error must be a number > 0 or None (off), got {e!r}")
         if self.key_error is not None:
             raise ValueError(f"key_output_error and key_error both choose the keys' widths: set one, got key_error="
                              f"{self.key_error!r} and key_output_error={e!r}")
@@ -243,10 +248,9 @@ class TurboQuantConfig:
 
     def _check_value_error(self) -> None:
         e = self.value_error
+        check_target("value_error", e, "None (values follow decay_value_bits)")
         if e is None:
             return
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
-            raise ValueError(f"value_error must be a number > 0 or None (values follow decay_value_bits), got {e!r}")
         if not value_widths(self.value_bits):
             raise ValueError(f"value_error needs integer value_bits of 3 to 7 (old values decay to 2 .. value_bits - 1 "
                              f"bits), got value_bits={format_bits(self.value_bits)}")
