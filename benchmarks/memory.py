@@ -396,8 +396,9 @@ def report(res: dict) -> tuple[list[str], list[list[str]], list[str]]:
         "tokens in every column (float16, by the formula, not a filled cache).",
         f"TurboQuant columns: TurboQuantConfig defaults (window {cfg['window']} float16 tokens, {cfg['sinks']} sinks, "
         f"centering {cfg['center_keys']}/{cfg['center_values']}, boundary layers {cfg['boundary_layers']}); "
-        f"figures are tq_mlx.planner.memory.estimate_kv_bytes, which prices keys that widen by their error "
-        f"(key_error {cfg.get('key_error')}) at the most they take (K6): what a plan says. Real TurboQuantKVCache "
+        f"figures are tq_mlx.planner.memory.estimate_kv_bytes, which prices keys that take their widths by their error "
+        f"(key_output_error {cfg.get('key_output_error')}, key_error {cfg.get('key_error')}) at the most they take (K6): "
+        f"what a plan says. Real TurboQuantKVCache "
         f"objects (one layer per geometry and bit width, filled to each context with random keys and the queries "
         f"that weigh them, times the attention layers) hold exactly what it gives with the widths they chose, never "
         f"more than the figure, asserted in all {res['formula_checks']} cells. float16 and affine figures: the same "

@@ -60,6 +60,11 @@ CHUNK = 512
 WIDTHS = (3, 4, 5, 6)
 
 
+# The default this probe measured (until 2026-12-06): K4/V3 with keys widened by their logit error (key_error), whose
+# key_width it records and forces; today's default takes its widths by the output error the probe led to.
+PROBED = TurboQuantConfig(value_bits=3, key_output_error=None)
+
+
 def mse_ratios(D: int, base: int = 4) -> dict[int, float]:
     """D_mse(b) / D_mse(base) for each of WIDTHS: what a layer's error at `base` bits is scaled by at b bits."""
     return {b: lloyd_max(D, b).mse / lloyd_max(D, base).mse for b in WIDTHS}
@@ -77,8 +82,8 @@ def predicted(model, ids: list[int]) -> tuple[list[float], list[float]]:
 
     compressed.key_width = spy
     try:
-        cache = tq_mlx.make_prompt_cache(model, TurboQuantConfig())
-        d = TurboQuantConfig()
+        cache = tq_mlx.make_prompt_cache(model, PROBED)
+        d = PROBED
         n = d.sinks + d.first_window + CHUNK
         for a in range(0, n, CHUNK):
             model(mx.array(ids[a : min(a + CHUNK, n)])[None], cache=cache)
@@ -152,7 +157,7 @@ def check(model, key: str, mcfg: dict, text: str, ids: list[int], contexts: list
         raise SystemExit(f"no float log-probs for {key} {text} at {contexts}: run long_context.py's float pass first")
     compressed.key_width = force
     try:
-        cfg = TurboQuantConfig()
+        cfg = PROBED
         cache = tq_mlx.make_prompt_cache(model, cfg)
         res, _ = long_context.run_pass(model, cache, ids, contexts, CHUNK, CHUNK, ref)
     finally:

@@ -17,6 +17,7 @@ from tq_chat.plan import make_plan
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.config import KEY_ERROR
 from tq_mlx.models.architectures import load_model_config
 from tq_mlx.planner.display import bits_summary, format_bytes
 from tq_mlx.planner.machine import weight_bytes
@@ -123,9 +124,10 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             assert "mlx-lm float32 cache" in text and f"({stats['mlx_lm_bytes'] / stats['kv_bytes']:.2f}x)" in text
             # the label wraps in the panel
             assert f"{len(session.tokens):,} / 1,024" in text
-            # each layer's keys at the width their error chose (random weights: any of K4-K6)
+            # each layer's keys at the width their logit error chose (its first window is the window: the output
+            # error has no coded token to measure on there)
             assert bits_summary(session.cache) in " ".join(text.split())
-            assert re.search(r"K[456]/V3", bits_summary(session.cache))
+            assert re.search(r"K[4-6]/V4", bits_summary(session.cache))
             assert any(e[0] == "stats" for e in app.events)  # live updates while generating
 
     asyncio.run(run())
@@ -174,11 +176,11 @@ def test_the_title_shows_the_dtype_the_model_runs_in(tiny_model_dir, tmp_path):
             await say(pilot, "/clear")  # the predicted peak stays next to the measured one
             assert "planned peak" in rendered(app)
 
-    # the default: K4/V3 at every age
-    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
-    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V3 · ctx 1k"))
+    # the default: K4/V4 at every age
+    asyncio.run(run("float32", "tiny · float32 · TurboQuant K4/V4 · ctx 1k"))
+    asyncio.run(run("bfloat16", "tiny · bfloat16 · TurboQuant K4/V4 · ctx 1k"))
     # the tiny model's weights are float32
-    asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V3 · ctx 1k"))
+    asyncio.run(run(None, "tiny · float32 · TurboQuant K4/V4 · ctx 1k"))
 
 
 def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
@@ -365,10 +367,12 @@ def test_commands_and_errors(tiny_model_dir, tmp_path):
         async with app.run_test() as pilot:
             await loaded(pilot)
             await say(pilot, "/bits")
-            bits = messages(app, "notice")[-1].source  # the default: K4/V3 at every age
-            assert ("**Cache**: TurboQuant K4/V3, window 16, sinks 2, keys up to K6 where their logit error exceeds "
-                    "0.1\n") in bits
-            assert "**Bits per layer**: K4/V3 on all 3 attention layers" in bits
+            bits = messages(app, "notice")[-1].source  # the default's bits: K4/V4 at every age
+            # (a first window that is the window: keys by their logit error, the output error having nothing to read)
+            assert ("**Cache**: TurboQuant K4/V4, window 16, sinks 2, keys up to K6 where their logit error exceeds "
+                    f"{format(KEY_ERROR, 'g')}\n") in bits
+            # nothing compressed yet: no layer has chosen its keys' width
+            assert "**Bits per layer**: K4/V4 on all 3 attention layers" in bits
             await say(pilot, "/stats")
             assert "KV cache held" in messages(app, "notice")[-1].source
             await say(pilot, "/help")

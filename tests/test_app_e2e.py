@@ -221,7 +221,7 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         screen = wait_for(term, rf"context\s+{tokens:,} / 4,096", timeout=30).string
         assert "Paris" in screen, screen
         # the panel's KV figure is what memory's layout formula gives for that many tokens
-        # (nothing is compressed yet, so no layer has chosen a wider key: every layer as configured)
+        # (nothing is compressed yet, so no layer has chosen its keys' width: every layer as configured)
         expected = estimate_kv_bytes(load_model_config(model), tokens, TurboQuantConfig(), dtype="float32",
                                      key_widths=[None] * 30)
         text = panel(screen)
@@ -236,9 +236,9 @@ def test_tq_chat_answers_in_a_terminal(tmp_path, terminal):
         for label in ("compressed 0 tokens", "weights", "MLX active", "MLX peak", "prefill", "decode"):
             assert label in text
         assert re.search(r"decode\s+[\d.]+ tok/s", text), text
-        # the default: K4/V3 at every age (the panel wraps the label); nothing is compressed yet, so no layer has
-        # chosen a wider key
-        assert "K4/V3 on all 30 attention layers" in text, text
+        # the default: K4/V4 at every age (the panel wraps the label); nothing is compressed yet, so no layer has
+        # chosen its keys' width
+        assert "K4/V4 on all 30 attention layers" in text, text
         events.command(term, f"/screenshot {shot}")
         wait_for(term, r"Saved a screenshot", timeout=30)
         assert shot.exists() and "Paris" in shot.read_text()

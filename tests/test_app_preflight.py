@@ -17,6 +17,7 @@ from tq_chat.plan import format_ctx, format_plan, make_plan, max_context, with_b
 from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli.flags import config_from_args
+from tq_mlx.config import KEY_OUTPUT_ERROR
 from tq_mlx.models.architectures import load_model_config
 from tq_mlx.planner.display import format_bytes
 from tq_mlx.planner.machine import weight_bytes
@@ -112,8 +113,8 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     from tq_mlx.planner.memory import widen_layer_bytes
 
     cfg = load_model_config(tiny_model_dir)
-    config = TurboQuantConfig(key_error=0.1)
-    assert config == TurboQuantConfig()  # the default
+    config = TurboQuantConfig(key_error=0.1)  # keys by their logit error (key_error's own default, the output error off)
+    assert config == TurboQuantConfig(key_output_error=None) and config.key_output_error is None
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
     n = plan.attention_layers
     # the plan prices every layer's keys at the most they take: 6 bits, plus the K4 quantizers a widened stream
@@ -136,6 +137,8 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert "keys K3 to K6 by their output error (at most 0.03)" in text and "logit" not in text
     assert ("every layer's keys at K6 (each takes the fewest bits from K3 whose output error on its first window is "
             "at most 0.03") in text and "for each layer that keeps K4, more at K3" in text
+    # the default's keys take their bits by this rule, at KEY_OUTPUT_ERROR
+    assert TurboQuantConfig() == replace(by_output, key_output_error=KEY_OUTPUT_ERROR)
     plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(key_error=None), 10**10)
     assert plan.widen_bytes == 0 and "at most: every layer's keys" not in format_plan(plan)
     assert plan.kv == floor
@@ -177,10 +180,10 @@ def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     assert default.decayed == decayed_tokens(32768, None, TurboQuantConfig()) == 0
     text = format_plan(default)
     assert "decay " not in text and "decaying" not in text
-    assert ("TurboQuant K4/V3, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
-            "exceeds 0.1") in " ".join(text.split())
+    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys K3 to K6 by their output error "
+            f"(at most {format(KEY_OUTPUT_ERROR, 'g')})") in " ".join(text.split())
     aged = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(decay_after=6144), 10**10)
-    assert f"decay       K4→3/V3 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in format_plan(aged)
+    assert f"decay       K4→3/V4 after 6144: {32768 - 6144:,} of 32,768 tokens at the decay bits" in format_plan(aged)
     # only the values decay (keys left at AUTO would decay to K3 once an age is given)
     boundary = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(value_bits=4, boundary_layers=1, decay_after=2048,
                                                                    decay_key_bits=None, decay_value_bits=2), 10**10)
@@ -259,7 +262,7 @@ def test_plan_works_offline_from_the_config_tq_chat_ships(tmp_path):
     assert ("source      the config tq-chat ships for Qwen3.5-35B-A3B (configs/qwen3.5-35b-a3b.json; offline); "
             "weights estimated as 35B parameters x 4.5 bits") in out, out
     kv = estimate_kv_bytes(shipped["config"], 131072, TurboQuantConfig())
-    assert f"KV cache    {format_bytes(kv)}  TurboQuant K4/V3" in out
+    assert f"KV cache    {format_bytes(kv)}  TurboQuant K4/V4" in out
     assert f"weights     {format_bytes(int(35e9 * 4.5 / 8))}" in out
     # a name that is neither a short name nor a repo id, but one of the README's models
     proc = subprocess.run([sys.executable, "-m", "tq_chat.main", "Llama-3.1-8B", "--plan"], cwd=REPO, env=env,

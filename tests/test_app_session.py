@@ -3,6 +3,7 @@ panel, tq-generate's summary, cache_bytes and the plan, on a tiny random model f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from tests.test_app import panel_text
 from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.models.architectures import load_model_config
-from tq_mlx.planner.display import format_bytes, saving_words
+from tq_mlx.planner.display import bits_summary, format_bytes, saving_words
 from tq_mlx.planner.machine import weight_bytes
 from tq_mlx.planner.memory import chosen_key_widths, estimate_kv_bytes
 
@@ -44,8 +45,11 @@ def test_hybrid_model_reuses_its_cache_across_turns():
     stats = session.snapshot()
     text = panel_text(MemoryPanel(), stats)
     assert stats["other_bytes"] > 0 and format_bytes(stats["other_bytes"]) in text and "other cache state" in text
-    # the default (K4/V3 at every age); the label wraps in the panel
-    assert "K4/V3 on its 1 attention layer" in " ".join(text.split())
+    # V4 at every age, the layer's keys at the width their logit error chose (its first window is the window: the
+    # output error has nothing coded to measure on there, tq_mlx.config.output_error_first_window); the label
+    # wraps in the panel
+    assert re.fullmatch(r"K[4-6]/V4 on its 1 attention layer", bits_summary(session.cache))
+    assert bits_summary(session.cache) in " ".join(text.split()), text
 
 
 # --- one state, every surface: the panel, tq-generate's summary, cache_bytes and the plan --------------------------

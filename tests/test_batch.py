@@ -26,6 +26,7 @@ from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.batch import BatchTurboQuantKVCache, BatchView, batch_view_attention
 from tq_mlx.blas import openblas_preloaded
+from tq_mlx.config import KEY_OUTPUT_ERROR
 from tq_mlx.hook import quantized_scaled_dot_product_attention as hooked_attention
 
 REPO = Path(__file__).resolve().parent.parent
@@ -474,9 +475,9 @@ def test_tq_server_batches_and_answers_the_same_after_a_prompt_cache_hit(tmp_pat
         assert len(results) == 2 and all(isinstance(a, str) and a for a, _ in results.values())
     finally:
         stop(proc, grace=20)
-    # --tq-bits 4: K4/V4, keys by their error, every token at its bits
-    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 where their logit error "
-            "exceeds 0.1; batching on") in log.read_text()
+    # --tq-bits 4: K4/V4, keys by their output error, every token at its bits
+    assert ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys K3 to K6 by their output error "
+            f"(at most {format(KEY_OUTPUT_ERROR, 'g')}); batching on") in log.read_text()
 
 
 # --- SmolLM2 (real model) -----------------------------------------------------------------------------------

@@ -171,10 +171,10 @@ def test_long_context_quick(long_context: dict) -> None:
     previous = rows["TQ K4/V3 (window 128, block 128, the previous default)"]
     for text in m["texts"]:
         assert 0 < default["texts"][text]["1152"]["kl"] < previous["texts"][text]["1152"]["kl"] / 2
-    # head_dim 64 at 32k: K4/V3 codes with 8-bit norms at every age and the 128-token float16 window: 3.69
-    # bits/value before any layer's keys widen by their error (the † figures add what the layers chose; the
-    # default until 2026-12-05, K4/V4 with keys past 6144 at K3: 3.79)
-    assert 3.65 < default["bits_32k"] < 3.75
+    # head_dim 64 at 32k: K4/V4 codes with 8-bit norms at every age and the 128-token float16 window: 4.19
+    # bits/value before any layer's keys take other widths by their error (the † figures add what the layers chose;
+    # the default until 2026-12-06, K4/V3: 3.69)
+    assert 4.15 < default["bits_32k"] < 4.25
     rot = rows["rotation + affine 4-bit g64 (window 768, sinks 4)"]
     assert 4.5 < rot["bits_32k"] < 5
     assert rows["float (mlx-lm KVCache)"]["bits_32k"] == 16
@@ -877,7 +877,8 @@ def test_calibration_shift_scores_the_body_behind_another_texts_opening(tmp_path
     for cell in cells.values():
         rows = cell["rows"]
         assert rows["float"]["kl"] == 0 and 0 < rows["default"]["kl"] < 0.05, rows
-        assert rows["default"]["widened"] and all(5 <= bits <= 6 for _, bits in rows["default"]["widened"])
+        # the layers whose keys took other bits than K4: K3 to K6 by their output error
+        assert rows["default"]["widened"] and all(bits in (3, 5, 6) for _, bits in rows["default"]["widened"])
     assert cells["none"]["rows"]["float"]["ppl"] != cells["code"]["rows"]["float"]["ppl"]
 
 

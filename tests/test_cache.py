@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.host_sync import HostSync, forbid_host_sync
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
+from tq_mlx.config import KEY_ERROR, KEY_OUTPUT_ERROR, derive_config, output_error_first_window
 from tq_mlx.plan import layer_plan
 from tests.support.learning import learning
 
@@ -37,7 +38,8 @@ def fill(cache, lengths, seed=0, **kw):
 
 def test_config_defaults_and_from_bits():
     c = TurboQuantConfig()
-    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 3, False, "rope", False)
+    assert (c.key_bits, c.value_bits, c.qjl, c.center_keys, c.center_values) == (4, 4, False, "rope", False)
+    assert (c.key_output_error, c.key_error) == (KEY_OUTPUT_ERROR, None)
     assert c.correct_norms is True and c.decay_after is None
     assert (c.window, c.calibration_tokens, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 768, 4, 0, 0, 256)
     assert c.first_window == 768 and c.compress_block_size == 128
@@ -52,7 +54,46 @@ def test_config_defaults_and_from_bits():
     assert TurboQuantConfig.from_dict(d.to_dict()) == d
     assert TurboQuantConfig.from_dict(c.to_dict()) == c
     # a file from before weigh_keys existed coded plain keys
-    assert TurboQuantConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "weigh_keys"}).weigh_keys is False
+    old = {k: v for k, v in c.to_dict().items() if k not in ("weigh_keys", "key_error", "key_output_error")}
+    assert TurboQuantConfig.from_dict(old).weigh_keys is False
+    # ... and a file from before key_output_error existed kept the keys' widths by key_error alone
+    old = dict(c.to_dict(), key_error=0.1)
+    del old["key_output_error"]
+    assert (TurboQuantConfig.from_dict(old).key_error, TurboQuantConfig.from_dict(old).key_output_error) == (0.1, None)
+
+
+def test_config_keys_by_output_error_unless_asked_otherwise():
+    # Left at AUTO, keys take their widths by the output error where it can be measured (weighed MSE K4 keys, a
+    # window of 3 or more) and no key_error is given; else key_error's own AUTO applies
+    widths = lambda c: (c.key_output_error, c.key_error)  # noqa: E731
+    assert widths(TurboQuantConfig()) == (KEY_OUTPUT_ERROR, None)
+    assert widths(TurboQuantConfig(key_error=0.2)) == (None, 0.2)
+    assert widths(TurboQuantConfig(key_error=None)) == (None, None)  # keys keep key_bits
+    assert widths(TurboQuantConfig(key_output_error=None)) == (None, KEY_ERROR)
+    assert widths(TurboQuantConfig(key_output_error=0.04)) == (0.04, None)
+    assert widths(TurboQuantConfig(window=2, calibration_tokens=None)) == (None, KEY_ERROR)
+    # a first window that is the window itself leaves the queries of its last third no coded token to read (every
+    # width would measure 0): the logit error decides, and asking for the output error there is refused
+    assert widths(TurboQuantConfig(calibration_tokens=None)) == (None, KEY_ERROR)
+    least = output_error_first_window(128)
+    assert widths(TurboQuantConfig(calibration_tokens=least - 1)) == (None, KEY_ERROR)
+    assert widths(TurboQuantConfig(calibration_tokens=least)) == (KEY_OUTPUT_ERROR, None)
+    assert least - least // 3 > 128 >= (least - 1) - (least - 1) // 3
+    with pytest.raises(ValueError, match=f"needs a first window of at least {least} tokens"):
+        TurboQuantConfig(key_output_error=0.02, calibration_tokens=None)
+    assert widths(derive_config(calibration_tokens=64)) == (None, KEY_ERROR)
+    for other in (dict(key_bits=3), dict(key_bits=8), dict(qjl=True), dict(weigh_keys=False), dict(key_bits=3.5)):
+        assert widths(TurboQuantConfig(**other)) == (None, None), other
+    # derived configs follow their bits, as the flags derive them; a key_error named drops the AUTO output error
+    assert widths(derive_config(bits=3)) == (None, None) and widths(derive_config(bits=4)) == (KEY_OUTPUT_ERROR, None)
+    assert widths(derive_config(derive_config(bits=3), bits=4)) == (KEY_OUTPUT_ERROR, None)
+    assert widths(derive_config(key_error=0.2)) == (None, 0.2)
+    assert widths(derive_config(TurboQuantConfig(key_output_error=0.04), bits=5)) == (0.04, None)
+    assert widths(derive_config(TurboQuantConfig(key_output_error=None), bits=4)) == (None, KEY_ERROR)
+    assert widths(TurboQuantConfig.preset("quality")) == (None, None)
+    assert widths(TurboQuantConfig.preset("compact")) == (None, None)
+    with pytest.raises(ValueError, match="key_output_error must be a number > 0 or None"):
+        TurboQuantConfig(key_output_error="often")
 
 
 def decay_of(c: TurboQuantConfig) -> tuple:
@@ -156,7 +197,7 @@ def test_layer_bits_boundary():
     c = TurboQuantConfig(key_bits=3, value_bits=2, boundary_layers=2, boundary_bits=8)
     got = [layer_plan(c, i, 6).bits for i in range(6)]
     assert got == [(8, 8), (8, 8), (3, 2), (3, 2), (8, 8), (8, 8)]
-    assert layer_plan(TurboQuantConfig(key_bits=3), 0, 6).bits == (3, 3)  # the default value_bits
+    assert layer_plan(TurboQuantConfig(key_bits=3), 0, 6).bits == (3, 4)  # the default value_bits
     cache = TurboQuantKVCache(c, layer_index=7, attention_index=5, n_attention_layers=6)
     assert (cache.key_bits, cache.value_bits, cache.bits) == (8, 8, 8)
     # QJL needs TurboQuant_prod's bits; 8-bit boundary layers fall back to MSE keys.
@@ -538,6 +579,6 @@ def test_a_bound_that_drops_every_coded_token_keeps_the_calibration_and_the_weig
         seen_empty |= cache.key_stream.n_coded == 0
         assert cache.key_stream.weights is weights and cache.key_stream.scale is scale
         planned = turboquant_layer_bytes(cache.offset, 2, 64, 64, config.key_bits, config.value_bits, config,
-                                         float_bytes=4, max_kv_size=bound)
+                                         float_bytes=4, max_kv_size=bound, key_width=cache.key_bits, query_heads=2)
         assert planned == cache.nbytes
     assert seen_empty  # the bound did empty the codes at some step

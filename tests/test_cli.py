@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, tiny_llama, tiny_tokenizer
 from tq_mlx.cache import TurboQuantConfig
+from tq_mlx.config import KEY_OUTPUT_ERROR
 from tq_mlx.planner.display import describe_config
 from tq_mlx.cli.flags import add_cache_args, cache_flags_given, config_from_args
 from tq_mlx.cli.generate import generate_main
@@ -188,27 +189,28 @@ def test_presets_by_name_and_flags_adjust_them(tiny_model_dir, capsys):
 
     assert set(PRESETS) == {"quality", "default", "compact"}
     assert config_from_args(parse("--tq-preset", "default")) == TurboQuantConfig()
-    # the default: K4/V3, keys up to K6 by their error, 8-bit norms corrected, every token at its bits
+    # the default: K4/V4, keys K3 to K6 by their output error, 8-bit norms corrected, every token at its bits
     default = config_from_args(parse())
-    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 3, 128, 8)
+    assert (default.key_bits, default.value_bits, default.window, default.norm_bits) == (4, 4, 128, 8)
     assert default.calibration_tokens == 768 and default.correct_norms
-    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error) == (None, None, None,
-                                                                                                         0.1)
-    assert describe_config(default) == ("TurboQuant K4/V3, window 128, sinks 4, calibrating on 768 tokens, keys up to K6 "
-                                        "where their logit error exceeds 0.1")
+    assert (default.decay_after, default.decay_key_bits, default.decay_value_bits, default.key_error,
+            default.key_output_error) == (None, None, None, None, KEY_OUTPUT_ERROR)
+    assert describe_config(default) == ("TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys K3 to K6 "
+                                        f"by their output error (at most {format(KEY_OUTPUT_ERROR, 'g')})")
     # other bits keep theirs at every age too; asked for decay, keys lose one bit down to 3 (3-bit keys keep
     # theirs), values keep theirs
     k3 = config_from_args(parse("--tq-key-bits", "3"))
-    assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error) == (3, 3, 8, None)  # a width you set is kept
+    # a width you set is kept: neither error target widens it
+    assert (k3.key_bits, k3.value_bits, k3.norm_bits, k3.key_error, k3.key_output_error) == (3, 4, 8, None, None)
     assert (k3.decay_after, k3.decay_key_bits, k3.decay_value_bits) == (None, None, None)
     v4 = config_from_args(parse("--tq-value-bits", "4"))
     assert (v4.decay_after, v4.decay_key_bits, v4.decay_value_bits) == (None, None, None)
     assert config_from_args(parse("--tq-decay-value-bits", "2")).decay_value_bits == 2
     # --tq-decay-after alone asks for the decay the bits give
     later = config_from_args(parse("--tq-decay-after", "8192"))
-    assert (later.key_bits, later.value_bits) == (4, 3)
+    assert (later.key_bits, later.value_bits) == (4, 4)
     assert (later.decay_after, later.decay_key_bits, later.decay_value_bits) == (8192, 3, None)
-    assert "decaying to K3/V3 after 8192 tokens" in describe_config(later)
+    assert "decaying to K3/V4 after 8192 tokens" in describe_config(later)
     # ... but bits with none to go to (fractional, 8-bit, the floor): the error names them
     with pytest.raises(ValueError, match="decay_after needs decay_key_bits or decay_value_bits"):
         config_from_args(parse("--tq-key-bits", "3.5", "--tq-value-bits", "2.5", "--tq-decay-after", "8192"))
@@ -302,7 +304,7 @@ def test_generate_quiet_prints_only_the_answer_and_summary_to_stderr(tiny_model_
     rc = generate_main(["--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4", "--verbose", "F"])
     captured = capsys.readouterr()
     assert rc == 0 and "KV cache:" not in captured.out
-    assert "K4/V3 on all 3 attention layers" in captured.err  # the default's bits
+    assert "K4/V4 on all 3 attention layers" in captured.err  # the default's bits (24 tokens: none compressed yet)
 
 
 def test_generate_kv_bits_alone_is_mlx_lm_cache(tiny_model_dir, capsys):
@@ -373,7 +375,7 @@ def test_generate_continues_from_a_turboquant_prompt_cache_file(tiny_model_dir, 
     assert held > n  # the file's tokens, then the new prompt and the answer
     # the file's config (the default bits) came back with it
     assert "in float32 (2 sinks + 16-token window)" in summary
-    assert re.search(r"(K4/V3 on all 3 attention layers|(L[\d-]+ K[4-6]/V3( · )?)+)$", summary), summary
+    assert re.search(r"(K4/V4 on all 3 attention layers|(L[\d-]+ K[4-6]/V4( · )?)+)$", summary), summary
 
 
 def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_dir, tmp_path):
@@ -388,7 +390,7 @@ def test_generate_compresses_a_float_prompt_cache_file_and_says_so(tiny_model_di
                        "--max-tokens", "4", "--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-sinks", "2")
     assert proc.returncode == 0, proc.stderr
     m = re.search(rf"tq-generate: {re.escape(str(path))} holds mlx-lm's float cache \(([\d,]+) tokens\): "
-                  rf"converted it to TurboQuant K4/V3, window 16, sinks 2, keys not weighed for this run \(the file "
+                  rf"converted it to TurboQuant K4/V4, window 16, sinks 2, keys not weighed for this run \(the file "
                   rf"is unchanged; it holds no queries to weigh the keys by\)",
                   proc.stderr)
     assert m and int(m.group(1)) > 16, proc.stderr
@@ -451,7 +453,7 @@ def test_generate_model_errors_are_one_line(tmp_path, case):
 
 def test_tq_bits_help_names_the_real_default():
     help_text = " ".join(add_cache_args(argparse.ArgumentParser(prog="t")).format_help().split())
-    assert "bits per value for keys and values (default: keys 4, values 3, i.e. K4/V3)" in help_text
+    assert "bits per value for keys and values (default: keys 4, values 4, i.e. K4/V4)" in help_text
 
 
 # --- tq-server -------------------------------------------------------------------------------------------
@@ -594,7 +596,7 @@ def test_server_runs_the_demo_model_by_name(tiny_model_dir, tmp_path):
         stop(proc)
     text = log.read_text()
     assert f"tq-server: smollm2-135m is the demo model, smollm2-135m-instruct in float16: {tiny_model_dir}" in text
-    assert "KV cache: TurboQuant K4/V3" in text
+    assert "KV cache: TurboQuant K4/V4" in text
 
 
 def test_generate_max_tokens_is_a_count_or_minus_one():

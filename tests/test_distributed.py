@@ -32,10 +32,13 @@ from tests.support.tiny_models import EOS, VOCAB, _randomize, tiny_tokenizer  # 
 from tq_mlx.config import TurboQuantConfig  # noqa: E402
 
 # A small window so that most of the prompt and of the answer are compressed; the first and last layers at 8 bits,
-# which a pipeline stage must count in the whole model.
-CONFIG = TurboQuantConfig(key_bits=4, value_bits=3, window=16, calibration_tokens=None, compress_block=8, sinks=2, boundary_layers=1)
+# which a pipeline stage must count in the whole model. Keys widen by their logit error (key_error), whose widths a
+# tensor-parallel rank chooses on its half of the heads as one process does on both here; by their output error each
+# rank would choose on its own heads' attention outputs.
+CONFIG = TurboQuantConfig(key_bits=4, value_bits=3, window=16, calibration_tokens=None, compress_block=8, sinks=2, boundary_layers=1,
+                          key_output_error=None)
 TQ_FLAGS = ["--tq-key-bits", "4", "--tq-value-bits", "3", "--tq-window", "16", "--tq-calibration-tokens", "16", "--tq-compress-block", "8",
-            "--tq-sinks", "2", "--tq-boundary-layers", "1"]
+            "--tq-sinks", "2", "--tq-boundary-layers", "1", "--tq-key-output-error", "off"]
 PROMPT = [(7 * i + 3) % 256 for i in range(40)]
 MAX_TOKENS = 24
 LAYERS = 4

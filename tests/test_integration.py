@@ -441,7 +441,7 @@ def test_a_converted_float_cache_says_its_keys_are_unweighed_and_the_planner_agr
     assert converted_config(config) == dataclasses.replace(config, weigh_keys=False, key_error=None)
     assert "keys not weighed" in describe_config(converted_config(config))
     assert "keys up to" not in describe_config(converted_config(config))
-    by_output = TurboQuantConfig(window=64, calibration_tokens=None, sinks=4, key_output_error=0.02)
+    by_output = TurboQuantConfig(window=64, calibration_tokens=128, sinks=4, key_output_error=0.02)
     assert converted_config(by_output) == dataclasses.replace(by_output, weigh_keys=False, key_output_error=None)
     for i, c in enumerate(cache):
         assert isinstance(c, TurboQuantKVCache) and c.config == converted_config(config)

@@ -49,8 +49,12 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     small = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768").config.to_dict()}
     assert lc.canonical_name(small) == lc.DEFAULT_1205.name and lc.parse_setting("k4v4w128b128d6144k3v4n8rqe0.1pdc768") is lc.DEFAULT_1205
     assert lc.parse_setting("default-1205") is lc.DEFAULT_1205 and lc.DEFAULT_1205.name.endswith("the default until 2026-12-05)")
-    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768").config.to_dict()}
-    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768") is lc.DEFAULT
+    v3 = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768").config.to_dict()}
+    assert lc.canonical_name(v3) == lc.DEFAULT_1206.name and lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768") is lc.DEFAULT_1206
+    assert lc.parse_setting("default-1206") is lc.DEFAULT_1206 and lc.DEFAULT_1206.name.endswith("the default until 2026-12-06)")
+    # ... and since 2026-12-06 its values are V4 and its keys take K3-K6 by their output error: today's
+    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768").config.to_dict()}
+    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768") is lc.DEFAULT
     # compact and quality too: the same presets before it, by name
     for key, old in (("compact", lc.COMPACT_1203), ("quality", lc.QUALITY_1203)):
         before = dataclasses.replace(lc.parse_setting(key).config, prefill_as_decode=False)
@@ -323,8 +327,8 @@ def test_a_pass_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch
         assert mx.allclose(store[c], logps[c], atol=1e-5), c
 
     # A TurboQuant pass (tokens compressed, decayed and widened by their error before the stop) resumes the same way
-    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(window=64, calibration_tokens=None, compress_block=32, sinks=4, decay_after=96,
-                                                         key_error=0.01))
+    s = Setting("tiny TQ", "tq", config=TurboQuantConfig(value_bits=3, window=64, calibration_tokens=None, compress_block=32, sinks=4,
+                                                         decay_after=96, key_error=0.01))
     cache = lc.make_cache(model, s)
     want, _ = lc.run_pass(model, cache, ids, contexts, chunk, scored, store)
     widths = lc.widened_layers(cache)

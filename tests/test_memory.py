@@ -30,7 +30,7 @@ from tests.support.memory import (  # noqa: F401  (models: module fixture)
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
 from tq_mlx.models.architectures import attention_layout
 from tq_mlx.stream.codec import make_quantizer
-from tq_mlx.config import WIDEST_KEY_BITS
+from tq_mlx.config import KEY_ERROR, WIDEST_KEY_BITS, bits_label, output_error_first_window
 from tq_mlx.planner.display import bits_summary, format_bytes
 from tq_mlx.planner.machine import available_memory, weight_bytes
 from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout
@@ -115,7 +115,8 @@ def test_cache_bytes_on_a_hybrid_counts_linear_state_as_other(models):
     assert s["mlx_lm_bytes"] == 1 * 1 * 256 * 2 * 256 * 4
     assert s["ratio"] == pytest.approx(s["mlx_lm_bytes"] / s["kv_bytes"])
     assert s["saved_bytes"] == s["mlx_lm_bytes"] - s["kv_bytes"]
-    assert bits_summary(cache) == "K4/V3 on its 1 attention layer"  # the default's bits, at every age
+    # the default's bits at every age, the keys at the width their output error chose
+    assert bits_summary(cache) == f"K{tq[0].key_bits}/V{TurboQuantConfig().value_bits} on its 1 attention layer"
 
 
 def test_empty_cache():
@@ -226,7 +227,8 @@ def test_bits_summary_names_the_layers_that_stay_float():
     from tests.support import zoo
 
     sliding = make_prompt_cache(zoo.build("gemma3"), TurboQuantConfig())  # global layer every second layer
-    tq = "K4/V3"  # the default: K4/V3 at every age
+    d = TurboQuantConfig()
+    tq = bits_label(d.key_bits, d.value_bits)  # the default at every age (nothing fed: no layer chose its width)
     assert bits_summary(sliding) == f"L0 float (sliding window 16) · L1 {tq} · L2 float (sliding window 16) · L3 {tq}"
     nested = make_prompt_cache(zoo.build("falcon_h1"), TurboQuantConfig(boundary_layers=1))  # KVCache in CacheList
     assert bits_summary(nested) == f"L0 K8/V8 · L1-2 {tq} · L3 K8/V8"  # boundary layers do not decay
@@ -452,7 +454,11 @@ def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
         assert check_max_size(M, fitted) == M  # a cache bounded to M takes the fitted config
         least = base.sinks + base.window + base.compress_block_size - 1
         if least <= M:  # the window fits: the calibration tokens come down to what the bound holds
-            assert fitted == dataclasses.replace(base, calibration_tokens=M - base.sinks - base.compress_block_size + 1)
+            calibration = M - base.sinks - base.compress_block_size + 1
+            keys = {}  # ... and keys by their output error, where that leaves too few to measure on, by their logit error
+            if base.key_output_error is not None and max(base.window, calibration) < output_error_first_window(base.window):
+                keys = dict(key_output_error=None, key_error=KEY_ERROR)
+            assert fitted == dataclasses.replace(base, calibration_tokens=calibration, **keys)
             assert fitted.bound_floor == M
             continue
         assert fitted.calibration_tokens is None
@@ -463,9 +469,15 @@ def test_any_max_kv_size_fits_by_shrinking_the_window_and_block(M):
             assert fitted.sinks + fitted.window + K - 1 == M
         assert fitted.sinks == min(base.sinks, M) and fitted.window <= base.window
         assert fitted.compress_block_size <= max(fitted.window, 1)
-        # nothing else changes
+        # nothing else changes, but keys by their output error where the fitted first window cannot measure it
+        # (too few tokens older than the window for its last third of queries to read): by their logit error instead
+        if base.key_output_error is not None:
+            measurable = fitted.window >= 3 and fitted.first_window >= output_error_first_window(fitted.window)
+            assert (fitted.key_output_error, fitted.key_error) == (
+                (base.key_output_error, None) if measurable else (None, KEY_ERROR)), (M, fitted)
         assert dataclasses.replace(fitted, sinks=base.sinks, window=base.window, compress_block=base.compress_block,
-                                   calibration_tokens=base.calibration_tokens) == base
+                                   calibration_tokens=base.calibration_tokens, key_output_error=base.key_output_error,
+                                   key_error=base.key_error) == base
     # derive_config is where the commands fit it; the library's explicit config is refused, naming the way out
     assert derive_config("default", max_kv_size=M) == fit_max_kv_size(TurboQuantConfig(), M)
     if M < 899:

@@ -62,8 +62,10 @@ def test_decay_estimate_equals_real_nbytes_in_one_prefill_and_token_by_token(mod
     s = cache_bytes(cache)
     assert s["kv_bytes"] == real and s["decayed_tokens"] == 104 and s["compressed_tokens"] == cache[1].n_coded
     assert s["compressed_tokens"] == 120 and "120 tokens compressed (104 decayed), 30 in float32" in window_text(s)
-    label = decay_label(4, 3, False, tuple(b if d else None for b, d in zip((cfg.decay_key_bits,
-                                                                              cfg.decay_value_bits), decays)), 48)
+    # layer 1's keys at the width their output error chose (the default's rule at K4), decaying a step below it
+    kb = cache[1].key_bits
+    label = decay_label(kb, 3, False, tuple(b if d else None for b, d in zip(
+        (None if cfg.decay_key_bits is None else kb - (cfg.key_bits - cfg.decay_key_bits), cfg.decay_value_bits), decays)), 48)
     assert bits_summary(cache) == f"L0 K8/V8 · L1 {label} · L2 K8/V8"
 
 
@@ -74,9 +76,9 @@ def test_decay_labels():
     assert decay_label(4, 3, False, (None, None), 2048) == decay_label(4, 3) == "K4/V3"
     cfg = TurboQuantConfig(value_bits=4, decay_after=2048, decay_key_bits=3, decay_value_bits=2, boundary_layers=1)
     assert config_label(cfg) == "K4→3/V4→2 after 2048" and config_label(cfg, 0, 4) == "K8/V8"
-    assert config_label(TurboQuantConfig()) == "K4/V3"
-    assert config_label(TurboQuantConfig(decay_after=6144)) == "K4→3/V3 after 6144"
-    assert config_label(TurboQuantConfig(decay_after=6144), 0, 4) == "K4→3/V3 after 6144"
+    assert config_label(TurboQuantConfig()) == "K4/V4"
+    assert config_label(TurboQuantConfig(decay_after=6144)) == "K4→3/V4 after 6144"
+    assert config_label(TurboQuantConfig(decay_after=6144), 0, 4) == "K4→3/V4 after 6144"
     assert config_label(TurboQuantConfig(boundary_layers=1), 3, 4) == "K8/V8"
     assert config_label(TurboQuantConfig(value_bits=4, decay_after=None)) == "K4/V4"
     assert config_label(TurboQuantConfig(value_bits=4, decay_after=6144)) == "K4→3/V4 after 6144"  # every width decays by one rule (values keep theirs)

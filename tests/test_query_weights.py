@@ -26,6 +26,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
 from tests.test_rope import model_rope, rope_views
 from tq_mlx import attention as K
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
+from tq_mlx.config import KEY_ERROR, KEY_OUTPUT_ERROR
 from tq_mlx.attention.reference import turboquant_attention
 from tq_mlx.batch import learned
 from tq_mlx.models.rope import probe
@@ -420,8 +421,12 @@ def test_keys_take_the_bits_their_error_asks_for_and_decay_a_step():
         assert bits_summary([c]) == f"K{bits}→{decay}/V4→2 after 96 on its 1 attention layer"
     assert "keys up to K6 where their logit error exceeds 0.03" in describe_config(cfg(key_error=0.03))
     assert "keys up to" not in describe_config(cfg(key_error=None))
-    # the default: where the keys are weighed integer MSE codes below K6, and nowhere else
-    assert cfg(key_bits=4).key_error == TurboQuantConfig().key_error == 0.1
+    # automatic: where the keys are weighed integer MSE codes at K4 and their output error does not choose
+    # (key_output_error off), and nowhere else
+    assert cfg(key_bits=4, key_output_error=None).key_error == TurboQuantConfig(key_output_error=None).key_error == KEY_ERROR
+    assert TurboQuantConfig().key_error is None  # the default: the output error's
+    assert cfg(key_bits=4, calibration_tokens=64).key_error is None  # ... where the first window can measure it
+    assert cfg(key_bits=4).key_error == KEY_ERROR  # ... and where it cannot (the window itself): the logit error's
     assert cfg(key_bits=4, weigh_keys=False).key_error is None and cfg(key_bits=4, qjl=True).key_error is None
     assert cfg().key_error is None and cfg(key_bits=5).key_error is None  # a width you set is kept
     assert cfg(key_error=0.2).key_error == 0.2  # ... unless you ask
@@ -546,14 +551,16 @@ def test_key_error_is_validated_and_derived():
     base = TurboQuantConfig(key_error=0.2)  # asked for: kept at any integer MSE width
     assert derive_config(base, key_bits=3.5).key_error is None and derive_config(base, qjl=True, key_bits=3).key_error is None
     assert derive_config(base, key_bits=5).key_error == 0.2
-    # the default's (0.1 at K4) follows the width: a width you set is kept
-    assert derive_config(TurboQuantConfig(), key_bits=5).key_error is None
-    assert derive_config(derive_config(TurboQuantConfig(), key_bits=5), key_bits=4).key_error == 0.1
-    assert TurboQuantConfig.from_dict(TurboQuantConfig().to_dict() | {"key_error": 0.2}).key_error == 0.2
+    # the automatic one (0.1 at K4 where the output error does not choose) follows the width: a width you set is kept
+    off = TurboQuantConfig(key_output_error=None)
+    assert derive_config(off, key_bits=5).key_error is None
+    assert derive_config(off, key_bits=4).key_error == KEY_ERROR
+    assert derive_config(derive_config(TurboQuantConfig(), key_bits=5), key_bits=4).key_output_error == KEY_OUTPUT_ERROR
+    assert TurboQuantConfig.from_dict(off.to_dict() | {"key_error": 0.2}).key_error == 0.2
 
 
 def test_the_width_reads_one_number_per_stream_and_decode_then_reads_none(monkeypatch):
-    # The default chooses widths (key_error at K4): the first compression reads its logit error back once, as key
+    # key_error chooses widths (auto at K4, the output error off): the first compression reads its logit error back once, as key
     # protection reads its factor; every later update and attention builds its graph without a host sync.
     import tq_mlx.stream.compressed as stream
     from tests.support.host_sync import forbid_host_sync
@@ -566,8 +573,8 @@ def test_the_width_reads_one_number_per_stream_and_decode_then_reads_none(monkey
         return real(*a)
 
     monkeypatch.setattr(stream, "key_width", counted)
-    config = cfg(key_bits=4, protect_factor=None, decay_after=64, decay_key_bits=3)
-    assert config.key_error == TurboQuantConfig().key_error == 0.1  # the default's: auto at K4
+    config = cfg(key_bits=4, protect_factor=None, decay_after=64, decay_key_bits=3, key_output_error=None)
+    assert config.key_error == KEY_ERROR  # auto at K4
     keys, values, queries = tokens(11, 140, q_gain=0.1)
     cache, _ = run_cache(config, keys[:, :, :40], values[:, :, :40], queries[:, :, :40], [40])
     assert len(reads) == 1 and cache.key_stream.widened  # these keys err 0.101 at K4 (widened above)
@@ -645,7 +652,7 @@ def test_keys_take_the_fewest_bits_whose_output_error_is_under_the_target():
             assert c.key_bits == b and c.key_stream.widened == (b != 4), (b, target, errors)
             assert c.decay_bits == (b - 1, 2) and c.key_stream.view().decayed.quantizer.bits == b - 1
     assert by_output(errors[6] / 2).key_bits == 6  # none is under it: the widest
-    assert "keys K3 to K6 by their output error (at most 0.02)" in describe_config(cfg(key_output_error=0.02))
+    assert "keys K3 to K6 by their output error (at most 0.02)" in describe_config(cfg(key_output_error=0.02, calibration_tokens=96))
 
 
 def test_the_output_width_does_not_depend_on_how_the_prompt_is_fed():
@@ -710,7 +717,10 @@ def test_key_output_error_is_validated_and_derived():
     assert derive_config(c, key_bits=3.5).key_output_error is None and derive_config(c, key_bits=5).key_output_error == 0.02
     assert derive_config("default", key_output_error=0.02).key_error is None
     assert TurboQuantConfig.from_dict(c.to_dict()) == c and TurboQuantConfig.from_dict(
-        TurboQuantConfig().to_dict()).key_output_error is None
+        TurboQuantConfig().to_dict()).key_output_error == KEY_OUTPUT_ERROR
+    # a file written before the rule existed chose its widths by key_error alone
+    before = {k: v for k, v in TurboQuantConfig(key_output_error=None).to_dict().items() if k != "key_output_error"}
+    assert (TurboQuantConfig.from_dict(before).key_output_error, TurboQuantConfig.from_dict(before).key_error) == (None, KEY_ERROR)
 
 
 def test_the_output_width_reads_one_number_and_decode_then_reads_none(monkeypatch):

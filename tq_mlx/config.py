@@ -33,6 +33,10 @@ DECAY_FLOOR = {"key": 3, "value": 2}
 # sets keep it (a target widens K3 keys to K5-K6 on most layers, undoing what --bits 3 asks for).
 KEY_ERROR = 0.1
 KEY_ERROR_BITS = 4
+# Keys by their output error (TurboQuantConfig.key_output_error) when neither target is given: with V4 values it
+# gives both Qwen2.5-Coder models lower KL than K4-K6 keys by KEY_ERROR beside V3 values, for fewer bytes
+# (benchmarks/DEFAULTS.md); keys at a width a user sets keep it, as with KEY_ERROR.
+KEY_OUTPUT_ERROR = 0.028
 
 
 def value_widths(value_bits: float) -> tuple[int, ...]:
@@ -60,6 +64,28 @@ def auto_key_error(key_bits: float, qjl: bool, weigh_keys: bool) -> float | None
     if qjl or not weigh_keys or key_bits != KEY_ERROR_BITS:
         return None
     return KEY_ERROR
+
+
+def output_error_first_window(window: int) -> int:
+    """The fewest tokens a first window (TurboQuantConfig.first_window) needs for key_output_error to measure: each
+    query of its last third reads the tokens more than `window` older than itself as codes, so the earliest of them
+    must have one (a first window that is the window itself leaves them nothing coded: every width would measure 0)."""
+    first = window + 1
+    while first - first // 3 <= window:
+        first += 1
+    return first
+
+
+def auto_key_output_error(key_bits: float, qjl: bool, weigh_keys: bool, window: Any,
+                          first_window: Any) -> float | None:
+    """The key_output_error a config takes when neither it nor key_error is given: KEY_OUTPUT_ERROR for MSE keys at
+    KEY_ERROR_BITS weighed by their queries, with a window of 3 or more and a first window it can measure on
+    (output_error_first_window); None otherwise (key_error's own AUTO then applies)."""
+    if qjl or not weigh_keys or key_bits != KEY_ERROR_BITS or not isinstance(window, int) or window < 3:
+        return None
+    if not isinstance(first_window, int) or first_window < output_error_first_window(window):
+        return None
+    return KEY_OUTPUT_ERROR
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -93,11 +119,11 @@ class TurboQuantConfig:
     above the 768-token window the default had before, for fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a
     log code, RMS 1.25% off) cost little
     next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
-    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Values take 3 bits with
+    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Values take 4 bits with
     their norms corrected (correct_norms) and no token decays: old keys re-coded a bit narrower were most of the
-    default's error at 16k, where V3 values cost less for the same bytes. Each layer's keys take the fewest bits from
-    K4 up to K6 whose attention-logit error on its first window's queries is at most KEY_ERROR (key_error): that is
-    what holds both Qwen2.5-Coder models under KL 0.01 at 16k (benchmarks/DEFAULTS.md). A key stream whose tokens
+    default's error at 16k. Each layer's keys take the fewest bits from K3 up to K6 whose attention-output error on
+    its first window's queries is at most KEY_OUTPUT_ERROR (key_output_error): bits taken from the keys of layers
+    that need few cost less KL than a bit taken from every value (benchmarks/DEFAULTS.md). A key stream whose tokens
     barely vary along their own mean direction (bias_outlier_factor > protect_factor; layer 0 of Qwen2.5-0.5B) keeps its keys at protect_bits: KL at 4k 1.2 -> 0.075 there. The key
     mean is taken before RoPE and subtracted rotated to each position (center_keys "rope", tq_mlx.models.rope): KL at 8k
     0.0423 -> 0.0260 on Qwen2.5-Coder-0.5B, 0.0038 -> 0.0026 on SmolLM2 (Britannica). Keys are coded times
@@ -111,15 +137,17 @@ class TurboQuantConfig:
     Decay fields left at AUTO decay nothing until decay is asked for (decay_after, either side's decay bits, or
     value_error); then they follow one rule for every width (auto_decay_bits): keys of tokens older than
     decay_after (DECAY_AFTER when not given) decay to one bit less (not below 3), values keep their bits:
-    K4/V3 -> K3/V3, K5 -> K4 (a widened layer); fractional and 8-bit widths, widths at the floor and QJL keys keep
-    their bits at every age. key_error left at AUTO is KEY_ERROR for weighed MSE keys at K4 (auto_key_error), None otherwise. An explicit
+    K4/V4 -> K3/V4, K5 -> K4 (a widened layer); fractional and 8-bit widths, widths at the floor and QJL keys keep
+    their bits at every age. key_output_error left at AUTO is KEY_OUTPUT_ERROR for weighed MSE keys at K4 with a
+    window of 3 or more when key_error is not given (auto_key_output_error), None otherwise; key_error left at AUTO
+    is then KEY_ERROR for weighed MSE keys at K4 whose key_output_error is None (auto_key_error). An explicit
     value is always validated as given. The resolved values are the fields: dataclasses.replace(config,
     key_bits=8) keeps K3 decay from a config that decays (derive_config(config, bits=8) derives both again, as the
     commands' flags do).
     """
 
     key_bits: float = 4  # 1, 2, 2.5, 3, 3.5, 4, 5, 6 or 8 (quantizer.MSE_BITS)
-    value_bits: float = 3
+    value_bits: float = 4
     qjl: bool = False  # keys only: TurboQuant_prod (key_bits-1 MSE bits + 1 QJL bit); integer key_bits 1..4
     window: int = 128  # recent tokens kept in the model's float dtype (0: compress every token at once)
     compress_block: int | None = None  # tokens compressed at a time when the window overflows; None: 128 or
@@ -149,8 +177,9 @@ class TurboQuantConfig:
     # codes (tq_mlx.stream.calibration.output_errors); the layer's keys take the fewest bits from NARROWEST_KEY_BITS
     # up to WIDEST_KEY_BITS whose error, measured by coding its calibration keys at each, is at most this, chosen at
     # its first compression. Needs query weights, integer MSE key bits, no key_error and a window of 3 or more.
-    # None: off (key_error decides, if set).
-    key_output_error: float | None = None
+    # None: off (key_error decides, if set). AUTO: KEY_OUTPUT_ERROR where it applies and key_error is not given
+    # (auto_key_output_error), None elsewhere.
+    key_output_error: float | None | str = AUTO
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
     # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
     # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the first window's
@@ -168,8 +197,8 @@ class TurboQuantConfig:
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
     norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
     correct_norms: bool = True  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
-    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on with
-    # the default's V3 values since 2026-12-05 (benchmarks/DEFAULTS.md)
+    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on since
+    # 2026-12-05, when the default's values fell to V3 (benchmarks/DEFAULTS.md)
     # Each query of a prefill chunk reads the cache as a decode step at its position would: the compressed tokens
     # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
     # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
@@ -201,6 +230,11 @@ class TurboQuantConfig:
         f = self.protect_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
+        if self.key_output_error == AUTO:  # a key_error given (a number, or None: keys keep key_bits) decides alone
+            first = max(self.window, self.calibration_tokens or 0) if isinstance(self.window, int) and isinstance(
+                self.calibration_tokens, (int, type(None))) else None
+            set_("key_output_error", None if self.key_error != AUTO else
+                 auto_key_output_error(self.key_bits, self.qjl, self.weigh_keys, self.window, first))
         e = self.key_error
         if e == AUTO:
             e = None if self.key_output_error is not None else auto_key_error(self.key_bits, self.qjl, self.weigh_keys)
@@ -232,7 +266,7 @@ class TurboQuantConfig:
 
     def _check_key_output_error(self) -> None:
         e = self.key_output_error
-        check_target("key_output_error", e, "None (off)")
+        check_target("key_output_error", e, f"None (off: key_error decides) or {AUTO!r}")
         if e is None:
             return
         if self.key_error is not None:
@@ -245,6 +279,11 @@ class TurboQuantConfig:
         if isinstance(self.window, int) and self.window < 3:
             raise ValueError(f"key_output_error measures on the first window's queries: it needs a window of 3 or "
                              f"more, got {self.window!r}")
+        if isinstance(self.window, int) and isinstance(self.calibration_tokens, (int, type(None))) and \
+                self.first_window < (least := output_error_first_window(self.window)):
+            raise ValueError(f"key_output_error measures on the queries of the first window's last third, each reading "
+                             f"the tokens more than a window ({self.window}) older than itself as codes: it needs a "
+                             f"first window of at least {least} tokens (calibration_tokens), got {self.first_window}")
 
     def _check_value_error(self) -> None:
         e = self.value_error
@@ -364,6 +403,7 @@ class TurboQuantConfig:
         d.setdefault("norm_bits", 16)
         d.setdefault("weigh_keys", False)
         d.setdefault("key_error", None)
+        d.setdefault("key_output_error", None)
         d.setdefault("correct_norms", False)
         d.setdefault("key_half_steps", False)
         d.setdefault("prefill_as_decode", False)
@@ -385,7 +425,7 @@ PRESETS: dict[str, dict] = {
     # K8/V4, 8-bit norms, no decay; the window and norms each was measured with, whatever the default's
     "quality": dict(key_bits=8, value_bits=4, decay_after=None, window=768, calibration_tokens=None,
                     correct_norms=False),
-    # K4/V3 with keys by their error (up to K6), 8-bit norms corrected, every token at its bits
+    # K4/V4 with keys K3-K6 by their output error, 8-bit norms corrected, every token at its bits
     "default": {},
     # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes past ~8k tokens (below, its
     # 768-token window holds more than the default's 128)
@@ -410,9 +450,9 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
     - a side given new bits that its base decay bits no longer lower (fractional bits, or bits not above the decay
       bits: decay only ever lowers integer bits, one rotation) keeps its bits at every age, unless fields name its
       decay bits; and when no side is left to decay, nothing decays (decay_after None).
-    - a base config whose key_error is the one its keys give when none is asked for (auto_key_error) gets the one
-      the new keys give; QJL or fractional key bits drop an explicit key_error unless fields name it (it chooses
-      integer MSE widths).
+    - a base config whose key_error and key_output_error are the ones its keys give when none is asked for
+      (auto_key_output_error, auto_key_error) gets the ones the new keys give; QJL or fractional key bits drop an
+      explicit key_error or key_output_error unless fields name it (they choose integer MSE widths).
 
     Everything else is validated by TurboQuantConfig as given (ValueError naming the conflict). max_kv_size: a
     bounded cache (--max-kv-size), which fit_max_kv_size fits the config to."""
@@ -421,7 +461,9 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
         auto = dict.fromkeys(DECAY_FIELDS, AUTO)
         if dataclasses.replace(base, **auto) == base:
             start.update(auto)
-        if dataclasses.replace(base, key_error=AUTO) == base:
+        if dataclasses.replace(base, key_error=AUTO, key_output_error=AUTO) == base:
+            start.update(key_error=AUTO, key_output_error=AUTO)
+        elif dataclasses.replace(base, key_error=AUTO) == base:
             start["key_error"] = AUTO
     else:
         start = dict(_preset_fields(base))
@@ -466,7 +508,7 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
     if config.bound_floor <= max_kv_size:
         return config
     if config.sinks + config.window + block - 1 <= max_kv_size:  # the window fits: calibrate on what the bound holds
-        return dataclasses.replace(config, calibration_tokens=max_kv_size - config.sinks - block + 1)
+        return _refit(config, calibration_tokens=max_kv_size - config.sinks - block + 1)
     sinks = min(config.sinks, max_kv_size)
     room = max_kv_size - sinks + 1  # window + 2 blocks
     if config.window == 0:
@@ -476,9 +518,18 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
         window = room - 2 * block
         if window < block:  # too small for two blocks next to a window: a window and blocks of 1
             window, block = room - 1, 1
-    return dataclasses.replace(config, sinks=sinks, window=window, compress_block=block, calibration_tokens=None,
-                               value_error=config.value_error if window >= 3 else None,
-                               key_output_error=config.key_output_error if window >= 3 else None)
+    return _refit(config, sinks=sinks, window=window, compress_block=block, calibration_tokens=None,
+                  value_error=config.value_error if window >= 3 else None)
+
+
+def _refit(config: TurboQuantConfig, **changes) -> TurboQuantConfig:
+    """dataclasses.replace(config, **changes), with keys by their logit error (key_error's AUTO) in place of the
+    output error when the new window or first window cannot measure that (output_error_first_window)."""
+    window = changes.get("window", config.window)
+    first = max(window, changes.get("calibration_tokens", config.calibration_tokens) or 0)
+    if config.key_output_error is not None and (window < 3 or first < output_error_first_window(window)):
+        changes.update(key_output_error=None, key_error=AUTO)
+    return dataclasses.replace(config, **changes)
 
 
 def check_max_size(max_size: Any, config: TurboQuantConfig) -> int:

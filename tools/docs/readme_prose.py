@@ -139,13 +139,14 @@ def config_bits_values() -> tuple:
     """The bits a config takes (tq_mlx.quant.quantizer.MSE_BITS) and TurboQuantConfig()'s bits and key widths (its
     norms corrected, nothing decaying)."""
     from tq_mlx import TurboQuantConfig
-    from tq_mlx.config import WIDEST_KEY_BITS
+    from tq_mlx.config import NARROWEST_KEY_BITS, WIDEST_KEY_BITS
     from tq_mlx.quant.quantizer import MSE_BITS
 
     d = TurboQuantConfig()
-    if d.decay_after is not None or d.key_error is None or not d.correct_norms:
-        raise Reword("TurboQuantConfig() no longer widens keys by their error, corrects norms and keeps every token")
-    return (*map(_bits, MSE_BITS), _bits(d.key_bits), _bits(d.value_bits), WIDEST_KEY_BITS, f"{d.key_error:g}")
+    if d.decay_after is not None or d.key_output_error is None or not d.correct_norms:
+        raise Reword("TurboQuantConfig() no longer takes keys by their output error, corrects norms and keeps every token")
+    return (*map(_bits, MSE_BITS), _bits(d.key_bits), _bits(d.value_bits), NARROWEST_KEY_BITS, WIDEST_KEY_BITS,
+            f"{d.key_output_error:g}")
 
 
 def config_fields_values() -> tuple:
@@ -174,20 +175,20 @@ def kvcache_step_values() -> tuple:
 def presets_values() -> tuple:
     """Each preset's bits/value at 32k on REFERENCE_MODEL (float parts in float16; the default's keys at the most
     they widen to, as the planner prices them), the reference's head_dim, and what each preset keeps: quality
-    no decay, the default keys by their error with norms corrected and no decay, compact decaying, its keys not
-    widened."""
+    no decay, the default keys by their output error with norms corrected and no decay, compact decaying, its keys
+    not widened."""
     from tq_mlx import TurboQuantConfig
     from tq_mlx.models.architectures import attention_layout
-    from tq_mlx.config import WIDEST_KEY_BITS
+    from tq_mlx.config import NARROWEST_KEY_BITS, WIDEST_KEY_BITS
 
     ctx = HEADLINE_CONTEXTS[0]
     q, d, c = (TurboQuantConfig.preset(p) for p in ("quality", "default", "compact"))
     if q.decay_after is not None or d.decay_after is not None or c.decay_after is None or c.key_error is not None \
-            or d.key_error is None or not d.correct_norms:
+            or c.key_output_error is not None or d.key_output_error is None or not d.correct_norms:
         raise Reword("the presets no longer keep, widen and decay as the sentence says")
     bits = [f"{_bits_per_value(p, ctx):.2f}" for p in (q, d, c)]
-    return (*bits, _ctx(ctx), attention_layout(_model_config()).head_dim, _label(q), _label(d), WIDEST_KEY_BITS,
-            _label(c), c.decay_after, _decayed_label(c))
+    return (*bits, _ctx(ctx), attention_layout(_model_config()).head_dim, _label(q), _label(d), NARROWEST_KEY_BITS,
+            WIDEST_KEY_BITS, _label(c), c.decay_after, _decayed_label(c))
 
 
 def bound_floor_values() -> tuple:
@@ -335,6 +336,8 @@ def _quality() -> tuple[tuple, tuple]:
         return {int(c) for name in names if name for c in _contexts(key, name)}
 
     longest, mid = max(measured("DEFAULT")), 2 * short
+    if longest != mid:
+        raise Reword(f"the default is measured at {_ctx(longest)} on Qwen2.5-Coder-0.5B: give that figure too")
     past = sorted((c for c in measured("DEFAULT", "qwen15") if c >= short), reverse=True)
     if not past:
         raise Reword("Qwen2.5-Coder-1.5B's default is not measured from 8k: reword its figures")
@@ -352,12 +355,11 @@ def _quality() -> tuple[tuple, tuple]:
         return f"{r['bits_32k'] + lc_settings.protection_bits(r, g, lc_settings.LONG):.2f}"
 
     prev = lc_settings.DECAY_V2.config
-    dppl = max((x["ppl_delta_pct"] for x in cells("qwen05", "DEFAULT", (short, mid, longest))), key=abs)
+    dppl = max((x["ppl_delta_pct"] for x in cells("qwen05", "DEFAULT", (short, mid))), key=abs)
     d15 = max((x["ppl_delta_pct"] for x in cells("qwen15", "DEFAULT", past)), key=abs)
     g = res["qwen05"]["geometry"]
     qb = float(bits("qwen05", "QUALITY"))
     values = (g["kv_heads"], g["head_dim"],
-              _kl_range(cells("qwen05", "DEFAULT", (longest,))), _ctx(longest),
               _kl_range(cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
               _kl_range(cells("qwen05", "DEFAULT", (short,))), _ctx(short), f"{abs(dppl):.1f}",
               _kl_range(cells("qwen15", "DEFAULT", (l15,))), _ctx(l15), f"{abs(d15):.1f}", _ctx(short),
@@ -481,21 +483,21 @@ FIGURES = [
     Figure("python", "nothing but Python {}+ and pip", python_values),
     Figure("openblas", "libopenblas0-pthread`; ~{}x faster real-model runs", openblas_values),
     Figure("config bits", "`key_bits` and `value_bits` ({}, {}, {}, {}, {}, {}, {}, {} or {}; default {} and {}, each "
-           "layer's keys taking up to {} bits where their attention-logit error on the first window's queries "
-           "exceeds {} (`key_error`), norms corrected (`correct_norms`) and every token kept at its bits; asked for, "
-           "temporal decay re-codes old tokens narrower:", config_bits_values),
+           "layer's keys taking {} to {} bits by their attention-output error on the first window's queries, at "
+           "most {} (`key_output_error`), norms corrected (`correct_norms`) and every token kept at its bits; asked "
+           "for, temporal decay re-codes old tokens narrower:", config_bits_values),
     Figure("config fields", "integer widths decay by one rule, keys {} bit less down to {} and values "
            "only when `decay_value_bits` asks, fractional and {}-bit widths never), {}-bit norms, the float `window` "
            "of recent tokens ({}), `sinks` ({})", config_fields_values),
     Figure("kvcache step", "a `KVCache` in the model's dtype, {} tokens at a time", kvcache_step_values),
     Figure("presets", "`--tq-preset quality|default|compact` ({}, at most {} and {} bits/value at {} on "
-           "Llama-3.1-8B, head_dim {}: quality keeps {}, the default {} with each layer's keys up to {} bits by their "
-           "error, norms corrected and no decay, compact {} past {} at {}, its keys not widened)",
+           "Llama-3.1-8B, head_dim {}: quality keeps {}, the default {} with each layer's keys {} to {} bits by their "
+           "output error, norms corrected and no decay, compact {} past {} at {}, its keys not widened)",
            presets_values),
     Figure("bound floor", "window and a compress block ({} tokens by default)", bound_floor_values),
     Figure("bound saving", "Llama-3.1-8B saves {} at {} tokens and {} at {}.", bound_values),
     Figure("quality", "The default's KL where it was measured (the target is {}): on Qwen2.5-Coder-0.5B ({} kv "
-           "heads of {} dims, attention spread thin over thousands of tokens) {} at {}, {} at {} and {} at {} (|ΔPPL| up "
+           "heads of {} dims, attention spread thin over thousands of tokens) {} at {} and {} at {} (|ΔPPL| up "
            "to {}%); on Qwen2.5-Coder-1.5B {} at {} (|ΔPPL| up to {}% from {}); on SmolLM2-135M {} at {}. Their layers' keys took {} "
            "and {} bits/value at {} (each layer its own width), where the default until {} ({} keys, values at {} "
            "past {} tokens) held {} and {} and left KL {} and {} at {}. `--tq-preset quality` ({}-bit keys, {} "

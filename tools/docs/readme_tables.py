@@ -187,15 +187,19 @@ def memory_headline(full: str, results: Path | None = None, suffix: str = "") ->
 
 def default_words(d) -> str:
     """A config's bits, key widths, norms and decay in words: "K4/V4, keys up to K6 by their error, ..."."""
-    from tq_mlx.config import WIDEST_KEY_BITS, bits_label
+    from tq_mlx.config import NARROWEST_KEY_BITS, WIDEST_KEY_BITS, bits_label
 
     words = [bits_label(d.key_bits, d.value_bits)]
+    if d.key_output_error is not None:
+        words.append(f"each layer's keys K{NARROWEST_KEY_BITS} to K{WIDEST_KEY_BITS} by their attention-output error "
+                     f"(at most {d.key_output_error:g})")
     if d.key_error is not None:
         words.append(f"each layer's keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {d.key_error:g}")
     words.append(f"{d.norm_bits}-bit norms")
     if d.decay_after:
         words.append(f"tokens past {d.decay_after} at {bits_label(*d.decayed_bits)}"
-                     + (" (widened keys one bit narrower)" if d.key_error is not None else ""))
+                     + (" (widened keys one bit narrower)" if d.key_error is not None or d.key_output_error is not None
+                        else ""))
     return ", ".join(words)
 
 
@@ -203,7 +207,7 @@ def widest_words(d) -> str:
     """Why the table's TurboQuant bytes are a bound when keys widen by their error, and what it leaves out."""
     from tq_mlx.config import WIDEST_KEY_BITS
 
-    if d.key_error is None:
+    if d.key_error is None and d.key_output_error is None:
         return ""
     return (f"; every layer's keys priced at K{WIDEST_KEY_BITS}, the most they take by their error, so a real cache "
             f"holds at most this, plus what `--plan` adds for each layer whose keys protect themselves at "
@@ -300,7 +304,8 @@ def longest_table(res: dict, full: str) -> str:
                 and int(ctx[i][:-1]) >= 16]
         named = {lc_settings.canonical_name(r): r for r in m["rows"]}
         keep = [r for r in rows if r[0] in named and named[r[0]]["kind"] == "tq"
-                and (r[0] in lc_settings.HEADLINE_PRESETS or (named[r[0]].get("config") or {}).get("key_error"))]
+                and (r[0] in lc_settings.HEADLINE_PRESETS or any((named[r[0]].get("config") or {}).get(k)
+                                                                 for k in ("key_error", "key_output_error")))]
         kl = [i for i in cols if headers[i].startswith("KL")]
         keep = [r for r in keep if r[0] in lc_settings.HEADLINE_PRESETS
                 or all(r[i] == "–" or float(r[i]) <= TARGET_KL for i in kl)]
@@ -386,6 +391,8 @@ def config_words(c: dict) -> str:
         words.append("keys centered before RoPE" if c["center_keys"] == "rope" else "keys centered")
     if c.get("weigh_keys"):
         words.append("weighed by the queries")
+    if c.get("key_output_error"):
+        words.append(f"keys by their output error ({c['key_output_error']:g})")
     if c.get("key_error"):
         words.append(f"keys by their error ({c['key_error']:g})")
     if c.get("decay_after"):

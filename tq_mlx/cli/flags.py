@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import BOUNDARY_SIDES, NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from ..config import BOUNDARY_SIDES, KEY_ERROR, NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
 from ..planner.display import bound_text
 from ..quant.quantizer import MSE_BITS, check_bits, format_bits
 
@@ -113,8 +113,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
 
     g.add_argument(*names("--tq-preset", "--preset"), dest="tq_preset", choices=list(PRESETS), metavar="NAME",
                    help="a named setting the other --tq-* flags then adjust: quality (K8/V4, no decay), default "
-                        f"({bits_label(d.key_bits, d.value_bits)}, norms corrected, no decay; each layer's keys take up "
-                        f"to K6 where their logit error exceeds {format(d.key_error, 'g')}), compact (K4/V3, tokens "
+                        f"({bits_label(d.key_bits, d.value_bits)}, norms corrected, no decay; each layer's keys take "
+                        f"K3 to K6 by their attention-output error, at most {format(d.key_output_error, 'g')}), compact (K4/V3, tokens "
                         "past 4096 decaying to K2/V2, keys not widened); all with 8-bit norms, quality and compact "
                         f"with window {TurboQuantConfig.preset('compact').window}, the default with {d.window} "
                         f"calibrating on {d.calibration_tokens}; --plan gives their bytes, benchmarks/DEFAULTS.md their "
@@ -154,13 +154,15 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-key-error", dest="tq_key_error", type=error_arg, metavar="E",
                    help="a layer whose keys would give the attention logits of its first window's queries an RMS "
                         "error above E at the key bits takes more bits, up to 6, chosen at its first compression "
-                        "(off: every layer keeps the key bits) (default "
-                        f"{'off' if d.key_error is None else format(d.key_error, 'g')} for {format_bits(d.key_bits)}-bit "
-                        "keys without --tq-qjl, off for keys at bits you set)")
+                        "(off: every layer keeps the key bits) (default off where --tq-key-output-error applies, "
+                        f"else {format(KEY_ERROR, 'g')} for {format_bits(d.key_bits)}-bit keys without --tq-qjl; off "
+                        "for keys at bits you set)")
     g.add_argument("--tq-key-output-error", dest="tq_key_output_error", type=error_arg, metavar="E",
                    help="instead of --tq-key-error: each layer's keys take the fewest bits from 3 to 6 whose relative "
                         "error on the attention outputs of its first window's last third of queries is at most E, "
-                        "chosen at its first compression (integer key bits without --tq-qjl) (default off)")
+                        "chosen at its first compression (integer key bits without --tq-qjl; off: --tq-key-error "
+                        f"decides) (default {format(d.key_output_error, 'g')} for {format_bits(d.key_bits)}-bit keys "
+                        "without --tq-qjl or --tq-key-error, off for keys at bits you set)")
     g.add_argument("--tq-value-error", dest="tq_value_error", type=error_arg, metavar="E",
                    help="values of tokens past the decay age re-coded, layer by layer, at the fewest bits from 2 up "
                         "whose relative error on the attention outputs of the layer's first window is at most E, or "
