@@ -617,7 +617,8 @@ def test_rows_choose_their_keys_widths_by_output_error_as_they_would_alone(reque
     if ran_on_reference_blas(request):  # rows equal to their sequences alone, bit for bit: see reference_blas_env
         return
     model = TINY_MODELS["llama"]()[0]
-    tq_mlx.patch_model(model, TurboQuantConfig(window=16, calibration_tokens=None, compress_block=8, sinks=2,
+    # (a first window of 30 tokens: its last third's queries read the tokens more than the window older as codes)
+    tq_mlx.patch_model(model, TurboQuantConfig(window=16, calibration_tokens=30, compress_block=8, sinks=2,
                                                key_output_error=0.05))
     prompts = prompts_of(LENGTHS)
     r = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=10, prefill_step_size=16,

@@ -18,7 +18,7 @@ import pytest
 from tests.support.blas import reference_blas_env
 from tests.test_cli import save_tiny_model
 from tq_mlx.cli.server import context_bound
-from tq_mlx.config import KEY_OUTPUT_ERROR
+from tq_mlx.config import KEY_ERROR
 from tq_mlx.planner.memory import max_context
 from tq_mlx.planner.memory import estimate_peak_bytes
 
@@ -57,10 +57,11 @@ def test_four_concurrent_clients_are_batched_and_get_their_sequential_answers(tm
         wall, replies = serve.concurrent(srv.port, contents, 160, TIMEOUT)
         batches = srv.batches_since(at)
     log = (tmp_path / "server.log").read_text()
-    # the flags' window and sinks, at the default bits (K4/V4, keys by their output error)
+    # the flags' window and sinks, at the default bits (K4/V4; a first window that is the window itself: keys by
+    # their logit error, the output error having no coded token to measure on)
     assert "TurboQuant K4/V4, window 16, sinks 4" not in log
-    assert ("TurboQuant K4/V4, window 16, sinks 2, keys K3 to K6 by their output error (at most "
-            f"{format(KEY_OUTPUT_ERROR, 'g')}); batching on") in log
+    assert ("TurboQuant K4/V4, window 16, sinks 2, keys up to K6 where their logit error exceeds "
+            f"{format(KEY_ERROR, 'g')}; batching on") in log
     assert "Context bound: none per request (--tq-max-context)" in log
     assert all(r is not None and r["status"] == 200 for r in replies), replies
     assert [serve.answer(r) for r in replies] == [serve.answer(r) for r in alone]
