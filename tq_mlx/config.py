@@ -66,12 +66,18 @@ def auto_key_error(key_bits: float, qjl: bool, weigh_keys: bool) -> float | None
     return KEY_ERROR
 
 
+def last_third(first_window: int) -> int:
+    """Where the first window's last third starts, counted after the sinks: the queries value_error and
+    key_output_error measure on (layout.value_error_span)."""
+    return first_window - first_window // 3
+
+
 def output_error_first_window(window: int) -> int:
     """The fewest tokens a first window (TurboQuantConfig.first_window) needs for key_output_error to measure: each
     query of its last third reads the tokens more than `window` older than itself as codes, so the earliest of them
     must have one (a first window that is the window itself leaves them nothing coded: every width would measure 0)."""
     first = window + 1
-    while first - first // 3 <= window:
+    while last_third(first) <= window:
         first += 1
     return first
 
@@ -231,8 +237,8 @@ class TurboQuantConfig:
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
             raise ValueError(f"protect_factor must be a number >= 1 or None (never protect), got {f!r}")
         if self.key_output_error == AUTO:  # a key_error given (a number, or None: keys keep key_bits) decides alone
-            first = max(self.window, self.calibration_tokens or 0) if isinstance(self.window, int) and isinstance(
-                self.calibration_tokens, (int, type(None))) else None
+            first = self.first_window if isinstance(self.window, int) and isinstance(
+                self.calibration_tokens, (int, type(None))) else None  # (validated below)
             set_("key_output_error", None if self.key_error != AUTO else
                  auto_key_output_error(self.key_bits, self.qjl, self.weigh_keys, self.window, first))
         e = self.key_error

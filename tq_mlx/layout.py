@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .config import value_widths
+from .config import last_third, value_widths
 from .quant.packing import packed_words
 from .quant.quantizer import split_dims
 from .quant.rotation import hadamard_base
@@ -252,7 +252,7 @@ def value_error_span(sinks: int, first_window: int) -> tuple[int, int]:
     """The positions [first, last) of the queries whose attention outputs the values' error is measured on
     (config.value_error, tq_mlx.stream.values): the first window's last third (the calibration tokens, or the
     window when larger)."""
-    return sinks + first_window - first_window // 3, sinks + first_window
+    return sinks + last_third(first_window), sinks + first_window
 
 
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
