@@ -53,7 +53,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.norm_bits != BASE["norm_bits"]:
         extra.append(f"{cfg.norm_bits}-bit norms")
     if cfg.decay_after is not None:
-        extra.append(f"decaying to {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}")
+        decayed = cfg.decayed_bits if cfg.value_error is None else (cfg.decayed_bits[0], cfg.value_bits)
+        extra.append(f"decaying to {bits_label(*decayed)} after {cfg.decay_after}")
     if cfg.center_values != BASE["center_values"]:
         extra.append(centering_tag(cfg.center_values))
     if cfg.center_keys == "rope":
@@ -67,7 +68,7 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"keys K3-K6 within output error {cfg.key_output_error:g}"
                      + (" in half steps" if cfg.key_half_steps else ""))
     if cfg.value_error is not None:
-        extra.append(f"old values down to V2 within output error {cfg.value_error:g}")
+        extra.append(f"old values down to V{cfg.narrowest_value_bits} within output error {cfg.value_error:g}")
     if cfg.correct_norms:
         extra.append("norms corrected")
     if cfg.prefill_as_decode:

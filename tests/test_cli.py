@@ -122,8 +122,11 @@ def test_value_error_flag(capsys):
     assert cache_flags_given(parse("--tq-value-error", "0.05")) == ["--tq-value-error"]
     with pytest.raises(ValueError, match="value_error needs integer value_bits of 3 to 7"):
         config_from_args(parse("--tq-value-error", "0.05", "--tq-value-bits", "2"))
-    with pytest.raises(ValueError, match="no decay_value_bits"):
-        config_from_args(parse("--tq-value-error", "0.05", "--tq-decay-value-bits", "2"))
+    least = config_from_args(parse("--tq-value-error", "0.05", "--tq-decay-value-bits", "3"))  # the fewest bits taken
+    assert (least.decay_value_bits, least.narrowest_value_bits) == (3, 3)
+    assert "K3/V3-V4 after 6144 tokens (values by their output error" in describe_config(least)
+    with pytest.raises(ValueError, match="integer below value_bits"):
+        config_from_args(parse("--tq-value-error", "0.05", "--tq-decay-value-bits", "4"))
     for bad in ("0", "x"):
         with pytest.raises(SystemExit):
             parse("--tq-value-error", bad)

@@ -79,10 +79,14 @@ def test_config_takes_value_error_and_says_what_is_allowed():
     # values alone decay: decay_after resolves though K3 keys (at the floor) do not decay
     assert TurboQuantConfig(key_bits=3, value_error=0.1).decay_after == 6144
     assert TurboQuantConfig.from_dict(c.to_dict()) == c
+    # decay_value_bits names the fewest bits they may take: V3 alone from V4
+    least = TurboQuantConfig(value_bits=4, value_error=0.05, decay_value_bits=3)
+    assert (least.narrowest_value_bits, c.narrowest_value_bits, value_widths(4, 3)) == (3, 2, (3,))
+    assert TurboQuantConfig.from_dict(least.to_dict()) == least
     for bad, match in (({"value_error": 0}, "number > 0"), ({"value_error": "x"}, "number > 0"),
                        ({"value_bits": 2, "value_error": 0.1}, "integer value_bits of 3 to 7"),
                        ({"value_bits": 3.5, "value_error": 0.1}, "integer value_bits"),
-                       ({"value_error": 0.1, "decay_value_bits": 2}, "no decay_value_bits"),
+                       ({"value_error": 0.1, "decay_value_bits": 4}, "integer below value_bits"),
                        ({"value_error": 0.1, "decay_after": None}, "needs decay_after"),
                        ({"value_error": 0.1, "window": 2, "compress_block": 1}, "window of 3 or more")):
         with pytest.raises(ValueError, match=match):
@@ -99,14 +103,23 @@ def test_boundary_layers_and_float_fetches_do_not_choose():
     assert not TurboQuantKVCache(cfg, 0, 0, 3, head_dim=D).value_stream.value_sums
     assert TurboQuantKVCache(cfg, 1, 1, 3, head_dim=D).value_stream.value_sums is not None
     assert TurboQuantKVCache(cfg, 1, 1, 3, head_dim=D, fetch="float").value_stream.value_sums is None
+    # the least they may take is no decay of its own: layers that do not choose keep their bits
+    cfg = TurboQuantConfig(**BASE, value_error=0.1, decay_value_bits=3, boundary_layers=1)
+    edge, floating = TurboQuantKVCache(cfg, 0, 0, 3, head_dim=D), TurboQuantKVCache(cfg, 1, 1, 3, head_dim=D, fetch="float")
+    run(edge, (N,))
+    k, v, _ = data()
+    mx.eval(floating.update_and_fetch(k, v))  # a float fetch hands attention arrays, not views
+    for c in (edge, floating):
+        assert c.value_stream.decay is None and c.n_decayed == (c.n_decayed[0], 0) and c.offset == N
 
 
 # --- the choice -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("target, width", [(0.01, 4), (0.12, 3), (0.5, 2)])
-def test_the_target_sets_the_width_and_old_values_decay_to_it(target, width):
-    c = cache(value_error=target)
+@pytest.mark.parametrize("target, width, least", [(0.01, 4, None), (0.12, 3, None), (0.5, 2, None), (0.5, 3, 3),
+                                                  (0.01, 4, 3)])
+def test_the_target_sets_the_width_and_old_values_decay_to_it(target, width, least):
+    c = cache(value_error=target, decay_value_bits=least)
     run(c, (300, 300))
     assert c.value_width == width
     assert c.decay_bits[1] == (width if width < 4 else None)
@@ -270,9 +283,10 @@ def test_trim_before_the_choice_forgets_the_sums_and_below_the_codes_forgets_the
 # --- bytes ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("least", [None, 3])
 @pytest.mark.parametrize("first_window", FIRST_WINDOWS, ids=["window", "calibration"])
-def test_bytes_follow_the_choice_at_every_stage(first_window):
-    cfg = TurboQuantConfig(**{**BASE, **first_window}, value_error=0.12)
+def test_bytes_follow_the_choice_at_every_stage(first_window, least):
+    cfg = TurboQuantConfig(**{**BASE, **first_window}, value_error=0.12, decay_value_bits=least)
     first, last = value_error_span(4, 96)
     for n in (50, first + 10, last, 300, N):
         c = TurboQuantKVCache(cfg, layer_index=2, head_dim=D)
@@ -322,7 +336,8 @@ def test_the_summary_names_each_layers_choice():
 def test_a_converted_float_cache_does_not_choose_its_values():
     from tq_mlx.convert import converted_config
 
-    for cfg in (TurboQuantConfig(value_bits=4, value_error=0.05), TurboQuantConfig(key_bits=3, value_bits=4, value_error=0.05)):
+    for cfg in (TurboQuantConfig(value_bits=4, value_error=0.05), TurboQuantConfig(key_bits=3, value_bits=4, value_error=0.05),
+                TurboQuantConfig(key_bits=3, value_bits=4, value_error=0.05, decay_value_bits=3)):
         c = converted_config(cfg)  # a float prompt cache holds no queries: its values follow decay_value_bits
         assert c.value_error is None and c.decay_value_bits is None
         assert c.decay_after == (None if cfg.key_bits == 3 else 6144)

@@ -614,8 +614,10 @@ class TurboQuantKVCache(_BaseCache):
             self.key_stream.set_bits(check_bits(key_bits, allowed=QUANTIZER_BITS))
         if value_width is not None:
             v = self.value_stream
-            if v is None or v.value_sums is None or not n_c or value_width not in range(2, int(self.value_bits) + 1):
-                raise bad(f"values decaying to {value_width!r} bits: only value_error chooses, with compressed tokens")
+            if v is None or v.value_sums is None or not n_c or value_width not in (*v.value_sums.widths, self.value_bits):
+                raise bad(f"values decaying to {value_width!r} bits: only value_error chooses, with compressed tokens, "
+                          f"among {', '.join(map(str, v.value_sums.widths)) if v and v.value_sums else 'none'} and "
+                          f"V{self.value_bits:g}")
             v.set_value_width(value_width)
         bh = batch_heads(arrays, "k")
         try:

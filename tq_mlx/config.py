@@ -39,12 +39,12 @@ KEY_ERROR_BITS = 4
 KEY_OUTPUT_ERROR = 0.028
 
 
-def value_widths(value_bits: float) -> tuple[int, ...]:
-    """The bits old values may decay to by their error (TurboQuantConfig.value_error): the floor up to one bit
-    less than value_bits (V4: 2 and 3); none for fractional or 8-bit values."""
+def value_widths(value_bits: float, least: int | None = None) -> tuple[int, ...]:
+    """The bits old values may decay to by their error (TurboQuantConfig.value_error): `least` (None: the floor)
+    up to one bit less than value_bits (V4: 2 and 3, from 3: 3 alone); none for fractional or 8-bit values."""
     if value_bits != int(value_bits) or value_bits >= 8:
         return ()
-    return tuple(range(DECAY_FLOOR["value"], int(value_bits)))
+    return tuple(range(DECAY_FLOOR["value"] if least is None else least, int(value_bits)))
 
 
 def auto_decay_bits(side: str, bits: float, qjl: bool = False) -> int | None:
@@ -187,11 +187,11 @@ class TurboQuantConfig:
     # (auto_key_output_error), None elsewhere.
     key_output_error: float | None | str = AUTO
     # The largest relative error of the attention outputs a layer's old values may give re-coded at fewer bits,
-    # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from 2
-    # up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the queries of the first window's
-    # last third came (config.first_window). Needs integer value_bits of 3 to 7, no decay_value_bits and a window of 3 or more; caches
-    # whose attention takes views ("codes" fetch) choose, the others keep their bits. None: every layer's values
-    # follow decay_value_bits.
+    # measured on its first window (tq_mlx.stream.values): past decay_after, its values decay to the fewest bits from
+    # decay_value_bits (None: 2) up to value_bits - 1 whose error is at most this, or keep their bits; chosen once the
+    # queries of the first window's last third came (config.first_window). Needs integer value_bits of 3 to 7, decay_after
+    # and a window of 3 or more; caches whose attention takes views ("codes" fetch) choose, the others keep their bits.
+    # None: every layer's values follow decay_value_bits.
     value_error: float | None = None
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.models.rope), in the layers whose RoPE
@@ -299,10 +299,9 @@ class TurboQuantConfig:
         if not value_widths(self.value_bits):
             raise ValueError(f"value_error needs integer value_bits of 3 to 7 (old values decay to 2 .. value_bits - 1 "
                              f"bits), got value_bits={format_bits(self.value_bits)}")
-        if self.decay_value_bits not in (None, AUTO) or self.decay_after is None:
+        if self.decay_after is None:
             raise ValueError("value_error chooses the bits old values decay to, layer by layer: it needs decay_after "
-                             f"(or {AUTO!r}) and no decay_value_bits, got decay_after={self.decay_after!r}, "
-                             f"decay_value_bits={self.decay_value_bits!r}")
+                             f"(or {AUTO!r}), got decay_after=None")
         if isinstance(self.window, int) and self.window < 3:
             raise ValueError(f"value_error measures on the window's tokens: it needs a window of 3 or more, got "
                              f"{self.window!r}")
@@ -377,6 +376,11 @@ class TurboQuantConfig:
     def decayed_bits(self) -> tuple[float, float]:
         """(key_bits, value_bits) of decayed tokens: each side's decay bits, or its own where it does not decay."""
         return self.decay_key_bits or self.key_bits, self.decay_value_bits or self.value_bits
+
+    @property
+    def narrowest_value_bits(self) -> int:
+        """The fewest bits old values may take by their error (value_error): decay_value_bits, or the floor."""
+        return self.decay_value_bits if self.decay_value_bits is not None else DECAY_FLOOR["value"]
 
     @property
     def compress_block_size(self) -> int:

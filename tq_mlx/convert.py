@@ -20,8 +20,9 @@ def converted_config(config: TurboQuantConfig) -> TurboQuantConfig:
     config = dataclasses.replace(config, weigh_keys=False, key_error=None, key_output_error=None)
     if config.value_error is None:
         return config
-    decays = config.decay_key_bits is not None or config.decay_value_bits is not None  # without the values'
-    return dataclasses.replace(config, value_error=None, decay_after=config.decay_after if decays else None)
+    decays = config.decay_key_bits is not None  # values keep their bits (decay_value_bits: value_error's least)
+    return dataclasses.replace(config, value_error=None, decay_value_bits=None,
+                               decay_after=config.decay_after if decays else None)
 
 
 def compress_float_cache(model, cache: list, config: TurboQuantConfig, file_name: str,

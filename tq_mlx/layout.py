@@ -288,7 +288,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         first, last = value_error_span(config.sinks, config.first_window)
         decay_bits = narrow if tokens >= last and narrow < bits else None
         if first < tokens < last:
-            widths = value_widths(bits)
+            widths = value_widths(bits, config.narrowest_value_bits)
             extra = sum(constant_bytes(dim, b) for b in widths) + batch * heads * FLOAT32 * (len(widths) + 1) * (
                 last - first)
     total = constant_bytes(dim, bits, qjl) + (constant_bytes(dim, decay_bits) if decay_bits is not None else 0)

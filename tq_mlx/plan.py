@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .config import NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig
+from .config import DECAY_FLOOR, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig
 from .layout import stream_bytes, widened_decay
 from .quant.quantizer import PROD_BITS
 
@@ -52,12 +52,13 @@ class Widen(NamedTuple):
 
 
 class Narrow(NamedTuple):
-    """Values by their error (config.value_error): tokens older than `age` decay to the fewest bits of
-    config.value_widths whose attention-output error on the window's queries is at most `target`
+    """Values by their error (config.value_error): tokens older than `age` decay to the fewest bits from `least`
+    (config.value_widths) whose attention-output error on the window's queries is at most `target`
     (tq_mlx.stream.values), or keep theirs."""
 
     target: float
     age: int
+    least: int = DECAY_FLOOR["value"]
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,9 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     elif not k_eq_v:
         narrows = c.value_error is not None and c.decay_after is not None and not v_edge and fetch == "codes"
         values = StreamPlan("v", vb, False, layer_seed(c.seed, layer_index, 1), center=c.center_values,
-                            decay=None if vd is None else (age, vd),
-                            narrow=Narrow(c.value_error, age) if narrows else None, **tokens)
+                            # with value_error, vd is the least narrowing takes: layers that do not narrow keep theirs
+                            decay=None if vd is None or c.value_error is not None else (age, vd),
+                            narrow=Narrow(c.value_error, age, c.narrowest_value_bits) if narrows else None, **tokens)
     return LayerPlan(c, fetch, k_eq_v, (kb, vb), keys, values)
 
 

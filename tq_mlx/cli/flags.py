@@ -164,9 +164,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"decides) (default {format(d.key_output_error, 'g')} for {format_bits(d.key_bits)}-bit keys "
                         "without --tq-qjl or --tq-key-error, off for keys at bits you set)")
     g.add_argument("--tq-value-error", dest="tq_value_error", type=error_arg, metavar="E",
-                   help="values of tokens past the decay age re-coded, layer by layer, at the fewest bits from 2 up "
-                        "whose relative error on the attention outputs of the layer's first window is at most E, or "
-                        "kept at their bits (integer value bits 3-7; --tq-decay-value-bits then does not apply) "
+                   help="values of tokens past the decay age re-coded, layer by layer, at the fewest bits from 2 "
+                        "(or --tq-decay-value-bits) up whose relative error on the attention outputs of the layer's "
+                        "first window is at most E, or kept at their bits (integer value bits 3-7) "
                         f"(default {'off' if d.value_error is None else format(d.value_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: every layer keeps the configured bits")

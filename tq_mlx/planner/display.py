@@ -217,9 +217,9 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append("norms not corrected")
     if not config.prefill_as_decode and config.window > 0:
         parts.append("prefill not read as decode")
-    if config.value_error is not None:  # each layer's values choose between V2 and their own bits
+    if config.value_error is not None:  # each layer's values choose between their narrowest and their own bits
         kd = format_bits(config.decayed_bits[0])
-        parts.append(f"decaying to K{kd}/V2-V{format_bits(config.value_bits)} after {config.decay_after} tokens (values "
+        parts.append(f"decaying to K{kd}/V{config.narrowest_value_bits}-V{format_bits(config.value_bits)} after {config.decay_after} tokens (values "
                      f"by their output error on the first window, at most {config.value_error:g})")
     elif config.decay_after is not None:
         parts.append(f"decaying to {bits_label(*config.decayed_bits)} after {config.decay_after} tokens")

@@ -135,7 +135,7 @@ class CompressedStream:
         self.narrow_age, self.value_width, self.value_sums = None, None, None
         if plan.narrow is not None and plan.window:
             self.narrow_age = plan.narrow.age
-            self.value_sums = ValueSums(plan.sinks, plan.calibration, quantizer, plan.narrow.target)
+            self.value_sums = ValueSums(plan.sinks, plan.calibration, quantizer, plan.narrow.target, plan.narrow.least)
 
     @property
     def dim(self) -> int:

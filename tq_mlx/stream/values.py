@@ -40,11 +40,11 @@ def _recoded(x: mx.array, quantizer, scale: mx.array) -> mx.array:
 class ValueSums:
     """The sums a value stream's choice of decay bits adds up over the queries of its first window's last third."""
 
-    def __init__(self, sinks: int, first_window: int, quantizer, target: float):
+    def __init__(self, sinks: int, first_window: int, quantizer, target: float, least: int | None = None):
         self.first, self.last = value_error_span(sinks, first_window)  # the queries' positions
         self.old = (sinks, sinks + first_window - 2 * (first_window // 3))  # the tokens they read far back
         self.quantizer, self.target = quantizer, target
-        self.widths = value_widths(quantizer.bits)  # the bits the values may decay to
+        self.widths = value_widths(quantizer.bits, least)  # the bits the values may decay to
         self.reset()
 
     def reset(self) -> None:
