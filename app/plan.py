@@ -52,7 +52,7 @@ class Plan:
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
     widen_bytes: int = 0  # what one layer's keys at the most bits key_error gives hold beyond key_bits
-    narrow_bytes: int = 0  # what one layer's values kept at their bits hold beyond decaying to 2 (value_error)
+    narrow_bytes: int = 0  # what one layer's values kept at their bits hold beyond decaying to the fewest (value_error)
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
@@ -239,9 +239,17 @@ def fetch_path(plan: Plan) -> str:
 
 
 def decay_text(plan: Plan) -> str:
-    """Temporal decay at the plan's context: "K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits"."""
+    """Temporal decay at the plan's context: "K4→3/V3→2 after 2048: 30,720 of 32,768 tokens at the decay bits";
+    values by their error (value_error) take the bits each layer chose for them: "K4/V4 after 256: 32,512 of 32,768
+    tokens old enough (values V3 to V4 by their output error)"."""
     c = plan.config
-    text = f"{config_label(c)}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
+    label, keys_decay = config_label(c), c.decay_key_bits is not None
+    if c.value_error is None:
+        text = f"{label}: {plan.decayed:,} of {plan.ctx:,} tokens at the decay bits"
+    else:  # the values' bits are each layer's choice; the age is the label's, where the keys decay too
+        label += "" if keys_decay else f" after {c.decay_after}"
+        text = (f"{label}: {plan.decayed:,} of {plan.ctx:,} tokens {'at the decay bits' if keys_decay else 'old enough'}"
+                f" (values V{c.narrowest_value_bits} to V{format_bits(c.value_bits)} by their output error)")
     if c.boundary_layers:
         what = "layers" if c.boundary_sides == "kv" else f"layers' {BOUNDARY_SIDES[c.boundary_sides]}"
         text += f" (the {2 * c.boundary_layers} boundary {what} keep theirs)"
@@ -278,11 +286,11 @@ def format_plan(plan: Plan) -> str:
                          f"at its first compression; the panel names them); -{format_bytes(plan.widen_bytes)} for "
                          f"each layer that keeps K{kb}" + ("" if c.key_output_error is None else f", more at K{NARROWEST_KEY_BITS}")))
     if plan.narrow_bytes:
-        vb = format_bits(plan.config.value_bits)
+        vb, least = format_bits(plan.config.value_bits), plan.config.narrowest_value_bits
         rows.append(("", f"at most: every layer's old values kept at V{vb} (each decays them to the fewest bits from "
-                         f"V2 whose output error on its first window is at most {plan.config.value_error:g}, once its "
-                         f"window's last queries came; the panel names them); -{format_bytes(plan.narrow_bytes)} for "
-                         f"each layer whose values decay to V2"))
+                         f"V{least} whose output error on its first window is at most {plan.config.value_error:g}, once "
+                         f"its window's last queries came; the panel names them); -{format_bytes(plan.narrow_bytes)} "
+                         f"for each layer whose values decay to V{least}"))
     if plan.config:
         rows += [("mlx-lm", f"{format_bytes(plan.kv_mlx_lm)}  mlx-lm's own {plan.kv_dtype} cache for the same "
                             f"{plan.ctx:,} tokens"),

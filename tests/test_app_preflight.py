@@ -162,6 +162,15 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
             "error on its first window is at most 0.05") in format_plan(plan)
     plan = make_plan("m", cfg, 10**8, 32768, TurboQuantConfig(), 10**10)
     assert plan.narrow_bytes == 0 and "old values kept" not in format_plan(plan)
+    # the fewest bits given (decay_value_bits=3): a layer that takes them holds V4 less V3, no decay row of V2
+    least = TurboQuantConfig(value_bits=4, value_error=0.05, decay_value_bits=3)
+    plan = make_plan("m", cfg, 10**8, 32768, least, 10**10)
+    all_v3 = estimate_kv_bytes(cfg, 32768, least, value_widths=[3] * n)
+    assert plan.kv - all_v3 == n * plan.narrow_bytes == n * narrow_layer_bytes(cfg, 32768, least) > 0
+    assert plan.narrow_bytes < narrow_layer_bytes(cfg, 32768, config)
+    text = format_plan(plan)
+    assert "each decays them to the fewest bits from V3 whose output error" in text and "decay to V3" in text
+    assert "(values V3 to V4 by their output error)" in text and "V2" not in text
 
 
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
