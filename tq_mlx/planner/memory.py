@@ -29,7 +29,7 @@ from ..attention.reference import tile_size
 from ..cache import TurboQuantKVCache
 from ..config import check_max_size
 from ..layout import token_layout
-from ..plan import LayerPlan, Narrow, layer_bytes, layer_plan
+from ..plan import LayerPlan, layer_bytes, layer_plan
 from ..quant.quantizer import PROD_BITS
 
 FLOAT16_BYTES = 2
@@ -118,7 +118,7 @@ def turboquant_layer_bytes(
         values = replace(values, bits=key_bits, decay=keys.decay)
     elif values is not None:
         values = replace(values, bits=value_bits, decay=None if vd is None else (age, vd),
-                         narrow=Narrow(config.value_error, age, config.narrowest_value_bits) if value_width is not None else None)
+                         narrow=values.narrow if value_width is not None else None)
     plan = replace(plan, keys=keys, values=values)
     return layer_bytes(plan, tokens, n_kv_heads, key_dim, value_dim, batch=batch, float_bytes=float_bytes,
                        max_kv_size=max_kv_size, rope_pairs=rope_pairs, protected=protected, key_width=key_width,
