@@ -399,7 +399,8 @@ def run_needles(key: str, args, budget: common.Budget, results: dict, save) -> N
                     out.append({"setting": s.name, "length": length, "depth": depth, "error": "skipped: time budget spent"})
                     continue
                 r = quality.needle_probe(model, tok, s, length, depth, args.chunk, store=cache_dir() / "needles" / key)
-                out.append({"setting": s.name, **r})
+                # the config names the probe's setting when a later default renames it (long_context_table.merge)
+                out.append({"setting": s.name, **({"config": s.config.to_dict()} if s.config else {}), **r})
                 print(f"  needle {s.name} @{length} depth {depth}: {'hit' if r['hit'] else 'MISS'} "
                       f"({r['answer'][:40]!r}, {r['seconds']} s{', from disk' if r.get('from_disk') else ''})", flush=True)
                 save()

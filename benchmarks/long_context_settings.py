@@ -29,14 +29,16 @@ BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, b
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None,
             prefill_as_decode=False, calibration_tokens=None, boundary_sides="kv", key_half_steps=False,
-            value_error=None, correct_norms=False, key_output_error=None)
+            value_error=None, correct_norms=False, key_output_error=None, norm_steps=16)
 # the default until DEFAULT_DATE: K4/V4, keys of tokens 6144 old one bit narrower, norms not corrected
 DEFAULTS_1205 = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=None,
                      center_keys="rope", weigh_keys=True, key_error=0.1, prefill_as_decode=True, window=128,
                      calibration_tokens=768)
 # the default until DEFAULT_1206_DATE: K4/V3 with norms corrected, no decay, keys K4-K6 by their logit error
 DEFAULTS_1206 = dict(DEFAULTS_1205, value_bits=3, decay_after=None, decay_key_bits=None, correct_norms=True)
-DEFAULTS = dict(DEFAULTS_1206, value_bits=4, key_error=None, key_output_error=0.028)
+# the default until DEFAULT_1206B_DATE: V4 values, keys K3-K6 by their output error, 8-bit norms in the coarse code
+DEFAULTS_1206B = dict(DEFAULTS_1206, value_bits=4, key_error=None, key_output_error=0.028)
+DEFAULTS = dict(DEFAULTS_1206B, norm_steps=32)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
@@ -51,7 +53,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
     if cfg.protect_factor is None:
         extra.append("no key protection")
     if cfg.norm_bits != BASE["norm_bits"]:
-        extra.append(f"{cfg.norm_bits}-bit norms")
+        extra.append(f"{cfg.norm_bits}-bit norms" + (f" at {cfg.norm_steps} steps an octave"
+                                                      if cfg.norm_steps != BASE["norm_steps"] else ""))
     if cfg.decay_after is not None:
         decayed = cfg.decayed_bits if cfg.value_error is None else (cfg.decayed_bits[0], cfg.value_bits)
         extra.append(f"decaying to {bits_label(*decayed)} after {cfg.decay_after}")
@@ -82,15 +85,15 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
-                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<rope>r)?(?P<weigh>q)?"
+                  r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<fine>f)?(?P<rope>r)?(?P<weigh>q)?"
                   r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
                   r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
-    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8][r][q][e<key error>]
-    [h][o<key output error>][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; r: keys centered before RoPE; q: keys weighed by
+    k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8[f]][r][q][e<key error>]
+    [h][o<key output error>][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; o0.014: key_output_error 0.014, the keys' widths K3-K6 by
     their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
     corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
@@ -122,6 +125,8 @@ def parse_setting(key: str) -> Setting:
                     decay_value_bits=dv if dv < num(m["vb"]) else None)
     if m["n8"]:
         over["norm_bits"] = 8
+    if m["fine"]:
+        over["norm_steps"] = 32
     if m["rope"]:
         over["center_keys"] = "rope"
     if m["weigh"]:
@@ -173,8 +178,8 @@ def canonical_name(row: dict) -> str:
 
 
 def _same_config(stored: dict, cfg: dict) -> bool:
-    """A stored config (fields it predates at their meaning then: 16-bit norms, no decay) equals cfg."""
-    full = {"norm_bits": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
+    """A stored config (fields it predates at their meaning then: 16-bit norms, the coarse code, no decay) equals cfg."""
+    full = {"norm_bits": 16, "norm_steps": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
             "weigh_keys": False, "key_error": None, "correct_norms": False, "key_half_steps": False,
             "prefill_as_decode": False, "boundary_sides": "kv", **stored}
     return all(full.get(k) == v for k, v in cfg.items())
@@ -213,6 +218,10 @@ def _without_bits(fields: dict) -> dict:
 
 
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_without_bits(DEFAULTS))
+# the default before its 8-bit norms took the fine code (32 steps an octave)
+DEFAULT_1206B_DATE = "2026-12-06, later"
+DEFAULT_1206B = tq(DEFAULTS_1206B["key_bits"], DEFAULTS_1206B["value_bits"], f"the default until {DEFAULT_1206B_DATE}",
+                   **_without_bits(DEFAULTS_1206B))
 # the default before its values rose to V4 and its keys took K3-K6 by their output error
 DEFAULT_1206_DATE = "2026-12-06"
 DEFAULT_1206 = tq(DEFAULTS_1206["key_bits"], DEFAULTS_1206["value_bits"], f"the default until {DEFAULT_1206_DATE}",
@@ -268,15 +277,16 @@ K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one of these is that row
-EARLIER_PRESETS = (DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, COMPACT_1203, QUALITY_1203)  # ... or one of these, named by its date
+EARLIER_PRESETS = (DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, COMPACT_1203, QUALITY_1203)  # ... or one of these, named by its date
 # each preset's row before prefill was read as decode, by module attribute: the same bits, not yet measured on
 # every cell since (the README's prose takes such a cell from it and says so)
 BEFORE_PREFILL = {"DEFAULT_1204": "DEFAULT_1203", "COMPACT": "COMPACT_1203", "QUALITY": "QUALITY_1203"}
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
 PRESET_TAGS = ("the default", "compact", "quality")
-# the README's headline: the default, the defaults before it, compact, quality
-HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_1206.name, DEFAULT_1205.name, DEFAULT_1204.name, DEFAULT_1203.name, DECAY_V2.name, COMPACT.name, COMPACT_1203.name, QUALITY.name,
-                    QUALITY_1203.name]
+# the README's headline: the default, the defaults before it (but the one of 2026-12-04: docs/benchmarks.md), compact,
+# quality
+HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_1206B.name, DEFAULT_1206.name, DEFAULT_1205.name, DEFAULT_1203.name, DECAY_V2.name,
+                    COMPACT.name, COMPACT_1203.name, QUALITY.name, QUALITY_1203.name]
 ROT4 = rot(4, 768)  # the window the default had when rot4 was first measured: its rows say so
 ROT4_128 = rot(4, 128)
 K8V8 = tq(8, 8)
@@ -286,11 +296,11 @@ MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
 MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4, TQFULL8V3]
-FIRST = 14  # ALL[:FIRST] on every text before the rest on any
+FIRST = 15  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1206": DEFAULT_1206, "default-1205": DEFAULT_1205, "default-1204": DEFAULT_1204, "default-1203": DEFAULT_1203, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "compact-1203": COMPACT_1203, "quality": QUALITY, "quality-1203": QUALITY_1203, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1206b": DEFAULT_1206B, "default-1206": DEFAULT_1206, "default-1205": DEFAULT_1205, "default-1204": DEFAULT_1204, "default-1203": DEFAULT_1203, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "compact-1203": COMPACT_1203, "quality": QUALITY, "quality-1203": QUALITY_1203, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

@@ -282,13 +282,18 @@ def merge(paths: list[str], out: str | None) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     merged = dict(runs[0])
     merged["models"] = {}
+    # a probe's setting: by its config where it names one, else as the row of that name in its own run, else in any
+    known = {x["setting"]: canonical_name(x) for r in runs for m in r["models"].values() for x in m["rows"]}
     for r in runs:  # the same model in several runs (e.g. more settings in a second process): rows joined per text
         for m in r["models"].values():
             renamed = {x["setting"]: canonical_name(x) for x in m["rows"]}
             for x in m["rows"]:
                 x["setting"] = renamed[x["setting"]]
             for x in m.get("needles", []):  # probes ran with that run's setting of the same name
-                x["setting"] = renamed.get(x["setting"], x["setting"])
+                if x.get("config"):
+                    x["setting"] = canonical_name({"kind": "tq", **x})
+                else:
+                    x["setting"] = renamed.get(x["setting"], known.get(x["setting"], x["setting"]))
         for key, m in r["models"].items():
             have = merged["models"].setdefault(key, json.loads(json.dumps(m)))
             if have is m or have == m:

@@ -950,3 +950,32 @@ def test_long_context_merge_counts_a_needle_probe_run_again_once() -> None:
     merged = lc_table.merge_needles(first, again)
     assert merged == [first[0], again[2], again[1]]
     assert lc_table.merge_needles(merged, again) == merged
+
+
+def test_long_context_merge_names_a_needle_probe_by_its_config_or_another_runs_row(long_context: dict,
+                                                                                  tmp_path: Path) -> None:
+    # A needle-only run holds no row of the setting it probed: a probe that records its config takes the name the
+    # merged file gives that config (a later default renames it), one that does not takes the name another run's
+    # row of the same label takes, so a probe and its setting's row keep one name.
+    sys.path.insert(0, str(BENCH))
+    import long_context_settings as lcs
+    import long_context_table as lc_table
+
+    old = dict(lcs.DEFAULT_1206B.config.to_dict())
+    row = {"setting": "TQ (as it ran, the default)", "kind": "tq", "config": old, "bits": {"1024": 4.5},
+           "texts": {"britannica": {"1024": {"kl": 0.001, "ppl": 10.0}}}}
+    model = lambda rows, needles: {"rows": rows, "needles": needles, "texts": ["britannica"], "model": "Q",  # noqa: E731
+                                   "geometry": {"attention_layers": 28, "kv_heads": 2, "head_dim": 128},
+                                   "contexts": [1024]}
+    probe = lambda d, **x: {"setting": "TQ (as it ran, the default)", "length": 16384, "depth": d, "hit": True, **x}  # noqa: E731
+    run = lambda cmd, m: dict(long_context, meta=dict(long_context["meta"], command=cmd), models={"qwen15": m})  # noqa: E731
+    runs = [run("a", model([row], [])), run("b", model([], [probe(0.1)])), run("c", model([], [probe(0.5, config=old)]))]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    lc_table.merge([str(x) for x in paths], str(tmp_path / "merged"))
+    merged = json.loads((tmp_path / "merged" / "long_context.json").read_text())["models"]["qwen15"]
+    assert [r["setting"] for r in merged["rows"]] == [lcs.DEFAULT_1206B.name]
+    assert sorted((p["depth"], p["setting"]) for p in merged["needles"]) == [(0.1, lcs.DEFAULT_1206B.name),
+                                                                          (0.5, lcs.DEFAULT_1206B.name)]

@@ -44,7 +44,7 @@ def test_config_defaults_and_from_bits():
     assert (c.window, c.calibration_tokens, c.sinks, c.boundary_layers, c.seed, c.step) == (128, 768, 4, 0, 0, 256)
     assert c.first_window == 768 and c.compress_block_size == 128
     assert (c.protect_factor, c.protect_bits) == (5.0, 8)
-    assert c.norm_bits == 8 and layer_plan(c).keys.norm_dtype == mx.uint8
+    assert (c.norm_bits, c.norm_steps) == (8, 32) and layer_plan(c).keys.norm_dtype == mx.int8
     assert c.weigh_keys is True
     assert c.compress_block is None and c.compress_block_size == 128  # at most the window:
     assert TurboQuantConfig(window=32, calibration_tokens=None).compress_block_size == 32

@@ -3,6 +3,7 @@ cache protocol, token layout, pipelining and key protection: tests/test_cache.py
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -172,7 +173,8 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
     # (8-bit codes with uint8 norms) loads with the norms it holds and continues exactly as its cache would.
     from tq_mlx.stream import codec
 
-    cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, calibration_tokens=None, compress_block=4, sinks=2, norm_bits=8)
+    cfg = TurboQuantConfig(key_bits=8, value_bits=3, window=8, calibration_tokens=None, compress_block=4, sinks=2, norm_bits=8,
+                           norm_steps=16)  # the coarse code: every 8-bit file before 2026-12-06
     c = TurboQuantKVCache(cfg)
     fill(c, (30,))
     assert c.key_stream.codes.norms.dtype == mx.float16 and c.value_stream.codes.norms.dtype == mx.uint8
@@ -194,6 +196,33 @@ def test_eight_bit_codes_keep_float16_norms_and_older_files_with_uint8_ones_stil
         mask = "causal" if k.shape[2] > 1 else None
         np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
                                       np.array(turboquant_attention(q, *b, 0.125, mask)))
+
+
+def test_eight_bit_norms_take_the_fine_code_and_older_files_keep_the_coarse_one():
+    # norm_bits 8 stores the int8 fine code (32 steps an octave) since 2026-12-06; a file whose config does not name
+    # norm_steps was written with the uint8 coarse code (16 steps) and loads with it, continuing as its cache would.
+    cfg = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2, weigh_keys=False,
+                           key_output_error=None)
+    assert cfg.norm_bits == 8 and cfg.norm_steps == 32
+    fine = TurboQuantKVCache(cfg)
+    fill(fine, (30,))
+    assert fine.key_stream.codes.norms.dtype == mx.int8 and fine.value_stream.codes.norms.dtype == mx.int8
+    coarse = TurboQuantKVCache(dataclasses.replace(cfg, norm_steps=16))
+    fill(coarse, (30,))
+    assert coarse.key_stream.codes.norms.dtype == mx.uint8 and coarse.nbytes == fine.nbytes
+    meta, arrays = coarse.state
+    older = dict(meta, config={k: v for k, v in meta["config"].items() if k != "norm_steps"})
+    d = TurboQuantKVCache.from_state((older, arrays))
+    assert d.config.norm_steps == 16 and d.key_stream.quantizer.norm_dtype == mx.uint8
+    rng = np.random.default_rng(6)
+    for k, v in chunks(rng, (1, 6)):
+        a, b = coarse.update_and_fetch(k, v), d.update_and_fetch(k, v)
+        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
+        mask = "causal" if k.shape[2] > 1 else None
+        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
+                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+    with pytest.raises(ValueError, match="norm_steps must be one of"):
+        TurboQuantConfig(norm_steps=8)
 
 
 def test_state_is_stored_references():

@@ -10,7 +10,7 @@ decayed views take the same two passes (prefill_attention.metal holds one codebo
   V3 -> V2), only the keys, only the values (QJL keys, which do not decay), keys and values decaying at
   different tokens (three spans), one view as keys and values (MLA's latent), only decayed codes left (a trim);
   masks None, "causal" (in prefill reaching into the codes: chunks longer than the window), bool and additive
-  arrays; learned sinks; GQA 1..4; batch 1 and 2; head dims 64 and 128; float16 and uint8 norms (norm_bits 8);
+  arrays; learned sinks; GQA 1..4; batch 1 and 2; head dims 64 and 128; float16 norms and both log codes (norm_bits 8);
   every float dtype; all three lane schedules;
 * 5- and 6-bit fresh codes decaying to 5, 4 and 3 bits (K6 -> K5, as keys widened by key_error decay), so one
   stream holds two code segments of different bit-plane layouts; decode and prefill, keys and values;
@@ -83,10 +83,10 @@ def masks(rng, kind, B, Hq, L, T):
 
 # ================================================================ 1. decode and prefill against the reference
 CASES = [
-    # kernel, dim, kb, vb, decay kb, decay vb, qjl, dtype, B, R, L, mask, learned sinks, norm_bits
+    # kernel, dim, kb, vb, decay kb, decay vb, qjl, dtype, B, R, L, mask, learned sinks, norms (NORMS)
     ("decode", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 1, None, False, 16),  # the default bits, both decaying
     ("decode", 128, 4, 3, 3, None, False, mx.bfloat16, 2, 4, 3, "causal", True, 16),  # only keys; GQA 4, sinks
-    ("decode", 64, 4, 3, 3, 2, False, mx.float32, 2, 2, 2, "bool-batch", False, 8),  # uint8 norms, bool mask
+    ("decode", 64, 4, 3, 3, 2, False, mx.float32, 2, 2, 2, "bool-batch", False, "8c"),  # uint8 norms, bool mask
     ("decode", 64, 4, 4, None, 2, True, mx.float16, 1, 2, 4, "add-heads-float16", True, 16),  # QJL keys: values
     ("decode", 128, 3, 2, 2, 1, False, mx.float16, 2, 1, 1, "bool-2d", False, 8),  # K3 -> K2, V2 -> V1
     ("prefill", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, 16),  # chunk > window: causal in codes
@@ -97,9 +97,14 @@ CASES = [
     ("decode", 128, 6, 3, 3, 2, False, mx.bfloat16, 2, 4, 3, "causal", True, 16),  # K6 -> K3, GQA 4, sinks
     ("decode", 64, 6, 5, 4, 3, False, mx.float32, 2, 2, 2, "bool-batch", False, 8),  # V5 -> V3 too
     ("decode", 64, 4, 6, None, 4, True, mx.float16, 1, 2, 4, "add-heads-float16", True, 16),  # QJL keys, V6 -> V4
-    ("prefill", 64, 5, 4, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, 8),  # K5 -> K3, causal in codes
+    ("prefill", 64, 5, 4, 3, 2, False, mx.float16, 1, 2, 100, "causal", False, "8c"),  # K5 -> K3, causal in codes
     ("prefill", 128, 6, 6, 4, 3, False, mx.float32, 2, 1, 20, "add-heads-float32", True, 16),  # K6 -> K4, V6 -> V3
 ]
+
+
+# norms: float16, the int8 fine log code (norm_bits 8), the uint8 coarse one (norm_steps 16)
+NORMS = {16: dict(norm_bits=16), 8: dict(norm_bits=8), "8c": dict(norm_bits=8, norm_steps=16)}
+NORM_DTYPE = {16: mx.float16, 8: mx.int8, "8c": mx.uint8}
 
 
 def case_id(c) -> str:
@@ -113,12 +118,12 @@ def case_id(c) -> str:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_decayed_views_match_reference(emulator, schedule, case):
     kernel, dim, kb, vb, dkb, dvb, qjl, dtype, B, R, L, mask, sinks, nb = case
-    keys, values = decayed_views(dim, kb, vb, dkb, dvb, qjl, B, n_prompt=300, L=L, dtype=dtype, norm_bits=nb)
+    keys, values = decayed_views(dim, kb, vb, dkb, dvb, qjl, B, n_prompt=300, L=L, dtype=dtype, **NORMS[nb])
     assert (keys.decayed is not None) == (dkb is not None) and (values.decayed is not None) == (dvb is not None)
     for kv, bits in ((keys, dkb), (values, dvb)):
         if bits is not None:
             assert kv.decayed.quantizer.bits == bits and kv.n_fresh > 32 and kv.n_decayed > 32
-            assert kv.decayed.quantizer.norm_dtype == (mx.uint8 if nb == 8 else mx.float16)
+            assert kv.decayed.quantizer.norm_dtype == NORM_DTYPE[nb]
     if kernel == "prefill" and mask == "causal" and L > DECAY["window"]:
         assert keys.n_window < L  # the chunk's first tokens are compressed: the causal limit lies in the codes
     rng = np.random.default_rng(L)
@@ -200,7 +205,7 @@ def codes_bytes(kv) -> int:
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("kb, vb, dkb, norm_bits", [(4, 3, 3, 16), (4, 4, 3, 8), (5, 4, 4, 8), (6, 3, 3, 16)],
-                         ids=["K4-V3-float16-norms", "the-default-K4-V4-uint8-norms", "K5-to-K4-V4-uint8-norms",
+                         ids=["K4-V3-float16-norms", "the-default-K4-V4-int8-norms", "K5-to-K4-V4-int8-norms",
                               "K6-to-K3-V3-float16-norms"])
 def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, kb, vb, dkb, norm_bits):
     B, R, dim = 2, 4, 128
@@ -209,7 +214,7 @@ def test_decode_reads_each_decayed_and_fresh_byte_once(emulator, kb, vb, dkb, no
     per_token = {name: sum(a.itemsize * math.prod(a.shape[3:]) for a in seg.codes)
                  for name, seg in (("decayed", keys.decayed), ("fresh", keys.segments()[1][1]))}
     # exactly bits·d/8 code bytes per token at every width (K3 against K4: 48 + 2 against 64 + 2 bytes at d = 128;
-    # 1 norm byte with uint8 norms; K5 and K6: 80 and 96 code bytes, a 4-bit plane and a 1- or 2-bit plane)
+    # 1 norm byte with log-coded norms; K5 and K6: 80 and 96 code bytes, a 4-bit plane and a 1- or 2-bit plane)
     assert per_token == {"decayed": dim * dkb // 8 + norm_bits // 8, "fresh": dim * kb // 8 + norm_bits // 8}
     q = normal(np.random.default_rng(0), (B, 2 * R, 1, dim), mx.float16)
     f = Emu()

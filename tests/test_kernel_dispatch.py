@@ -319,13 +319,18 @@ def test_kernels_take_the_streams_scale_and_float_tokens_in_the_models_dtype(emu
 
 
 # ================================================================ 10. 8-bit (log-coded) norms
+# the fine code (int8, norm_steps 32, the default) and the coarse one (uint8, 16: caches and files before 2026-12-06)
+LOG_CODES = {"int8": dict(norm_bits=8), "uint8": dict(norm_bits=8, norm_steps=16)}
+
+
 @pytest.mark.emulator
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("code", list(LOG_CODES))
 @pytest.mark.parametrize("kb,vb,qjl,dim", [(4, 3, False, 64), (3.5, 2.5, False, 96), (3, 2, True, 128)], ids=ids)
-def test_uint8_norms_on_cache_in_every_kernel(emulator, schedule, kb, vb, qjl, dim):
+def test_log_coded_norms_on_cache_in_every_kernel(emulator, schedule, code, kb, vb, qjl, dim):
     for L in (2, 12):  # decode_attention, prefill_attention
-        q, keys, values = cache_step(kb, vb, qjl, dim, 2, 2, L, mx.float16, norm_bits=8)
-        assert keys.codes.norms.dtype == values.codes.norms.dtype == mx.uint8
+        q, keys, values = cache_step(kb, vb, qjl, dim, 2, 2, L, mx.float16, **LOG_CODES[code])
+        assert keys.codes.norms.dtype == values.codes.norms.dtype == getattr(mx, code)
         f = Emu(schedule, seed=3)
         if L <= K.MAX_QUERY_TOKENS:
             got = K.decode_attention(q, keys, values, 0.1, "causal", split_tokens=32, metal_kernel=f)
@@ -338,7 +343,7 @@ def test_uint8_norms_on_cache_in_every_kernel(emulator, schedule, kb, vb, qjl, d
         if K.encode_unsupported(*args) is None:
             got = K.encode(*args, metal_kernel=Emu(schedule))
             want = K.encode_reference(*args)
-            assert got.norms.dtype == mx.uint8
+            assert got.norms.dtype == getattr(mx, code)
             assert int(mx.sum(got.norms != want.norms)) <= 1  # a log2 within rounding of a half step may flip
             assert_codes_equal(got, want, kv.quantizer)
         if K.dequantize_unsupported(kv) is None:
@@ -347,16 +352,17 @@ def test_uint8_norms_on_cache_in_every_kernel(emulator, schedule, kb, vb, qjl, d
 
 
 @pytest.mark.emulator
-def test_uint8_norms_are_a_self_checked_variant_of_their_own(emulator, monkeypatch):
+def test_log_coded_norms_are_self_checked_variants_of_their_own(emulator, monkeypatch):
     monkeypatch.setenv(K.ENV_VAR, "metal")
     K.set_kernel_factory(Emu())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for norm_bits in (16, 8):
-            q, keys, values = cache_step(4, 3, False, 64, 1, 2, 1, mx.float16, norm_bits=norm_bits)
+        for norms in (dict(norm_bits=16), *LOG_CODES.values()):
+            q, keys, values = cache_step(4, 3, False, 64, 1, 2, 1, mx.float16, **norms)
             assert_close(K.dispatch_attention(q, keys, values, 0.1), K.decode_attention_reference(q, keys, values, 0.1),
                          mx.float16)
+    dtypes = {"mlx.core.float16", "mlx.core.int8", "mlx.core.uint8"}
     checked = [v for (kernel, v), reason in K.self_check_status().items() if kernel == "decode_attention"]
-    assert len(checked) == 2 and {v[2].norms for v in checked} == {"mlx.core.float16", "mlx.core.uint8"}
+    assert len(checked) == 3 and {v[2].norms for v in checked} == dtypes
     encodes = [v for (kernel, v) in K.self_check_status() if kernel == "encode"]
-    assert {v[-1] for v in encodes} == {"mlx.core.float16", "mlx.core.uint8"}
+    assert {v[-1] for v in encodes} == dtypes

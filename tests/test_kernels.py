@@ -149,9 +149,11 @@ def test_encode_dense_schedules_on_cache_streams(emulator, schedule):
 
 
 # Norm correction (correct_norms): the norm each kernel stores is |x| / |c[idx]|, as the reference's, on the WHT
-# path (MSE and QJL keys, float16 and log-coded norms) and on encode_dense (channel groups, other head dims).
+# path (MSE and QJL keys, float16 and both log codes' norms) and on encode_dense (channel groups, other head dims).
 CORRECTED_CASES = [(128, 2, False, mx.float16, "tq_encode"), (64, 4, False, mx.uint8, "tq_encode"),
+                   (64, 4, False, mx.int8, "tq_encode"),
                    (128, 3, True, mx.float16, "tq_encode"), (128, 2.5, False, mx.uint8, "tq_encode_dense"),
+                   (128, 2.5, False, mx.int8, "tq_encode_dense"),
                    (96, 3, False, mx.float16, "tq_encode_dense"), (80, 2, False, mx.float16, "tq_encode_dense")]
 
 
@@ -185,8 +187,9 @@ def test_encode_with_corrected_norms_matches_reference(emulator, dim, bits, qjl,
 # (dim, fresh bits, decayed bits, fresh norms, decayed norms, corrected): whole widths K4 -> K3 and the widened
 # K6 -> K5 (float16 norms to the log code), half steps K4.5 -> K3.5 and K5.5 -> K4.5 (two groups), V4 -> V2,
 # head dims 64, 96 (a dense rotation), 128
-RECODE_CASES = [(128, 4, 3, mx.uint8, mx.uint8, False), (64, 6, 5, mx.float16, mx.uint8, False),
-                (128, 4.5, 3.5, mx.uint8, mx.uint8, False), (64, 5.5, 4.5, mx.uint8, mx.uint8, True),
+RECODE_CASES = [(128, 4, 3, mx.int8, mx.int8, False), (64, 6, 5, mx.float16, mx.uint8, False),
+                (128, 4.5, 3.5, mx.uint8, mx.uint8, False), (64, 5.5, 4.5, mx.int8, mx.int8, True),
+                (64, 6, 5, mx.float16, mx.int8, True),
                 (96, 4, 2, mx.float16, mx.float16, True), (128, 3, 1, mx.float16, mx.float16, False)]
 
 

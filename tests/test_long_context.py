@@ -52,9 +52,16 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     v3 = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768").config.to_dict()}
     assert lc.canonical_name(v3) == lc.DEFAULT_1206.name and lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768") is lc.DEFAULT_1206
     assert lc.parse_setting("default-1206") is lc.DEFAULT_1206 and lc.DEFAULT_1206.name.endswith("the default until 2026-12-06)")
-    # ... and since 2026-12-06 its values are V4 and its keys take K3-K6 by their output error: today's
-    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768").config.to_dict()}
-    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768") is lc.DEFAULT
+    # ... and since 2026-12-06 its values are V4 and its keys take K3-K6 by their output error, its 8-bit norms in
+    # the coarse code until later that day, then the fine one: today's
+    coarse = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768").config.to_dict()}
+    assert lc.canonical_name(coarse) == lc.DEFAULT_1206B.name and lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768") is lc.DEFAULT_1206B
+    assert lc.parse_setting("default-1206b") is lc.DEFAULT_1206B and lc.DEFAULT_1206B.name.endswith("the default until 2026-12-06, later)")
+    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768").config.to_dict()}
+    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768") is lc.DEFAULT
+    # a row stored before configs named norm_steps was measured with the coarse code
+    older = dict(coarse, config={k: v for k, v in coarse["config"].items() if k != "norm_steps"})
+    assert lc.canonical_name(older) == lc.DEFAULT_1206B.name
     # compact and quality too: the same presets before it, by name
     for key, old in (("compact", lc.COMPACT_1203), ("quality", lc.QUALITY_1203)):
         before = dataclasses.replace(lc.parse_setting(key).config, prefill_as_decode=False)

@@ -236,7 +236,7 @@ def test_bad_input(x, match):
             q.quantize(x)
 
 
-# --- 8-bit norms: a uint8 log code ------------------------------------------------------------------------------
+# --- 8-bit norms: one-byte log codes, fine (int8, 32 steps an octave) and coarse (uint8, 16) -----------------------
 def test_uint8_norms_are_a_log_code_within_2_2_percent():
     from tq_mlx.quant.quantizer import load_norms, saturate
 
@@ -251,26 +251,62 @@ def test_uint8_norms_are_a_log_code_within_2_2_percent():
     assert out[0] == out[1] == 0 and out[2] == out[3] == 2 ** (126 / 16) and np.isnan(out[4])
 
 
+def test_int8_norms_are_a_log_code_within_1_1_percent_over_their_range():
+    from tq_mlx.quant.quantizer import load_norms, saturate
+
+    # 2^-3.47 .. 2^4.44: the scaled norms measured on SmolLM2 and both Qwen models span 2^-3.4 .. 2^2.3
+    n = mx.array(np.geomspace(2.0**-3.45, 2.0**4.4, 4001).astype(np.float32))
+    back = load_norms(saturate(n, mx.int8))
+    rel = np.abs(np.asarray(back) / np.asarray(n) - 1)
+    assert rel.max() <= 2 ** (1 / 64) - 1 + 1e-6 and 0.005 < math.sqrt((rel**2).mean()) < 0.007
+    # zero below half the smallest code; saturating at both ends; 127 is not a number
+    special = mx.array([0.0, 2.0**-4.6, 2.0**-4.2, float("inf"), 1e9, float("nan")])
+    codes = saturate(special, mx.int8)
+    assert codes.dtype == mx.int8 and codes.tolist() == [-128, -128, -127, 126, 126, 127]
+    out = np.asarray(load_norms(codes))
+    assert out[0] == out[1] == 0 and out[2] == pytest.approx(2 ** (-127 / 32 + 0.5))
+    assert out[3] == out[4] == pytest.approx(2 ** (126 / 32 + 0.5)) and np.isnan(out[5])
+
+
 @pytest.mark.parametrize("bits", [2, 3, 3.5, 5, 6])
-def test_uint8_norms_add_little_to_the_reconstruction_error(bits):
+def test_log_code_norms_add_little_to_the_reconstruction_error(bits):
     x = mx.array(np.random.default_rng(4).standard_normal((4000, 64)).astype(np.float32)) * 1.7
     err = {}
-    for dtype in (mx.float16, mx.uint8):
+    for dtype in (mx.float16, mx.int8, mx.uint8):
         q = TurboQuantMSE(64, bits, seed=1, norm_dtype=dtype)
         c = q.quantize(x)
         assert c.norms.dtype == dtype
         err[dtype] = float(mx.mean(mx.sum((q.dequantize(c) - x) ** 2, axis=-1) / mx.sum(x * x, axis=-1)))
         assert q.bits_per_value() == pytest.approx(q.words * 32 / 64 + 8 * dtype.size * len(q.groups) / 64)
-    # The log code's 1.25% RMS adds ~1.6e-4 of |x|² to a squared error of 0.03-0.12 |x|² (2-3.5 bits), but of
-    # 0.0024 and 0.0006 |x|² at 5 and 6 bits: a 6-bit code with a uint8 norm errs about a quarter more.
-    assert err[mx.float16] < err[mx.uint8] < err[mx.float16] * 1.01 + 2.5e-4, err
+    # The coarse code's 1.25% RMS adds ~1.6e-4 of |x|² to a squared error of 0.03-0.12 |x|² (2-3.5 bits), but of
+    # 0.0024 and 0.0006 |x|² at 5 and 6 bits: a 6-bit code with a uint8 norm errs about a quarter more; the fine
+    # code adds a quarter of that.
+    assert err[mx.float16] < err[mx.int8] < err[mx.uint8] < err[mx.float16] * 1.01 + 2.5e-4, err
     if bits >= 5:
         assert err[mx.uint8] - err[mx.float16] == pytest.approx((2 ** (1 / 32) - 1) ** 2 / 3, rel=0.25), err
+        assert err[mx.int8] - err[mx.float16] == pytest.approx((2 ** (1 / 64) - 1) ** 2 / 3, rel=0.3), err
+
+
+def test_the_fine_norm_code_halves_the_error_a_norm_gives_a_keys_logit():
+    # A key's stored norm scales its whole logit q·k: on the queries that read a key most (q along k) that error is
+    # the norm's relative error, as large as 5-bit codes' own there with the coarse code; the fine one halves it.
+    # norms 2^-1 .. 2^2, as a stream's scale (calibration.calibration_scale) leaves them
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((2000, 128)).astype(np.float32) / math.sqrt(128)
+    k *= 2.0 ** rng.uniform(-1, 2, (2000, 1)).astype(np.float32)
+    err = {}
+    for dtype in (mx.float16, mx.int8, mx.uint8):
+        q = TurboQuantMSE(128, 5, seed=2, norm_dtype=dtype, correct_norms=True)
+        back = np.asarray(q.dequantize(q.quantize(mx.array(k))))
+        unit = k / np.linalg.norm(k, axis=-1, keepdims=True)
+        err[dtype] = float(np.sqrt(np.mean((np.sum(unit * (back - k), -1) / np.linalg.norm(k, axis=-1)) ** 2)))
+    assert err[mx.float16] < 0.002 < err[mx.int8] < 0.0075 < err[mx.uint8] < 0.0135, err
+    assert err[mx.int8] < 0.55 * err[mx.uint8], err
 
 
 def test_norm_dtype_is_checked():
-    with pytest.raises(ValueError, match="norm_dtype must be float16, bfloat16, float32 or uint8"):
-        TurboQuantMSE(64, 4, norm_dtype=mx.int8)
+    with pytest.raises(ValueError, match="norm_dtype must be float16, bfloat16, float32, uint8 or int8"):
+        TurboQuantMSE(64, 4, norm_dtype=mx.int16)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 4, 6])

@@ -15,6 +15,7 @@ from .quant.quantizer import PROD_BITS, check_bits, format_bits
 # window tokens), and blocks of 64 measured worse than 128 (experiments/HISTORY.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
+NORM_STEPS = (32, 16)  # steps an octave of the 8-bit norms' log code: fine (int8) or coarse (uint8, before 2026-12-06)
 BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 AUTO = "auto"
@@ -122,10 +123,10 @@ class TurboQuantConfig:
     2-4x the KL; QJL loses at equal bits; key centering rescues Qwen (PPL 629 -> 12.16 at 4/4). Where users live
     (4k-8k tokens) the float window's share of the bytes is large: 128 recent tokens stay in float (compressed 128 at
     a time), and the first compression waits for 768 tokens and calibrates on them (calibration_tokens): KL a little
-    above the 768-token window the default had before, for fewer bytes (benchmarks/DEFAULTS.md). Norms in 8 bits (a
-    log code, RMS 1.25% off) cost little
-    next to 2-4-bit codes (nothing measurable on SmolLM2; KL at 4k 0.0110 -> 0.0128 on Qwen2.5-Coder-0.5B), and
-    codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Values take 4 bits with
+    above the 768-token window the default had before, for fewer bytes (benchmarks/DEFAULTS.md). Norms take 8 bits, a
+    log code of 32 steps an octave (norm_steps): a norm's error scales a key's whole logit, and the coarse code of
+    16 steps the default had before made 5-bit keys err nearly as 4-bit ones on the queries that read them most, so
+    more layers widened; codes of 6 bits or more keep float16 norms whatever norm_bits says (layout.WIDE_BITS). Values take 4 bits with
     their norms corrected (correct_norms) and no token decays: old keys re-coded a bit narrower were most of the
     default's error at 16k. Each layer's keys take the fewest bits from K3 up to K6 whose attention-output error on
     its first window's queries is at most KEY_OUTPUT_ERROR (key_output_error): bits taken from the keys of layers
@@ -201,7 +202,10 @@ class TurboQuantConfig:
     # views ("codes" fetch); other caches code plain keys. On since 2026-11-26, issue 23 (benchmarks/DEFAULTS.md)
     center_values: bool = False  # same for values with ν: off, because at long context it moves the near-zero
     # values of tokens that heads park their weight on to -ν, costing more than it saves (benchmarks/DEFAULTS.md)
-    norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a log code (2.2% at most off, half the bytes)
+    norm_bits: int = 8  # each token's norm: 16 = float16, 8 = a one-byte log code (half the bytes)
+    norm_steps: int = 32  # the 8-bit code's steps an octave: 32 (1.1% at most off, 2^-3.5 .. 2^4.4 of the stream's
+    # scale) or 16 (2.2%, 2^-8 .. 2^8; every 8-bit cache before 2026-12-06): a norm's error scales a key's whole
+    # logit, and with 16 steps it was as large as 5-bit codes' own error (tq_mlx.quant.quantizer)
     correct_norms: bool = True  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
     # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on since
     # 2026-12-05, when the default's values fell to V3 (benchmarks/DEFAULTS.md)
@@ -254,6 +258,8 @@ class TurboQuantConfig:
         self._check_value_error()
         if self.norm_bits not in NORM_BITS or isinstance(self.norm_bits, bool):
             raise ValueError(f"norm_bits must be one of {NORM_BITS}, got {self.norm_bits!r}")
+        if self.norm_steps not in NORM_STEPS or isinstance(self.norm_steps, bool):
+            raise ValueError(f"norm_steps must be one of {NORM_STEPS}, got {self.norm_steps!r}")
         if self.boundary_sides not in BOUNDARY_SIDES:
             raise ValueError(f"boundary_sides must be one of {', '.join(map(repr, BOUNDARY_SIDES))}, got "
                              f"{self.boundary_sides!r}")
@@ -411,6 +417,7 @@ class TurboQuantConfig:
         # Fields a file written before they existed does not name had the meaning of their absence then: float16
         # norms, no decay, no key weights (the defaults changed since).
         d.setdefault("norm_bits", 16)
+        d.setdefault("norm_steps", 16)
         d.setdefault("weigh_keys", False)
         d.setdefault("key_error", None)
         d.setdefault("key_output_error", None)
@@ -432,15 +439,15 @@ class TurboQuantConfig:
 # Named settings, by what they trade (the commands' --tq-preset); their bytes: --plan, estimate_kv_bytes; their
 # measurements: benchmarks/DEFAULTS.md and the README's quality tables.
 PRESETS: dict[str, dict] = {
-    # K8/V4, 8-bit norms, no decay; the window and norms each was measured with, whatever the default's
+    # K8/V4, 8-bit norms, no decay; the window and norms (their code too) each was measured with, whatever the default's
     "quality": dict(key_bits=8, value_bits=4, decay_after=None, window=768, calibration_tokens=None,
-                    correct_norms=False),
+                    correct_norms=False, norm_steps=16),
     # K4/V4 with keys K3-K6 by their output error, 8-bit norms corrected, every token at its bits
     "default": {},
     # K4/V3, 8-bit norms, tokens past 4096 at K2/V2, keys not widened: the fewest bytes past ~8k tokens (below, its
     # 768-token window holds more than the default's 128)
     "compact": dict(value_bits=3, decay_after=4096, decay_key_bits=2, decay_value_bits=2, key_error=None, window=768,
-                    calibration_tokens=None, correct_norms=False),
+                    calibration_tokens=None, correct_norms=False, norm_steps=16),
 }
 
 

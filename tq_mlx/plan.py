@@ -90,6 +90,7 @@ class StreamPlan:
     widen: Widen | None = None
     narrow: Narrow | None = None
     correct_norms: bool = False  # norms stored so the decoded vector's norm is exact (config.correct_norms)
+    norm_steps: int = 32  # the 8-bit norms' code: 32 steps an octave (int8) or 16 (uint8; config.norm_steps)
     as_decode: bool = False  # prefill queries read the stream as a decode step would (config.prefill_as_decode)
     first_window: int = 0  # the tokens the first compression waits for and calibrates on, if more than the window
 
@@ -109,8 +110,11 @@ class StreamPlan:
 
     @property
     def norm_dtype(self) -> mx.Dtype:
-        """How stored norms are kept (quantizer.NORM_DTYPES): float16, or a uint8 log code at norm_bits 8."""
-        return mx.float16 if self.norm_bits == 16 else mx.uint8
+        """How stored norms are kept (quantizer.NORM_DTYPES): float16, or at norm_bits 8 the int8 fine log code
+        (norm_steps 32) or the uint8 coarse one (16)."""
+        if self.norm_bits == 16:
+            return mx.float16
+        return mx.int8 if self.norm_steps == 32 else mx.uint8
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
                   step=c.step,
-                  norm_bits=c.norm_bits, correct_norms=c.correct_norms,
+                  norm_bits=c.norm_bits, norm_steps=c.norm_steps, correct_norms=c.correct_norms,
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
     weigh = c.weigh_keys and fetch == "codes"

@@ -2,22 +2,36 @@
 // which already includes <metal_stdlib> and `using namespace metal`). Metal is C++14: no `if constexpr`,
 // so compile-time branches below are plain `if`s on template constants that the compiler folds.
 
-// A stored norm (or QJL γ) as float: float16, or the uint8 log code of tq_mlx/quantizer.py (NORM_DTYPES):
-// 0 is zero, 255 not a number, c in 1..254 is 2^((c - 128) / 16).
+// A stored norm (or QJL γ) as float: float16, or a log code of tq_mlx/quant/quantizer.py (NORM_DTYPES). int8, the
+// fine code: -128 is zero, 127 not a number, c in -127..126 is 2^(c / 32 + 1/2). uint8, the coarse code: 0 is
+// zero, 255 not a number, c in 1..254 is 2^((c - 128) / 16).
 METAL_FUNC float tq_norm(half x) {
   return float(x);
+}
+METAL_FUNC float tq_norm(int8_t c) {
+  return c == -128 ? 0.0f : (c == 127 ? NAN : exp2(float(c) / 32.0f + 0.5f));
 }
 METAL_FUNC float tq_norm(uint8_t c) {
   return c == 0 ? 0.0f : (c == 255 ? NAN : exp2((float(c) - 128.0f) / 16.0f));
 }
 
-// A norm in the stored type N (half or uint8_t), as tq_mlx.quantizer.saturate stores it (uint8: round to the
-// nearest 1/16 octave, saturating; below half the smallest code, zero).
+// A norm in the stored type N (half, int8_t or uint8_t), as tq_mlx.quant.quantizer.saturate stores it (the log
+// codes: round to the nearest 1/32 or 1/16 octave, saturating; below half the smallest code, zero).
 template <typename N>
 METAL_FUNC N tq_store_norm(float n);
 template <>
 METAL_FUNC half tq_store_norm<half>(float n) {
   return half(n);
+}
+template <>
+METAL_FUNC int8_t tq_store_norm<int8_t>(float n) {
+  if (isnan(n)) {
+    return int8_t(127);
+  }
+  if (n < exp2(-127.0f / 32.0f + 0.5f - 1.0f)) {
+    return int8_t(-128);
+  }
+  return int8_t(clamp(rint(32.0f * (log2(n) - 0.5f)), -127.0f, 126.0f));
 }
 template <>
 METAL_FUNC uint8_t tq_store_norm<uint8_t>(float n) {

@@ -28,8 +28,8 @@ def _mse_unsupported(q: TurboQuantMSE) -> str | None:
     for g in q.groups:
         if g.bits not in KERNEL_BITS:
             return f"bits {g.bits}"
-    if q.norm_dtype not in (mx.float16, mx.uint8):
-        return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their uint8 log code"
+    if q.norm_dtype not in (mx.float16, mx.uint8, mx.int8):
+        return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their one-byte log codes"
     if not MIN_DIM <= q.dim <= MAX_DIM:
         return f"head dim {q.dim}: the kernels take head dims {MIN_DIM}..{MAX_DIM}"
     return None

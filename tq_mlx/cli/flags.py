@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import BOUNDARY_SIDES, KEY_ERROR, NORM_BITS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from ..config import BOUNDARY_SIDES, KEY_ERROR, NORM_BITS, NORM_STEPS, PRESETS, TurboQuantConfig, bits_label, derive_config
 from ..planner.display import bound_text
 from ..quant.quantizer import MSE_BITS, check_bits, format_bits
 
@@ -37,6 +37,7 @@ _FIELDS = {
     "tq_protect_factor": "protect_factor",
     "tq_protect_bits": "protect_bits",
     "tq_norm_bits": "norm_bits",
+    "tq_norm_steps": "norm_steps",
     "tq_decay_after": "decay_after",
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
@@ -186,8 +187,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
     g.add_argument("--tq-no-center-values", dest="tq_no_center_values", action="store_true",
                    help="do not subtract the per-head value mean before quantizing")
     g.add_argument("--tq-norm-bits", dest="tq_norm_bits", type=int, choices=NORM_BITS, metavar="N",
-                   help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, within 2.2%%; "
+                   help=f"bits of each token's stored norm: 16 (float16) or 8 (a log code, --tq-norm-steps; "
                         f"0.125 bits/value less at head_dim 64) (default {d.norm_bits})")
+    g.add_argument("--tq-norm-steps", dest="tq_norm_steps", type=int, choices=NORM_STEPS, metavar="S",
+                   help="the 8-bit norms' log code: 32 steps an octave (within 1.1%%, 2^-3.5 to 2^4.4 of the stream's "
+                        "scale) or 16 (within 2.2%%, 2^-8 to 2^8; the code before 2026-12-06) "
+                        f"(default {d.norm_steps})")
     g.add_argument("--tq-correct-norms", dest="tq_correct_norms", action="store_true",
                    help="store each compressed token's norm so that its decoded vector keeps the token's norm "
                         f"(the same bytes; lower error at 2-3 bits) (default {d.correct_norms})")

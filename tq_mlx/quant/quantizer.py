@@ -45,14 +45,19 @@ KEY_STEP_BITS = (4.5, 5.5)  # the half steps keys widen by (config.key_half_step
 QUANTIZER_BITS = tuple(sorted({*MSE_BITS, *CODE_BITS, *KEY_STEP_BITS}))  # what TurboQuantMSE takes
 PROD_BITS = (1, 2, 3, 4)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-# Stored norms: a float dtype, or uint8, a log-scale code of LOG_NORM_STEPS steps per octave around 1 (streams
-# scale tokens so that their norms sit near 1): code c in 1..254 is 2^((c - 128) / 16), i.e. 2^-7.94 .. 2^7.88;
-# 0 is zero (anything below half the smallest code) and 255 not a number; larger norms saturate. Its relative
-# error is at most 2^(1/32) - 1 = 2.2% (RMS 1.25%): it adds 1.6e-4·|x|² to a vector's squared error, 0.5% of
-# 3-bit codes' own (0.035·|x|²), for half the bytes of float16; but 6% of 5-bit codes' (0.0025·|x|²) and 25% of
-# 6-bit codes' (0.00063·|x|²). Kernels decode it with tq_norm (common.metal).
-NORM_DTYPES = (*FLOAT_DTYPES, mx.uint8)
-LOG_NORM_STEPS = 16
+# Stored norms: a float dtype, or a one-byte log code (streams scale tokens so that their norms sit near 1).
+# int8, the fine code (config.norm_steps 32): c in -127..126 is 2^(c / 32 + 1/2), i.e. 2^-3.47 .. 2^4.44, what the
+# scaled norms of every model measured span (2^-3.4 .. 2^2.3) with two octaves to spare above; -128 is zero
+# (anything below half the smallest code), 127 not a number, and norms beyond the range saturate. Its relative
+# error is at most 2^(1/64) - 1 = 1.1% (RMS 0.63%). uint8, the coarse code (norm_steps 16, every 8-bit cache
+# before 2026-12-06): c in 1..254 is 2^((c - 128) / 16), i.e. 2^-7.94 .. 2^7.88, 0 zero and 255 not a number, at
+# most 2.2% off (RMS 1.25%). A norm's error scales a key's whole logit, which is why it counts more than its
+# share of the squared error (1.6e-4·|x|² coarse, 6% of 5-bit codes' own): on the logits of the queries that
+# read a key most, the coarse code's error was as large as 5-bit codes' (experiments/HISTORY.md, 2026-12-06).
+# Kernels decode both with tq_norm (common.metal).
+NORM_DTYPES = (*FLOAT_DTYPES, mx.uint8, mx.int8)
+LOG_NORM_STEPS = 16  # the coarse uint8 code's steps per octave
+FINE_NORM_STEPS, FINE_NORM_CENTER = 32, 0.5  # the fine int8 code's steps per octave and the log2 norm of code 0
 _SIGN_TABLE = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1, shared by every TurboQuantProd
 
 
@@ -60,7 +65,7 @@ class MSECodes(NamedTuple):
     """A TurboQuant_mse-compressed tensor of leading shape S."""
 
     codes: mx.array  # uint32 (*S, words): packed indices, group after group
-    norms: mx.array  # (*S, groups), float16 by default (or a uint8 log code): each group's L2 norm
+    norms: mx.array  # (*S, groups), float16 by default (or a one-byte log code): each group's L2 norm
 
 
 class ProdCodes(NamedTuple):
@@ -97,7 +102,11 @@ def check_input(x: mx.array, dim: int) -> None:
 def saturate(norms: mx.array, dtype: mx.Dtype) -> mx.array:
     """Norms (>= 0 or NaN) stored in `dtype`, the largest finite value where they exceed its range: a stored
     norm is never inf. Streams scale tokens so that their norms sit near 1 (calibration.calibration_scale); only a
-    token far outside its head's range can reach the limit. uint8: the log code of NORM_DTYPES."""
+    token far outside its head's range can reach the limit. uint8 and int8: the log codes of NORM_DTYPES."""
+    if dtype == mx.int8:
+        c = mx.clip(mx.round(FINE_NORM_STEPS * (mx.log2(norms) - FINE_NORM_CENTER)), -127, 126)
+        c = mx.where(norms < 2.0 ** (-127 / FINE_NORM_STEPS + FINE_NORM_CENTER - 1), -128, c)
+        return mx.where(mx.isnan(norms), 127, c).astype(mx.int8)
     if dtype == mx.uint8:
         c = mx.clip(mx.round(LOG_NORM_STEPS * mx.log2(norms)) + 128, 1, 254)  # log2(0) = -inf clips to 1
         c = mx.where(norms < 2.0 ** (-127 / LOG_NORM_STEPS - 1), 0, c)
@@ -107,6 +116,10 @@ def saturate(norms: mx.array, dtype: mx.Dtype) -> mx.array:
 
 def load_norms(stored: mx.array) -> mx.array:
     """Stored norms (saturate's output) as float32."""
+    if stored.dtype == mx.int8:
+        c = stored.astype(mx.float32)
+        v = mx.exp((c / FINE_NORM_STEPS + FINE_NORM_CENTER) * math.log(2))
+        return mx.where(c == -128, 0.0, mx.where(c == 127, float("nan"), v))
     if stored.dtype != mx.uint8:
         return stored.astype(mx.float32)
     c = stored.astype(mx.float32)
@@ -116,7 +129,7 @@ def load_norms(stored: mx.array) -> mx.array:
 
 def check_norm_dtype(norm_dtype) -> None:
     if norm_dtype not in NORM_DTYPES:
-        raise ValueError(f"norm_dtype must be float16, bfloat16, float32 or uint8 (a log code), got {norm_dtype}")
+        raise ValueError(f"norm_dtype must be float16, bfloat16, float32, uint8 or int8 (log codes), got {norm_dtype}")
 
 
 class Group(NamedTuple):

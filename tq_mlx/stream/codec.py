@@ -23,10 +23,9 @@ from ..models.rope import Rope
 def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.Dtype = mx.float16,
                    correct_norms: bool = False) -> TurboQuantMSE | TurboQuantProd:
     """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise; norms stored as
-    float16 or (norm_bits 8) a uint8 log code (quantizer.NORM_DTYPES), corrected or not (correct_norms). Codes of
-    WIDE_BITS or more keep float16 norms: the log code's error (RMS 1.25%) is three times 8-bit codes' own, a
-    small part of 4-bit codes'."""
-    if bits >= WIDE_BITS and norm_dtype == mx.uint8:
+    float16 or (norm_bits 8) a one-byte log code (quantizer.NORM_DTYPES), corrected or not (correct_norms). Codes of
+    WIDE_BITS or more keep float16 norms: the coarse log code's error (RMS 1.25%) is three times 8-bit codes' own."""
+    if bits >= WIDE_BITS and norm_dtype in (mx.uint8, mx.int8):
         norm_dtype = mx.float16
     if qjl:
         return TurboQuantProd(dim, int(bits), seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms)
