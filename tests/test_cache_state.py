@@ -127,6 +127,17 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
 # --- state ------------------------------------------------------------------------------------------
 
 
+def assert_continue_alike(c, d, seed: int) -> None:
+    """Two caches fed the same tokens, one and six at a time, attend to the same outputs, bit for bit."""
+    rng = np.random.default_rng(seed)
+    for k, v in chunks(rng, (1, 6)):
+        a, b = c.update_and_fetch(k, v), d.update_and_fetch(k, v)
+        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
+        mask = "causal" if k.shape[2] > 1 else None
+        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
+                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+
+
 @pytest.mark.parametrize("norm_bits", [16, 8])
 def test_state_round_trip_is_exact(norm_bits):
     cfg = TurboQuantConfig(key_bits=3.5, value_bits=2, qjl=False, window=8, calibration_tokens=None, compress_block=4, sinks=2, seed=3,
@@ -137,13 +148,7 @@ def test_state_round_trip_is_exact(norm_bits):
     assert (d.offset, d.n_sinks, d.n_coded, d.n_window, d.layer_index, d.config) == (
         c.offset, c.n_sinks, c.n_coded, c.n_window, c.layer_index, c.config)
     assert d.nbytes == c.nbytes
-    rng = np.random.default_rng(9)
-    for k, v in chunks(rng, (1, 6)):
-        a, b = c.update_and_fetch(k, v), d.update_and_fetch(k, v)
-        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
-        mask = "causal" if k.shape[2] > 1 else None
-        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
-                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+    assert_continue_alike(c, d, seed=9)
 
 
 def test_a_state_saved_while_the_calibration_tokens_wait_round_trips():
@@ -214,13 +219,7 @@ def test_eight_bit_norms_take_the_fine_code_and_older_files_keep_the_coarse_one(
     older = dict(meta, config={k: v for k, v in meta["config"].items() if k != "norm_steps"})
     d = TurboQuantKVCache.from_state((older, arrays))
     assert d.config.norm_steps == 16 and d.key_stream.quantizer.norm_dtype == mx.uint8
-    rng = np.random.default_rng(6)
-    for k, v in chunks(rng, (1, 6)):
-        a, b = coarse.update_and_fetch(k, v), d.update_and_fetch(k, v)
-        q = mx.array(rng.normal(size=(1, 4, k.shape[2], 64)), dtype=mx.float32)
-        mask = "causal" if k.shape[2] > 1 else None
-        np.testing.assert_array_equal(np.array(turboquant_attention(q, *a, 0.125, mask)),
-                                      np.array(turboquant_attention(q, *b, 0.125, mask)))
+    assert_continue_alike(coarse, d, seed=6)
     with pytest.raises(ValueError, match="norm_steps must be one of"):
         TurboQuantConfig(norm_steps=8)
 
