@@ -21,7 +21,7 @@ from .quant.quantizer import split_dims
 from .quant.rotation import hadamard_base
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
-# codes of this many bits or more keep float16 norms whatever norm_bits says (codec.make_quantizer): the uint8 log
+# codes of this many bits or more keep float16 norms whatever norm_bits says (codec.make_quantizer): the coarse log
 # norm's error (1.6e-4·|x|²) would add a quarter to a 6-bit code's (tests/test_quantizer.py)
 WIDE_BITS = 6
 FLOAT32 = 4  # bytes of the float32 and int32 arrays a stream holds (μ, scale, channel order, weights, constants)
@@ -190,7 +190,7 @@ def buffer_layout(config, tokens: int, max_kv_size: int | None = None, *, decayi
 
 
 def norm_bytes(bits: float, norm_bits: int) -> int:
-    """Bytes of one stored norm: float16, or (norm_bits 8) a uint8 log code, except for codes of WIDE_BITS."""
+    """Bytes of one stored norm: float16, or (norm_bits 8) a one-byte log code, except for codes of WIDE_BITS."""
     return 2 if norm_bits == 16 or bits >= WIDE_BITS else 1
 
 

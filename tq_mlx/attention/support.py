@@ -3,7 +3,7 @@ a kernel runs and enforced by the launchers (`_require`).
 
 The kernels take head dims 16..512 (key and value dims may differ), code groups of every width a quantizer packs
 (KERNEL_BITS: 1, 2, 3, 4, 5, 6, 8 bits), so every bit width the config takes (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8; QJL keys
-2, 3, 4: an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their uint8 log code,
+2, 3, 4: an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their one-byte log codes (int8 fine, uint8 coarse),
 float16/bfloat16/float32 inputs, masks None, "causal" or bool/additive arrays (L, T), (B or 1, 1 or Hq, L, T),
 learned sinks, and decayed codes (any of those widths in the fresh codes' basis, e.g. K6 -> K3; one side or both,
 MLA's latent too). The reference path runs: QJL at 1 bit (no MSE stage for the score loop to read), QJL keys'
