@@ -168,9 +168,9 @@ def _suggest(plan: Plan, model_config: dict) -> str:
 
 
 def with_bits(config: TurboQuantConfig, bits: float) -> TurboQuantConfig:
-    """config at `bits` for keys and values (no QJL), as --bits would set them (tq_mlx.config.derive_config: the
-    default's automatic decay follows the bits, --bits 3 on the default does not decay; any other decay stays
-    where it still lowers integer bits)."""
+    """config at `bits` for keys and values (no QJL), as --bits would set them (tq_mlx.config.derive_config: an
+    automatic decay follows the bits, 3-bit keys do not decay; any other decay stays where it still lowers integer
+    bits)."""
     return derive_config(config, bits, qjl=False)
 
 
@@ -275,7 +275,7 @@ def format_plan(plan: Plan) -> str:
         ("weights", format_bytes(plan.weights) if plan.weights else "unknown (not counted below)"),
         ("KV cache", f"{format_bytes(plan.kv)}  {cfg}"),
     ]
-    if plan.protect_bytes:  # under the KV cache row it adds to (the default decays: a decay row follows)
+    if plan.protect_bytes:  # under the KV cache row it adds to (a config that decays: its decay row follows)
         rows.append(("", f"+{format_bytes(plan.protect_bytes)} for each layer whose keys protect themselves "
                          f"(K{plan.config.protect_bits:g}, chosen at its first compression; the panel names them)"))
     if plan.widen_bytes:

@@ -323,9 +323,10 @@ def test_plan_fits_the_config_to_a_small_bound(tiny_model_dir):
 
     cfg = load_model_config(tiny_model_dir)
     plan = make_plan("m", cfg, 10**8, 4096, TurboQuantConfig(), 10**10, max_kv_size=256)
-    assert plan.config == fit_max_kv_size(TurboQuantConfig(), 256) and plan.config.window < 768
+    assert plan.config == fit_max_kv_size(TurboQuantConfig(), 256) and plan.config.window < TurboQuantConfig().window
     assert plan.kv == estimate_kv_bytes(cfg, 4096, plan.config, max_kv_size=256)
     text = format_plan(plan)
-    assert (f"note: --max-kv-size 256 is below sinks + window + compress block - 1 = 899 tokens (the float sinks "
-            f"and window are never dropped): keeping 4 sinks, a {plan.config.window}-token window and compress "
+    assert (f"note: --max-kv-size 256 is below sinks + calibration tokens + compress block - 1 = 899 tokens (the "
+            f"float sinks and window are never dropped, nor anything before the first compression): keeping 4 sinks, "
+            f"a window of {plan.config.window} tokens and compress "
             f"blocks of {plan.config.compress_block_size}") in text

@@ -100,7 +100,7 @@ def test_key_error_flag(capsys):
 
 def test_key_output_error_flag(capsys):
     config = config_from_args(parse("--tq-key-output-error", "0.03"))
-    assert (config.key_output_error, config.key_error) == (0.03, None)  # the default's logit error gives way
+    assert (config.key_output_error, config.key_error) == (0.03, None)  # key_error's automatic logit error gives way
     assert "keys K3 to K6 by their output error (at most 0.03)" in describe_config(config)
     assert config_from_args(parse("--tq-key-output-error", "off")).key_output_error is None
     assert cache_flags_given(parse("--tq-key-output-error", "0.03")) == ["--tq-key-output-error"]
@@ -543,7 +543,7 @@ def test_generate_fits_a_small_max_kv_size_and_says_so(tiny_model_dir, capsys):
     assert rc == 0, err
     fitted = fit_max_kv_size(TurboQuantConfig(), 24)
     note = bound_text(TurboQuantConfig(), fitted, 24)
-    assert note.startswith("--max-kv-size 24 is below sinks + window + compress block - 1 = 899 tokens")
+    assert note.startswith("--max-kv-size 24 is below sinks + calibration tokens + compress block - 1 = 899 tokens")
     assert [line for line in err.splitlines() if "--max-kv-size" in line] == [f"tq-generate: {note}"]
     summary = next(line for line in err.splitlines() if line.startswith("KV cache:"))
     assert f"in float32 ({fitted.sinks} sinks + {fitted.window}-token window)" in summary, summary

@@ -84,7 +84,7 @@ def masks(rng, kind, B, Hq, L, T):
 # ================================================================ 1. decode and prefill against the reference
 CASES = [
     # kernel, dim, kb, vb, decay kb, decay vb, qjl, dtype, B, R, L, mask, learned sinks, norms (NORMS)
-    ("decode", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 1, None, False, 16),  # the default bits, both decaying
+    ("decode", 64, 4, 3, 3, 2, False, mx.float16, 1, 2, 1, None, False, 16),  # K4/V3, both decaying
     ("decode", 128, 4, 3, 3, None, False, mx.bfloat16, 2, 4, 3, "causal", True, 16),  # only keys; GQA 4, sinks
     ("decode", 64, 4, 3, 3, 2, False, mx.float32, 2, 2, 2, "bool-batch", False, "8c"),  # uint8 norms, bool mask
     ("decode", 64, 4, 4, None, 2, True, mx.float16, 1, 2, 4, "add-heads-float16", True, 16),  # QJL keys: values
@@ -332,7 +332,7 @@ def test_decay_in_another_basis_is_refused():
     assert_close(got, K.decode_attention_reference(q, other, values, 0.125), mx.float16)
 
 
-# the settings DEFAULTS.md measures beside the presets: the candidate default (a 128-token window read as decode,
+# the settings DEFAULTS.md measures beside the presets: the default's window (128 tokens read as decode,
 # calibrating on 768 tokens) and the 3.88-bit setting (its V3 values with corrected norms and keys to logit error 0.2)
 CANDIDATE = dict(window=128, prefill_as_decode=True, calibration_tokens=768)
 NAMED = {**{p: TurboQuantConfig.preset(p) for p in PRESETS}, "candidate": TurboQuantConfig(**CANDIDATE),
@@ -355,7 +355,7 @@ def test_every_preset_takes_the_kernels_once_tokens_decayed(name):
             L = min(2048, n - a)
             # errs above either error target (key_error's 0.1, key_output_error's 0.028): the keys widen
             keys.learn(mx.array(4 * rng.standard_normal((1, 8, L, 128)).astype(np.float32)), keys, values)
-    # each side decays as the preset says (the default: its keys, at whatever width their error chose)
+    # each side decays as the setting says (keys at whatever width their error chose)
     assert (keys.n_decayed > 0) == (cfg.decay_after is not None and cfg.decay_key_bits is not None)
     assert (values.n_decayed > 0) == (cfg.decay_after is not None and cfg.decay_value_bits is not None)
     by_error = cfg.key_error is not None or cfg.key_output_error is not None

@@ -212,7 +212,7 @@ def test_head_dims_without_a_kernel_say_why_and_fall_back(monkeypatch, dim):
 @pytest.mark.parametrize(
     "kb,vb,qjl,dim,R,L,dtype",
     [
-        (4, 3, False, 128, 4, 1, mx.float16),  # the default, Llama-like GQA decode
+        (4, 3, False, 128, 4, 1, mx.float16),  # K4/V3, Llama-like GQA decode
         (4, 3, True, 64, 2, 3, mx.bfloat16),  # QJL keys, speculative verify
         (8, 2, False, 256, 1, 8, mx.float32),  # 8 query tokens
         (1, 8, False, 32, 8, 8, mx.float16),  # 64 query rows in one threadgroup, 8 per SIMD group

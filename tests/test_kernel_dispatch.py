@@ -294,7 +294,7 @@ def test_kernels_take_the_streams_scale_and_float_tokens_in_the_models_dtype(emu
     # A bfloat16 or float32 model's cache keeps its sinks and window in that dtype and stores codes of
     # (x - μ) / scale: decode attention, encode and dequantize all agree with the reference on it.
     rng = np.random.default_rng(5)
-    # the default K4/V3, uint8 norms (prefill not read as decode: the views are read by queries of any count)
+    # the default's K4/V4 and 8-bit norms at a small window (prefill not read as decode: the views are read by queries of any count)
     cache = TurboQuantKVCache(TurboQuantConfig(window=16, calibration_tokens=None, sinks=4, compress_block=8, prefill_as_decode=False))
     k = ((normal(rng, (1, 2, 70, 64)) + 0.7) * magnitude).astype(dtype)
     v = (normal(rng, (1, 2, 70, 64)) * magnitude).astype(dtype)

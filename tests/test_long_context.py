@@ -29,7 +29,7 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     renamed = lc.canonical_name(old)
     assert renamed == "TQ K4/V3 (the default until 2026-11-25, values centered)"
     assert lc.canonical_name(dict(old, setting=renamed)) == renamed and lc.base_name(renamed) == lc.K4V3.name
-    # The default decays since 2026-11-26: a row of it spelled out (or stored before norm_bits and the decay
+    # The default decayed from 2026-11-26 to 2026-12-05: a row of it spelled out (or stored before norm_bits and the decay
     # fields existed, meaning 16-bit norms and no decay) is named by what it measured.
     spelled = {"setting": "TQ K4/V4 (8-bit norms, decaying to K3/V4 after 6144, keys centered before RoPE, keys weighed by the queries, keys up to K6 above logit error 0.1)",
                "kind": "tq", "config": lc.parse_setting("k4v4w768b128d6144k3v4n8rqe0.1").config.to_dict()}

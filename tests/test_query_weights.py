@@ -712,7 +712,7 @@ def test_key_output_error_is_validated_and_derived():
             TurboQuantConfig(key_output_error=0.02, **kw)
     with pytest.raises(ValueError, match="needs a window of 3 or more"):
         TurboQuantConfig(key_output_error=0.02, window=2, calibration_tokens=None)
-    c = TurboQuantConfig(key_output_error=0.02)  # the default's automatic key_error gives way
+    c = TurboQuantConfig(key_output_error=0.02)  # key_error's automatic logit error gives way
     assert c.key_error is None and c.key_output_error == 0.02
     assert derive_config(c, key_bits=3.5).key_output_error is None and derive_config(c, key_bits=5).key_output_error == 0.02
     assert derive_config("default", key_output_error=0.02).key_error is None

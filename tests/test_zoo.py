@@ -5,8 +5,9 @@ reason and the way out. A crash mid-forward or a silently float model fails.
 
 The fetch path each model takes (on the codes, latent, decode-to-float) is the one that ran: tq_mlx's attention
 on the codes and its float decode are wrapped and counted (tests/support/zoo.watch_paths), and what ran must be
-what tq_mlx.models.architectures says. The default config (query-weighed keys centered before RoPE, decaying their keys to K3)
-runs at its low bits too, its attention on the codes checked against the same codes decoded. Sparse attention
+what tq_mlx.models.architectures says. The default's codes (LOW: query-weighed keys centered before RoPE, widened by
+their error, plus old keys decayed to K3, which the default does not do) run at their low bits too, attention on the codes checked against the same
+codes decoded. Sparse attention
 (deepseek_v32, glm_moe_dsa) picks its tokens below the context and is compared on the float run's picks.
 
 `python -m tests.test_zoo --table` prints the README's "Model support" table; the test checks the README row of
@@ -37,9 +38,10 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 # 5.5e-3, 0.16, 0.11; mixtral 0.24, 5.2e-3, 8.0e-3), while a real regression of the cache moves every draw.
 DRAWS = [TOKENS] + [np.random.default_rng(s).integers(0, 256, 24).tolist() for s in (1, 2)]
 PREFILL = 16
-# The default config at the zoo's window: K4/V4 with 8-bit norms, keys weighed by the queries and centered before
-# RoPE, widened by their error, the keys of tokens older than 12 decayed a bit narrower (the default's decay_after
-# is 6144).
+# The default's codes at the zoo's window: K4/V4 with 8-bit norms, keys weighed by the queries and centered before
+# RoPE. With no calibration window the keys widen by their logit error (key_error) where the default's widen by
+# their output error, and the keys of tokens older than 12 decay to K3 (the default decays nothing) so that every
+# architecture runs decayed codes too.
 LOW = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=4, sinks=2, decay_after=12)
 PATH_WORDS = {"codes": "on the codes", "latent": "latent (MLA): decode on the codes, prefill decoded to float",
               "float": "decode-to-float"}
@@ -189,7 +191,7 @@ def _rel(got: mx.array, ref: mx.array) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in zoo.architectures() if a not in zoo.NOT_BUILDABLE])
 def test_default_config_at_low_bits(arch):
-    # The default config (LOW: its bits, query weights, keys centered before RoPE, decay) on each architecture's
+    # The default's codes (LOW: its bits, query weights, keys centered before RoPE, plus decay) on each architecture's
     # own path: the path that ran is the one the 8-bit run takes; tokens decayed; on the codes the keys were
     # weighed; attention on the codes gives the logits of the same codes decoded and attended by mlx's SDPA (to
     # rounding: both read the same stored tokens, so this holds at any bits); and the logits stay within the low-bit

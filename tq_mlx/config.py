@@ -177,7 +177,7 @@ class TurboQuantConfig:
     key_error: float | None | str = AUTO
     # Keys that widen by their error also take the half steps K4.5 and K5.5: the quarter of the channels with the
     # most energy at the calibration (after the weights) one bit wider, each group rotated on its own (two norms
-    # per token). No effect where keys do not widen (key_error None).
+    # per token). No effect where keys do not widen (key_error and key_output_error None).
     key_half_steps: bool = False
     # Keys by their output error instead: the largest relative error of the attention outputs a layer's keys may give
     # the queries of its first window's last third, each reading the tokens more than a window older than itself as
@@ -510,10 +510,10 @@ def derive_config(base: str | TurboQuantConfig = "default", bits: float | None =
 
 def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQuantConfig:
     """The config a cache bounded to max_kv_size tokens uses, as the commands take --max-kv-size (mlx-lm's own flag
-    takes any size): `config` itself when the bound holds its float sinks and window and a compress block less a
-    token (sinks + window + compress_block - 1: the float parts are never dropped, check_max_size); else the
-    config with the window and the compress block shrunk in their proportion until the bound holds the sinks, the
-    window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
+    takes any size): `config` itself when the bound holds its float sinks, first window and a compress block less a
+    token (bound_floor: the float parts are never dropped, nor anything before the first compression,
+    check_max_size); else the config with the window and the compress block shrunk in their proportion until the
+    bound holds the sinks, the window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
     holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
     (below the sinks: as many sinks as the bound, no window). Calibration tokens the bound cannot hold come down to
     what it holds first (all of them: None when the window shrinks). The library's make_prompt_cache keeps an explicit

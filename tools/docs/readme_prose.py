@@ -192,7 +192,8 @@ def presets_values() -> tuple:
 
 
 def bound_floor_values() -> tuple:
-    """The smallest --max-kv-size the default config holds as it is: sinks + window + compress block - 1."""
+    """The smallest --max-kv-size the default config holds as it is: sinks + calibration tokens + compress block - 1
+    (config.bound_floor)."""
     from tq_mlx import TurboQuantConfig
 
     d = TurboQuantConfig()
@@ -494,7 +495,7 @@ FIGURES = [
            "Llama-3.1-8B, head_dim {}: quality keeps {}, the default {} with each layer's keys {} to {} bits by their "
            "output error, norms corrected and no decay, compact {} past {} at {}, its keys not widened)",
            presets_values),
-    Figure("bound floor", "window and a compress block ({} tokens by default)", bound_floor_values),
+    Figure("bound floor", "calibration tokens and a compress block ({} tokens by default)", bound_floor_values),
     Figure("bound saving", "Llama-3.1-8B saves {} at {} tokens and {} at {}.", bound_values),
     Figure("quality", "The default's KL where it was measured (the target is {}): on Qwen2.5-Coder-0.5B ({} kv "
            "heads of {} dims, attention spread thin over thousands of tokens) {} at {} and {} at {} (|ΔPPL| up "

@@ -170,7 +170,7 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "first window is at most E, or kept at their bits (integer value bits 3-7) "
                         f"(default {'off' if d.value_error is None else format(d.value_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
-                   help="never protect keys: every layer keeps the configured bits")
+                   help="never protect keys: no layer's keys take the protected bits (widths by error still apply)")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
                    help="where the per-head key mean is taken: before RoPE (rope: subtracted at each position "
                         "rotated as the model rotates keys; layers whose RoPE cannot be read keep the mean) or "
@@ -207,7 +207,8 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "earlier tokens past the window as codes): one attention call per chunk, logits that "
                         "depend on the prefill chunk")
     g.add_argument("--tq-key-half-steps", dest="tq_key_half_steps", action="store_true",
-                   help="keys that widen by their error (--tq-key-error) also take K4.5 and K5.5: the quarter of "
+                   help="keys that widen by their error (--tq-key-output-error or --tq-key-error) also take K4.5 and K5.5: "
+                        "the quarter of "
                         "the channels with the most energy one bit wider, in groups rotated on their own "
                         f"(default {d.key_half_steps})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",

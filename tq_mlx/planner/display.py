@@ -60,18 +60,19 @@ def planned_text(saving: Saving, ctx: int, dtype: str | None = None) -> str:
 
 def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: int) -> str | None:
     """One line saying how config.fit_max_kv_size fitted a config to --max-kv-size (None if it did not change
-    it): "--max-kv-size 256 is below sinks + window + compress block - 1 = 899 tokens (the float sinks and window
-    are never dropped): keeping 4 sinks, a 217-token window and compress blocks of 36"."""
+    it): "--max-kv-size 256 is below sinks + calibration tokens + compress block - 1 = 899 tokens (the float sinks
+    and window are never dropped, nor anything before the first compression): keeping 4 sinks, a window of 85
+    tokens and compress blocks of 84"."""
     if fitted == config:
         return None
-    least = config.bound_floor
+    floor = (f"--max-kv-size {max_kv_size:,} is below sinks + "
+             f"{'calibration tokens' if config.first_window > config.window else 'window'} + compress block - 1 = "
+             f"{config.bound_floor:,} tokens")
     if fitted.window == config.window:  # only the calibration tokens were lowered
-        return (f"--max-kv-size {max_kv_size:,} is below sinks + calibration tokens + compress block - 1 = {least:,} "
-                f"tokens (nothing is compressed before the calibration tokens came): calibrating on "
-                f"{fitted.first_window:,} tokens")
-    return (f"--max-kv-size {max_kv_size:,} is below sinks + window + compress block - 1 = {least:,} tokens (the "
-            f"float sinks and window are never dropped): keeping {fitted.sinks} sinks, a {fitted.window}-token "
-            f"window and compress blocks of {fitted.compress_block_size}")
+        return f"{floor} (nothing is compressed before the calibration tokens came): calibrating on {fitted.first_window:,} tokens"
+    why = "" if config.first_window == config.window else ", nor anything before the first compression"
+    return (f"{floor} (the float sinks and window are never dropped{why}): keeping {fitted.sinks} sinks, a window "
+            f"of {fitted.window} tokens and compress blocks of {fitted.compress_block_size}")
 
 
 def window_text(s: dict) -> str | None:
@@ -191,7 +192,8 @@ def boundary_sides_note(config: TurboQuantConfig) -> str:
 
 
 def describe_config(config: TurboQuantConfig | None) -> str:
-    """One line: "TurboQuant K4/V3, window 128, sinks 4" (or mlx-lm's cache)."""
+    """One line: "TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys K3 to K6 by their output
+    error (at most 0.028)" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
     parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",

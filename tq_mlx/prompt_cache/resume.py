@@ -9,8 +9,8 @@ trim point gives what a fresh prefill would hold. A TurboQuantKVCache is not tha
   fed, compresses other tokens than a fresh prefill (more of them, in blocks that start elsewhere);
 * decayed tokens stay decayed after a trim, so a cache that decayed more tokens than a fresh prefill of the new
   prompt would cannot be trimmed to anything the fresh prefill holds but below its decayed codes;
-* its calibration (mean, scale, query weights, key widths) comes from the first `window` tokens after the sinks
-  and their queries: kept through a trim only while codes remain, and only right if the new prompt shares those
+* its calibration (mean, scale, query weights, key widths) comes from the first window's tokens after the sinks
+  (config.first_window) and their queries: kept through a trim only while codes remain, and only right if the new prompt shares those
   tokens; a stream still summing queries (or choosing its values' bits) forgets what a trim cuts.
 
 `resume_point` finds the longest prefix that avoids all three, from the token counts alone (`cache_counts`, which a

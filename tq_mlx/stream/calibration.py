@@ -1,8 +1,8 @@
 """A stream's calibration: the mean, scale, channel order and query weights its first compressed tokens fix, and
 the queries summed for those weights until then (QuerySums).
 
-Every stream fixes, with its first compression, from the calibration tokens (the first `window` tokens after the
-sinks): μ per (batch, kv head) if centered (calibration_mean; μ0 before RoPE with a rope), a power-of-two scale
+Every stream fixes, with its first compression, from the calibration tokens (the first window's tokens after the
+sinks: calibration_tokens, or window if larger): μ per (batch, kv head) if centered (calibration_mean; μ0 before RoPE with a rope), a power-of-two scale
 per (batch, kv head) (calibration_scale), for fractional bit widths the channel order whose first d/4 channels get
 the extra bit (outlier_order), and with query weights the weights w (query_weights). Keys of a layer whose
 queries read along a large key offset may protect themselves (needs_protection, bias_outlier_factor), and with a
