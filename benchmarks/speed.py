@@ -31,7 +31,7 @@ import mlx.nn as nn  # noqa: E402
 import caches  # noqa: E402  (settings, cache construction, the peer hook)
 from caches import FLOAT, MLX4, MLX8, PEER4, Setting  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
-from tq_mlx.config import PRESETS, WIDEST_KEY_BITS, bits_label  # noqa: E402
+from tq_mlx.config import NARROWEST_KEY_BITS, PRESETS, WIDEST_KEY_BITS, bits_label  # noqa: E402
 
 CONTEXTS = (1024, 4096, 8192)
 QUICK_CONTEXTS = (256, 1024)
@@ -40,14 +40,17 @@ PREFILL_STEP = 2048
 
 
 def preset(name: str) -> Setting:
-    """A named setting as the commands' --tq-preset builds it: "TQ default (K4/V4 → K3/V2 after 6144)"."""
+    """A named setting as the commands' --tq-preset builds it: "TQ default (K4/V4, window 128, keys K3 to K6 by their
+    output error)", "TQ compact (K4/V3 → K2/V2 after 4096)"."""
     cfg = TurboQuantConfig.preset(name)
     what = bits_label(cfg.key_bits, cfg.value_bits, cfg.qjl)
     if cfg.decay_after is not None:
         what += f" → {bits_label(*cfg.decayed_bits)} after {cfg.decay_after}"
     else:
         what += f", window {cfg.window}"
-    if cfg.key_error is not None:
+    if cfg.key_output_error is not None:
+        what += f", keys K{NARROWEST_KEY_BITS} to K{WIDEST_KEY_BITS} by their output error"
+    elif cfg.key_error is not None:
         what += f", keys up to K{WIDEST_KEY_BITS} by their error"
     return Setting(f"TQ {name} ({what})", "tq", config=cfg)
 
