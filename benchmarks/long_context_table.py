@@ -71,7 +71,7 @@ def model_table(m: dict) -> tuple[list[str], list[list[str]]]:
             else:
                 kl = max(x["kl"], 0.0)  # float rounding can make an exact match a hair negative
                 kls.append(f"{kl:.4f}" if kl < 0.1 else f"{kl:.3f}")
-                dps.append(common.fmt(x.get("ppl_delta_pct"), 1, "%"))
+                dps.append(common.fmt(x.get("ppl_delta_pct"), 2, "%"))  # the target is 1%: +1.01 must not read 1.0
         if "error" in r and not r["texts"]:
             kls = [r["error"][:50]] + ["–"] * (len(kls) - 1)
         rows.append(line + kls + dps)

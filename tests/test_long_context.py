@@ -172,7 +172,7 @@ def test_long_context_table_at_32k_gives_the_bits_once() -> None:
          "rows": [row("float (mlx-lm KVCache)", "float", 0.0), row("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", 0.1)]}
     headers, rows = lc_table.model_table(m)
     assert headers == ["cache", "bits/val @32k", "KL Brit 32k", "ΔPPL Brit 32k"], headers
-    assert rows[1] == ["mlx-lm affine 4-bit g64 (QuantizedKVCache)", "4.50", "0.100", "1.0%"], rows
+    assert rows[1] == ["mlx-lm affine 4-bit g64 (QuantizedKVCache)", "4.50", "0.100", "1.00%"], rows
     m["contexts"] = [16384, 32768]  # one row measured to 16k only: bits at 16k, and at 32k beside them
     for r in m["rows"]:
         r["bits"]["16384"] = 5.0

@@ -362,8 +362,8 @@ def _quality() -> tuple[tuple, tuple]:
     qb = float(bits("qwen05", "QUALITY"))
     values = (g["kv_heads"], g["head_dim"],
               _kl_range(cells("qwen05", "DEFAULT", (mid,))), _ctx(mid),
-              _kl_range(cells("qwen05", "DEFAULT", (short,))), _ctx(short), f"{abs(dppl):.1f}",
-              _kl_range(cells("qwen15", "DEFAULT", (l15,))), _ctx(l15), f"{abs(d15):.1f}", _ctx(short),
+              _kl_range(cells("qwen05", "DEFAULT", (short,))), _ctx(short), f"{abs(dppl):.2f}",
+              _kl_range(cells("qwen15", "DEFAULT", (l15,))), _ctx(l15), f"{abs(d15):.2f}", _ctx(short),
               _kl_range(cells("smollm2", "DEFAULT", (short,))), _ctx(short),
               bits("qwen05", "DEFAULT"), bits("qwen15", "DEFAULT"), _ctx(lc_settings.LONG),
               lc_settings.DECAY_V2_DATE, f"K{_bits(prev.key_bits)}", f"V{_bits(prev.decay_value_bits)}",
