@@ -8,14 +8,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .quant.quantizer import PROD_BITS, check_bits, format_bits
+from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS, check_bits, format_bits
 
 
 # Tokens compressed at a time by default: small blocks keep the window near full (between window - 127 and
 # window tokens), and blocks of 64 measured worse than 128 (experiments/HISTORY.md).
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
-NORM_STEPS = (32, 16)  # steps an octave of the 8-bit norms' log code: fine (int8) or coarse (uint8, before 2026-12-06)
+NORM_STEPS = tuple(LOG_NORM_DTYPES)  # steps an octave of the 8-bit norms' log code: 32 fine (int8) or 16 coarse (uint8)
 BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 AUTO = "auto"
@@ -513,8 +513,8 @@ def fit_max_kv_size(config: TurboQuantConfig, max_kv_size: int | None) -> TurboQ
     takes any size): `config` itself when the bound holds its float sinks, first window and a compress block less a
     token (bound_floor: the float parts are never dropped, nor anything before the first compression,
     check_max_size); else the config with the window and the compress block shrunk in their proportion until the
-    bound holds the sinks, the window and two blocks less a token, so that compressed tokens always remain next to the window (a bound that
-    holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
+    bound holds the sinks, the window and two blocks less a token, so that compressed tokens always remain next to
+    the window (a bound that holds one block at most would drop every compressed token as soon as it is made); tiny bounds keep blocks of 1
     (below the sinks: as many sinks as the bound, no window). Calibration tokens the bound cannot hold come down to
     what it holds first (all of them: None when the window shrinks). The library's make_prompt_cache keeps an explicit
     config as given and refuses a bound below it; derive_config(max_kv_size=...) fits."""

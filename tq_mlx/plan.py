@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .config import DECAY_FLOOR, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig
 from .layout import stream_bytes, widened_decay
-from .quant.quantizer import PROD_BITS
+from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS
 
 
 class Protect(NamedTuple):
@@ -112,9 +112,7 @@ class StreamPlan:
     def norm_dtype(self) -> mx.Dtype:
         """How stored norms are kept (quantizer.NORM_DTYPES): float16, or at norm_bits 8 the int8 fine log code
         (norm_steps 32) or the uint8 coarse one (16)."""
-        if self.norm_bits == 16:
-            return mx.float16
-        return mx.int8 if self.norm_steps == 32 else mx.uint8
+        return mx.float16 if self.norm_bits == 16 else LOG_NORM_DTYPES[self.norm_steps]
 
 
 @dataclass(frozen=True)

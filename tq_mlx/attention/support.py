@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .reference import keys_are_values
-from ..quant.quantizer import FLOAT_DTYPES, MSECodes, TurboQuantMSE, TurboQuantProd
+from ..quant.quantizer import FLOAT_DTYPES, LOG_NORM_DTYPES, MSECodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
 from ..stream.view import StreamView
 from .launch import (KERNEL_BITS, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SUPPORTED_DIMS, _mse, _mx_dtype, _rope_pairs,
@@ -28,7 +28,7 @@ def _mse_unsupported(q: TurboQuantMSE) -> str | None:
     for g in q.groups:
         if g.bits not in KERNEL_BITS:
             return f"bits {g.bits}"
-    if q.norm_dtype not in (mx.float16, mx.uint8, mx.int8):
+    if q.norm_dtype not in (mx.float16, *LOG_NORM_DTYPES.values()):
         return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their one-byte log codes"
     if not MIN_DIM <= q.dim <= MAX_DIM:
         return f"head dim {q.dim}: the kernels take head dims {MIN_DIM}..{MAX_DIM}"

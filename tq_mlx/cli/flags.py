@@ -207,9 +207,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "earlier tokens past the window as codes): one attention call per chunk, logits that "
                         "depend on the prefill chunk")
     g.add_argument("--tq-key-half-steps", dest="tq_key_half_steps", action="store_true",
-                   help="keys that widen by their error (--tq-key-output-error or --tq-key-error) also take K4.5 and K5.5: "
-                        "the quarter of "
-                        "the channels with the most energy one bit wider, in groups rotated on their own "
+                   help="keys that widen by their error (--tq-key-output-error or --tq-key-error) also take K4.5 and "
+                        "K5.5: the quarter of the channels with the most energy one bit wider, in groups rotated "
+                        "on their own "
                         f"(default {d.key_half_steps})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "

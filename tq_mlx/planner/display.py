@@ -65,12 +65,12 @@ def bound_text(config: TurboQuantConfig, fitted: TurboQuantConfig, max_kv_size: 
     tokens and compress blocks of 84"."""
     if fitted == config:
         return None
-    floor = (f"--max-kv-size {max_kv_size:,} is below sinks + "
-             f"{'calibration tokens' if config.first_window > config.window else 'window'} + compress block - 1 = "
-             f"{config.bound_floor:,} tokens")
+    calibrates = config.first_window > config.window  # the floor counts the calibration tokens, not the window
+    floor = (f"--max-kv-size {max_kv_size:,} is below sinks + {'calibration tokens' if calibrates else 'window'} + "
+             f"compress block - 1 = {config.bound_floor:,} tokens")
     if fitted.window == config.window:  # only the calibration tokens were lowered
         return f"{floor} (nothing is compressed before the calibration tokens came): calibrating on {fitted.first_window:,} tokens"
-    why = "" if config.first_window == config.window else ", nor anything before the first compression"
+    why = ", nor anything before the first compression" if calibrates else ""
     return (f"{floor} (the float sinks and window are never dropped{why}): keeping {fitted.sinks} sinks, a window "
             f"of {fitted.window} tokens and compress blocks of {fitted.compress_block_size}")
 

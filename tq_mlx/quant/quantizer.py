@@ -55,9 +55,10 @@ FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # share of the squared error (1.6e-4·|x|² coarse, 6% of 5-bit codes' own): on the logits of the queries that
 # read a key most, the coarse code's error was as large as 5-bit codes' (experiments/HISTORY.md, 2026-12-06).
 # Kernels decode both with tq_norm (common.metal).
-NORM_DTYPES = (*FLOAT_DTYPES, mx.uint8, mx.int8)
 LOG_NORM_STEPS = 16  # the coarse uint8 code's steps per octave
 FINE_NORM_STEPS, FINE_NORM_CENTER = 32, 0.5  # the fine int8 code's steps per octave and the log2 norm of code 0
+LOG_NORM_DTYPES = {FINE_NORM_STEPS: mx.int8, LOG_NORM_STEPS: mx.uint8}  # each log code's dtype by its steps an octave
+NORM_DTYPES = (*FLOAT_DTYPES, *LOG_NORM_DTYPES.values())
 _SIGN_TABLE = lookup_table([-1.0, 1.0], 1)  # QJL sign bits -> ±1, shared by every TurboQuantProd
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..layout import WIDE_BITS  # 6 and 8 bits (protected keys, boundary layers, K8): codes that want exact norms
-from ..quant.quantizer import FLOAT_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
+from ..quant.quantizer import FLOAT_DTYPES, LOG_NORM_DTYPES, MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..models.rope import Rope
 
 
@@ -25,7 +25,7 @@ def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.D
     """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise; norms stored as
     float16 or (norm_bits 8) a one-byte log code (quantizer.NORM_DTYPES), corrected or not (correct_norms). Codes of
     WIDE_BITS or more keep float16 norms: the coarse log code's error (RMS 1.25%) is three times 8-bit codes' own."""
-    if bits >= WIDE_BITS and norm_dtype in (mx.uint8, mx.int8):
+    if bits >= WIDE_BITS and norm_dtype in LOG_NORM_DTYPES.values():
         norm_dtype = mx.float16
     if qjl:
         return TurboQuantProd(dim, int(bits), seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms)
