@@ -38,7 +38,9 @@ DEFAULTS_1205 = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_ke
 DEFAULTS_1206 = dict(DEFAULTS_1205, value_bits=3, decay_after=None, decay_key_bits=None, correct_norms=True)
 # the default until DEFAULT_1206B_DATE: V4 values, keys K3-K6 by their output error, 8-bit norms in the coarse code
 DEFAULTS_1206B = dict(DEFAULTS_1206, value_bits=4, key_error=None, key_output_error=0.028)
-DEFAULTS = dict(DEFAULTS_1206B, norm_steps=32)
+# the default until DEFAULT_1206C_DATE: ... with the norms' fine code
+DEFAULTS_1206C = dict(DEFAULTS_1206B, norm_steps=32)
+DEFAULTS = dict(DEFAULTS_1206C, key_output_error=0.024)
 UNTIL = "the default until 2026-11-26"  # K4/V3, window 768: the default before it decayed
 
 
@@ -218,6 +220,10 @@ def _without_bits(fields: dict) -> dict:
 
 
 DEFAULT = tq(DEFAULTS["key_bits"], DEFAULTS["value_bits"], "the default", **_without_bits(DEFAULTS))
+# the default before its keys' output error target fell to 0.024
+DEFAULT_1206C_DATE = "2026-12-06, third"
+DEFAULT_1206C = tq(DEFAULTS_1206C["key_bits"], DEFAULTS_1206C["value_bits"], f"the default until {DEFAULT_1206C_DATE}",
+                   **_without_bits(DEFAULTS_1206C))
 # the default before its 8-bit norms took the fine code (32 steps an octave)
 DEFAULT_1206B_DATE = "2026-12-06, later"
 DEFAULT_1206B = tq(DEFAULTS_1206B["key_bits"], DEFAULTS_1206B["value_bits"], f"the default until {DEFAULT_1206B_DATE}",
@@ -277,15 +283,15 @@ K2V1_W2240 = tq(2, 1, window=2240, compress_block=64)
 K2V2_W1408_N8 = tq(2, 2, window=1408, compress_block=64, norm_bits=8)
 K2V1_W2496_N8 = tq(2, 1, window=2496, compress_block=64, norm_bits=8)
 PRESET_ROWS = (DEFAULT, COMPACT, QUALITY)  # a spelled-out setting equal to one of these is that row
-EARLIER_PRESETS = (DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, COMPACT_1203, QUALITY_1203)  # ... or one of these, named by its date
+EARLIER_PRESETS = (DEFAULT_1206C, DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, COMPACT_1203, QUALITY_1203)  # ... or one of these, named by its date
 # each preset's row before prefill was read as decode, by module attribute: the same bits, not yet measured on
 # every cell since (the README's prose takes such a cell from it and says so)
 BEFORE_PREFILL = {"DEFAULT_1204": "DEFAULT_1203", "COMPACT": "COMPACT_1203", "QUALITY": "QUALITY_1203"}
 PRESET_NAMES = {p.name for p in PRESET_ROWS}
 PRESET_TAGS = ("the default", "compact", "quality")
-# the README's headline: the default, the defaults before it (but the one of 2026-12-04: docs/benchmarks.md), compact,
-# quality
-HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_1206B.name, DEFAULT_1206.name, DEFAULT_1205.name, DEFAULT_1203.name, DECAY_V2.name,
+# the README's headline: the default, the defaults before it (but those of 2026-12-04 and 2026-12-06, later:
+# docs/benchmarks.md), compact, quality
+HEADLINE_PRESETS = [DEFAULT.name, DEFAULT_1206C.name, DEFAULT_1206.name, DEFAULT_1205.name, DEFAULT_1203.name, DECAY_V2.name,
                     COMPACT.name, COMPACT_1203.name, QUALITY.name, QUALITY_1203.name]
 ROT4 = rot(4, 768)  # the window the default had when rot4 was first measured: its rows say so
 ROT4_128 = rot(4, 128)
@@ -296,11 +302,11 @@ MLX4 = Setting("mlx-lm affine 4-bit g64 (QuantizedKVCache)", "mlx", bits=4)
 MLX8 = Setting("mlx-lm affine 8-bit g64 (QuantizedKVCache)", "mlx", bits=8)
 
 # Most important first.
-ALL = [FLOAT, DEFAULT, DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
+ALL = [FLOAT, DEFAULT, DEFAULT_1206C, DEFAULT_1206B, DEFAULT_1206, DEFAULT_1205, DEFAULT_1204, DEFAULT_1203, DECAY_V2, DEFAULT_ROPE, K4V3, DEFAULT_MEAN, COMPACT, QUALITY, PREVIOUS, ROT4, K4V4, K4V2, K3V3, K25V2, NO_PROTECT, ROT4_128, K2V2, K4V1, K3V1, K2V2_1024,
        K3V3_N8, K4V4_N8, K3V2_W1824, K2V1_W2240, K2V2_W1408_N8, K2V1_W2496_N8, K8V8, BOUND, MLX4, MLX8, PEER4, TQFULL8V3]
 FIRST = 15  # ALL[:FIRST] on every text before the rest on any
 QUICK = [FLOAT, DEFAULT, PREVIOUS, ROT4, MLX4]
-BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1206b": DEFAULT_1206B, "default-1206": DEFAULT_1206, "default-1205": DEFAULT_1205, "default-1204": DEFAULT_1204, "default-1203": DEFAULT_1203, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "compact-1203": COMPACT_1203, "quality": QUALITY, "quality-1203": QUALITY_1203, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
+BY_KEY = {"float": FLOAT, "default": DEFAULT, "default-1206c": DEFAULT_1206C, "default-1206b": DEFAULT_1206B, "default-1206": DEFAULT_1206, "default-1205": DEFAULT_1205, "default-1204": DEFAULT_1204, "default-1203": DEFAULT_1203, "default-1127": DECAY_V2, "k4v3": K4V3, "default-rope": DEFAULT_ROPE, "default-mean": DEFAULT_MEAN, "compact": COMPACT, "compact-1203": COMPACT_1203, "quality": QUALITY, "quality-1203": QUALITY_1203, "previous": PREVIOUS, "noprotect": NO_PROTECT, "k4v4": K4V4,
           "k4v2": K4V2, "k3v3": K3V3, "k2.5v2": K25V2, "k2v2": K2V2, "k4v1": K4V1, "k3v1": K3V1, "k3v3n8": K3V3_N8, "k4v4n8": K4V4_N8, "k3v2w1824": K3V2_W1824,
           "k2v1w2240": K2V1_W2240, "k2v2w1408n8": K2V2_W1408_N8, "k2v1w2496n8": K2V1_W2496_N8,
           "k2v2w1024": K2V2_1024, "rot4": ROT4, "rot4w128": ROT4_128, "k8v8": K8V8,

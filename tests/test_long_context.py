@@ -53,12 +53,15 @@ def test_long_context_rows_measured_with_values_centered_say_so() -> None:
     assert lc.canonical_name(v3) == lc.DEFAULT_1206.name and lc.parse_setting("k4v3w128b128n8rqe0.1ncpdc768") is lc.DEFAULT_1206
     assert lc.parse_setting("default-1206") is lc.DEFAULT_1206 and lc.DEFAULT_1206.name.endswith("the default until 2026-12-06)")
     # ... and since 2026-12-06 its values are V4 and its keys take K3-K6 by their output error, its 8-bit norms in
-    # the coarse code until later that day, then the fine one: today's
+    # the coarse code until later that day, then the fine one; then the keys' target fell to 0.024: today's
     coarse = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768").config.to_dict()}
     assert lc.canonical_name(coarse) == lc.DEFAULT_1206B.name and lc.parse_setting("k4v4w128b128n8rqo0.028ncpdc768") is lc.DEFAULT_1206B
     assert lc.parse_setting("default-1206b") is lc.DEFAULT_1206B and lc.DEFAULT_1206B.name.endswith("the default until 2026-12-06, later)")
-    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768").config.to_dict()}
-    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768") is lc.DEFAULT
+    fine = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768").config.to_dict()}
+    assert lc.canonical_name(fine) == lc.DEFAULT_1206C.name and lc.parse_setting("k4v4w128b128n8frqo0.028ncpdc768") is lc.DEFAULT_1206C
+    assert lc.parse_setting("default-1206c") is lc.DEFAULT_1206C and lc.DEFAULT_1206C.name.endswith("the default until 2026-12-06, third)")
+    today = {"setting": "x", "kind": "tq", "config": lc.parse_setting("k4v4w128b128n8frqo0.024ncpdc768").config.to_dict()}
+    assert lc.canonical_name(today) == lc.DEFAULT.name and lc.parse_setting("k4v4w128b128n8frqo0.024ncpdc768") is lc.DEFAULT
     # a row stored before configs named norm_steps was measured with the coarse code
     older = dict(coarse, config={k: v for k, v in coarse["config"].items() if k != "norm_steps"})
     assert lc.canonical_name(older) == lc.DEFAULT_1206B.name

@@ -193,7 +193,7 @@ def boundary_sides_note(config: TurboQuantConfig) -> str:
 
 def describe_config(config: TurboQuantConfig | None) -> str:
     """One line: "TurboQuant K4/V4, window 128, sinks 4, calibrating on 768 tokens, keys K3 to K6 by their output
-    error (at most 0.028)" (or mlx-lm's cache)."""
+    error (at most 0.024)" (or mlx-lm's cache)."""
     if config is None:
         return "mlx-lm cache"
     parts = [f"TurboQuant {bits_label(config.key_bits, config.value_bits, config.qjl)}",
