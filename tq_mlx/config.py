@@ -37,7 +37,7 @@ KEY_ERROR_BITS = 4
 # Keys by their output error (TurboQuantConfig.key_output_error) when neither target is given: with V4 values it
 # gives both Qwen2.5-Coder models lower KL than K4-K6 keys by KEY_ERROR beside V3 values, for fewer bytes
 # (benchmarks/DEFAULTS.md); keys at a width a user sets keep it, as with KEY_ERROR. Tighter than the coarse norm
-# code's target: with the fine code's smaller norm error that one let layers that need K6 narrow at 16k.
+# code's target: with the fine code's smaller norm error that one took narrower keys than 16k contexts hold.
 KEY_OUTPUT_ERROR = 0.024
 
 
