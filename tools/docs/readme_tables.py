@@ -332,8 +332,8 @@ def longest_table(res: dict, full: str) -> str:
                      "last 512 tokens of each context, bits per value at 32k with the float window and sinks in float16, "
                      "as a Mac holds them († with the layers whose keys protected "
                      f"themselves or took more bits). The target is KL {TARGET_KL:g}: [{full}#quality-at-long-context]({full}#quality-at-long-context)."
-                     + (" Novel and Manual are set aside: the defaults were chosen on Brit, Hamlet, KJV and Code (the "
-                        "default until 2026-12-06 was also checked on Novel at 16k before it was chosen)." if any(f" {lc_table.TEXT_LABEL[t]} " in headers[i]
+                     + (" Novel and Manual are set aside: the defaults were chosen on Brit, Hamlet, KJV and Code "
+                        f"({lc_table.SET_ASIDE_USE})." if any(f" {lc_table.TEXT_LABEL[t]} " in headers[i]
                                                               for t in lc_table.SET_ASIDE for i in cols) else ""))
     return "\n\n".join(parts)
 
