@@ -309,6 +309,8 @@ def merge(paths: list[str], out: str | None) -> None:
                     continue
                 for c, b in x["bits"].items():
                     rows[x["setting"]]["bits"].setdefault(c, b)
+                for c, b in (x.get("bits_measured_peer") or {}).items():  # a peer's bytes, where no plan prices them
+                    rows[x["setting"]].setdefault("bits_measured_peer", {}).setdefault(c, b)
                 for text, cell in x["texts"].items():
                     old = rows[x["setting"]]["texts"].get(text)
                     if old is None or ("error" in old and "error" not in cell):

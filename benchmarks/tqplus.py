@@ -5,8 +5,10 @@ cache.
 
 The fork's llama-perplexity scores the second half of each chunk; benchmarks/peers/tqplus-scored-tokens.patch adds
 LLAMA_PPL_SCORED=K (score the last K predictions of a chunk), so one chunk of C + 1 tokens scores exactly the
-tokens long_context.py scores at context C. The script checks that: the base run's logits file holds the tokens it
-fed, and they must equal long_context.py's tokens of that text, or nothing is measured.
+tokens long_context.py scores at context C, and sizes the base run's buffer to the scored rows (the fork sizes it to
+the whole chunk with an int product, which overflows at 16k tokens with a 152k vocabulary). The script checks that:
+the base run's logits file holds the tokens it fed, and they must equal long_context.py's tokens of that text, or
+nothing is measured.
 
 Build (once; ~20 min on two cores, see ../shared/docs/turboquant-plus.md for the flags):
 
@@ -179,16 +181,20 @@ def report(results: dict) -> tuple[list[str], list[list[str]], list[str]]:
         for s, c in cells.items():
             when = c.get("measured", {}).get("date", "an unrecorded date")
             runs.setdefault(when, []).append(f"{int(ctx) // 1024}k {s}")
-    bases = sorted({f"{c['ppl_base']:.4f}" for cells in results["cells"].values() for c in cells.values()
-                    if "ppl_base" in c})
     # cells run with other thread counts compare only if the f16 base they were scored against is the same
-    base_note = (f"the f16 base's perplexity is {bases[0]} in every cell" if len(bases) == 1
-                 else f"the f16 base's perplexity differs between cells ({', '.join(bases)})")
+    per_ctx = []
+    for ctx, cells in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
+        bases = sorted({f"{c['ppl_base']:.4f}" for c in cells.values() if "ppl_base" in c})
+        if bases:
+            per_ctx.append(f"{bases[0]} in every {int(ctx) // 1024}k cell" if len(bases) == 1
+                           else f"{', '.join(bases)} at {int(ctx) // 1024}k, differing between its cells")
+    base_note = "the f16 base's perplexity is " + " and ".join(per_ctx)
     notes = [
         "Measured (each cell's date, our commit and the command are in tqplus.json; the header is the last run's): "
         + "; ".join(f"{', '.join(cells)} on {when}" for when, cells in sorted(runs.items())) + ".",
         f"TurboQuant+ at {fork['repository']} @ {str(fork['commit'])[:9]} with "
-        "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored, nothing else), "
+        "benchmarks/peers/tqplus-scored-tokens.patch (which tokens are scored and the base run's buffer sized to "
+        "them, nothing else), "
         f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, flash attention on, the threads each cell's command sets "
         f"({base_note}); "
         "the GGUF our float32 Qwen2.5-Coder-1.5B is converted from; Britannica, the last 512 predictions of each "

@@ -251,6 +251,31 @@ def test_long_context_merge_joins_a_longer_run(long_context: dict, tmp_path: Pat
         assert len(again["meta"]["runs"]) == 1  # the two runs' meta are one run's (a copy): counted once
 
 
+def test_long_context_merge_keeps_each_runs_peer_bytes(long_context: dict, tmp_path: Path) -> None:
+    # mlx-vlm's cache has no plan to price it: its bits are the bytes each run held, per context. A second run at
+    # a longer context adds its own beside the first run's, or the pictures and tables lose its point there.
+    sys.path.insert(0, str(BENCH))
+    import long_context_table as lc_table
+
+    paths = []
+    for ctx, bits in (("1024", 5.1), ("2048", 5.2)):
+        run = json.loads(json.dumps(long_context))
+        m = run["models"]["smollm2"]
+        floats = next(r for r in m["rows"] if r["kind"] == "float")
+        name = "peer: mlx-vlm TurboQuant 4-bit"
+        peer = {"setting": name, "name": name, "kind": "peer", "bits": {ctx: None}, "bits_32k": None,
+                "bits_measured_peer": {ctx: bits},
+                "texts": {t: {ctx: dict(c["1024"], kl=0.5, bits_real=bits)} for t, c in floats["texts"].items()}}
+        m["rows"] = [r for r in m["rows"] if r["kind"] != "peer"] + [peer]
+        paths.append(tmp_path / f"run{ctx}.json")
+        paths[-1].write_text(json.dumps(run))
+    lc_table.merge([str(x) for x in paths], str(tmp_path / "merged"))
+    merged = json.loads((tmp_path / "merged" / "long_context.json").read_text())["models"]["smollm2"]
+    row = next(r for r in merged["rows"] if r["kind"] == "peer")
+    assert row["bits_measured_peer"] == {"1024": 5.1, "2048": 5.2}
+    assert all(set(cell) == {"1024", "2048"} for cell in row["texts"].values())
+
+
 def test_speed_quick(speed: dict) -> None:
     _meta_ok(speed["meta"])
     (model,) = speed["models"]

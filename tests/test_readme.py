@@ -250,7 +250,7 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(TOOLS / "plots.py"), "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("kl_vs_bits.png", "peers_vs_bits.png", "memory_vs_context.png"):
+    for name in ("kl_vs_bits.png", "peers_vs_bits.png", "peers_vs_bits_16k.png", "memory_vs_context.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
         assert (REPO / "docs" / name).exists(), f"docs/{name}: run python tools/docs/plots.py"
@@ -277,6 +277,15 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     assert fork == {(f"TurboQuant+ {s} (K/V)", c["bits"], c["kl"]) for s, c in cells.items() if "kl" in c} != set()
     assert all(set(p["kl"]) == {plots.PEERS_TEXT} for p in peers)
     assert lc_settings.DEFAULT.name in {p["name"] for p in peers}
+    # at 16k: the peers measured there, and the footnote names each peer of the 8k picture that is not
+    at16 = plots.figure_data("peers_vs_bits_16k", inputs)
+    peer_names = lambda pts: {p["name"] for p in pts if p["family"] in plots.PEER_FAMILIES}  # noqa: E731
+    missing = peer_names(peers) - peer_names(at16["points"])
+    assert all(set(p["kl"]) == {plots.PEERS_TEXT} for p in at16["points"])
+    assert all(name in at16["footnote"] for name in missing)
+    assert ("every peer" in at16["title"]) == (not missing) == ("Not measured at 16k" not in at16["footnote"])
+    drawn16 = {p["name"] for p in plots.kl_points(lc, plots.PEERS_MODEL, 16384, (plots.PEERS_TEXT,))}
+    assert drawn16 <= {p["name"] for p in at16["points"]} and lc_settings.DEFAULT.name in drawn16
     # each peer in its own colour and legend entry: mlx-vlm's rows carry no "peer" field, turboquant-mlx-full's do
     vlm, full = {"kind": "peer", "name": "peer: mlx-vlm TurboQuant 4-bit"}, {"kind": "peer", "peer": "turboquant-mlx-full"}
     assert plots.STYLE[plots._family(vlm)][2] == "peer: mlx-vlm TurboQuant"

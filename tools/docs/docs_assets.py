@@ -5,7 +5,7 @@
     python tools/docs/docs_assets.py --only examples  # one part: tables, pictures, examples, screenshot
 
 tables      README's headline tables, docs/benchmarks.md's tables: tools/docs/readme_tables.py (--write / --check)
-pictures    docs/kl_vs_bits.png, docs/peers_vs_bits.png, docs/memory_vs_context.png and their JSON sidecars: tools/docs/plots.py; --check
+pictures    docs/kl_vs_bits.png, docs/peers_vs_bits[_16k].png, docs/memory_vs_context.png and their JSON sidecars: tools/docs/plots.py; --check
             compares the data drawn (points, curves, labels) and the PNG's sha256 with the sidecar, never pixels
 examples    the command outputs shown in docs/, between `<!-- generated-example:NAME:start/end -->` markers: the
             commands run again (tq-chat --plan, tq-generate on the demo model, the distortion table from its JSON);

@@ -1,6 +1,6 @@
 """The pictures in README.md and docs/, drawn from the benchmarks' JSON (matplotlib: `pip install ".[plot]"`).
 
-    python tools/docs/plots.py                 # writes docs/kl_vs_bits.png, peers_vs_bits.png, memory_vs_context.png
+    python tools/docs/plots.py                 # writes docs/kl_vs_bits.png, peers_vs_bits[_16k].png, memory_vs_context.png
     python tools/docs/plots.py --out /tmp/p    # somewhere else
     python tools/docs/plots.py --check         # exit 1 if docs/'s pictures are stale (needs no matplotlib)
 
@@ -15,7 +15,8 @@ numbers as the long-context table (bits/val @8k, with the layers whose keys prot
 
 peers_vs_bits.png: the same on Qwen2.5-Coder-1.5B, Britannica, at the context where every peer is measured:
 long_context.json's rows (ours, mlx-lm's, mlx-vlm's) and TurboQuant+'s cells of benchmarks/results/tqplus.json,
-the same scored tokens (the fork's KL against its own f16 cache).
+the same scored tokens (the fork's KL against its own f16 cache). peers_vs_bits_16k.png: the same at 16k, with the
+peers measured there; its footnote names those of the 8k picture that are not.
 
 memory_vs_context.png: KV bytes against context for USER_MODELS (from benchmarks/configs/*.json), in float16, in
 mlx-lm's affine 8-bit and 4-bit QuantizedKVCache and with TurboQuant's defaults: tq_mlx.planner.memory.estimate_kv_bytes,
@@ -40,8 +41,11 @@ import common  # noqa: E402
 DOCS = common.REPO / "docs"
 KL_CONTEXT = 8192
 # tqplus.py's cells: one model, one text; the context where every peer has a cell (the fork's turbo cells take
-# hours at 16k on this CPU)
+# hours at 16k on this CPU), and each peers picture's context
 PEERS_MODEL, PEERS_TEXT, PEERS_CONTEXT = "qwen15", "britannica", 8192
+PEERS_FIGURES = {"peers_vs_bits": PEERS_CONTEXT, "peers_vs_bits_16k": 16384}
+# the families that are peers rather than this project's settings
+PEER_FAMILIES = ("mlx-lm affine", "peer", "turboquant-mlx-full", "TurboQuant+")
 # The models people asked about (benchmarks/configs has more): the memory picture and the README's headline table.
 USER_MODELS = ["Llama-3.1-70B", "Llama-3.1-8B", "Qwen2.5-14B", "Qwen3-Coder-Next", "Qwen3.5-27B", "Qwen3.5-35B-A3B"]
 MEMORY_CONTEXTS = [1024 * k for k in range(1, 257)]  # 1k .. 256k, every 1k
@@ -136,8 +140,10 @@ def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT, texts: tu
     import long_context_table as lc_table
 
     pts = kl_points(lc, model, ctx, texts)
+    missing = []
     if tq is not None:
         pts = sorted(pts + tqplus_points(tq, ctx), key=lambda p: (p["bits"], p["name"]))
+        missing = unmeasured_peers(lc, tq, model, texts, ctx, pts)
     m = lc["models"][model]
     at = lc_table.ctx_label(ctx)
     shown = [t for t in TEXT_MARKER if any(t in p["kl"] for p in pts)]
@@ -145,8 +151,11 @@ def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT, texts: tu
     if tq is not None:
         foot += (f" and tqplus.json ({tq['meta']['date'][:10]}), {PEERS_TEXT.capitalize()} only, the same scored "
                  "tokens: TurboQuant+'s KL against its own f16 cache, the others' against the float cache")
+    if missing:
+        foot += f". Not measured at {at} (each is in the {lc_table.ctx_label(PEERS_CONTEXT)} picture): " + "; ".join(missing)
+    peers = "" if tq is None else ", every peer" if not missing else ", peers measured"
     return {
-        "title": f"{m['model']}: quality against size at {at} tokens" + (", every peer" if tq is not None else ""),
+        "title": f"{m['model']}: quality against size at {at} tokens" + peers,
         "xlabel": f"bits per value at {at} tokens, float parts in float16 (16 = float16 cache)",
         "ylabel": "KL(float ‖ cache), nats (lower is better)",
         "legend": [STYLE[f][2] for f in families(pts)] + [lc_table.TEXT_LABEL.get(t, t) + " text" for t in shown],
@@ -156,6 +165,15 @@ def kl_figure(lc: dict, model: str = "smollm2", ctx: int = KL_CONTEXT, texts: tu
                             ". Bar: the spread over the texts. KL below 1e-5 drawn at 1e-5."),
         "points": [dict(n=i, **p) for i, p in enumerate(pts, 1)],
     }
+
+
+def unmeasured_peers(lc: dict, tq: dict, model: str, texts: tuple | None, ctx: int, pts: list[dict]) -> list[str]:
+    """The peers with a point at PEERS_CONTEXT (where every peer is measured) that pts, drawn at ctx, lack."""
+    if ctx == PEERS_CONTEXT:
+        return []
+    drawn = {p["name"] for p in pts}
+    every = kl_points(lc, model, PEERS_CONTEXT, texts) + tqplus_points(tq, PEERS_CONTEXT)
+    return [p["name"] for p in every if p["family"] in PEER_FAMILIES and p["name"] not in drawn]
 
 
 def families(pts: list[dict]) -> list[str]:
@@ -366,7 +384,7 @@ def plot_memory(models: list[dict], path: Path, contexts: list[int] = MEMORY_CON
     return save(fig, path)
 
 
-FIGURES = ("kl_vs_bits", "peers_vs_bits", "memory_vs_context")
+FIGURES = ("kl_vs_bits", *PEERS_FIGURES, "memory_vs_context")
 
 
 def load_inputs(results: Path = common.RESULTS, configs: Path | None = None) -> dict:
@@ -381,8 +399,8 @@ def figure_data(name: str, inputs: dict) -> dict:
     lc = inputs["long_context"]
     if name == "kl_vs_bits":
         return kl_figure(lc)
-    if name == "peers_vs_bits":
-        return kl_figure(lc, PEERS_MODEL, PEERS_CONTEXT, (PEERS_TEXT,), inputs["tqplus"])
+    if name in PEERS_FIGURES:
+        return kl_figure(lc, PEERS_MODEL, PEERS_FIGURES[name], (PEERS_TEXT,), inputs["tqplus"])
     return memory_figure(inputs["models"])
 
 
