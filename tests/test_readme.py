@@ -284,7 +284,8 @@ def test_plots_draw_from_the_results(tmp_path: Path) -> None:
     assert all(set(p["kl"]) == {plots.PEERS_TEXT} for p in at16["points"])
     assert all(name in at16["footnote"] for name in missing)
     assert ("every peer" in at16["title"]) == (not missing) == ("Not measured at 16k" not in at16["footnote"])
-    drawn16 = {p["name"] for p in plots.kl_points(lc, plots.PEERS_MODEL, 16384, (plots.PEERS_TEXT,))}
+    at = plots.PEERS_FIGURES["peers_vs_bits_16k"]
+    drawn16 = {p["name"] for p in plots.kl_points(lc, plots.PEERS_MODEL, at, (plots.PEERS_TEXT,))}
     assert drawn16 <= {p["name"] for p in at16["points"]} and lc_settings.DEFAULT.name in drawn16
     # each peer in its own colour and legend entry: mlx-vlm's rows carry no "peer" field, turboquant-mlx-full's do
     vlm, full = {"kind": "peer", "name": "peer: mlx-vlm TurboQuant 4-bit"}, {"kind": "peer", "peer": "turboquant-mlx-full"}
