@@ -697,6 +697,12 @@ def test_a_trim_forgets_the_held_queries_past_it_and_a_trim_to_nothing_chooses_a
     whole = by_output(0.2)
     whole.trim(whole.offset)
     assert whole.key_bits == 4 and whole.key_stream.span.queries is None
+    # the same tokens again choose again, into code buffers of the chosen width (a trim to nothing keeps none)
+    kh, vh = whole.update_and_fetch(keys, values)
+    mx.eval(turboquant_attention(queries, kh, vh, D**-0.5, "causal"))
+    fresh = by_output(0.2)
+    assert whole.key_bits == fresh.key_bits != 4 and whole.nbytes == fresh.nbytes
+    assert np.array_equal(np.asarray(whole.key_stream.view().codes.codes), np.asarray(fresh.key_stream.view().codes.codes))
 
 
 def test_key_output_error_is_validated_and_derived():

@@ -505,6 +505,7 @@ class CompressedStream:
                 self.set_value_width(None)
         if self.n_coded == 0:
             self.mean = self.perm = self.scale = self.weights = None
+            self.codes = self.decayed = None  # their width may change with the next calibration
             self.quantizer, self.decay, self._protected = self.base_quantizer, self.base_decay, False
             self.query_sums.forget_after(self.n_tokens)
             if self.span is not None:
