@@ -69,6 +69,7 @@ from long_context_table import merge, render, write  # noqa: E402
 from caches import Setting  # noqa: E402
 from tq_mlx.models.architectures import load_model_config  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
+from tq_mlx.planner.memory import chosen_value_widths  # noqa: E402
 
 
 # --- rotation + affine ------------------------------------------------------------------------------------------
@@ -157,9 +158,10 @@ def widened_layers(cache: list) -> list[list[float]]:
             if getattr(getattr(c, "key_stream", None), "widened", False)]
 
 
-def value_layers(cache: list) -> list[list[int]]:
-    """Attention layers (cache positions) whose values chose the bits they decay to (value_error): [layer, bits]."""
-    return [[i, c.value_width] for i, c in enumerate(cache) if getattr(c, "value_width", None) is not None]
+def value_layers(cache: list) -> list[list[float]]:
+    """Attention layers (cache positions) whose values chose their bits by their error: the bits they decay to
+    (value_error) or their width (value_output_error), [layer, bits]."""
+    return [[i, w] for i, w in enumerate(chosen_value_widths(cache)) if w is not None]
 
 
 # --- one pass -----------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import common  # noqa: E402  (puts the repo on sys.path)
 from caches import FLOAT, PEER4, TQ_FULL, TQFULL8V3, Setting, kv_geometry, tq_full, tq_full_bytes  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
+from tq_mlx.quant.quantizer import format_bits  # noqa: E402
 from tq_mlx.layout import overflow  # noqa: E402
 from tq_mlx.planner.memory import affine_kv_bytes, estimate_kv_bytes, float16_kv_bytes, turboquant_layer_bytes  # noqa: E402
 from tq_mlx.plan import layer_plan  # noqa: E402
@@ -74,6 +75,9 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
                      + (" in half steps" if cfg.key_half_steps else ""))
     if cfg.value_error is not None:
         extra.append(f"old values down to V{cfg.narrowest_value_bits} within output error {cfg.value_error:g}")
+    if cfg.value_output_error is not None:
+        extra.append(f"values V3-V{format_bits(cfg.value_bits)} within output error {cfg.value_output_error:g}"
+                     " in half steps")
     if cfg.correct_norms:
         extra.append("norms corrected")
     if cfg.prefill_as_decode:
@@ -88,16 +92,17 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<fine>f)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?:vo(?P<voerror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
                   r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8[f]][r][q][e<key error>]
-    [h][o<key output error>][ve<value error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
+    [h][o<key output error>][ve<value error>][vo<value output error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; o0.014: key_output_error 0.014, the keys' widths K3-K6 by
-    their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; nc: norms
+    their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; vo0.05:
+    value_output_error 0.05, the values' widths V3-V4 in half steps by their attention-output error; nc: norms
     corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
     them; bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
@@ -141,6 +146,8 @@ def parse_setting(key: str) -> Setting:
         over["key_output_error"] = float(m["oerror"])
     if m["verror"]:
         over["value_error"] = float(m["verror"])
+    if m["voerror"]:
+        over["value_output_error"] = float(m["voerror"])
     if m["nc"]:
         over["correct_norms"] = True
     if m["pd"]:
@@ -375,6 +382,6 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     base = turboquant_layer_bytes(*args, **decay)
     extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
     extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
-    kept = turboquant_layer_bytes(*args, value_width=int(config.value_bits), **decay)
+    kept = turboquant_layer_bytes(*args, value_width=config.value_bits, **decay)
     extra += sum(turboquant_layer_bytes(*args, value_width=b, **decay) - kept for b in values.values())
     return common.bits_per_value(extra, ctx, (n_att, H, D))

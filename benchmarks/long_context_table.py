@@ -181,7 +181,8 @@ def _protection_note(results: dict) -> str:
     narrowed = [f"{m['model']}: {widths(m, 'value_widths', 'V')}" for m in results["models"].values()
                 if widths(m, "value_widths", "V")]
     if narrowed:
-        more += (" Bits old values chose by their output error (value_error; † too, in the runs that chose them): "
+        more += (" Bits values chose by their output error (value_error: the bits old values decay to; value_output_error: "
+                 "the values' width; † too, in the runs that chose them): "
                  + "; ".join(narrowed) + ".")
     if not by_model:
         return more

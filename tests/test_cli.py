@@ -114,6 +114,22 @@ def test_key_output_error_flag(capsys):
         assert "must be a number > 0 or off" in capsys.readouterr().err
 
 
+def test_value_output_error_flag(capsys):
+    config = config_from_args(parse("--tq-value-output-error", "0.03"))
+    assert (config.value_output_error, config.value_bits, config.decay_value_bits) == (0.03, 4, None)
+    assert "values V3 to V4 by their output error (at most 0.03)" in describe_config(config)
+    assert config_from_args(parse("--tq-value-output-error", "off")).value_output_error is None
+    assert cache_flags_given(parse("--tq-value-output-error", "0.03")) == ["--tq-value-output-error"]
+    with pytest.raises(ValueError, match="value_output_error chooses the values' widths from 3"):
+        config_from_args(parse("--tq-value-output-error", "0.03", "--tq-value-bits", "3"))
+    with pytest.raises(ValueError, match="does not go with value_error"):
+        config_from_args(parse("--tq-value-output-error", "0.03", "--tq-value-error", "0.05"))
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse("--tq-value-output-error", bad)
+        assert "must be a number > 0 or off" in capsys.readouterr().err
+
+
 def test_value_error_flag(capsys):
     config = config_from_args(parse("--tq-value-error", "0.05"))
     assert (config.value_error, config.decay_value_bits, config.decay_after) == (0.05, None, 6144)

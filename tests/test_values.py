@@ -342,3 +342,210 @@ def test_a_converted_float_cache_does_not_choose_its_values():
         assert c.value_error is None and c.decay_value_bits is None
         assert c.decay_after == (None if cfg.key_bits == 3 else 6144)
 
+
+
+# --- values by their output error (value_output_error): a width per layer at the first compression ---------------
+from tq_mlx.plan import layer_bytes  # noqa: E402
+from tq_mlx.stream.calibration import output_errors  # noqa: E402
+from tq_mlx.stream.view import first_tokens  # noqa: E402
+
+# sinks 2, first window 96: the span's queries are positions 66 .. 97, each reading the tokens more than 32 older as
+# codes; keys keep K4 (no width of their own), so every value width is read with the same keys
+VO = dict(key_bits=4, value_bits=4, window=32, calibration_tokens=96, sinks=2, compress_block=8, step=32,
+          protect_factor=None, key_output_error=None, key_error=None, prefill_as_decode=False)
+SPAN = (66, 98)
+
+
+def vo_cache(target=None, **kw):
+    return TurboQuantKVCache(TurboQuantConfig(**{**VO, "value_output_error": target, **kw}), layer_index=2, head_dim=D)
+
+
+def float64_value_errors(q, keys, values, coded, sinks, first, last, window):
+    """Per kv head, √(Σ‖ô − o‖² / Σ‖o‖²) over the queries of positions first .. last - 1 (all query heads), each
+    reading the values after the sinks at least window + 1 older than itself as `coded`, the rest as `values`."""
+    q, k, v, c = (np.asarray(a, dtype=np.float64) for a in (q, keys, values, coded))
+    G = q.shape[1] // k.shape[1]
+    out = []
+    for h in range(k.shape[1]):
+        num = den = 0.0
+        for p in range(first, last):
+            j = np.arange(p + 1)
+            read = np.where(((j >= sinks) & (j < p - window))[:, None], c[0, h, : p + 1], v[0, h, : p + 1])
+            for g in range(G):
+                s = k[0, h, : p + 1] @ q[0, h * G + g, p] * D**-0.5
+                w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+                o, oh = w @ v[0, h, : p + 1], w @ read
+                num, den = num + ((oh - o) ** 2).sum(), den + (o**2).sum()
+        out.append(np.sqrt(num / den))
+    return out
+
+
+def test_value_output_error_is_validated_described_and_read_from_old_files():
+    from tq_mlx.convert import converted_config
+    from tq_mlx.planner.display import describe_config
+
+    for bad in (0, -1, True, "0.1"):
+        with pytest.raises(ValueError, match="value_output_error must be a number > 0"):
+            TurboQuantConfig(value_output_error=bad)
+    for bits in (3, 2.5, 8):
+        with pytest.raises(ValueError, match="it needs value_bits above 3 and at most 6"):
+            TurboQuantConfig(value_output_error=0.03, value_bits=bits)
+    with pytest.raises(ValueError, match="does not go with value_error or decaying values"):
+        TurboQuantConfig(value_output_error=0.03, value_error=0.05)
+    with pytest.raises(ValueError, match="does not go with value_error or decaying values"):
+        TurboQuantConfig(value_output_error=0.03, decay_after=512, decay_value_bits=3)
+    with pytest.raises(ValueError, match="a window of 3 or more and a first window of at least"):
+        TurboQuantConfig(value_output_error=0.03, window=2, calibration_tokens=None)
+    with pytest.raises(ValueError, match="a window of 3 or more and a first window of at least"):
+        TurboQuantConfig(value_output_error=0.03, window=32, calibration_tokens=None)
+    c = TurboQuantConfig(value_output_error=0.03)
+    assert TurboQuantConfig.from_dict(c.to_dict()) == c
+    old = c.to_dict()
+    del old["value_output_error"]  # a file from before it existed: values kept their bits
+    assert TurboQuantConfig.from_dict(old).value_output_error is None
+    assert "values V3 to V4 by their output error (at most 0.03), in half steps" in describe_config(c)
+    assert converted_config(c).value_output_error is None  # a float prompt cache holds no queries to measure on
+
+
+def test_value_output_errors_are_the_relative_output_error_of_reading_old_values_as_codes():
+    rng = np.random.default_rng(3)
+    k, v, q = (mx.array(rng.normal(size=s), dtype=mx.float32) for s in ((1, 2, 40, D), (1, 2, 40, D), (1, 4, 40, D)))
+    c = v + mx.array(rng.normal(size=(1, 2, 40, D)) * 0.1, dtype=mx.float32)
+    got = np.asarray(output_errors(q[:, :, 25:], k, [c, v], v, 3, 25, 8, side="values"))
+    want = float64_value_errors(q, k, v, c, 3, 25, 40, 8)
+    assert np.allclose(got[0, :, 0], want, rtol=1e-4) and np.all(got[..., 1] == 0)
+
+
+def widths_errors():
+    """Each width's error, computed in float64 from caches coding their values at that width alone (the same
+    calibration: their codes are those the stream measures), with the keys as those caches hold them."""
+    k, v, q = data(300)
+    errors = {}
+    for b in (3, 3.5, 4):
+        c = vo_cache(None, value_bits=b)
+        c.update_and_fetch(k[:, :, :100], v[:, :, :100])  # compressed, the span's tokens among them
+        keys = first_tokens(c.key_stream.view(), SPAN[1])
+        errors[b] = max(float64_value_errors(q, keys, v[:, :, : SPAN[1]], first_tokens(c.value_stream.view(), SPAN[1]),
+                                             2, *SPAN, 32))
+    return errors
+
+
+def test_values_take_the_fewest_bits_whose_output_error_is_under_the_target():
+    errors = widths_errors()
+    assert errors[3] > errors[3.5] > errors[4] > 0, errors
+    for b, below in ((3, None), (3.5, 3), (4, 3.5)):
+        for target in (errors[b] * 1.02, 1.0 if below is None else (errors[b] + errors[below]) / 2):
+            c = vo_cache(target)
+            run(c, [300], n=300)
+            assert c.value_bits == b and c.value_stream.widened == (b != 4), (b, target, errors)
+            assert chosen_value_widths([c]) == [b] and c.key_bits == 4
+    c = vo_cache(errors[4] / 2)
+    run(c, [300], n=300)
+    assert c.value_bits == 4  # none is under it: the widest, value_bits
+
+
+@pytest.mark.parametrize("lengths", [(40, 1, 1, 100, 158), (1,) * 99 + (201,), (70, 30, 200)])
+def test_the_value_width_does_not_depend_on_how_the_prompt_is_fed(lengths):
+    errors = widths_errors()
+    target = (errors[3.5] + errors[3]) / 2
+    whole, fed = vo_cache(target), vo_cache(target)
+    run(whole, [300], n=300)
+    run(fed, list(lengths), n=300)
+    assert whole.value_bits == fed.value_bits == 3.5
+    for a, b in zip(whole.value_stream.view().codes, fed.value_stream.view().codes):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert whole.value_stream.span.queries is None and fed.value_stream.span.queries is None  # dropped once chosen
+
+
+def test_value_width_state_round_trips_while_the_queries_are_held_and_after():
+    errors = widths_errors()
+    target = (errors[3.5] + errors[3]) / 2
+    k, v, q = data(300)
+    whole = vo_cache(target)
+    run(whole, [300], n=300)
+    for cut in (50, 85, 98, 150):
+        first = vo_cache(target)
+        kv = first.update_and_fetch(k[:, :, :cut], v[:, :, :cut])
+        mx.eval(turboquant_attention(q[:, :, :cut], *kv, D**-0.5, "causal"))
+        meta, arrays = first.state
+        held = SPAN[0] < cut <= SPAN[1]  # held until the first compression chooses
+        assert (arrays["v_span"] is not None) == held
+        assert meta["value_span_seen"] == ([SPAN[0], cut] if held else [0, 0])
+        assert meta["value_bits"] == (3.5 if cut > SPAN[1] else None)
+        loaded = TurboQuantKVCache()
+        loaded.state = (meta, arrays)
+        kv = loaded.update_and_fetch(k[:, :, cut:], v[:, :, cut:])
+        mx.eval(turboquant_attention(q[:, :, cut:], *kv, D**-0.5, "causal"))
+        assert loaded.value_bits == whole.value_bits and loaded.nbytes == whole.nbytes, cut
+        for a, b in zip(loaded.value_stream.view().codes, whole.value_stream.view().codes):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), cut
+    meta, arrays = whole.state
+    with pytest.raises(ValueError, match="values at 3.5 bits: V4 values take other bits only with value_output_error"):
+        TurboQuantKVCache().state = (dict(meta, config=dict(meta["config"], value_output_error=None)), arrays)
+    with pytest.raises(ValueError, match="values at 2 bits"):
+        TurboQuantKVCache().state = (dict(meta, value_bits=2), arrays)
+    first = vo_cache(target)
+    kv = first.update_and_fetch(k[:, :, :85], v[:, :, :85])
+    mx.eval(turboquant_attention(q[:, :, :85], *kv, D**-0.5, "causal"))
+    meta, arrays = first.state
+    with pytest.raises(ValueError, match="v_span: held queries, but this stream does not choose its width"):
+        TurboQuantKVCache().state = (dict(meta, config=dict(meta["config"], value_output_error=None)), arrays)
+
+
+def test_a_trim_forgets_the_values_held_queries_past_it_and_a_trim_to_nothing_chooses_again():
+    k, v, q = data(300)
+    c = vo_cache(1.0)
+    kv = c.update_and_fetch(k[:, :, :90], v[:, :, :90])
+    mx.eval(turboquant_attention(q[:, :, :90], *kv, D**-0.5, "causal"))
+    c.trim(10)
+    assert c.value_stream.span_seen == (66, 80)
+    c.trim(20)
+    assert c.value_stream.span_seen == (0, 0)
+    whole = vo_cache(1.0)
+    run(whole, [300], n=300)
+    assert whole.value_bits == 3
+    whole.trim(whole.offset)
+    assert whole.value_bits == 4 and whole.value_stream.span.queries is None
+    run(whole, [300], n=300)  # the same tokens again: the same choice
+    assert whole.value_bits == 3
+
+
+def test_bytes_follow_the_value_width_at_every_stage():
+    k, v, q = data(300)
+    for target, width in ((1.0, 3), (1e-6, 4)):
+        c, t = vo_cache(target), 0
+        for L in (50, 35, 13, 22, 180):
+            kv = c.update_and_fetch(k[:, :, t : t + L], v[:, :, t : t + L])
+            mx.eval(turboquant_attention(q[:, :, t : t + L], *kv, D**-0.5, "causal"))
+            t += L
+            chosen = chosen_value_widths([c])[0]
+            assert chosen == (width if c.n_coded else None)
+            want = layer_bytes(c.plan, t, 2, D, D, float_bytes=4, value_width=chosen, query_heads=2)
+            assert c.nbytes == want, (target, t)
+
+
+def test_choosing_the_value_width_reads_back_once_and_decode_never(monkeypatch):
+    import tq_mlx.stream.compressed as compressed
+
+    reads = []
+    measure = compressed.CompressedStream._output_width
+    monkeypatch.setattr(compressed.CompressedStream, "_output_width",
+                        lambda self, *a: reads.append(self.name) or measure(self, *a))
+    k, v, q = data(300)
+    c = vo_cache(1.0)
+    kv = c.update_and_fetch(k[:, :, :60], v[:, :, :60])
+    mx.eval(turboquant_attention(q[:, :, :60], *kv, D**-0.5, "causal"))
+    with forbid_host_sync(monkeypatch):  # the span's queries: graph only, until the first compression
+        for t in range(60, 98):
+            kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            out = turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5)
+    mx.eval(out)
+    for t in range(98, 140):
+        kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        mx.eval(turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5))
+    assert reads == ["v"] and c.value_bits == 3
+    with forbid_host_sync(monkeypatch):
+        for t in range(140, 300):
+            kv = c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            out = turboquant_attention(q[:, :, t : t + 1], *kv, D**-0.5)
+    mx.eval(out)

@@ -34,8 +34,8 @@ from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
 from .stream.compressed import CompressedStream
 from .stream.view import StreamView, with_recent
 
-STATE_VERSION = 11
-READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+STATE_VERSION = 12
+READABLE_STATE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 # The fields of a state's meta each version added, with the meaning their absence had before (version 2 renamed
 # the config's `block`, TurboQuantConfig.from_dict reads either; 3 added each stream's `scale` and float buffers in
 # the model's dtype, 7 each stream's RoPE: arrays, read by tq_mlx.stream.codec).
@@ -46,6 +46,7 @@ ADDED_FIELDS = {
     9: {"key_bits": None, "query_count": None},  # widths by error; the queries summed for the weights
     10: {"value_width": None, "value_seen": [0, 0]},  # values by their error and the sums they come from
     11: {"key_span_seen": [0, 0]},  # keys by their output error: the positions of the queries they hold
+    12: {"value_bits": None, "value_span_seen": [0, 0]},  # values by their output error: their width, those positions
 }
 
 __all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
@@ -171,7 +172,10 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def value_bits(self) -> float:
-        """Bits of the values' codes (a latent layer's rope key takes the key bits: tq_mlx.plan)."""
+        """Bits of the values' codes: the layer's configured bits (a latent layer's rope key takes the key bits:
+        tq_mlx.plan), or the width the values chose by their output error (value_output_error)."""
+        if self.value_stream is not None:
+            return self.value_stream.quantizer.bits
         return self.plan.values.bits if self.plan.values is not None else self.plan.bits[1]
 
     @property
@@ -192,16 +196,20 @@ class TurboQuantKVCache(_BaseCache):
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Raise ValueError, naming the layer, unless this cache can store heads of these sizes (values may be
-        zero-wide: an indexer's cache that stores keys alone, minimax_m3_vl.py:264)."""
-        for name, d, bits in (("key", key_dim, self.plan.keys.bits), ("value", value_dim, self.value_bits)):
+        zero-wide: an indexer's cache that stores keys alone, minimax_m3_vl.py:264) at every width its plan lets
+        them take."""
+        p = self.plan
+        for name, d, plan in (("key", key_dim, p.keys), ("value", value_dim, p.values)):
             if name == "value" and (d == 0 or self.k_eq_v):
                 continue
             if d < MIN_DIM:
                 raise ValueError(f"{self._where()}: {name} head_dim {d} is below the minimum {MIN_DIM}")
-            try:
-                split_dims(d, bits)
-            except ValueError as e:
-                raise ValueError(f"{self._where()}: {name} head_dim {d} at {bits} bits: {e}") from None
+            bits = p.bits[1] if plan is None else plan.bits
+            for b in (bits,) if plan is None or plan.widen is None else plan.widen.widths(bits):
+                try:
+                    split_dims(d, b)
+                except ValueError as e:
+                    raise ValueError(f"{self._where()}: {name} head_dim {d} at {format_bits(b)} bits: {e}") from None
 
     @property
     def decay_bits(self) -> tuple[int | None, int | None]:
@@ -371,7 +379,8 @@ class TurboQuantKVCache(_BaseCache):
         before attention reads its views (tq_mlx.batch.learned calls it, from the attention hook): the key stream
         sums them for its weights and width (a first compression coded before they came is coded again; keys by
         their output error hold them and read the value stream's first tokens), then the
-        value stream measures, on the keys' view, the error its old values would give at fewer bits. Returns the
+        value stream measures, on the keys' view, the error its old values would give at fewer bits (by their output
+        error: holds them, and chooses its width reading the keys' first tokens as the key stream holds them). Returns the
         views to attend (keys, values); `values` as given when the value stream learns nothing."""
         given = keys
         v = self.value_stream
@@ -519,6 +528,8 @@ class TurboQuantKVCache(_BaseCache):
             "value_width": self.value_width,  # the bits old values chose (value_error; None: not chosen)
             "value_seen": list(self.value_stream.value_seen if self.value_stream else (0, 0)),
             "key_span_seen": list(self.key_stream.span_seen if self.key_stream else (0, 0)),
+            "value_bits": self.value_bits if self.value_stream and self.value_stream.widened else None,
+            "value_span_seen": list(self.value_stream.span_seen if self.value_stream else (0, 0)),
             "fetch": self.fetch,
             "max_size": self.max_size,
             "n_dropped": self.n_dropped,
@@ -555,10 +566,13 @@ class TurboQuantKVCache(_BaseCache):
             if not isinstance(value_seen, (list, tuple)) or len(value_seen) != 2:
                 raise ValueError(f"TurboQuantKVCache state has value_seen {value_seen!r}; expected [start, end]")
             value_seen = tuple(check_int("value_seen", t, 0) for t in value_seen)
-            span_seen = meta["key_span_seen"]
-            if not isinstance(span_seen, (list, tuple)) or len(span_seen) != 2:
-                raise ValueError(f"TurboQuantKVCache state has key_span_seen {span_seen!r}; expected [start, end]")
-            span_seen = tuple(check_int("key_span_seen", t, 0) for t in span_seen)
+            span_seen = []
+            for name in ("key_span_seen", "value_span_seen"):
+                seen = meta[name]
+                if not isinstance(seen, (list, tuple)) or len(seen) != 2:
+                    raise ValueError(f"TurboQuantKVCache state has {name} {seen!r}; expected [start, end]")
+                span_seen.append(tuple(check_int(name, t, 0) for t in seen))
+            value_bits = meta["value_bits"]  # None: the configured bits
             fetch = meta["fetch"]
             if fetch not in FETCHES:
                 raise ValueError(f"TurboQuantKVCache state has fetch {fetch!r}; expected one of {', '.join(FETCHES)}")
@@ -612,6 +626,14 @@ class TurboQuantKVCache(_BaseCache):
                 raise bad(f"keys at {key_bits!r} bits: K{self.key_bits:g} keys widen only with key_error or key_output_error and compressed "
                           f"tokens, to {', '.join(map(format_bits, widths or (self.key_bits, WIDEST_KEY_BITS)))} bits")
             self.key_stream.set_bits(check_bits(key_bits, allowed=QUANTIZER_BITS))
+        if value_bits is not None and value_bits != self.value_bits:
+            v = self.value_stream
+            widths = () if v is None or v.widen is None else v.widen.widths(self.value_bits)
+            if not n_c or value_bits not in widths:
+                raise bad(f"values at {value_bits!r} bits: V{self.value_bits:g} values take other bits only with "
+                          f"value_output_error and compressed tokens, "
+                          f"{', '.join(map(format_bits, widths)) + ' bits' if widths else 'none here'}")
+            v.set_bits(check_bits(value_bits, allowed=QUANTIZER_BITS))
         if value_width is not None:
             v = self.value_stream
             if v is None or v.value_sums is None or not n_c or value_width not in (*v.value_sums.widths, self.value_bits):
@@ -621,9 +643,9 @@ class TurboQuantKVCache(_BaseCache):
             v.set_value_width(value_width)
         bh = batch_heads(arrays, "k")
         try:
-            for s, d in zip(self.streams, n_decayed):
+            for s, d, seen in zip(self.streams, n_decayed, span_seen):
                 if d > n_c:
                     raise ValueError(f"{s.name}: {d} decayed of {n_c} compressed tokens")
-                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count, value_seen, span_seen)
+                s.load_state(arrays, n_s, n_c - d, n_w, bh, d, n_dropped, query_count, value_seen, seen)
         except ValueError as e:
             raise bad(str(e)) from None

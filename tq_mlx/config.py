@@ -22,6 +22,7 @@ AUTO = "auto"
 DECAY_FIELDS = ("decay_after", "decay_key_bits", "decay_value_bits")
 WIDEST_KEY_BITS = 6  # the most bits key_error gives a layer's keys (8 is protect_bits': near lossless)
 NARROWEST_KEY_BITS = 3  # the fewest bits key_output_error gives a layer's keys
+NARROWEST_VALUE_BITS = 3  # the fewest bits value_output_error gives a layer's values
 DECAY_AFTER = 6144  # the age decay starts at when it is asked for by its bits alone
 # Bits an integer width loses with age once decay is asked for but its bits are not given (0: that side keeps its
 # bits at every age), never below the floor. The default asks for none: decayed keys were most of its error at
@@ -195,6 +196,14 @@ class TurboQuantConfig:
     # and a window of 3 or more; caches whose attention takes views ("codes" fetch) choose, the others keep their bits.
     # None: every layer's values follow decay_value_bits.
     value_error: float | None = None
+    # Values by their output error: the largest relative error of the attention outputs a layer's values may give the
+    # queries of its first window's last third, each reading the tokens more than a window older than itself as codes
+    # (keys as the cache holds them); the layer's values take the fewest bits from NARROWEST_VALUE_BITS up to
+    # value_bits in half steps (V3, V3.5, V4) whose error, measured by coding its calibration values at each, is at
+    # most this, chosen at its first compression. Needs value_bits above NARROWEST_VALUE_BITS and up to
+    # WIDEST_KEY_BITS, no value_error or value decay, and a first window key_output_error could measure on; caches
+    # whose attention takes views ("codes" fetch) choose, the others keep value_bits. None: off.
+    value_output_error: float | None = None
     center_keys: bool | str = "rope"  # subtract a per-(batch, kv head) key mean μ before quantizing (exact);
     # "rope": the mean before RoPE, subtracted as R(p) μ0 at position p (tq_mlx.models.rope), in the layers whose RoPE
     # make_prompt_cache reads off the model; the others, and caches built without the model, keep μ
@@ -276,6 +285,7 @@ class TurboQuantConfig:
                 )
         self._resolve_decay()
         self._check_decay()
+        self._check_value_output_error()
 
     def _check_key_output_error(self) -> None:
         e = self.key_output_error
@@ -297,6 +307,25 @@ class TurboQuantConfig:
             raise ValueError(f"key_output_error measures on the queries of the first window's last third, each reading "
                              f"the tokens more than a window ({self.window}) older than itself as codes: it needs a "
                              f"first window of at least {least} tokens (calibration_tokens), got {self.first_window}")
+
+    def _check_value_output_error(self) -> None:
+        e = self.value_output_error
+        check_target("value_output_error", e, "None (off: values keep value_bits)")
+        if e is None:
+            return
+        if not NARROWEST_VALUE_BITS < self.value_bits <= WIDEST_KEY_BITS:
+            raise ValueError(f"value_output_error chooses the values' widths from {NARROWEST_VALUE_BITS} up to value_bits "
+                             f"in half steps: it needs value_bits above {NARROWEST_VALUE_BITS} and at most "
+                             f"{WIDEST_KEY_BITS}, got value_bits={format_bits(self.value_bits)}")
+        if self.value_error is not None or self.decay_value_bits is not None:
+            raise ValueError(f"value_output_error chooses the bits of every compressed value: it does not go with "
+                             f"value_error or decaying values, got value_error={self.value_error!r}, "
+                             f"decay_value_bits={self.decay_value_bits!r}")
+        if self.window < 3 or self.first_window < output_error_first_window(self.window):
+            raise ValueError(f"value_output_error measures on the queries of the first window's last third, each "
+                             f"reading the tokens more than a window older than itself as codes: it needs a window of 3 "
+                             f"or more and a first window of at least {output_error_first_window(max(self.window, 3))} "
+                             f"tokens (calibration_tokens), got window={self.window}, first window {self.first_window}")
 
     def _check_value_error(self) -> None:
         e = self.value_error
@@ -425,7 +454,7 @@ class TurboQuantConfig:
         d.setdefault("correct_norms", False)
         d.setdefault("key_half_steps", False)
         d.setdefault("prefill_as_decode", False)
-        for name in ("key_error", "key_output_error", "value_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
+        for name in ("key_error", "key_output_error", "value_error", "value_output_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")
         for name in ("decay_after", "decay_key_bits", "decay_value_bits"):

@@ -15,9 +15,10 @@ from .integration import make_prompt_cache
 def converted_config(config: TurboQuantConfig) -> TurboQuantConfig:
     """The config a converted cache has: `config` with keys not weighed and at their configured bits, and values
     following decay_value_bits, since a float cache holds no queries to weigh the keys by or to measure either
-    side's error on (key_error, key_output_error, value_error), so the cache, its description and the planner agree on what it
-    holds."""
-    config = dataclasses.replace(config, weigh_keys=False, key_error=None, key_output_error=None)
+    side's error on (key_error, key_output_error, value_error, value_output_error), so the cache, its description and
+    the planner agree on what it holds."""
+    config = dataclasses.replace(config, weigh_keys=False, key_error=None, key_output_error=None,
+                                 value_output_error=None)
     if config.value_error is None:
         return config
     decays = config.decay_key_bits is not None  # values keep their bits (decay_value_bits: value_error's least)

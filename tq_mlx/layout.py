@@ -258,7 +258,8 @@ def value_error_span(sinks: int, first_window: int) -> tuple[int, int]:
 def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = False, decay_bits: int | None = None,
                  protected: bool = False, center: bool = False, rope_pairs: int | None = None, weigh: bool = False,
                  max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1,
-                 widened: float | None = None, narrow: int | None = None, span_heads: int | None = None) -> int:
+                 widened: float | None = None, narrow: int | None = None, span_heads: int | None = None,
+                 span_dim: int | None = None) -> int:
     """CompressedStream.nbytes after `tokens` tokens, for a stream built as the cache builds it: quantizer
     (dim, bits, qjl), decay quantizer at decay_bits (None: no decay), center, rope (the channel pairs its RoPE
     rotates, None: no RoPE centering), weigh; batch x heads kv heads.
@@ -270,12 +271,14 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     came. protected: the stream protected its keys at calibration: codes at config.protect_bits (plain MSE)
     that do not decay, and it keeps its configured quantizer (and decay quantizer) next to the protecting one.
     widened: the bits the keys chose at calibration (config.key_error): codes at those bits decaying by the
-    same step, and the configured quantizers kept next to theirs. narrow: values by their error (config.value_error)
+    same step, and the configured quantizers kept next to theirs (values by their output error: the width they
+    chose, config.value_output_error). narrow: values by their error (config.value_error)
     that choose, once the queries of the first window's last third came, the bits they decay to: these (`bits`: none);
     before, their sums (float32 per width, kv head and query position) and quantizers at the widths below `bits`
     from the first of those queries on, and no decay. span_heads: keys by their output error (config.key_output_error),
     `span_heads` query heads per kv head: from the first of those queries until the first compression, the stream
-    holds them (the float dtype, every position of the span).
+    holds them (the float dtype, every position of the span; span_dim channels, None: dim), as values by their
+    output error do.
     """
     if tokens <= 0:
         return 0
@@ -283,7 +286,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     if span_heads is not None:
         first, last = value_error_span(config.sinks, config.first_window)
         if first < tokens and not _split(config, tokens)[1]:
-            extra += batch * heads * span_heads * (last - first) * dim * float_bytes
+            extra += batch * heads * span_heads * (last - first) * (span_dim or dim) * float_bytes
     if narrow is not None:
         first, last = value_error_span(config.sinks, config.first_window)
         decay_bits = narrow if tokens >= last and narrow < bits else None

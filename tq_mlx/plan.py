@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .config import DECAY_FLOOR, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig
+from .config import DECAY_FLOOR, NARROWEST_KEY_BITS, NARROWEST_VALUE_BITS, WIDEST_KEY_BITS, TurboQuantConfig
 from .layout import stream_bytes, widened_decay
 from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS
 
@@ -31,9 +31,10 @@ class Protect(NamedTuple):
 
 
 class Widen(NamedTuple):
-    """Key widths by error: the fewest bits up to `max_bits` whose logit error on the calibration queries is at
-    most `target` (config.key_error, calibration.key_width), or with `least` (config.key_output_error) the fewest
-    from `least` whose attention-output error on the first window's last third of queries is (output_errors)."""
+    """Widths by error: keys take the fewest bits up to `max_bits` whose logit error on the calibration queries is
+    at most `target` (config.key_error, calibration.key_width), or with `least` (config.key_output_error) the fewest
+    from `least` whose attention-output error on the first window's last third of queries is (output_errors);
+    values (config.value_output_error) take the fewest from `least` up to their bits by that output error."""
 
     target: float
     max_bits: int
@@ -158,7 +159,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     - Boundary layers (config.boundary_layers) take boundary_bits on their boundary_sides, which do not decay.
     - A latent layer's "values" are its rope key, which scores like a key: key bits, centered, the key's decay.
     - Keys are weighed, and so may widen by their error, only where attention takes the cache's views ("codes").
-    - Values choose their decay bits by their error (value_error) only in "codes" layers that decay.
+    - Values choose their decay bits by their error (value_error) only in "codes" layers that decay, or their
+      width by their output error (value_output_error) only in "codes" layers whose values are not boundary ones.
     - Keys are centered before RoPE where the layer's RoPE is known, in per-head layers (not latent, not K=V).
     """
     c = config
@@ -194,10 +196,13 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                             decay=keys.decay, **tokens)
     elif not k_eq_v:
         narrows = c.value_error is not None and c.decay_after is not None and not v_edge and fetch == "codes"
+        chooses = c.value_output_error is not None and not v_edge and fetch == "codes"
         values = StreamPlan("v", vb, False, layer_seed(c.seed, layer_index, 1), center=c.center_values,
                             # with value_error, vd is the least narrowing takes: layers that do not narrow keep theirs
                             decay=None if vd is None or c.value_error is not None else (age, vd),
-                            narrow=Narrow(c.value_error, age, c.narrowest_value_bits) if narrows else None, **tokens)
+                            narrow=Narrow(c.value_error, age, c.narrowest_value_bits) if narrows else None,
+                            widen=Widen(c.value_output_error, vb, 0.5, NARROWEST_VALUE_BITS) if chooses else None,
+                            **tokens)
     return LayerPlan(c, fetch, k_eq_v, (kb, vb), keys, values)
 
 
@@ -210,9 +215,10 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
 
     What a plan cannot know until the layer's first compression is given: protected (the keys protected
     themselves), key_width (the width the keys chose by their error; None: their bits), value_width (the bits
-    old values chose, or their own bits: kept; None: not chosen yet). rope_pairs: the channel pairs the layer's
+    old values chose to decay to, or their own bits: kept; values by their output error: the width they chose; None:
+    not chosen yet). rope_pairs: the channel pairs the layer's
     RoPE rotates (priced where the plan centers keys before RoPE). value_dim 0: zero-wide values (an indexer's
-    keys-only cache), no value stream. query_heads: query heads per kv head (keys by their output error hold the
+    keys-only cache), no value stream. query_heads: query heads per kv head (keys and values by their output error hold the
     queries of their first window's last third until their first compression)."""
     k, v, c = plan.keys, plan.values, plan.config
     common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
@@ -220,6 +226,9 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
                          widened=key_width, center=k.center, weigh=k.weigh, rope_pairs=rope_pairs if k.rope else None,
                          span_heads=query_heads if k.widen is not None and k.widen.output else None, **common)
     if v is not None and value_dim:
+        chooses = v.widen is not None
         total += stream_bytes(c, tokens, value_dim, v.bits, decay_bits=v.decay_bits, center=v.center,
-                              narrow=value_width if v.narrow is not None else None, **common)
+                              narrow=value_width if v.narrow is not None else None,
+                              widened=value_width if chooses else None,
+                              span_heads=query_heads if chooses else None, span_dim=key_dim, **common)
     return total

@@ -74,6 +74,9 @@ CONFIGS = {
                                                   decay_after=64),
     "values by their error": TurboQuantConfig(window=48, calibration_tokens=None, compress_block=16, step=32, decay_after=96, value_error=0.08,
                                               boundary_layers=1),
+    # each middle layer's values at V3, V3.5 or V4 by their output error, holding their window's queries until then
+    "values by their output error": TurboQuantConfig(window=32, calibration_tokens=64, compress_block=16, step=32,
+                                                     value_output_error=0.1, boundary_layers=1),
     # the boundary layers' values at V4 and kept, their keys widening and decaying as the middle layers' do
     "boundary values": TurboQuantConfig(value_bits=3, boundary_layers=1, boundary_bits=4, boundary_sides="v", window=32, calibration_tokens=None,
                                         compress_block=16, step=64, decay_after=64, decay_value_bits=2),

@@ -43,7 +43,7 @@ _FIELDS = {
     "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
-          "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", *_FIELDS)
+          "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
 
 
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
@@ -169,6 +169,12 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "(or --tq-decay-value-bits) up whose relative error on the attention outputs of the layer's "
                         "first window is at most E, or kept at their bits (integer value bits 3-7) "
                         f"(default {'off' if d.value_error is None else format(d.value_error, 'g')})")
+    g.add_argument("--tq-value-output-error", dest="tq_value_output_error", type=error_arg, metavar="E",
+                   help="each layer's values take the fewest bits from 3 up to the value bits in half steps (V3, V3.5, "
+                        "V4) whose relative error on the attention outputs of its first window's last third of "
+                        "queries is at most E, chosen at its first compression (value bits above 3, up to 6; not with "
+                        "--tq-value-error or decaying values) "
+                        f"(default {'off' if d.value_output_error is None else format(d.value_output_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: no layer's keys take the protected bits (widths by error still apply)")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
@@ -340,6 +346,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["key_output_error"] = None if args.tq_key_output_error == "off" else args.tq_key_output_error
     if getattr(args, "tq_value_error", None) is not None:
         kw["value_error"] = None if args.tq_value_error == "off" else args.tq_value_error
+    if getattr(args, "tq_value_output_error", None) is not None:
+        kw["value_output_error"] = None if args.tq_value_output_error == "off" else args.tq_value_output_error
     if getattr(args, "tq_center_values", False):
         kw["center_values"] = True
     if getattr(args, "tq_no_center_values", False):

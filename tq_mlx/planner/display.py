@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..cache import TurboQuantKVCache
-from ..config import BOUNDARY_SIDES, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, TurboQuantConfig, bits_label
+from ..config import BOUNDARY_SIDES, NARROWEST_KEY_BITS, NARROWEST_VALUE_BITS, WIDEST_KEY_BITS, TurboQuantConfig, bits_label
 from .memory import Saving, flat_caches
 from ..plan import layer_plan
 from ..quant.quantizer import format_bits
@@ -211,6 +211,9 @@ def describe_config(config: TurboQuantConfig | None) -> str:
     if config.key_output_error is not None:
         parts.append(f"keys K{NARROWEST_KEY_BITS} to K{WIDEST_KEY_BITS} by their output error (at most "
                      f"{config.key_output_error:g})" + (", in half steps" if config.key_half_steps else ""))
+    if config.value_output_error is not None:
+        parts.append(f"values V{NARROWEST_VALUE_BITS} to V{format_bits(config.value_bits)} by their output error (at "
+                     f"most {config.value_output_error:g}), in half steps")
     if not config.weigh_keys:  # departures from the default's key coding are named, as protection's is
         parts.append("keys not weighed")
     if config.center_keys != "rope":

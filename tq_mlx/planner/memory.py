@@ -95,7 +95,7 @@ def turboquant_layer_bytes(
     config, batch: int = 1, float_bytes: int = FLOAT16_BYTES, max_kv_size: int | None = None,
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
-    weighted: bool | None = None, key_width: float | None = None, value_width: int | None = None,
+    weighted: bool | None = None, key_width: float | None = None, value_width: float | None = None,
     query_heads: int = 1,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
@@ -118,7 +118,8 @@ def turboquant_layer_bytes(
         values = replace(values, bits=key_bits, decay=keys.decay)
     elif values is not None:
         values = replace(values, bits=value_bits, decay=None if vd is None else (age, vd),
-                         narrow=values.narrow if value_width is not None else None)
+                         narrow=values.narrow if value_width is not None else None,
+                         widen=values.widen if value_width is not None else None)
     plan = replace(plan, keys=keys, values=values)
     return layer_bytes(plan, tokens, n_kv_heads, key_dim, value_dim, batch=batch, float_bytes=float_bytes,
                        max_kv_size=max_kv_size, rope_pairs=rope_pairs, protected=protected, key_width=key_width,
@@ -147,7 +148,7 @@ def kv_float_bytes(model_config: dict, dtype: str | None = None) -> int:
 def estimate_kv_bytes(
     model_config: dict, ctx: int, config=None, *, kv_bits: int | None = None, kv_group_size: int = 64,
     batch: int = 1, dtype: str | None = None, max_kv_size: int | None = None,
-    key_widths: Sequence[float | None] | None = None, value_widths: Sequence[int | None] | None = None,
+    key_widths: Sequence[float | None] | None = None, value_widths: Sequence[float | None] | None = None,
 ) -> int:
     """KV cache bytes at `ctx` tokens for a model's config.json dict.
 
@@ -168,8 +169,9 @@ def estimate_kv_bytes(
     bits), and without it every layer that may widen is priced at WIDEST_KEY_BITS, so the estimate bounds the
     cache (it equals it when every layer took the most) but for layers whose keys protect themselves at
     protect_bits (chosen by their calibration tokens, which no plan knows): each adds protect_layer_bytes. Values by their error (config.value_error) choose the
-    bits they decay to once the window's last queries came: value_widths gives each attention layer's choice
-    (chosen_value_widths; None: not chosen), and a layer without one is priced keeping its value bits, the most.
+    bits they decay to once the window's last queries came, and values by their output error
+    (config.value_output_error) their width at their first compression: value_widths gives each attention layer's
+    choice (chosen_value_widths; None: not chosen), and a layer without one is priced at its value bits, the most.
     """
     if ctx < 0:
         raise ValueError(f"ctx must be >= 0, got {ctx}")
@@ -196,8 +198,8 @@ def estimate_kv_bytes(
             width = v_width = None
             if plan.keys.widen is not None:
                 width = plan.keys.widen.max_bits if key_widths is None else key_widths[a]
-            if plan.values is not None and plan.values.narrow is not None:
-                v_width = int(plan.values.bits) if value_widths is None or value_widths[a] is None else value_widths[a]
+            if plan.values is not None and (plan.values.narrow is not None or plan.values.widen is not None):
+                v_width = plan.values.bits if value_widths is None or value_widths[a] is None else value_widths[a]
             total += layer_bytes(plan, ctx, H, dk, dv, batch=batch, float_bytes=float_bytes, max_kv_size=max_kv_size,
                                  rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width,
                                  query_heads=max(1, lay.n_heads // max(H, 1)))
@@ -215,10 +217,18 @@ def model_layer_plan(config, lay, attention_index: int, n_attention_layers: int)
                       rope=lay.rope_pairs is not None)
 
 
-def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[int | None]:
-    """Each TurboQuant attention layer's value decay bits chosen by their error (None: not chosen, or the layer
-    does not choose), in layer order: estimate_kv_bytes's value_widths for this cache."""
-    return [c.value_width for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
+def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[float | None]:
+    """Each TurboQuant attention layer's value bits chosen by their error: the bits old values decay to
+    (value_error) or the values' width (value_output_error, once chosen at the first compression); None: not
+    chosen, or the layer does not choose. In layer order: estimate_kv_bytes's value_widths for this cache."""
+    return [c.value_bits if _chose_width(c.value_stream) else c.value_width
+            for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
+
+
+def _chose_width(stream) -> bool:
+    """Whether a stream by its output error chose its width (its first compression settled)."""
+    return (stream is not None and stream.widen is not None and stream.scale is not None
+            and stream.query_sums.pending is None)
 
 
 def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[float | None]:
@@ -244,7 +254,7 @@ def estimate_mlx_lm_bytes(model_config: dict, ctx: int, *, dtype: str | None = N
 
 def planned_saving(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
                    max_kv_size: int | None = None, key_widths: Sequence[float | None] | None = None,
-                   value_widths: Sequence[int | None] | None = None) -> Saving:
+                   value_widths: Sequence[float | None] | None = None) -> Saving:
     """The Saving a plan shows at ctx: estimate_kv_bytes with `config` (a TurboQuantConfig; None: mlx-lm's float
     cache, which saves nothing; key_widths and value_widths as estimate_kv_bytes takes them) against
     estimate_mlx_lm_bytes."""

@@ -319,13 +319,14 @@ class QuerySums:
 
 
 def output_errors(queries: mx.array, keys: mx.array, coded: list[mx.array], values: mx.array, n_sinks: int,
-                  first: int, window: int, scale: float | None = None) -> mx.array:
+                  first: int, window: int, scale: float | None = None, side: str = "keys") -> mx.array:
     """(B, H, len(coded)): per kv head, how far the attention outputs of `queries` (B, n_q_heads, S, D), those of
     positions first .. first + S - 1, move when they read the keys of `coded` (each (B, H, T, D), float32: `keys` with
     the compressed ones as some width codes them) instead of `keys` (B, H, T, D) for the tokens at least `window` + 1
     older than themselves after the n_sinks sinks (what a query reads as codes at decode), as the relative error
-    √(Σ_q ‖ô_q − o_q‖² / Σ_q ‖o_q‖²) over the queries of the kv head's query heads. values (B, H, T, D); scale: the
-    attention's (None: 1/√D)."""
+    √(Σ_q ‖ô_q − o_q‖² / Σ_q ‖o_q‖²) over the queries of the kv head's query heads. values (B, H, T, Dv); scale: the
+    attention's (None: 1/√D). side "values": `coded` are the values so coded (each (B, H, T, Dv)), read instead of
+    `values` for those tokens, the keys as given."""
     B, Hq, S, D = queries.shape
     H, T = keys.shape[1], keys.shape[2]
     G = Hq // H
@@ -337,17 +338,20 @@ def output_errors(queries: mx.array, keys: mx.array, coded: list[mx.array], valu
     o = mx.softmax(mx.where(seen, exact, -mx.inf), axis=-1, precise=True) @ values
     norm = mx.sum(o * o, axis=(2, 3))
     errors = []
-    for k in coded:
-        s = mx.where(read_coded, q @ k.swapaxes(-1, -2), exact)
-        d = mx.softmax(mx.where(seen, s, -mx.inf), axis=-1, precise=True) @ values - o
+    for c in coded:
+        if side == "values":  # ô − o = Σ_j p_j (v̂_j − v_j) over the tokens read as codes
+            d = (mx.softmax(mx.where(seen, exact, -mx.inf), axis=-1, precise=True) * read_coded) @ (c - values)
+        else:
+            s = mx.where(read_coded, q @ c.swapaxes(-1, -2), exact)
+            d = mx.softmax(mx.where(seen, s, -mx.inf), axis=-1, precise=True) @ values - o
         errors.append(mx.sum(d * d, axis=(2, 3)))
     return mx.sqrt(mx.stack(errors, axis=-1) / mx.maximum(norm, 1e-30)[..., None])
 
 
 class SpanQueries:
-    """The queries of a key stream's first window's last third (layout.value_error_span: those the values' error is
-    measured on too), held in the stream's float dtype until its first compression chooses the keys' width by their
-    output error (output_errors), then dropped."""
+    """The queries of a stream's first window's last third (layout.value_error_span: those the values' error is
+    measured on too), held in the stream's float dtype until its first compression chooses the width of its keys or
+    values by their output error (output_errors), then dropped; with attention's scale of them."""
 
     def __init__(self, sinks: int, first_window: int):
         self.first, self.last = value_error_span(sinks, first_window)
@@ -356,15 +360,17 @@ class SpanQueries:
     def reset(self) -> None:
         self.queries: mx.array | None = None  # (B, n_q_heads, last - first, D), rows of positions not seen zero
         self.start = self.end = 0  # the queries of positions [start, end) are held
+        self.scale: float | None = None  # attention's scale of them (None: not seen, or 1/√D)
 
     @property
     def complete(self) -> bool:
         return self.start <= self.first and self.end >= self.last
 
-    def add(self, queries: mx.array, n_tokens: int, dtype: mx.Dtype) -> None:
+    def add(self, queries: mx.array, n_tokens: int, dtype: mx.Dtype, scale: float | None = None) -> None:
         """Hold the queries (B, n_q_heads, L, D) attending the last L of n_tokens tokens at the span's positions
-        not held yet. Graph construction only."""
+        not held yet, which attention scales by `scale`. Graph construction only."""
         B, Hq, L, D = queries.shape
+        self.scale = self.scale if scale is None else float(scale)
         lo, hi = unseen(n_tokens, L, self.end, self.first, self.last)
         if hi <= lo:
             return

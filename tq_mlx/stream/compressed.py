@@ -222,9 +222,9 @@ class CompressedStream:
         return x
 
     def _compress(self, x: mx.array, n: int, window_after: int = 0, final: bool = False,
-                  values: StreamView | None = None) -> None:
+                  other: StreamView | None = None) -> None:
         """Compress the first n tokens of x (the window's tokens, then the new ones), window_after tokens
-        staying in the window; then decay what is old enough. values: the value stream's view, which keys by
+        staying in the window; then decay what is old enough. other: the other side's view, which keys (values) by
         their output error read at their first compression (from the learning step: observe)."""
         x = x.astype(mx.float32)
         if self.scale is None:  # calibrate on the first tokens after the sinks (a bound's drops keep it)
@@ -236,9 +236,9 @@ class CompressedStream:
             if not final and self.protect is not None and self.protect.bits > self.base_quantizer.bits:
                 self.set_protected(needs_protection(calib, self.protect.factor))
             by_output = self.span is not None and not self.protected
-            if self.weigh and not final and (by_output or not sums.covers(self.n_sinks, calib.shape[2])):
-                # the queries of some calibration tokens come with this chunk's attention (or, keys by their output
-                # error, the values they are read with): code now, and again with them when attention hands them
+            if not final and (by_output or self.weigh and not sums.covers(self.n_sinks, calib.shape[2])):
+                # the queries of some calibration tokens come with this chunk's attention (or, by their output
+                # error, the other side they are read with): code now, and again with them when attention hands them
                 # over (observe), before anything reads these codes
                 sums.wait(x, n, window_after, force=by_output)
             halves = self.widen is not None and self.widen.step != 1 and not self.protected
@@ -251,8 +251,8 @@ class CompressedStream:
                 # them codes at the configured bits and is coded again at the chosen ones when they come)
                 bits = self.base_quantizer.bits
                 if by_output:
-                    if sums.pending is None and values is not None and self.span.complete:
-                        bits = self._output_width(calib, cal, values)
+                    if sums.pending is None and other is not None and self.span.complete:
+                        bits = self._output_width(calib, cal, other)
                 elif sums.pending is None and cal.error is not None:
                     errors = np.array(cal.error if cal.split is None else mx.concatenate(
                         [cal.error[..., None], cal.split], axis=-1))  # every kv head's, read back at once
@@ -284,16 +284,17 @@ class CompressedStream:
 
     @property
     def wants_queries(self) -> bool:
-        """Whether the cache's learning step should hand this stream its queries (observe): weights not fixed yet,
-        or the values' decay bits not chosen yet."""
-        return (self.weigh and (self.query_sums.pending is not None or self.scale is None)
+        """Whether the cache's learning step should hand this stream its queries (observe): weights or a width by
+        the output error not fixed yet, or the values' decay bits not chosen yet."""
+        return ((self.weigh or self.span is not None) and (self.query_sums.pending is not None or self.scale is None)
                 or self.value_sums is not None and self.value_width is None)
 
     def observe(self, queries: mx.array, scale: float | None = None, keys: StreamView | None = None,
                 values: StreamView | None = None) -> StreamView:
         """Take the queries (B, n_q_heads, L, D) that attend this stream's last L tokens, adding the squares of
         those at calibration positions (the first `window` after the sinks) to the query sums; then finish a
-        first compression that waited for them. A value stream choosing its decay bits (narrow) takes them with
+        first compression that waited for them (by their output error, with the other side's view: `values` for
+        keys, `keys` for values). A value stream choosing its decay bits (narrow) takes them with
         the keys' view they read, and chooses once the last of its window's came (one value read back).
         Returns the view to attend; otherwise graph construction only."""
         if self.value_sums is not None and self.value_width is None and keys is not None:
@@ -306,9 +307,9 @@ class CompressedStream:
             bh = self.batch_heads()
             end = self.max_sinks + self.calibration if self.calibration else self.n_tokens
             self.query_sums.add(queries, self.n_tokens, self.max_sinks, end, bh and bh.heads, scale)
-            if self.span is not None:
-                self.span.add(queries, self.n_tokens, self._float_dtype(queries))
-        self._settle(values)
+        if self.span is not None:
+            self.span.add(queries, self.n_tokens, self._float_dtype(queries), scale)
+        self._settle(keys if values is None else values)
         view = self.view()
         sums = [a for a in (self.query_sums.total, self.value_sums and self.value_sums.errors,
                             self.span and self.span.queries) if a is not None]
@@ -322,16 +323,16 @@ class CompressedStream:
                 view = view._replace(**{part: mx.depends(getattr(view, part), sums)})
         return view
 
-    def _settle(self, values: StreamView | None = None) -> None:
+    def _settle(self, other: StreamView | None = None) -> None:
         """Finish a first compression that waited for queries: code it again (the same tokens) if queries came
-        since (or, keys by their output error, with the value stream's view `values`: without it, at their
-        configured bits); the weights are then fixed and the summed queries dropped."""
+        since (or, by their output error, with the other side's view `other`: without it, at the configured
+        bits); the weights are then fixed and the summed queries dropped."""
         redo = self.query_sums.settle()
         if redo is not None:
             self.codes = self.decayed = self.mean = self.perm = self.scale = self.weights = None
             self.n_fresh = self.n_decayed = 0
             # the same tokens: the same protection
-            self._compress(redo.x, redo.n, redo.window_after, final=True, values=values)
+            self._compress(redo.x, redo.n, redo.window_after, final=True, other=other)
 
     def _quantizer_input(self, x: mx.array, position: int, mean: mx.array | None, weights: mx.array | None):
         """(tokens x at positions position .. as the encoder takes them, the mean it subtracts): with the rope
@@ -343,10 +344,11 @@ class CompressedStream:
             mean = None if mean is None else mean * weights
         return x, mean
 
-    def _output_width(self, calib: mx.array, cal, values: StreamView) -> float:
-        """The fewest bits of the widths keys may take whose output error (calibration.output_errors) on the held
-        queries is at most the target in every (batch, kv head): the calibration keys coded at each width as this
-        stream codes them, read with the value stream's first tokens. One value read back."""
+    def _output_width(self, calib: mx.array, cal, other: StreamView) -> float:
+        """The fewest bits of the widths this stream may take whose output error (calibration.output_errors) on
+        the held queries is at most the target in every (batch, kv head): the calibration tokens coded at each width
+        as this stream codes them, read with the other side's first tokens (keys: the values' as they are held;
+        values: the keys'). One value read back."""
         span, n_s = self.span, self.n_sinks
         widths = self.widen.widths(self.base_quantizer.bits)
         position = self._position(0)
@@ -359,10 +361,12 @@ class CompressedStream:
                               rope=self.rope, position=position, weights=cal.weights)
             coded.append(decode(view, mx.float32))
         sinks = [] if not n_s else [self.sinks[:, :, :n_s].astype(mx.float32)]
-        keys = mx.concatenate([*sinks, calib], axis=2)[:, :, : span.last]
+        mine = mx.concatenate([*sinks, calib], axis=2)[:, :, : span.last]
         coded = [mx.concatenate([*sinks, c], axis=2)[:, :, : span.last] for c in coded]
-        v = first_tokens(values, span.last)
-        errors = output_errors(span.queries, keys, coded, v, n_s, span.first, self.max_window, self.query_sums.scale)
+        theirs = first_tokens(other, span.last)
+        keys, values = (mine, theirs) if self.name == "k" else (theirs, mine)
+        errors = output_errors(span.queries, keys, coded, values, n_s, span.first, self.max_window, span.scale,
+                               side="keys" if self.name == "k" else "values")
         worst = np.asarray(mx.max(errors, axis=(0, 1)))  # every width's, read back at once
         return next((b for b, e in zip(widths, worst) if e <= self.widen.target), widths[-1])
 
@@ -449,7 +453,7 @@ class CompressedStream:
 
     @property
     def span_seen(self) -> tuple[int, int]:
-        """The positions [start, end) whose queries keys by their output error hold while their width is not chosen."""
+        """The positions [start, end) whose queries a stream by its output error holds while its width is not chosen."""
         sp = self.span
         return (0, 0) if sp is None or sp.queries is None else (sp.start, sp.end)
 
@@ -591,8 +595,8 @@ class CompressedStream:
         if parts.span is not None:
             sp = self.span
             if sp is None or parts.span.shape[2] != sp.last - sp.first:
-                raise ValueError(f"{self.name}_span: held queries, but this stream does not choose its keys' width by "
-                                 f"their output error or holds {None if sp is None else sp.last - sp.first} positions, got "
+                raise ValueError(f"{self.name}_span: held queries, but this stream does not choose its width by its "
+                                 f"output error or holds {None if sp is None else sp.last - sp.first} positions, got "
                                  f"{parts.span.shape[2]}")
             sp.load(parts.span, *span_seen)
         elif self.span is not None:
