@@ -601,22 +601,25 @@ def by_output(target, chunks=(300,), **kw):
     return run_cache(cfg(**(SPAN_CFG | dict(key_output_error=target) | kw)), keys, values, queries, list(chunks))[0]
 
 
-def float64_output_errors(queries, keys, coded, values, sinks, first, last, window):
+def float64_output_errors(queries, keys, coded, values, sinks, first, last, window, side="keys"):
     """Per kv head, √(Σ‖ô − o‖² / Σ‖o‖²) over the queries of positions first .. last - 1 (all query heads), each
-    reading the tokens after the sinks at least window + 1 older than itself as `coded`, the rest as `keys`."""
+    reading the tokens after the sinks at least window + 1 older than itself as `coded` (keys, or with side
+    "values" values), the rest as `keys` and `values`."""
     q, k, c, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, coded, values))
     G = q.shape[1] // k.shape[1]
     out = []
     for h in range(k.shape[1]):
         num = den = 0.0
         for p in range(first, last):
+            j = np.arange(p + 1)
+            old = (j >= sinks) & (j < p - window)
+            kr = np.where(old[:, None], c[0, h, : p + 1], k[0, h, : p + 1]) if side == "keys" else k[0, h, : p + 1]
+            vr = np.where(old[:, None], c[0, h, : p + 1], v[0, h, : p + 1]) if side == "values" else v[0, h, : p + 1]
             for g in range(G):
                 qv = q[0, h * G + g, p] * D**-0.5
-                j = np.arange(p + 1)
-                s_exact = k[0, h, : p + 1] @ qv
-                s = np.where((j >= sinks) & (j < p - window), c[0, h, : p + 1] @ qv, s_exact)
+                s_exact, s = k[0, h, : p + 1] @ qv, kr @ qv
                 o = np.exp(s_exact - s_exact.max()) @ v[0, h, : p + 1] / np.exp(s_exact - s_exact.max()).sum()
-                oh = np.exp(s - s.max()) @ v[0, h, : p + 1] / np.exp(s - s.max()).sum()
+                oh = np.exp(s - s.max()) @ vr / np.exp(s - s.max()).sum()
                 num, den = num + ((oh - o) ** 2).sum(), den + (o**2).sum()
         out.append(math.sqrt(num / den))
     return out

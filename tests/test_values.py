@@ -348,6 +348,7 @@ def test_a_converted_float_cache_does_not_choose_its_values():
 from tq_mlx.plan import layer_bytes  # noqa: E402
 from tq_mlx.stream.calibration import output_errors  # noqa: E402
 from tq_mlx.stream.view import first_tokens  # noqa: E402
+from tests.test_query_weights import float64_output_errors  # noqa: E402  (the keys' float64 reference serves both sides)
 
 # sinks 2, first window 96: the span's queries are positions 66 .. 97, each reading the tokens more than 32 older as
 # codes; keys keep K4 (no width of their own), so every value width is read with the same keys
@@ -358,26 +359,6 @@ SPAN = (66, 98)
 
 def vo_cache(target=None, **kw):
     return TurboQuantKVCache(TurboQuantConfig(**{**VO, "value_output_error": target, **kw}), layer_index=2, head_dim=D)
-
-
-def float64_value_errors(q, keys, values, coded, sinks, first, last, window):
-    """Per kv head, √(Σ‖ô − o‖² / Σ‖o‖²) over the queries of positions first .. last - 1 (all query heads), each
-    reading the values after the sinks at least window + 1 older than itself as `coded`, the rest as `values`."""
-    q, k, v, c = (np.asarray(a, dtype=np.float64) for a in (q, keys, values, coded))
-    G = q.shape[1] // k.shape[1]
-    out = []
-    for h in range(k.shape[1]):
-        num = den = 0.0
-        for p in range(first, last):
-            j = np.arange(p + 1)
-            read = np.where(((j >= sinks) & (j < p - window))[:, None], c[0, h, : p + 1], v[0, h, : p + 1])
-            for g in range(G):
-                s = k[0, h, : p + 1] @ q[0, h * G + g, p] * D**-0.5
-                w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
-                o, oh = w @ v[0, h, : p + 1], w @ read
-                num, den = num + ((oh - o) ** 2).sum(), den + (o**2).sum()
-        out.append(np.sqrt(num / den))
-    return out
 
 
 def test_value_output_error_is_validated_described_and_read_from_old_files():
@@ -412,7 +393,7 @@ def test_value_output_errors_are_the_relative_output_error_of_reading_old_values
     k, v, q = (mx.array(rng.normal(size=s), dtype=mx.float32) for s in ((1, 2, 40, D), (1, 2, 40, D), (1, 4, 40, D)))
     c = v + mx.array(rng.normal(size=(1, 2, 40, D)) * 0.1, dtype=mx.float32)
     got = np.asarray(output_errors(q[:, :, 25:], k, [c, v], v, 3, 25, 8, side="values"))
-    want = float64_value_errors(q, k, v, c, 3, 25, 40, 8)
+    want = float64_output_errors(q, k, c, v, 3, 25, 40, 8, side="values")
     assert np.allclose(got[0, :, 0], want, rtol=1e-4) and np.all(got[..., 1] == 0)
 
 
@@ -425,8 +406,8 @@ def widths_errors():
         c = vo_cache(None, value_bits=b)
         c.update_and_fetch(k[:, :, :100], v[:, :, :100])  # compressed, the span's tokens among them
         keys = first_tokens(c.key_stream.view(), SPAN[1])
-        errors[b] = max(float64_value_errors(q, keys, v[:, :, : SPAN[1]], first_tokens(c.value_stream.view(), SPAN[1]),
-                                             2, *SPAN, 32))
+        errors[b] = max(float64_output_errors(q, keys, first_tokens(c.value_stream.view(), SPAN[1]),
+                                              v[:, :, : SPAN[1]], 2, *SPAN, 32, side="values"))
     return errors
 
 
