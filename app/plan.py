@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tq_mlx.cache import TurboQuantConfig
-from tq_mlx.config import BOUNDARY_SIDES, NARROWEST_KEY_BITS, WIDEST_KEY_BITS, derive_config, format_bits
+from tq_mlx.config import BOUNDARY_SIDES, NARROWEST_KEY_BITS, NARROWEST_VALUE_BITS, WIDEST_KEY_BITS, derive_config, format_bits
 from tq_mlx.planner import memory
 from tq_mlx.models.architectures import FLOAT_FETCH
 from tq_mlx.models.architectures import attention_layout, model_types
@@ -52,7 +52,7 @@ class Plan:
     prefill_step: int = 2048
     protect_bytes: int = 0  # what one layer adds at ctx if its keys protect themselves (config.protect_bits)
     widen_bytes: int = 0  # what one layer's keys at the most bits key_error gives hold beyond key_bits
-    narrow_bytes: int = 0  # what one layer's values kept at their bits hold beyond decaying to the fewest (value_error)
+    narrow_bytes: int = 0  # what one layer's values kept at their bits hold beyond the fewest (value_error, value_output_error)
     value_dim: int = 0  # a full layer's value width (the rope key's for MLA); 0: head_dim
     sliding_geometry: tuple[int, int, int] | None = None  # (kv heads, key dim, value dim) if not the full layers'
     shared_layers: tuple[int, ...] = ()  # KV-shared layers: no cache of their own
@@ -285,7 +285,13 @@ def format_plan(plan: Plan) -> str:
         rows.append(("", f"at most: every layer's keys at K{WIDEST_KEY_BITS} (each takes the fewest bits from {rule}, "
                          f"at its first compression; the panel names them); -{format_bytes(plan.widen_bytes)} for "
                          f"each layer that keeps K{kb}" + ("" if c.key_output_error is None else f", more at K{NARROWEST_KEY_BITS}")))
-    if plan.narrow_bytes:
+    if plan.narrow_bytes and plan.config.value_output_error is not None:
+        vb = format_bits(plan.config.value_bits)
+        rows.append(("", f"at most: every layer's values at V{vb} (each takes the fewest bits from "
+                         f"V{NARROWEST_VALUE_BITS} in half steps whose output error on its first window is at most "
+                         f"{plan.config.value_output_error:g}, at its first compression; the panel names them); "
+                         f"-{format_bytes(plan.narrow_bytes)} for each layer at V{NARROWEST_VALUE_BITS}"))
+    elif plan.narrow_bytes:
         vb, least = format_bits(plan.config.value_bits), plan.config.narrowest_value_bits
         rows.append(("", f"at most: every layer's old values kept at V{vb} (each decays them to the fewest bits from "
                          f"V{least} whose output error on its first window is at most {plan.config.value_error:g}, once "

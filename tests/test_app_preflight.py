@@ -173,6 +173,24 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
     assert "(values V3 to V4 by their output error)" in text and "V2" not in text
 
 
+def test_plan_prices_values_that_choose_their_width(tiny_model_dir):
+    from tq_mlx.planner.memory import narrow_layer_bytes
+
+    cfg = load_model_config(tiny_model_dir)
+    config = TurboQuantConfig(value_output_error=0.03)
+    plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
+    n = plan.attention_layers
+    # every layer's values priced at V4, the most; a layer at V3 holds narrow_bytes less, and V3 everywhere is a
+    # config of V3 values holding V4's quantizer constants too
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == estimate_kv_bytes(cfg, 32768, config, value_widths=[4] * n)
+    assert plan.narrow_bytes == narrow_layer_bytes(cfg, 32768, config) > 0
+    all_v3 = estimate_kv_bytes(cfg, 32768, config, value_widths=[3] * n)
+    assert plan.kv - all_v3 == n * plan.narrow_bytes
+    assert all_v3 > estimate_kv_bytes(cfg, 32768, replace(config, value_output_error=None, value_bits=3))
+    assert ("at most: every layer's values at V4 (each takes the fewest bits from V3 in half steps whose output "
+            "error on its first window is at most 0.03") in format_plan(plan)
+
+
 def test_plan_shows_and_prices_temporal_decay(tiny_model_dir):
     cfg = load_model_config(tiny_model_dir)
     decay = TurboQuantConfig(value_bits=4, decay_after=2048, decay_key_bits=3, decay_value_bits=2)  # K4/V4

@@ -296,15 +296,16 @@ def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None
 def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
                        max_kv_size: int | None = None) -> int:
     """What one attention layer's values hold at ctx keeping their bits beyond decaying to the fewest value_error
-    gives them (config.narrowest_value_bits: decay_value_bits, else 2). Each layer chooses by its
-    own window's queries, so estimate_kv_bytes prices them kept and overstates a layer that decays them to the
-    fewest by this. 0 where values do not choose (no value_error, a layer whose attention does not take the cache's
-    views, latent, K=V)."""
+    gives them (config.narrowest_value_bits: decay_value_bits, else 2), or beyond the fewest value_output_error gives
+    them (NARROWEST_VALUE_BITS, at every age). Each layer chooses by its own window's queries, so estimate_kv_bytes
+    prices them kept and overstates a layer that takes the fewest by this. 0 where values do not choose (neither
+    target, a layer whose attention does not take the cache's views, latent, K=V)."""
     plan = _middle_plan(model_config, config)
-    if plan is None or plan.values is None or plan.values.narrow is None or not attention_layout(model_config).v_head_dim:
+    v = None if plan is None else plan.values
+    if v is None or (v.narrow is None and v.widen is None) or not attention_layout(model_config).v_head_dim:
         return 0
-    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": plan.values.narrow.least},
-                        value_width=int(plan.values.bits))
+    least = v.narrow.least if v.narrow is not None else v.widen.least
+    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": least}, value_width=v.bits)
 
 
 def _middle_plan(model_config: dict, config) -> LayerPlan | None:
