@@ -78,7 +78,7 @@ ALLOWED = [
     (r"\b[1-9]\d*-bit\b", "a code's width in words"),
     (r"\b\d+-token (?:window|block)", "a setting's window or block"),
     (r"\bwindows \d+(?: / \d+)+", "the windows a sweep measured"),
-    (r"`(?:key|key_output|value)_error` 0\.\d+", "a setting's target"),
+    (r"`(?:key|key_output|value|value_output)_error` 0\.\d+", "a setting's target"),
     (r"the 1911 article", "the text's edition"),
     (r"\b(?:past|after) \d{4}\b", "a setting's decay age"),
     (r"\btop-1\b", "the top-1 agreement's name"),
