@@ -4,7 +4,7 @@
 place among the attention layers, its fetch, K=V, whether its RoPE can be read) into a frozen LayerPlan: the
 bits each side starts at, the widest its keys may take (key_error) or protect at, the bits and age its old
 tokens decay at, the window, sinks, compress block and step, whether keys are weighed and centered (before
-RoPE or not), the norms, and whether values choose their decay bits by their error. TurboQuantKVCache builds its
+RoPE or not), the norms, and whether values choose their decay bits or their width by their error. TurboQuantKVCache builds its
 streams from it (tq_mlx.stream.compressed reads a StreamPlan) and the planner prices it (`layer_bytes`, tq_mlx.planner.memory):
 neither derives a per-layer rule of its own, so a rule changes in one place.
 
@@ -216,10 +216,10 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
     What a plan cannot know until the layer's first compression is given: protected (the keys protected
     themselves), key_width (the width the keys chose by their error; None: their bits), value_width (the bits
     old values chose to decay to, or their own bits: kept; values by their output error: the width they chose; None:
-    not chosen yet). rope_pairs: the channel pairs the layer's
-    RoPE rotates (priced where the plan centers keys before RoPE). value_dim 0: zero-wide values (an indexer's
-    keys-only cache), no value stream. query_heads: query heads per kv head (keys and values by their output error hold the
-    queries of their first window's last third until their first compression)."""
+    not chosen yet). rope_pairs: the channel pairs the layer's RoPE rotates (priced where the plan centers keys
+    before RoPE). value_dim 0: zero-wide values (an indexer's keys-only cache), no value stream. query_heads: query
+    heads per kv head (keys and values by their output error hold the queries of their first window's last third
+    until their first compression)."""
     k, v, c = plan.keys, plan.values, plan.config
     common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
     total = stream_bytes(c, tokens, key_dim, k.bits, qjl=k.qjl, decay_bits=k.decay_bits, protected=protected,

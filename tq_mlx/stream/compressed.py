@@ -89,7 +89,9 @@ class CompressedStream:
     docstring). A protected stream does not decay: what made it protect its keys holds at every age. widen
     (plan.Widen): with query weights, the first compression also chooses the keys' width from their logit error on
     the calibration queries (one more number read back, once the queries came); a widened stream decays by
-    the same step (K6 -> K5 where K4 -> K3). narrow (target, age): values by their error (tq_mlx.stream.values): the
+    the same step (K6 -> K5 where K4 -> K3). With an output target (widen.output) a stream of either side holds the
+    queries of its first window's last third and chooses its width by the attention-output error they read,
+    with the other side's view (observe). narrow (target, age): values by their error (tq_mlx.stream.values): the
     stream decays its tokens older than `age` to the bits it chooses once attention handed it the queries of its
     first window's last third (observe, with the keys' view; one number read back), and until then keeps its bits.
     """
