@@ -144,19 +144,26 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert plan.kv == floor
 
 
-def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
+def priced_at_the_most(cfg: dict, config: TurboQuantConfig, least: int):
+    """The plan of a config whose values choose their bits by their error, after checking that it prices every
+    layer's values at V4, the most, and that a layer at `least` bits holds narrow_bytes less; with the bytes of
+    every layer at `least`."""
     from tq_mlx.planner.memory import narrow_layer_bytes
 
-    cfg = load_model_config(tiny_model_dir)
-    config = TurboQuantConfig(value_bits=4, value_error=0.05)
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
     n = plan.attention_layers
-    # the plan prices every layer's values kept at V4, the most; a layer whose values decay to V2 holds
-    # narrow_bytes less, and the bytes of V2 everywhere are those of a config that decays every layer's values to 2
     assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == estimate_kv_bytes(cfg, 32768, config, value_widths=[4] * n)
     assert plan.narrow_bytes == narrow_layer_bytes(cfg, 32768, config) > 0
-    all_v2 = estimate_kv_bytes(cfg, 32768, config, value_widths=[2] * n)
-    assert plan.kv - all_v2 == n * plan.narrow_bytes
+    all_least = estimate_kv_bytes(cfg, 32768, config, value_widths=[least] * n)
+    assert plan.kv - all_least == n * plan.narrow_bytes
+    return plan, all_least
+
+
+def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
+    cfg = load_model_config(tiny_model_dir)
+    config = TurboQuantConfig(value_bits=4, value_error=0.05)
+    # the bytes of V2 everywhere are those of a config that decays every layer's values to 2
+    plan, all_v2 = priced_at_the_most(cfg, config, 2)
     assert all_v2 == estimate_kv_bytes(cfg, 32768, replace(config, value_error=None, decay_value_bits=2))
     assert ("at most: every layer's old values kept at V4 (each decays them to the fewest bits from V2 whose output "
             "error on its first window is at most 0.05") in format_plan(plan)
@@ -164,28 +171,18 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
     assert plan.narrow_bytes == 0 and "old values kept" not in format_plan(plan)
     # the fewest bits given (decay_value_bits=3): a layer that takes them holds V4 less V3, no decay row of V2
     least = TurboQuantConfig(value_bits=4, value_error=0.05, decay_value_bits=3)
-    plan = make_plan("m", cfg, 10**8, 32768, least, 10**10)
-    all_v3 = estimate_kv_bytes(cfg, 32768, least, value_widths=[3] * n)
-    assert plan.kv - all_v3 == n * plan.narrow_bytes == n * narrow_layer_bytes(cfg, 32768, least) > 0
-    assert plan.narrow_bytes < narrow_layer_bytes(cfg, 32768, config)
+    plan, _ = priced_at_the_most(cfg, least, 3)
+    assert plan.narrow_bytes < priced_at_the_most(cfg, config, 2)[0].narrow_bytes
     text = format_plan(plan)
     assert "each decays them to the fewest bits from V3 whose output error" in text and "decay to V3" in text
     assert "(values V3 to V4 by their output error)" in text and "V2" not in text
 
 
 def test_plan_prices_values_that_choose_their_width(tiny_model_dir):
-    from tq_mlx.planner.memory import narrow_layer_bytes
-
     cfg = load_model_config(tiny_model_dir)
     config = TurboQuantConfig(value_output_error=0.03)
-    plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
-    n = plan.attention_layers
-    # every layer's values priced at V4, the most; a layer at V3 holds narrow_bytes less, and V3 everywhere is a
-    # config of V3 values holding V4's quantizer constants too
-    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == estimate_kv_bytes(cfg, 32768, config, value_widths=[4] * n)
-    assert plan.narrow_bytes == narrow_layer_bytes(cfg, 32768, config) > 0
-    all_v3 = estimate_kv_bytes(cfg, 32768, config, value_widths=[3] * n)
-    assert plan.kv - all_v3 == n * plan.narrow_bytes
+    # V3 everywhere is a config of V3 values holding V4's quantizer constants too
+    plan, all_v3 = priced_at_the_most(cfg, config, 3)
     assert all_v3 > estimate_kv_bytes(cfg, 32768, replace(config, value_output_error=None, value_bits=3))
     assert ("at most: every layer's values at V4 (each takes the fewest bits from V3 in half steps whose output "
             "error on its first window is at most 0.03") in format_plan(plan)
