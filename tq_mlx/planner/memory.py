@@ -221,14 +221,8 @@ def chosen_value_widths(prompt_cache: Iterable[Any]) -> list[float | None]:
     """Each TurboQuant attention layer's value bits chosen by their error: the bits old values decay to
     (value_error) or the values' width (value_output_error, once chosen at the first compression); None: not
     chosen, or the layer does not choose. In layer order: estimate_kv_bytes's value_widths for this cache."""
-    return [c.value_bits if _chose_width(c.value_stream) else c.value_width
+    return [c.value_bits if c.value_stream is not None and c.value_stream.width_chosen else c.value_width
             for c in flat_caches(prompt_cache) if hasattr(c, "key_stream")]
-
-
-def _chose_width(stream) -> bool:
-    """Whether a stream by its output error chose its width (its first compression settled)."""
-    return (stream is not None and stream.widen is not None and stream.scale is not None
-            and stream.query_sums.pending is None)
 
 
 def chosen_key_widths(prompt_cache: Iterable[Any]) -> list[float | None]:

@@ -431,6 +431,11 @@ class CompressedStream:
         return self._protected
 
     @property
+    def width_chosen(self) -> bool:
+        """Whether a stream that chooses its width by its error (widen) chose it: its first compression settled."""
+        return self.widen is not None and self.scale is not None and self.query_sums.pending is None
+
+    @property
     def widened(self) -> bool:
         """Whether the keys chose more bits than configured (widen), the protection's aside."""
         return not self._protected and self.quantizer.bits != self.base_quantizer.bits
