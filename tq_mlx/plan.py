@@ -101,6 +101,13 @@ class StreamPlan:
         return max(self.window, self.first_window)
 
     @property
+    def least_value_bits(self) -> float | None:
+        """The fewest bits values that choose by their error may take (narrow: old values' decay, widen: their width);
+        None where the stream does not choose."""
+        choice = self.narrow if self.narrow is not None else self.widen if self.name == "v" else None
+        return None if choice is None else choice.least
+
+    @property
     def decay_bits(self) -> int | None:
         return None if self.decay is None else self.decay[1]
 

@@ -198,7 +198,7 @@ def estimate_kv_bytes(
             width = v_width = None
             if plan.keys.widen is not None:
                 width = plan.keys.widen.max_bits if key_widths is None else key_widths[a]
-            if plan.values is not None and (plan.values.narrow is not None or plan.values.widen is not None):
+            if plan.values is not None and plan.values.least_value_bits is not None:
                 v_width = plan.values.bits if value_widths is None or value_widths[a] is None else value_widths[a]
             total += layer_bytes(plan, ctx, H, dk, dv, batch=batch, float_bytes=float_bytes, max_kv_size=max_kv_size,
                                  rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width,
@@ -296,10 +296,10 @@ def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | Non
     target, a layer whose attention does not take the cache's views, latent, K=V)."""
     plan = _middle_plan(model_config, config)
     v = None if plan is None else plan.values
-    if v is None or (v.narrow is None and v.widen is None) or not attention_layout(model_config).v_head_dim:
+    if v is None or v.least_value_bits is None or not attention_layout(model_config).v_head_dim:
         return 0
-    least = v.narrow.least if v.narrow is not None else v.widen.least
-    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": least}, value_width=v.bits)
+    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": v.least_value_bits},
+                        value_width=v.bits)
 
 
 def _middle_plan(model_config: dict, config) -> LayerPlan | None:
