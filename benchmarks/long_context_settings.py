@@ -79,7 +79,7 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append(f"values V3-V{format_bits(cfg.value_bits)} within output error {cfg.value_output_error:g}"
                      " in half steps")
     if cfg.correct_norms:
-        extra.append("norms corrected")
+        extra.append("norms corrected" if cfg.correct_norms is True else f"{cfg.correct_norms}' norms corrected")
     if cfg.prefill_as_decode:
         extra.append("prefill read as decode")
     if cfg.first_window > cfg.window:
@@ -92,19 +92,19 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<fine>f)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?:vo(?P<voerror>[\d.]+))?(?P<nc>nc)?(?P<pd>pd)?(?:c(?P<calib>\d+))?"
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?:vo(?P<voerror>[\d.]+))?(?P<nc>nc(?P<ncside>[kv])?)?(?P<pd>pd)?(?:c(?P<calib>\d+))?(?P<np>np)?"
                   r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8[f]][r][q][e<key error>]
-    [h][o<key output error>][ve<value error>][vo<value output error>][nc][pd][c<calibration tokens>][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
+    [h][o<key output error>][ve<value error>][vo<value output error>][nc[k|v]][pd][c<calibration tokens>][np][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; o0.014: key_output_error 0.014, the keys' widths K3-K6 by
     their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; vo0.05:
     value_output_error 0.05, the values' widths V3-V4 in half steps by their attention-output error; nc: norms
-    corrected; pd: prefill read as decode; c768: the first compression waits for 768 tokens and calibrates on
-    them; bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
+    corrected (nck / ncv: the keys' / the values' alone); pd: prefill read as decode; c768: the first compression
+    waits for 768 tokens and calibrates on them; np: no key protection (protect_factor None); bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
     TurboQuantKVCache tqfull<key bits>v<value bits>[m<float16 tokens>], bits 1 to 8 (tqfull8v3: its recommended
     K8/V3; tqfull4v4m128: K4/V4 with its first 128 tokens kept in float16, min_tokens_before_quant)."""
@@ -149,11 +149,13 @@ def parse_setting(key: str) -> Setting:
     if m["voerror"]:
         over["value_output_error"] = float(m["voerror"])
     if m["nc"]:
-        over["correct_norms"] = True
+        over["correct_norms"] = {"k": "keys", "v": "values"}.get(m["ncside"], True)
     if m["pd"]:
         over["prefill_as_decode"] = True
     if m["calib"]:
         over["calibration_tokens"] = int(m["calib"])
+    if m["np"]:
+        over["protect_factor"] = None
     if m["bv_layers"]:
         over.update(boundary_layers=int(m["bv_layers"]), boundary_bits=num(m["bv_bits"]), boundary_sides="v")
     s = tq(num(m["kb"]), num(m["vb"]), **over)

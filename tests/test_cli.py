@@ -184,6 +184,19 @@ def test_a_default_on_both_ways(field, on, off, said, word):
     assert word not in describe_config(TurboQuantConfig())
 
 
+def test_one_sides_norms_corrected_from_the_command_line():
+    assert config_from_args(parse("--tq-correct-norms", "keys")).correct_norms == "keys"
+    assert config_from_args(parse("--tq-correct-norms", "values")).correct_norms == "values"
+    assert config_from_args(parse("--tq-correct-norms")).correct_norms is True
+    assert "values' norms not corrected" in describe_config(config_from_args(parse("--tq-correct-norms", "keys")))
+    assert "keys' norms not corrected" in describe_config(config_from_args(parse("--tq-correct-norms", "values")))
+    with pytest.raises(SystemExit):
+        parse("--tq-correct-norms", "both")
+    with pytest.raises(ValueError, match="contradict"):
+        config_from_args(parse("--tq-correct-norms", "keys", "--tq-no-correct-norms"))
+    assert cache_flags_given(parse("--tq-correct-norms", "values")) == ["--tq-correct-norms"]
+
+
 def test_key_centering_before_or_after_rope():
     assert config_from_args(parse("--tq-center-keys", "rope")).center_keys == "rope"
     assert config_from_args(parse("--tq-center-keys", "mean")).center_keys is True

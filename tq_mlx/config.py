@@ -16,6 +16,7 @@ from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS, check_bits, format_bits
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 NORM_STEPS = tuple(LOG_NORM_DTYPES)  # steps an octave of the 8-bit norms' log code: 32 fine (int8) or 16 coarse (uint8)
+CORRECT_NORMS_SIDES = (("correct_norms", "keys"), ("correct_norms", "values"))  # one side's norms corrected
 BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 AUTO = "auto"
@@ -216,9 +217,10 @@ class TurboQuantConfig:
     norm_steps: int = 32  # the 8-bit code's steps an octave: 32 (1.1% at most off, 2^-3.5 .. 2^4.4 of the stream's
     # scale) or 16 (2.2%, 2^-8 .. 2^8; every 8-bit cache before 2026-12-06): a norm's error scales a key's whole
     # logit, and with 16 steps it was as large as 5-bit codes' own error (tq_mlx.quant.quantizer)
-    correct_norms: bool = True  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the token's
-    # norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on since
-    # 2026-12-05, when the default's values fell to V3 (benchmarks/DEFAULTS.md)
+    correct_norms: bool | str = True  # store each code's norm as ‖x‖ / ‖c[idx]‖, so the decoded vector keeps the
+    # token's norm (TurboQuant+'s norm correction; tq_mlx.quant.quantizer): the same bytes, codes and decoding; on
+    # since 2026-12-05, when the default's values fell to V3 (benchmarks/DEFAULTS.md). "keys" / "values": that side's
+    # alone
     # Each query of a prefill chunk reads the cache as a decode step at its position would: the compressed tokens
     # a token-by-token cache would hold then as codes, the later ones in float (the window before the chunk and
     # the chunk's own tokens, read from the update, never held), so what a prompt leaves in the cache and its
@@ -242,8 +244,10 @@ class TurboQuantConfig:
             set_(name, check_bits(getattr(self, name), name))
         for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps",
                      "prefill_as_decode"):
-            if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != ("center_keys", "rope"):
-                allowed = "True, False or 'rope'" if name == "center_keys" else "True or False"
+            v = getattr(self, name)
+            if not isinstance(v, bool) and (name, v) not in (("center_keys", "rope"), *CORRECT_NORMS_SIDES):
+                allowed = ("True, False or 'rope'" if name == "center_keys" else "True, False, 'keys' or 'values'"
+                           if name == "correct_norms" else "True or False")
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.qjl and self.key_bits not in PROD_BITS:
             raise ValueError(f"qjl=True needs integer key_bits in {PROD_BITS}, got key_bits={self.key_bits}")

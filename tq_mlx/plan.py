@@ -183,9 +183,11 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
                   step=c.step,
-                  norm_bits=c.norm_bits, norm_steps=c.norm_steps, correct_norms=c.correct_norms,
+                  norm_bits=c.norm_bits, norm_steps=c.norm_steps,
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
+    # each side's norms corrected (config.correct_norms: both, neither or one side); a latent layer's "values" score
+    correct = {side: c.correct_norms in (True, name) for side, name in (("k", "keys"), ("v", "values"))}
     weigh = c.weigh_keys and fetch == "codes"
     target = c.key_error if c.key_error is not None else c.key_output_error
     widens = target is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
@@ -196,11 +198,11 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                       protect=Protect(c.protect_factor, c.protect_bits) if protects else None,
                       widen=Widen(target, WIDEST_KEY_BITS, 0.5 if c.key_half_steps else 1,
                                   None if c.key_output_error is None else NARROWEST_KEY_BITS) if widens else None,
-                      **tokens)
+                      correct_norms=correct["k"], **tokens)
     values = None
     if latent:  # the rope key: key bits, centered like keys, decaying at the key's decay bits
         values = StreamPlan("v", kb, False, layer_seed(c.seed, layer_index, 1), center=bool(c.center_keys),
-                            decay=keys.decay, **tokens)
+                            decay=keys.decay, correct_norms=correct["k"], **tokens)
     elif not k_eq_v:
         narrows = c.value_error is not None and c.decay_after is not None and not v_edge and fetch == "codes"
         chooses = c.value_output_error is not None and not v_edge and fetch == "codes"
@@ -209,7 +211,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                             decay=None if vd is None or c.value_error is not None else (age, vd),
                             narrow=Narrow(c.value_error, age, c.narrowest_value_bits) if narrows else None,
                             widen=Widen(c.value_output_error, vb, 0.5, NARROWEST_VALUE_BITS) if chooses else None,
-                            **tokens)
+                            correct_norms=correct["v"], **tokens)
     return LayerPlan(c, fetch, k_eq_v, (kb, vb), keys, values)
 
 

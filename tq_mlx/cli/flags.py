@@ -46,6 +46,7 @@ _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys",
           "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
 
 
+CORRECT_NORMS = ("keys", "values")  # --tq-correct-norms SIDE: TurboQuantConfig.correct_norms of that side alone
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
 
 
@@ -199,9 +200,11 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="the 8-bit norms' log code: 32 steps an octave (within 1.1%%, 2^-3.5 to 2^4.4 of the stream's "
                         "scale) or 16 (within 2.2%%, 2^-8 to 2^8; the code before 2026-12-06) "
                         f"(default {d.norm_steps})")
-    g.add_argument("--tq-correct-norms", dest="tq_correct_norms", action="store_true",
+    g.add_argument("--tq-correct-norms", dest="tq_correct_norms", nargs="?", const=True, choices=CORRECT_NORMS,
+                   metavar="SIDE",
                    help="store each compressed token's norm so that its decoded vector keeps the token's norm "
-                        f"(the same bytes; lower error at 2-3 bits) (default {d.correct_norms})")
+                        "(the same bytes; lower error at 2-3 bits); SIDE keys or values: that side's alone "
+                        f"(default {d.correct_norms})")
     g.add_argument("--tq-no-correct-norms", dest="tq_no_correct_norms", action="store_true",
                    help="store each compressed token's own norm (its decoded vector's norm a little off)")
     g.add_argument("--tq-prefill-as-decode", dest="tq_prefill_as_decode", action="store_true",
@@ -325,7 +328,7 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
     if getattr(args, "tq_correct_norms", False) and getattr(args, "tq_no_correct_norms", False):
         raise ValueError("--tq-correct-norms and --tq-no-correct-norms contradict each other: give one")
     if getattr(args, "tq_correct_norms", False):
-        kw["correct_norms"] = True
+        kw["correct_norms"] = args.tq_correct_norms  # True, or the one side named
     if getattr(args, "tq_no_correct_norms", False):
         kw["correct_norms"] = False
     if getattr(args, "tq_key_half_steps", False):

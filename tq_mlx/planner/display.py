@@ -218,8 +218,9 @@ def describe_config(config: TurboQuantConfig | None) -> str:
         parts.append("keys not weighed")
     if config.center_keys != "rope":
         parts.append("keys centered after RoPE" if config.center_keys else "keys not centered")
-    if not config.correct_norms:
-        parts.append("norms not corrected")
+    if config.correct_norms is not True:
+        parts.append({"keys": "values' norms not corrected", "values": "keys' norms not corrected"}.get(
+            config.correct_norms, "norms not corrected"))
     if not config.prefill_as_decode and config.window > 0:
         parts.append("prefill not read as decode")
     if config.value_error is not None:  # each layer's values choose between their narrowest and their own bits
