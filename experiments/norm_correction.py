@@ -27,7 +27,7 @@ from pathlib import Path
 # the probes beside this one, then the benchmarks' modules they measure with
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "benchmarks")]
 
-import common  # noqa: E402,F401  (puts the repo on sys.path)
+import common  # noqa: E402  (puts the repo on sys.path)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="prefix tokens")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
-    results = {"command": " ".join(["python experiments/norm_correction.py", *sys.argv[1:]]), "models": {}}
+    results = {"meta": common.metadata(), "models": {}}
     for key in args.models.split(","):
         print(f"{key}: V3 / V4 output error with plain / corrected / least-squares norms, per layer", flush=True)
         r = results["models"][key] = run_model(key, args.context)
