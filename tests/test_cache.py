@@ -470,20 +470,30 @@ def test_a_layer_with_biased_keys_protects_its_keys():
     assert (iso.key_bits, iso.protected) == (4, False)
 
 
-def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state():
-    # correct_norms is one config field: the keys' protected quantizer, the values' own and decaying ones take it,
-    # a cache rebuilt from the state codes as the original did, and a config saved before the field codes plainly.
+@pytest.mark.parametrize("side", [True, "keys", "values"])
+def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state(side):
+    # correct_norms (both sides, or "keys" / "values" alone) reaches the keys' protected quantizer and the values'
+    # own and decaying ones, the other side's storing plain norms; a cache rebuilt from the state codes as the
+    # original did, and a config saved before the field codes plainly.
+    keys, values = side in (True, "keys"), side in (True, "values")
     x = _biased_keys()
-    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2, decay_after=16,
-                           decay_key_bits=3, decay_value_bits=2, weigh_keys=False, correct_norms=True)
+    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2,
+                           decay_after=16, decay_key_bits=3, decay_value_bits=2, weigh_keys=False, correct_norms=side)
     c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
     c.update_and_fetch(x, x)
     ks, vs = c.key_stream, c.value_stream
     assert c.protected and ks.quantizer.bits == 8 and vs.decay.quantizer.bits == 2 and vs.n_decayed > 0
-    assert ks.quantizer.correct_norms and vs.quantizer.correct_norms and vs.decay.quantizer.correct_norms
+    assert ks.quantizer.correct_norms is keys
+    assert vs.quantizer.correct_norms is vs.decay.quantizer.correct_norms is values
+    if side is not True:  # each side's norms: those of both corrected where it is, not where it is not
+        both = TurboQuantKVCache(dataclasses.replace(cfg, correct_norms=True), layer_index=1, head_dim=64)
+        both.update_and_fetch(x, x)
+        for own, twin, corrected in ((ks, both.key_stream, keys), (vs, both.value_stream, values)):
+            assert bool(mx.array_equal(own.view().codes.norms, twin.view().codes.norms)) is corrected
     d = TurboQuantKVCache()
     d.state = c.state
-    assert d.config.correct_norms and d.value_stream.decay.quantizer.correct_norms
+    assert d.config.correct_norms == side and d.key_stream.quantizer.correct_norms is keys
+    assert d.value_stream.decay.quantizer.correct_norms is values
     more = mx.random.normal((1, 2, 16, 64), key=mx.random.key(9))
     for m in (c, d):
         m.update_and_fetch(more, more)
@@ -494,40 +504,6 @@ def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state():
         (a is None and b is None) or mx.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
     plain = TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "correct_norms"})
     assert plain.correct_norms is False and TurboQuantKVCache(plain).plan.values.correct_norms is False
-
-
-@pytest.mark.parametrize("side", ["keys", "values"])
-def test_one_sides_norms_corrected(side):
-    # correct_norms="keys"/"values": that side's quantizers (the protected keys', the decaying values') store
-    # corrected norms, the other side's plain ones; a cache rebuilt from the state codes as the original did.
-    x = _biased_keys()
-    cfg = TurboQuantConfig(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2,
-                           decay_after=16, decay_key_bits=3, decay_value_bits=2, weigh_keys=False, correct_norms=side)
-    c = TurboQuantKVCache(cfg, layer_index=1, head_dim=64)
-    c.update_and_fetch(x, x)
-    ks, vs = c.key_stream, c.value_stream
-    assert c.protected and vs.n_decayed > 0
-    assert ks.quantizer.correct_norms is (side == "keys")
-    assert vs.quantizer.correct_norms is vs.decay.quantizer.correct_norms is (side == "values")
-    both = TurboQuantKVCache(dataclasses.replace(cfg, correct_norms=True), layer_index=1, head_dim=64)
-    both.update_and_fetch(x, x)
-    same, other = (ks, vs) if side == "keys" else (vs, ks)
-    twin_same, twin_other = ((both.key_stream, both.value_stream) if side == "keys"
-                             else (both.value_stream, both.key_stream))
-    norms = lambda st: st.view().codes.norms  # noqa: E731
-    assert mx.array_equal(norms(same), norms(twin_same))  # the corrected side's norms are those of both corrected
-    assert not mx.array_equal(norms(other), norms(twin_other))
-    d = TurboQuantKVCache()
-    d.state = c.state
-    assert d.config.correct_norms == side and d.key_stream.quantizer.correct_norms is (side == "keys")
-    more = mx.random.normal((1, 2, 16, 64), key=mx.random.key(9))
-    for m in (c, d):
-        m.update_and_fetch(more, more)
-    from mlx.utils import tree_flatten
-
-    got, want = tree_flatten(d.state[1]), tree_flatten(c.state[1])
-    assert [k for k, _ in got] == [k for k, _ in want] and all(
-        (a is None and b is None) or mx.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
 
 
 def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it():
