@@ -504,6 +504,9 @@ def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state(side):
         (a is None and b is None) or mx.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
     plain = TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "correct_norms"})
     assert plain.correct_norms is False and TurboQuantKVCache(plain).plan.values.correct_norms is False
+    # the streams that score as keys follow the keys: a latent layer's rope key, a K=V layer's one stream
+    assert layer_plan(cfg, fetch="latent").values.correct_norms is keys
+    assert layer_plan(cfg, k_eq_v=True).keys.correct_norms is keys and layer_plan(cfg, k_eq_v=True).values is None
 
 
 def test_protection_survives_state_round_trip_and_a_trim_to_no_codes_resets_it():

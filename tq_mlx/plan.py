@@ -186,7 +186,8 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
                   norm_bits=c.norm_bits, norm_steps=c.norm_steps,
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
-    # each side's norms corrected (config.correct_norms: both, neither or one side); a latent layer's "values" score
+    # each side's norms corrected (config.correct_norms: both, neither or one side); the streams that score as keys
+    # (a latent layer's rope key, a K=V layer's one stream) follow the keys
     correct = {side: c.correct_norms in (True, name) for side, name in (("k", "keys"), ("v", "values"))}
     weigh = c.weigh_keys and fetch == "codes"
     target = c.key_error if c.key_error is not None else c.key_output_error
