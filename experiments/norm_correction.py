@@ -90,6 +90,11 @@ def run_model(key: str, context: int) -> dict:
                                "mse": float(np.mean([e[b][n][1] for e in layers]))} for n in NORMS}
         summary[str(b)]["layers_corrected_lowest"] = sum(
             e[b]["corrected"][0] <= min(e[b][n][0] for n in NORMS) for e in layers)
+    for b in BITS:
+        m = summary[str(b)]
+        print(f"  V{b}: median " + " / ".join(f"{m[n]['median']:.4f}" for n in NORMS) + ", MSE per vector "
+              + " / ".join(f"{m[n]['mse']:.5f}" for n in NORMS)
+              + f"; corrected lowest in {m['layers_corrected_lowest']} of {len(layers)} layers")
     return {"model": label, "context": context, "layers": len(layers), "bits": summary}
 
 
@@ -99,19 +104,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="prefix tokens")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
-    results = {"meta": common.metadata(), "models": {}}
-    for key in args.models.split(","):
-        print(f"{key}: V3 / V4 output error with plain / corrected / least-squares norms, per layer", flush=True)
-        r = results["models"][key] = run_model(key, args.context)
-        for b in BITS:
-            s = r["bits"][str(b)]
-            print(f"  V{b}: median " + " / ".join(f"{s[n]['median']:.4f}" for n in NORMS) + ", MSE per vector "
-                  + " / ".join(f"{s[n]['mse']:.5f}" for n in NORMS)
-                  + f"; corrected lowest in {s['layers_corrected_lowest']} of {r['layers']} layers")
+    print("V3 / V4 output error with plain / corrected / least-squares norms, per layer")
+    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context))
     out = Path(args.out) / "norm_correction.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

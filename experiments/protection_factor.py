@@ -72,9 +72,12 @@ def run_model(key: str, context: int) -> dict:
         print(f"  layer {i:2d}: " + " / ".join(f"{row[w]:5.2f}" for w in WAYS)
               + f"  K{c.key_bits:g}{' protected' if c.protected else ''}", flush=True)
     limit = config.protect_factor
-    return {"model": label, "context": context, "protect_factor": limit, "layers": layers,
-            **{f"over_{w}": [r["layer"] for r in layers if r[w] > limit] for w in WAYS},
-            **{f"max_{w}": max(r[w] for r in layers) for w in WAYS}}
+    found = {"model": label, "context": context, "protect_factor": limit, "layers": layers,
+             **{f"over_{w}": [r["layer"] for r in layers if r[w] > limit] for w in WAYS},
+             **{f"max_{w}": max(r[w] for r in layers) for w in WAYS}}
+    print(f"  over protect_factor {limit:g}: "
+          + "; ".join(f"{w} {found[f'over_{w}'] or 'none'} (largest {found[f'max_{w}']:.2f})" for w in WAYS))
+    return found
 
 
 def main() -> None:
@@ -83,16 +86,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="prefix tokens (at least the first window and a block)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
-    results = {"meta": common.metadata(), "models": {}}
-    for key in args.models.split(","):
-        print(f"{key}: bias_outlier_factor raw / centered / weighed, per layer", flush=True)
-        r = results["models"][key] = run_model(key, args.context)
-        print("  over protect_factor " + f"{r['protect_factor']:g}: "
-              + "; ".join(f"{w} {r[f'over_{w}'] or 'none'} (largest {r[f'max_{w}']:.2f})" for w in WAYS))
+    print("bias_outlier_factor raw / centered / weighed, per layer")
+    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context))
     out = Path(args.out) / "protection_factor.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out} ({results['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":
