@@ -16,7 +16,7 @@ from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS, check_bits, format_bits
 COMPRESS_BLOCK = 128
 NORM_BITS = (16, 8)
 NORM_STEPS = tuple(LOG_NORM_DTYPES)  # steps an octave of the 8-bit norms' log code: 32 fine (int8) or 16 coarse (uint8)
-CORRECT_NORMS_SIDES = (("correct_norms", "keys"), ("correct_norms", "values"))  # one side's norms corrected
+CORRECT_NORMS_SIDES = ("keys", "values")  # correct_norms: one side's norms corrected alone (or True / False)
 BOUNDARY_SIDES = {"kv": "keys and values", "k": "keys", "v": "values"}  # boundary_sides: what each widens
 DECAY_BITS = (1, 2, 3, 4, 5)  # one channel group each, so decayed codes share the fresh codes' rotation
 AUTO = "auto"
@@ -244,11 +244,10 @@ class TurboQuantConfig:
             set_(name, check_bits(getattr(self, name), name))
         for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps",
                      "prefill_as_decode"):
-            v = getattr(self, name)
-            if not isinstance(v, bool) and (name, v) not in (("center_keys", "rope"), *CORRECT_NORMS_SIDES):
-                allowed = ("True, False or 'rope'" if name == "center_keys" else "True, False, 'keys' or 'values'"
-                           if name == "correct_norms" else "True or False")
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            words = {"center_keys": ("rope",), "correct_norms": CORRECT_NORMS_SIDES}.get(name, ())  # besides True/False
+            if not isinstance(getattr(self, name), bool) and getattr(self, name) not in words:
+                allowed = ["True", "False", *map(repr, words)]
+                raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {getattr(self, name)!r}")
         if self.qjl and self.key_bits not in PROD_BITS:
             raise ValueError(f"qjl=True needs integer key_bits in {PROD_BITS}, got key_bits={self.key_bits}")
         f = self.protect_factor

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import BOUNDARY_SIDES, KEY_ERROR, NORM_BITS, NORM_STEPS, PRESETS, TurboQuantConfig, bits_label, derive_config
+from ..config import BOUNDARY_SIDES, CORRECT_NORMS_SIDES, KEY_ERROR, NORM_BITS, NORM_STEPS, PRESETS, TurboQuantConfig, bits_label, derive_config
 from ..planner.display import bound_text
 from ..quant.quantizer import MSE_BITS, check_bits, format_bits
 
@@ -46,7 +46,6 @@ _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys",
           "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
 
 
-CORRECT_NORMS = ("keys", "values")  # --tq-correct-norms SIDE: TurboQuantConfig.correct_norms of that side alone
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
 
 
@@ -200,7 +199,7 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                    help="the 8-bit norms' log code: 32 steps an octave (within 1.1%%, 2^-3.5 to 2^4.4 of the stream's "
                         "scale) or 16 (within 2.2%%, 2^-8 to 2^8; the code before 2026-12-06) "
                         f"(default {d.norm_steps})")
-    g.add_argument("--tq-correct-norms", dest="tq_correct_norms", nargs="?", const=True, choices=CORRECT_NORMS,
+    g.add_argument("--tq-correct-norms", dest="tq_correct_norms", nargs="?", const=True, choices=CORRECT_NORMS_SIDES,
                    metavar="SIDE",
                    help="store each compressed token's norm so that its decoded vector keeps the token's norm "
                         "(the same bytes; lower error at 2-3 bits); SIDE keys or values: that side's alone "
