@@ -1,16 +1,18 @@
 """Whether key protection still tests what the codes see: per attention layer, `bias_outlier_factor` (how much a
 query along the keys' mean reads their coding error, against keys that vary evenly; the cache protects a layer
-whose calibration keys exceed protect_factor) on the calibration keys three ways:
+whose calibration keys exceed protect_factor) on the calibration keys four ways:
 
 * raw: as the cache tests them today, the keys as the model makes them (after RoPE), less their plain mean;
+* before RoPE: the keys turned back by their RoPE, less μ0: the frame the default takes the mean in, where the
+  k_proj bias is one direction for every position, so the test reads the keys' spread along the bias itself;
 * centered: as the default codes them, less R(p) μ0 (the mean before RoPE, turned to each position);
 * weighed: centered, times the query weights (what the quantizer is handed).
 
 The question it answers: the factor that makes Qwen2.5-Coder-0.5B's layer 0 and Qwen2.5-Coder-1.5B's layer 1
 protect themselves at 8 bits is their k_proj bias, which centering before RoPE takes out before coding; on the keys
 as coded, is any layer still an outlier? Found: no layer of the three models reaches 5 once centered (both
-protected layers fall near 1), so the protection spends 8-bit keys on an offset the codes never hold; without it
-those layers take the widths their output error asks (benchmarks/DEFAULTS.md, protect_factor: about a standard
+protected layers fall near 1) or before RoPE (along the bias itself), so the protection spends 8-bit keys on an
+offset the codes never hold; without it those layers take the widths their output error asks (benchmarks/DEFAULTS.md, protect_factor: about a standard
 error more KL for 0.06-0.09 fewer bits/value at 8k).
 
 The default cache is run over the first --context tokens of Britannica (fed 512 at a time) so each key stream has
@@ -37,10 +39,11 @@ import quality  # noqa: E402
 import tq_mlx  # noqa: E402
 from key_error import MODELS  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
+from tq_mlx.models.rope import rotate  # noqa: E402
 from tq_mlx.stream.calibration import bias_outlier_factor, calibration_mean  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WAYS = ("raw", "centered", "weighed")
+WAYS = ("raw", "before_rope", "centered", "weighed")
 
 
 def factor(x: mx.array) -> float:
@@ -66,7 +69,9 @@ def run_model(key: str, context: int) -> dict:
         calib = k.astype(mx.float32)[:, :, first:first + n]
         centered, _ = s._quantizer_input(calib, first, s.mean, None)
         weighed, _ = s._quantizer_input(calib, first, s.mean, s.weights)
-        row = {"layer": i, "raw": factor(calib), "centered": factor(centered), "weighed": factor(weighed),
+        before = calib if s.rope is None else rotate(calib, s.rope, first, inverse=True)
+        row = {"layer": i, "raw": factor(calib), "before_rope": factor(before), "centered": factor(centered),
+               "weighed": factor(weighed),
                "key_bits": c.key_bits, "protected": bool(c.protected)}
         layers.append(row)
         print(f"  layer {i:2d}: " + " / ".join(f"{row[w]:5.2f}" for w in WAYS)
@@ -86,7 +91,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="prefix tokens (at least the first window and a block)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
-    print("bias_outlier_factor raw / centered / weighed, per layer")
+    print("bias_outlier_factor raw / before RoPE / centered / weighed, per layer")
     results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context))
     out = Path(args.out) / "protection_factor.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -470,6 +470,41 @@ def test_a_layer_with_biased_keys_protects_its_keys():
     assert (iso.key_bits, iso.protected) == (4, False)
 
 
+def test_protection_before_rope_reads_the_bias_where_it_is_one_direction():
+    # A key offset the model adds before RoPE (Qwen2's k_proj bias) turns with the position: tested on the keys as
+    # the model makes them it reads as an outlier, tested turned back by their RoPE (protect_before_rope) it does
+    # not, as the keys vary along it as much as along any direction. Keys that barely vary along their offset
+    # before RoPE protect themselves either way. (Factor 2: these 64 tokens turn the offset less than a real
+    # calibration's 768; Qwen2.5-Coder-0.5B's layer 0 reads 9.78 and 1.21, experiments/protection_factor.py.)
+    from tq_mlx.models.rope import Rope, rotate
+
+    D, T = 64, 64
+    rope = Rope(mx.arange(D).astype(mx.int32), 10000.0 ** (-mx.arange(D // 2).astype(mx.float32) / (D // 2)))
+    slow = mx.concatenate([mx.arange(D // 2) >= 24] * 2)  # the slowest quarter of the pairs hardly vary
+    x = mx.random.normal((1, 2, T, D), key=mx.random.key(0)) * mx.where(slow, 0.05, 1.0)
+    u = mx.random.normal((D,), key=mx.random.key(1))
+    offset = mx.concatenate([x[:, :1], x[:, 1:] + 30 * u / mx.linalg.norm(u)], axis=1)
+    base = dict(key_bits=4, value_bits=3, window=8, calibration_tokens=None, compress_block=8, sinks=2,
+                weigh_keys=False, protect_factor=2.0)
+
+    def protected(keys_before_rope, **kw):
+        c = TurboQuantKVCache(TurboQuantConfig(**base, **kw), layer_index=3, head_dim=D, rope=rope)
+        k = rotate(keys_before_rope, rope, 0)
+        c.update_and_fetch(k, k)
+        assert c.key_stream.rope is not None and c.plan.keys.protect.before_rope is kw.get("protect_before_rope", False)
+        return c.protected
+
+    assert protected(offset) and not protected(offset, protect_before_rope=True)
+    assert protected(_biased_keys()) and protected(_biased_keys(), protect_before_rope=True)
+    # without a RoPE to turn back (keys centered after it, or a layer whose RoPE is unknown) the test is the raw one
+    assert layer_plan(TurboQuantConfig(protect_before_rope=True), rope=False).keys.protect.before_rope is False
+    assert layer_plan(TurboQuantConfig(protect_before_rope=True, center_keys=True), rope=True).keys.protect.before_rope is False
+    assert TurboQuantConfig.from_dict({k: v for k, v in TurboQuantConfig(protect_before_rope=True).to_dict().items()
+                                       if k != "protect_before_rope"}).protect_before_rope is False
+    with pytest.raises(ValueError, match="protect_before_rope must be True or False"):
+        TurboQuantConfig(protect_before_rope="yes")
+
+
 @pytest.mark.parametrize("side", [True, "keys", "values"])
 def test_corrected_norms_reach_every_quantizer_of_a_cache_and_its_state(side):
     # correct_norms (both sides, or "keys" / "values" alone) reaches the keys' protected quantizer and the values'

@@ -83,6 +83,12 @@ def test_key_protection_flags():
         config_from_args(parse("--tq-no-protect", "--tq-protect-factor", "6"))
     with pytest.raises(SystemExit):
         parse("--tq-protect-factor", "0.5")
+    before = config_from_args(parse("--tq-protect-before-rope"))
+    assert before.protect_before_rope is True and before.protect_factor == TurboQuantConfig().protect_factor
+    assert "key protection tested before RoPE" in describe_config(before)
+    assert "before RoPE" not in describe_config(TurboQuantConfig())
+    with pytest.raises(ValueError, match="--tq-no-protect"):
+        config_from_args(parse("--tq-no-protect", "--tq-protect-before-rope"))
 
 
 def test_key_error_flag(capsys):

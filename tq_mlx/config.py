@@ -172,6 +172,10 @@ class TurboQuantConfig:
     boundary_sides: str = "kv"  # the sides the boundary layers widen: "kv", "k" or "v" (TurboQuant+'s boundary V)
     protect_factor: float | None = 5.0  # keys whose calibration bias_outlier_factor exceeds this: protect_bits
     protect_bits: float = 8
+    # Keys centered before RoPE take the protection's test in that frame: turned back by their RoPE, where the
+    # k_proj bias the test reads is one direction for every position (experiments/protection_factor.py). False:
+    # on the keys as the model makes them, as every cache did until it existed.
+    protect_before_rope: bool = False
     # The largest RMS error of the attention logits a layer's keys may give the queries of its calibration tokens
     # (calibration.logit_error): a layer whose keys exceed it at key_bits takes the fewest bits up to
     # WIDEST_KEY_BITS that do not, chosen at its first compression; its keys decay by the same step (K6 -> K5).
@@ -243,7 +247,7 @@ class TurboQuantConfig:
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
         for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps",
-                     "prefill_as_decode"):
+                     "prefill_as_decode", "protect_before_rope"):
             words = {"center_keys": ("rope",), "correct_norms": CORRECT_NORMS_SIDES}.get(name, ())  # besides True/False
             if not isinstance(getattr(self, name), bool) and getattr(self, name) not in words:
                 allowed = ["True", "False", *map(repr, words)]
@@ -456,6 +460,7 @@ class TurboQuantConfig:
         d.setdefault("key_output_error", None)
         d.setdefault("correct_norms", False)
         d.setdefault("key_half_steps", False)
+        d.setdefault("protect_before_rope", False)
         d.setdefault("prefill_as_decode", False)
         for name in ("key_error", "key_output_error", "value_error", "value_output_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):

@@ -24,10 +24,12 @@ from .quant.quantizer import LOG_NORM_DTYPES, PROD_BITS
 
 
 class Protect(NamedTuple):
-    """Key protection: quantize at `bits` when the calibration's bias_outlier_factor exceeds `factor`."""
+    """Key protection: quantize at `bits` when the calibration's bias_outlier_factor exceeds `factor` (tested on
+    the keys turned back by their RoPE where before_rope: config.protect_before_rope, keys centered before RoPE)."""
 
     factor: float
     bits: float
+    before_rope: bool = False
 
 
 class Widen(NamedTuple):
@@ -193,10 +195,12 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     target = c.key_error if c.key_error is not None else c.key_output_error
     widens = target is not None and kb == c.key_bits and kb < WIDEST_KEY_BITS and weigh
     protects = c.protect_factor is not None and c.protect_bits > kb
+    key_rope = rope and c.center_keys == "rope" and not k_eq_v and not latent
     keys = StreamPlan("k", kb, c.qjl and kb in PROD_BITS, layer_seed(c.seed, layer_index, 0),
-                      center=bool(c.center_keys), rope=rope and c.center_keys == "rope" and not k_eq_v and not latent,
+                      center=bool(c.center_keys), rope=key_rope,
                       weigh=weigh, decay=None if kd is None else (age, kd),
-                      protect=Protect(c.protect_factor, c.protect_bits) if protects else None,
+                      protect=Protect(c.protect_factor, c.protect_bits,
+                                      c.protect_before_rope and key_rope) if protects else None,
                       widen=Widen(target, WIDEST_KEY_BITS, 0.5 if c.key_half_steps else 1,
                                   None if c.key_output_error is None else NARROWEST_KEY_BITS) if widens else None,
                       correct_norms=correct["k"], **tokens)

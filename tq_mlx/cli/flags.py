@@ -43,7 +43,7 @@ _FIELDS = {
     "tq_decay_value_bits": "decay_value_bits",
 }
 _DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
-          "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
+          "tq_protect_before_rope", "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
 
 
 CENTER_KEYS = ("rope", "mean")  # --tq-center-keys: TurboQuantConfig.center_keys "rope" or True
@@ -177,6 +177,9 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         f"(default {'off' if d.value_output_error is None else format(d.value_output_error, 'g')})")
     g.add_argument("--tq-no-protect", dest="tq_no_protect", action="store_true",
                    help="never protect keys: no layer's keys take the protected bits (widths by error still apply)")
+    g.add_argument("--tq-protect-before-rope", dest="tq_protect_before_rope", action="store_true",
+                   help="keys centered before RoPE take the protection's test turned back by their RoPE, where the "
+                        f"key bias it reads is one direction (default {d.protect_before_rope})")
     g.add_argument("--tq-center-keys", dest="tq_center_keys", choices=CENTER_KEYS,
                    help="where the per-head key mean is taken: before RoPE (rope: subtracted at each position "
                         "rotated as the model rotates keys; layers whose RoPE cannot be read keep the mean) or "
@@ -342,6 +345,10 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         if getattr(args, "tq_protect_factor", None) is not None:
             raise ValueError("--tq-no-protect and --tq-protect-factor contradict each other: give one")
         kw["protect_factor"] = None
+    if getattr(args, "tq_protect_before_rope", False):
+        if getattr(args, "tq_no_protect", False):
+            raise ValueError("--tq-protect-before-rope tests the protection that --tq-no-protect turns off: give one")
+        kw["protect_before_rope"] = True
     if getattr(args, "tq_key_error", None) is not None:
         kw["key_error"] = None if args.tq_key_error == "off" else args.tq_key_error
     if getattr(args, "tq_key_output_error", None) is not None:

@@ -205,6 +205,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
                      + boundary_sides_note(config))
     if config.protect_factor is None:
         parts.append("no key protection")
+    elif config.protect_before_rope:
+        parts.append("key protection tested before RoPE")
     if config.key_error is not None:
         parts.append(f"keys up to K{WIDEST_KEY_BITS} where their logit error exceeds {config.key_error:g}"
                      + (", in half steps" if config.key_half_steps else ""))

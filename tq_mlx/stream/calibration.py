@@ -87,9 +87,12 @@ def bias_outlier_factor(x: mx.array, mean: mx.array) -> mx.array:
     return error / mx.maximum(spread, 1e-30 * mx.maximum(error, 1e-30))
 
 
-def needs_protection(x: mx.array, factor: float) -> bool:
+def needs_protection(x: mx.array, factor: float, rope: Rope | None = None, position: int = 0) -> bool:
     """Whether calibration keys x exceed bias_outlier_factor `factor` in any (batch, kv head): the one value a
-    stream reads back from the device, once per sequence, at its first compression."""
+    stream reads back from the device, once per sequence, at its first compression. With a rope, on x turned
+    back by it (x's first token at `position`): the frame a mean taken before RoPE is one direction in."""
+    if rope is not None:
+        x = rotate(x, rope, position, inverse=True)
     return mx.max(bias_outlier_factor(x, calibration_mean(x))).item() > factor
 
 

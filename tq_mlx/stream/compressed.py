@@ -236,7 +236,8 @@ class CompressedStream:
             sums = self.query_sums
             # protection: one value read back; a settle keeps the first compression's decision
             if not final and self.protect is not None and self.protect.bits > self.base_quantizer.bits:
-                self.set_protected(needs_protection(calib, self.protect.factor))
+                self.set_protected(needs_protection(calib, self.protect.factor,
+                                                    self.rope if self.protect.before_rope else None, self._position(0)))
             by_output = self.span is not None and not self.protected
             if not final and (by_output or self.weigh and not sums.covers(self.n_sinks, calib.shape[2])):
                 # the queries of some calibration tokens come with this chunk's attention (or, by their output
