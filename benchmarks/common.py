@@ -201,6 +201,15 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | os.Pat
     return jp, mp
 
 
+def write_probe(results: dict, out_dir: str | os.PathLike, name: str) -> Path:
+    """An experiments/ probe's results (per_model's, with what the probe adds) as <out_dir>/<name>.json; says where."""
+    out = Path(out_dir) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out} ({results['seconds']:.0f} s)")
+    return out
+
+
 def write_cells(path: Path, results: dict, key: Callable[[dict], tuple]) -> None:
     """Write results (its "cells": what this run measured so far) to path, keeping the cells already there that it
     has not run again (the same key(cell)): a probe writes after each cell, so a run that stops keeps what it got."""

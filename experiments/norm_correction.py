@@ -20,7 +20,6 @@ figure (long_context.py is: `nc`, `nck`, `ncv` settings).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -106,10 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     print("V3 / V4 output error with plain / corrected / least-squares norms, per layer")
     results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context))
-    out = Path(args.out) / "norm_correction.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out} ({results['seconds']:.0f} s)")
+    common.write_probe(results, args.out, "norm_correction")
 
 
 if __name__ == "__main__":

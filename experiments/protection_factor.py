@@ -25,7 +25,6 @@ kv heads per layer. Not a quality figure (long_context.py is: the `np` settings)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -93,10 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     print("bias_outlier_factor raw / before RoPE / centered / weighed, per layer")
     results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context))
-    out = Path(args.out) / "protection_factor.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out} ({results['seconds']:.0f} s)")
+    common.write_probe(results, args.out, "protection_factor")
 
 
 if __name__ == "__main__":

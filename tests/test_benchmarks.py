@@ -635,6 +635,51 @@ def test_value_widths_forecasts_what_real_codes_give_old_values() -> None:
     assert vw.correlation([1, 2, 3, 4], [2, 4, 6, 9])[1] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("bits, window_bits", [(2, 6), (3, 12), (4, 12)])
+def test_trellis_codes_viterbi_finds_the_closest_sequence_its_decoder_reads(bits, window_bits) -> None:
+    # trellis_codes.py: every symbol sequence of a short vector decoded by windows, the closest found by brute force;
+    # Viterbi must return that sequence's error, and its ŷ must be what the decoder reads from its symbols (states
+    # past 8 bits at 3 bits a symbol: the traceback's state index must not wrap).
+    import itertools
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    import trellis_codes as tc
+
+    rng = np.random.default_rng(bits)
+    book = rng.normal(size=1 << window_bits).astype(np.float32)
+    d = 4
+    y = rng.normal(size=(6, d)).astype(np.float32) * 1.5
+    every = np.array(list(itertools.product(range(1 << bits), repeat=d)), np.uint8)
+    best = ((tc.decode(every, book, bits)[None] - y[:, None]) ** 2).sum(-1).min(1)
+    symbols, yh = tc.viterbi(y, book, bits)
+    assert np.allclose(((yh - y) ** 2).sum(-1), best, rtol=1e-5), (((yh - y) ** 2).sum(-1), best)
+    assert np.array_equal(yh, tc.decode(symbols, book, bits)) and symbols.max() < 1 << bits
+
+
+def test_trellis_codes_probe_codes_below_lloyd_max_and_refuses_a_context_before_calibration(tmp_path) -> None:
+    # the probe on SmolLM2 (two layers, a codebook trained one round): on random unit vectors trellis codes must err
+    # less than the cache's Lloyd-Max codes at 3 and 4 bits (and more than the bound); each side's figures per layer;
+    # a context the default's key streams have not calibrated in is refused, saying why
+    env, out = script_env(), tmp_path / "trellis"
+    base = [sys.executable, str(EXPERIMENTS / "trellis_codes.py"), "--models", "smollm2", "--train", "1"]
+    bad = subprocess.run([*base, "--context", "700"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--context must be at least 773 (the default's key streams" in bad.stderr, \
+        bad.stderr[-2000:]
+    proc = subprocess.run([*base, "--context", "800", "--layer-step", "15", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((out / "trellis_codes.json").read_text())
+    for b, m in results["sphere"].items():
+        assert m["bound"] < m["trellis"] < m["lloyd_max"], (b, m)
+    summary = results["models"]["smollm2"]["summary"]
+    assert set(summary) == {"values", "keys"} and results["models"]["smollm2"]["layers"] == 2  # layers 0 and 15
+    for side in summary.values():
+        assert set(side) == {"3", "4"}
+        for m in side.values():
+            assert all(m[c]["median"] > 0 and m[c]["mse"] > 0 for c in ("lloyd_max", "lloyd_max_half", "trellis"))
+            assert m["lloyd_max"]["mse"] > m["lloyd_max_half"]["mse"] and 0 <= m["layers_trellis_below_half"] <= 2
+
+
 def test_tqplus_keeps_one_fork_commit_and_says_when_each_cell_was_measured(tmp_path: Path, monkeypatch) -> None:
     # cells of several runs share one file and its header is the last run's: each cell carries its own run and the
     # table's notes say which run measured which cell; a run at another fork commit is refused, not mixed in
