@@ -52,10 +52,17 @@ CODES = ("lloyd_max", "lloyd_max_half", "trellis")  # the cache's codes at b, at
 QUERIES, SINKS, WINDOW = 256, 4, 128
 
 
+def window_symbols(book: np.ndarray, bits: int) -> int:
+    """How many b-bit symbols a codebook's index holds (its window): L / b."""
+    return int(round(np.log2(book.size))) // bits
+
+
 def viterbi(y: np.ndarray, book: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """(symbols, ŷ): the b-bit symbols (N, d) whose trellis decoding ŷ is closest to y (N, d) in squared error,
     every vector starting at state 0."""
     N, d = y.shape
+    if book.size != 1 << (bits * window_symbols(book, bits)):
+        raise ValueError(f"a codebook of {book.size} entries is not a window of whole {bits}-bit symbols")
     T = 1 << bits  # symbols a step (the window's newest b bits)
     S = book.size // T  # states: the window's older L - b bits
     U = S // T  # the part of a state that survives into the next
@@ -82,7 +89,7 @@ def viterbi(y: np.ndarray, book: np.ndarray, bits: int) -> tuple[np.ndarray, np.
 
 def decode(symbols: np.ndarray, book: np.ndarray, bits: int) -> np.ndarray:
     """ŷ_i = C[s_{i-L/b+1} … s_i]: each coordinate from its own window of symbols (those before the first are 0)."""
-    k = int(round(np.log2(book.size))) // bits
+    k = window_symbols(book, bits)
     w = np.zeros(symbols.shape, np.int64)
     for j in range(k):  # s_{i-j} lands j symbols up the index
         w |= np.pad(symbols, ((0, 0), (j, 0)))[:, : symbols.shape[1]].astype(np.int64) << (bits * j)
