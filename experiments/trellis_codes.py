@@ -87,13 +87,18 @@ def viterbi(y: np.ndarray, book: np.ndarray, bits: int) -> tuple[np.ndarray, np.
     return symbols, decode(symbols, book.reshape(-1), bits)
 
 
-def decode(symbols: np.ndarray, book: np.ndarray, bits: int) -> np.ndarray:
-    """ŷ_i = C[s_{i-L/b+1} … s_i]: each coordinate from its own window of symbols (those before the first are 0)."""
-    k = window_symbols(book, bits)
+def windows(symbols: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """Each coordinate's codebook index: its window of the last k symbols s_{i-k+1} … s_i (those before the first
+    are 0), the newest in the low bits."""
     w = np.zeros(symbols.shape, np.int64)
     for j in range(k):  # s_{i-j} lands j symbols up the index
         w |= np.pad(symbols, ((0, 0), (j, 0)))[:, : symbols.shape[1]].astype(np.int64) << (bits * j)
-    return book[w]
+    return w
+
+
+def decode(symbols: np.ndarray, book: np.ndarray, bits: int) -> np.ndarray:
+    """ŷ_i = C[s_{i-L/b+1} … s_i]: each coordinate from its own window of symbols."""
+    return book[windows(symbols, bits, window_symbols(book, bits))]
 
 
 def train_codebook(bits: int, rounds: int, seed: int = 0, vectors: int = 512, dim: int = 128) -> np.ndarray:
@@ -101,11 +106,10 @@ def train_codebook(bits: int, rounds: int, seed: int = 0, vectors: int = 512, di
     of seeded Gaussian vectors and each entry moved to the mean of what it coded."""
     rng = np.random.default_rng(seed)
     book = rng.standard_normal(1 << WINDOW_BITS).astype(np.float32)
-    k = WINDOW_BITS // bits
     for _ in range(rounds):
         y = rng.standard_normal((vectors, dim)).astype(np.float32)
         symbols, _ = viterbi(y, book, bits)
-        w = sum(np.pad(symbols, ((0, 0), (j, 0)))[:, :dim].astype(np.int64) << (bits * j) for j in range(k))
+        w = windows(symbols, bits, window_symbols(book, bits))
         n = np.bincount(w.ravel(), minlength=book.size)
         s = np.bincount(w.ravel(), weights=y.ravel(), minlength=book.size)
         book = np.where(n > 0, s / np.maximum(n, 1), book).astype(np.float32)
