@@ -30,7 +30,8 @@ BASE = dict(key_bits=4, value_bits=3, window=768, compress_block=128, sinks=4, b
             protect_factor=5.0, protect_bits=8, center_keys=True, center_values=False, qjl=False, norm_bits=16,
             decay_after=None, decay_key_bits=None, decay_value_bits=None, seed=0, weigh_keys=False, key_error=None,
             prefill_as_decode=False, calibration_tokens=None, boundary_sides="kv", key_half_steps=False,
-            value_error=None, correct_norms=False, key_output_error=None, norm_steps=16, protect_before_rope=False)
+            value_error=None, correct_norms=False, key_output_error=None, norm_steps=16, protect_before_rope=False,
+            trellis=False)
 # the default until DEFAULT_DATE: K4/V4, keys of tokens 6144 old one bit narrower, norms not corrected
 DEFAULTS_1205 = dict(BASE, value_bits=4, norm_bits=8, decay_after=6144, decay_key_bits=3, decay_value_bits=None,
                      center_keys="rope", weigh_keys=True, key_error=0.1, prefill_as_decode=True, window=128,
@@ -84,6 +85,8 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
         extra.append("norms corrected" if cfg.correct_norms is True else f"{cfg.correct_norms}' norms corrected")
     if cfg.prefill_as_decode:
         extra.append("prefill read as decode")
+    if cfg.trellis:
+        extra.append("trellis codes")
     if cfg.first_window > cfg.window:
         extra.append(f"calibrating on {cfg.first_window} tokens")
     if note:
@@ -94,19 +97,19 @@ def tq(key_bits: float, value_bits: float, note: str = "", **over) -> Setting:
 
 SPEC = re.compile(r"k(?P<kb>[\d.]+)v(?P<vb>[\d.]+)w(?P<window>\d+)b(?P<block>\d+)"
                   r"(?:d(?P<after>\d+)k(?P<dk>\d+)v(?P<dv>\d+))?(?P<n8>n8)?(?P<fine>f)?(?P<rope>r)?(?P<weigh>q)?"
-                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?:vo(?P<voerror>[\d.]+))?(?P<nc>nc(?P<ncside>[kv])?)?(?P<pd>pd)?(?:c(?P<calib>\d+))?(?P<np>np)?(?P<pb>pb)?"
+                  r"(?:e(?P<error>[\d.]+))?(?P<half>h)?(?:o(?P<oerror>[\d.]+))?(?:ve(?P<verror>[\d.]+))?(?:vo(?P<voerror>[\d.]+))?(?P<nc>nc(?P<ncside>[kv])?)?(?P<pd>pd)?(?:c(?P<calib>\d+))?(?P<np>np)?(?P<pb>pb)?(?P<tc>tc)?"
                   r"(?:bv(?P<bv_layers>\d+)x(?P<bv_bits>[\d.]+))?$")
 
 
 def parse_setting(key: str) -> Setting:
     """A --settings key: one of BY_KEY, a spelled-out TurboQuant setting
     k<key bits>v<value bits>w<window>b<compress block>[d<decay_after>k<decay key bits>v<decay value bits>][n8[f]][r][q][e<key error>]
-    [h][o<key output error>][ve<value error>][vo<value output error>][nc[k|v]][pd][c<calibration tokens>][np|pb][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
+    [h][o<key output error>][ve<value error>][vo<value output error>][nc[k|v]][pd][c<calibration tokens>][np|pb][tc][bv<layers>x<bits>], e.g. k4v3w768b128d2048k3v2n8 (8-bit norms; f: their fine code, 32 steps an octave; r: keys centered before RoPE; q: keys weighed by
     the queries; e0.2: key_error 0.2; h: keys widen in half steps too; o0.014: key_output_error 0.014, the keys' widths K3-K6 by
     their attention-output error; ve0.05: value_error 0.05, the values' decay bits chosen per layer; vo0.05:
     value_output_error 0.05, the values' widths V3-V4 in half steps by their attention-output error; nc: norms
     corrected (nck / ncv: the keys' / the values' alone); pd: prefill read as decode; c768: the first compression
-    waits for 768 tokens and calibrates on them; np: no key protection (protect_factor None); pb: the protection tested before RoPE (protect_before_rope); bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
+    waits for 768 tokens and calibrates on them; np: no key protection (protect_factor None); pb: the protection tested before RoPE (protect_before_rope); tc: trellis codes (trellis); bv2x4: the values of the first and last 2 attention layers at 4 bits, not decaying), rotation + affine at other bits and windows (rot2w1700: the
     peer at matched bits/value), mlx-vlm's TurboQuant at other bits (peer3, peer2.5), or turboquant-mlx-full's
     TurboQuantKVCache tqfull<key bits>v<value bits>[m<float16 tokens>], bits 1 to 8 (tqfull8v3: its recommended
     K8/V3; tqfull4v4m128: K4/V4 with its first 128 tokens kept in float16, min_tokens_before_quant)."""
@@ -160,6 +163,8 @@ def parse_setting(key: str) -> Setting:
         over["protect_factor"] = None
     if m["pb"]:
         over["protect_before_rope"] = True
+    if m["tc"]:
+        over["trellis"] = True
     if m["bv_layers"]:
         over.update(boundary_layers=int(m["bv_layers"]), boundary_bits=num(m["bv_bits"]), boundary_sides="v")
     s = tq(num(m["kb"]), num(m["vb"]), **over)
@@ -196,7 +201,7 @@ def _same_config(stored: dict, cfg: dict) -> bool:
     """A stored config (fields it predates at their meaning then: 16-bit norms, the coarse code, no decay) equals cfg."""
     full = {"norm_bits": 16, "norm_steps": 16, "decay_after": None, "decay_key_bits": None, "decay_value_bits": None,
             "weigh_keys": False, "key_error": None, "correct_norms": False, "key_half_steps": False,
-            "prefill_as_decode": False, "boundary_sides": "kv", "protect_before_rope": False, **stored}
+            "prefill_as_decode": False, "boundary_sides": "kv", "protect_before_rope": False, "trellis": False, **stored}
     return all(full.get(k) == v for k, v in cfg.items())
 
 

@@ -4,20 +4,16 @@ bitshift-trellis codes of the same bits.
 
 The cache codes each coordinate of a rotated unit vector on its own (Lloyd-Max), which at 3 bits leaves its mean
 squared error 3.4 dB above the rate-distortion bound of a Gaussian source (0.0345 against 2^-6): about half a bit
-a value that scalar codes cannot reach. A bitshift trellis (the construction of QTIP, Tseng et al., arXiv
-2406.11235) keeps the same b-bit symbol per coordinate and the same packing, but decodes coordinate i from a window
-of the last L/b symbols: x̂_i = C[s_{i-L/b+1} … s_i], C a 2^L-entry codebook; the encoder picks the symbols by
-Viterbi over the 2^(L-b) states those windows pass through. Decoding stays one table lookup a coordinate (what
-the kernels do now, with a wider index); encoding costs 2^L additions a coordinate. Here L = 12: 512 states at 3
-bits, 256 at 4; every vector starts at state 0 (nothing more is stored), and its norm is corrected as the cache's
-are (‖x‖ / ‖x̂‖). The codebook is trained once on Gaussian samples (seeded; --train rounds of Viterbi and centroid
-updates), never on the model's vectors.
+a value that scalar codes cannot reach. Trellis codes (tq_mlx.quant.trellis, the construction of QTIP, Tseng et al.,
+arXiv 2406.11235) keep the same b-bit symbol per coordinate and the same packing, but decode coordinate i from a
+window of the last L/b symbols through a 2^L-entry codebook trained on Gaussian vectors, never on the model's; both
+codes here come from the cache's quantizer (TurboQuantMSE, trellis or not), norms corrected as the cache's are.
 
 Measured per layer on the first --context tokens of Britannica: queries are the last 256, reading the tokens past
 the first 4 and before their 128-token window (the cache's sinks and window), each side coded alone (the other
 float): for values the largest relative error of the queries' outputs over kv heads; for keys, what the
 default's key streams code (centered before RoPE and weighed by the queries), the largest relative MSE over kv
-heads. Not a quality figure: no cache holds trellis codes yet.
+heads. Not a quality figure: benchmarks/long_context.py measures caches of trellis codes (setting letter tc).
 
     python experiments/trellis_codes.py --models qwen05,qwen15,smollm2 --context 1536 --layer-step 3
 """
@@ -42,109 +38,39 @@ from key_error import MODELS  # noqa: E402
 from tq_mlx import TurboQuantConfig  # noqa: E402
 from tq_mlx.quant.codebook import lloyd_max  # noqa: E402
 from tq_mlx.quant.quantizer import TurboQuantMSE  # noqa: E402
-from tq_mlx.quant.rotation import Rotation  # noqa: E402
+from tq_mlx.quant.trellis import TRAINING, WINDOW_BITS  # noqa: E402
 from value_widths import attention  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BITS = (3, 4)
-WINDOW_BITS = 12  # L: the codebook's index width (2^L entries, 2^(L - b) states)
 CODES = ("lloyd_max", "lloyd_max_half", "trellis")  # the cache's codes at b, at b + 0.5 (its channel split), trellis
 QUERIES, SINKS, WINDOW = 256, 4, 128
 
 
-def window_symbols(book: np.ndarray, bits: int) -> int:
-    """How many b-bit symbols a codebook's index holds (its window): L / b."""
-    return int(round(np.log2(book.size))) // bits
-
-
-def viterbi(y: np.ndarray, book: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(symbols, ŷ): the b-bit symbols (N, d) whose trellis decoding ŷ is closest to y (N, d) in squared error,
-    every vector starting at state 0."""
-    N, d = y.shape
-    if book.size != 1 << (bits * window_symbols(book, bits)):
-        raise ValueError(f"a codebook of {book.size} entries is not a window of whole {bits}-bit symbols")
-    T = 1 << bits  # symbols a step (the window's newest b bits)
-    S = book.size // T  # states: the window's older L - b bits
-    U = S // T  # the part of a state that survives into the next
-    book = book.reshape(T, U, T)  # window w = (oldest b bits, middle, newest b bits); next state = w mod S
-    cost = np.full((N, T, U), np.inf, np.float32)
-    cost[:, 0, 0] = 0.0
-    back = np.empty((d, N, U, T), np.uint8)  # the oldest b bits each new state was reached from
-    for i in range(d):
-        err = (y[:, i, None, None, None] - book[None]) ** 2  # (N, T oldest, U, T newest)
-        tot = cost[..., None] + err  # state (oldest, middle) moving on by symbol `newest`
-        t = tot.argmin(1)
-        back[i] = t
-        cost = np.take_along_axis(tot, t[:, None], 1)[:, 0].reshape(N, T, U)  # new state (middle, newest)
-    state = cost.reshape(N, S).argmin(1)
-    symbols = np.empty((N, d), np.uint8)
-    rows = np.arange(N)
-    for i in range(d - 1, -1, -1):
-        newest, middle = state % T, state // T
-        oldest = back[i][rows, middle, newest].astype(np.int64)  # uint8 would wrap at oldest · U
-        symbols[:, i] = newest
-        state = oldest * U + middle
-    return symbols, decode(symbols, book.reshape(-1), bits)
-
-
-def windows(symbols: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """Each coordinate's codebook index: its window of the last k symbols s_{i-k+1} … s_i (those before the first
-    are 0), the newest in the low bits."""
-    w = np.zeros(symbols.shape, np.int64)
-    for j in range(k):  # s_{i-j} lands j symbols up the index
-        w |= np.pad(symbols, ((0, 0), (j, 0)))[:, : symbols.shape[1]].astype(np.int64) << (bits * j)
-    return w
-
-
-def decode(symbols: np.ndarray, book: np.ndarray, bits: int) -> np.ndarray:
-    """ŷ_i = C[s_{i-L/b+1} … s_i]: each coordinate from its own window of symbols."""
-    return book[windows(symbols, bits, window_symbols(book, bits))]
-
-
-def train_codebook(bits: int, rounds: int, seed: int = 0, vectors: int = 512, dim: int = 128) -> np.ndarray:
-    """A 2^L-entry codebook for standard Gaussian coordinates: Gaussian draws, then `rounds` of Viterbi coding
-    of seeded Gaussian vectors and each entry moved to the mean of what it coded."""
-    rng = np.random.default_rng(seed)
-    book = rng.standard_normal(1 << WINDOW_BITS).astype(np.float32)
-    for _ in range(rounds):
-        y = rng.standard_normal((vectors, dim)).astype(np.float32)
-        symbols, _ = viterbi(y, book, bits)
-        w = windows(symbols, bits, window_symbols(book, bits))
-        n = np.bincount(w.ravel(), minlength=book.size)
-        s = np.bincount(w.ravel(), weights=y.ravel(), minlength=book.size)
-        book = np.where(n > 0, s / np.maximum(n, 1), book).astype(np.float32)
-    return book
-
-
-def sphere_mse(books: dict, vectors: int = 512, dim: int = 128, seed: int = 1) -> dict:
+def sphere_mse(vectors: int = 512, dim: int = 128, seed: int = 1) -> dict:
     """Per bits: the MSE a coordinate of held-out random unit vectors (scaled by √dim) takes, the cache's Lloyd-Max
-    codes at dim against trellis codes, and the rate-distortion bound of a Gaussian source, 2^-2b."""
+    codes against trellis codes (norms not corrected: the codes alone), and the rate-distortion bound of a Gaussian
+    source, 2^-2b."""
     g = np.random.default_rng(seed).standard_normal((vectors, dim))
-    y = (g / np.linalg.norm(g, axis=1, keepdims=True) * dim ** 0.5).astype(np.float32)
+    x = mx.array((g / np.linalg.norm(g, axis=1, keepdims=True)).astype(np.float32))
     out = {}
-    for b, book in books.items():
-        _, yh = viterbi(y, book, b)
-        out[str(b)] = {"lloyd_max": float(lloyd_max(dim, b).mse), "trellis": float(np.mean((y - yh) ** 2)),
+    for b in BITS:
+        q = TurboQuantMSE(dim, b, seed=1, norm_dtype=mx.float32, trellis=True)
+        out[str(b)] = {"lloyd_max": float(lloyd_max(dim, b).mse),
+                       "trellis": float(mx.mean(mx.square(q.dequantize(q.quantize(x)) - x))) * dim,
                        "bound": 2.0 ** (-2 * b)}
     return out
 
 
-def coded(x: mx.array, code: str, bits: int, books: dict) -> mx.array:
-    """x (…, d) coded and decoded, its norm corrected: the cache's Lloyd-Max codes or trellis codes."""
-    d = x.shape[-1]
-    norm = mx.linalg.norm(x, axis=-1, keepdims=True)
-    if code == "trellis":
-        rot = Rotation(d, seed=1)
-        y = np.array(rot.forward(x / mx.maximum(norm, 1e-30)) * d ** 0.5).reshape(-1, d)
-        _, yh = viterbi(y, books[bits], bits)
-        xh = rot.inverse(mx.array(yh.reshape(x.shape)))
-    else:
-        q = TurboQuantMSE(d, bits + (0.5 if code == "lloyd_max_half" else 0), seed=1)
-        xh = q.dequantize(q.quantize(x))
-    return xh * norm / mx.maximum(mx.linalg.norm(xh, axis=-1, keepdims=True), 1e-30)
+def coded(x: mx.array, code: str, bits: int) -> mx.array:
+    """x (…, d) coded and decoded, its norm corrected, by a quantizer of the cache: Lloyd-Max codes at b or b + 0.5
+    (its channel split), or trellis codes (tq_mlx.quant.trellis)."""
+    q = TurboQuantMSE(x.shape[-1], bits + (0.5 if code == "lloyd_max_half" else 0), seed=1, norm_dtype=mx.float32,
+                      correct_norms=True, trellis=code == "trellis")
+    return q.dequantize(q.quantize(x))
 
 
-def layer_errors(q: mx.array, k: mx.array, v: mx.array, scale: float, stream, books: dict) -> dict:
+def layer_errors(q: mx.array, k: mx.array, v: mx.array, scale: float, stream) -> dict:
     """{side: {bits: {code: (error, the mean relative MSE per vector)}}}, coding the tokens past the sinks and
     before the queries' window: values, the largest relative attention-output error over kv heads (keys float);
     keys, what the cache's key stream codes (centered before RoPE and weighed by the queries, from `stream`),
@@ -160,7 +86,7 @@ def layer_errors(q: mx.array, k: mx.array, v: mx.array, scale: float, stream, bo
         for b in BITS:
             out[side][b] = {}
             for code in CODES:
-                e = coded(x, code, b, books) - x
+                e = coded(x, code, b) - x
                 mse = mx.sum(e * e, -1) / mx.maximum(mx.sum(x * x, -1), 1e-30)
                 if side == "values":
                     d = p[..., old] @ e
@@ -171,7 +97,7 @@ def layer_errors(q: mx.array, k: mx.array, v: mx.array, scale: float, stream, bo
     return out
 
 
-def run_model(key: str, context: int, step: int, books: dict) -> dict:
+def run_model(key: str, context: int, step: int) -> dict:
     from tests.support import real_models
 
     label, loader, _ = MODELS[key]
@@ -189,7 +115,7 @@ def run_model(key: str, context: int, step: int, books: dict) -> dict:
         if c.key_stream.mean is None and c.key_stream.weights is None:
             raise SystemExit(f"layer {i}: its key stream has not calibrated (is --context past the first "
                              f"compression?)")
-        e = layer_errors(*(a.astype(mx.float32) for a in (q, k, v)), scale, c.key_stream, books)
+        e = layer_errors(*(a.astype(mx.float32) for a in (q, k, v)), scale, c.key_stream)
         layers.append(e)
         print(f"  layer {i:2d}: " + "; ".join(
             f"{side[0].upper()}{b} " + " / ".join(f"{e[side][b][c][0]:.4f}" for c in CODES)
@@ -216,7 +142,6 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536,
                     help="prefix tokens (past the default's first compression, with tokens older than the window)")
     ap.add_argument("--layer-step", type=int, default=1, help="measure every n-th layer from layer 0")
-    ap.add_argument("--train", type=int, default=6, help="codebook training rounds on Gaussian vectors")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args()
     d = TurboQuantConfig()
@@ -228,14 +153,13 @@ def main() -> None:
     if args.layer_step < 1:
         raise SystemExit(f"--layer-step must be at least 1, got {args.layer_step}")
     t0 = time.perf_counter()
-    books = {b: train_codebook(b, args.train) for b in BITS}
-    gauss = sphere_mse(books)
-    print(f"codebooks trained ({time.perf_counter() - t0:.0f} s); MSE on random unit vectors, Lloyd-Max / trellis / bound: "
+    gauss = sphere_mse()
+    print(f"MSE on random unit vectors ({time.perf_counter() - t0:.0f} s), Lloyd-Max / trellis / bound: "
           + "; ".join(f"{b} bits {g['lloyd_max']:.5f} / {g['trellis']:.5f} / {g['bound']:.5f}"
                       for b, g in gauss.items()))
     print("values' output error, keys' MSE: Lloyd-Max b / Lloyd-Max b+0.5 / trellis b, per layer")
-    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context, args.layer_step, books))
-    results.update(window_bits=WINDOW_BITS, train_rounds=args.train, sphere=gauss)
+    results = common.per_model(args.models, MODELS, lambda key: run_model(key, args.context, args.layer_step))
+    results.update(window_bits={str(b): WINDOW_BITS[b] for b in BITS}, training=TRAINING, sphere=gauss)
     common.write_probe(results, args.out, "trellis_codes")
 
 

@@ -191,7 +191,8 @@ def test_zero_and_nonfinite_vectors_are_isolated(cls, bits):
 def test_no_host_sync_inside_quantize():
     # Evaluating an array is forbidden while mx.compile traces, so this fails if quantize syncs.
     x = mx.random.normal((4, 128))
-    for q in (TurboQuantMSE(128, 3), TurboQuantMSE(128, 2.5), TurboQuantMSE(128, 6), TurboQuantProd(128, 3)):
+    for q in (TurboQuantMSE(128, 3), TurboQuantMSE(128, 2.5), TurboQuantMSE(128, 6), TurboQuantProd(128, 3),
+              TurboQuantMSE(128, 3.5, trellis=True)):
         f = mx.compile(lambda a, q=q: q.dequantize(q.quantize(a)))
         assert mx.allclose(f(x), q.dequantize(q.quantize(x)), atol=1e-5)
 

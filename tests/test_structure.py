@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tq_mlx"
 # lower rank (function-level imports included); layers of one number, and modules of one rank, do not import each
 # other. A sub-package's __init__ only re-exports (the highest rank in it). Module names are dotted from tq_mlx.
 LAYERS = {
-    "quant": (0, {"codebook": 0, "rotation": 0, "packing": 0, "quantizer": 1}),  # Algorithms 1 and 2
+    "quant": (0, {"codebook": 0, "rotation": 0, "packing": 0, "trellis": 0, "quantizer": 1}),  # Algorithms 1 and 2
     # what a model's layers are (configs read, which fetch each model_type takes, RoPE), and the demo model
     "models": (0, {"architectures": 0, "rope": 0, "gguf_convert": 0, "demo": 1}),
     "blas": (0, None),  # OpenBLAS for the commands on Linux: imports nothing of the package

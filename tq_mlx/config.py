@@ -239,6 +239,11 @@ class TurboQuantConfig:
     decay_after: int | None | str = AUTO
     decay_key_bits: float | None | str = AUTO
     decay_value_bits: float | None | str = AUTO
+    # Codes of 2 to 6 bits as a bitshift trellis's (tq_mlx.quant.trellis): the same symbols and bytes, decoded by a
+    # window of the last symbols through a 2^12-entry codebook (2^10 at 5 bits), chosen by Viterbi; less error at the
+    # same bits (benchmarks/DEFAULTS.md). QJL keys keep Lloyd-Max codes. No Metal kernel reads them yet: on a Mac a
+    # cache of trellis codes runs on the reference path (and says so when it is made).
+    trellis: bool = False
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache
 
@@ -247,7 +252,7 @@ class TurboQuantConfig:
         for name in ("key_bits", "value_bits", "boundary_bits", "protect_bits"):
             set_(name, check_bits(getattr(self, name), name))
         for name in ("qjl", "center_keys", "center_values", "weigh_keys", "correct_norms", "key_half_steps",
-                     "prefill_as_decode", "protect_before_rope"):
+                     "prefill_as_decode", "protect_before_rope", "trellis"):
             words = {"center_keys": ("rope",), "correct_norms": CORRECT_NORMS_SIDES}.get(name, ())  # besides True/False
             if not isinstance(getattr(self, name), bool) and getattr(self, name) not in words:
                 allowed = ["True", "False", *map(repr, words)]
@@ -462,6 +467,7 @@ class TurboQuantConfig:
         d.setdefault("key_half_steps", False)
         d.setdefault("protect_before_rope", False)
         d.setdefault("prefill_as_decode", False)
+        d.setdefault("trellis", False)
         for name in ("key_error", "key_output_error", "value_error", "value_output_error", "protect_factor"):  # mlx-lm's prompt-cache files keep numbers in float32
             if isinstance(d.get(name), float):
                 d[name] = float(f"{d[name]:.7g}")

@@ -19,6 +19,7 @@ from .config import last_third, value_widths
 from .quant.packing import packed_words
 from .quant.quantizer import split_dims
 from .quant.rotation import hadamard_base
+from .quant.trellis import WINDOW_BITS
 
 WINDOW_STEP = 32  # the float window grows in steps of this many tokens up to `window`
 # codes of this many bits or more keep float16 norms whatever norm_bits says (codec.make_quantizer): the coarse log
@@ -219,16 +220,18 @@ def _rotation_bytes(dim: int) -> int:
     return FLOAT32 * (dim + (dim * dim if base in (20, 28) else 0))
 
 
-def constant_bytes(dim: int, bits: float, qjl: bool = False) -> int:
+def constant_bytes(dim: int, bits: float, qjl: bool = False, trellis: bool = False) -> int:
     """Bytes of a quantizer's constants (quantizer.constant_arrays): per channel group its rotation, codebook
-    (centroids and boundaries) and lookup table, for two groups their channel lists and the inverse order; with
-    QJL the (bits - 1)-bit quantizer's and the dim x dim Gaussian projection."""
+    (centroids and boundaries) and lookup table, or with trellis codes (groups of TRELLIS_BITS) its 2^L-entry
+    codebook; for two groups their channel lists and the inverse order; with QJL the (bits - 1)-bit quantizer's
+    (Lloyd-Max codes) and the dim x dim Gaussian projection."""
     if qjl:
         return (constant_bytes(dim, bits - 1) if bits > 1 else 0) + FLOAT32 * dim * dim
     groups = split_dims(dim, bits)
     total = FLOAT32 * 2 * dim if len(groups) == 2 else 0  # channel lists and the inverse permutation
     for d, b in groups:
-        total += _rotation_bytes(d) + FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
+        book = FLOAT32 * 2 ** WINDOW_BITS[b] if trellis and b in WINDOW_BITS else FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
+        total += _rotation_bytes(d) + book
     return total
 
 
@@ -282,6 +285,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     """
     if tokens <= 0:
         return 0
+    const = lambda d, b, q=False: constant_bytes(d, b, q, config.trellis)  # noqa: E731
     extra = 0
     if span_heads is not None:
         first, last = value_error_span(config.sinks, config.first_window)
@@ -292,18 +296,18 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         decay_bits = narrow if tokens >= last and narrow < bits else None
         if first < tokens < last:
             widths = value_widths(bits, config.narrowest_value_bits)
-            extra = sum(constant_bytes(dim, b) for b in widths) + batch * heads * FLOAT32 * (len(widths) + 1) * (
+            extra = sum(const(dim, b) for b in widths) + batch * heads * FLOAT32 * (len(widths) + 1) * (
                 last - first)
-    total = constant_bytes(dim, bits, qjl) + (constant_bytes(dim, decay_bits) if decay_bits is not None else 0)
+    total = const(dim, bits, qjl) + (const(dim, decay_bits) if decay_bits is not None else 0)
     if protected:
         bits, qjl = config.protect_bits, False
-        total += constant_bytes(dim, bits)
+        total += const(dim, bits)
     elif widened is not None and widened != bits:
         if decay_bits is not None:
             decay_bits = widened_decay(decay_bits, bits, widened)
-            total += constant_bytes(dim, decay_bits)
+            total += const(dim, decay_bits)
         bits = widened
-        total += constant_bytes(dim, bits)
+        total += const(dim, bits)
     parts = part_bytes(config, tokens, dim, bits, qjl, None if protected else decay_bits, max_kv_size, float_bytes)
     total += batch * heads * sum(parts)
     if _split(config, tokens)[1]:  # ever compressed: the calibration stays through drops

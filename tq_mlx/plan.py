@@ -96,6 +96,7 @@ class StreamPlan:
     norm_steps: int = 32  # the 8-bit norms' code: 32 steps an octave (int8) or 16 (uint8; config.norm_steps)
     as_decode: bool = False  # prefill queries read the stream as a decode step would (config.prefill_as_decode)
     first_window: int = 0  # the tokens the first compression waits for and calibrates on, if more than the window
+    trellis: bool = False  # MSE codes of 2-6 bits as a trellis's (config.trellis; tq_mlx.quant.trellis)
 
     @property
     def calibration(self) -> int:
@@ -185,7 +186,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
     age = c.decay_after
     tokens = dict(sinks=c.sinks, window=c.window, first_window=c.first_window, compress_block=c.compress_block_size,
                   step=c.step,
-                  norm_bits=c.norm_bits, norm_steps=c.norm_steps,
+                  norm_bits=c.norm_bits, norm_steps=c.norm_steps, trellis=c.trellis,
                   # without a window every query reads codes alone: the plain view's causal mask is decode's
                   as_decode=c.prefill_as_decode and fetch == "codes" and c.window > 0)
     # each side's norms corrected (config.correct_norms: both, neither or one side); the streams that score as keys

@@ -19,7 +19,7 @@ from .codes import (dequantize, dequantize_reference, encode, encode_reference, 
                     rotate_reference)
 from .dispatch import (BACKENDS, ENV_VAR, AttentionVariant, dispatch_attention, dispatch_dequantize, dispatch_encode,
                        dispatch_recode, dispatch_rotate, float_tokens, get_backend, kernels_enabled, metal_available,
-                       set_backend, set_kernel_factory)
+                       set_backend, set_kernel_factory, warn_reference_path)
 from .launch import (KERNEL_BITS, KERNEL_NAMES, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SOURCES, SPARSE_V_EPSILON,
                      SUPPORTED_DIMS, THREADGROUP_MEMORY)
 from .launch import _span_codes  # noqa: F401  (tests and benchmarks read these private helpers here)
@@ -33,7 +33,7 @@ __all__ = [
     "SELF_CHECK_POSITION", "SOURCES", "SPARSE_V_EPSILON", "SUPPORTED_DIMS", "THREADGROUP_MEMORY",
     "decode_attention", "decode_attention_reference", "decode_unsupported", "dequantize", "dequantize_reference",
     "dequantize_unsupported", "dispatch_attention", "dispatch_dequantize", "dispatch_encode", "dispatch_recode", "dispatch_rotate",
-    "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available",
+    "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available", "warn_reference_path",
     "prefill_attention", "prefill_attention_reference", "prefill_unsupported", "recode", "recode_reference",
     "recode_unsupported", "reset_self_checks", "rotate",
     "rotate_reference", "rotation_unsupported", "self_check_status", "set_backend", "set_kernel_factory",

@@ -10,6 +10,8 @@ row through dispatch_attention.
 
 from __future__ import annotations
 
+import warnings
+
 import math
 import os
 from typing import Callable, NamedTuple
@@ -73,6 +75,17 @@ def kernels_enabled() -> bool:
     """Whether the dispatchers try the Metal kernels (each variant still has to pass its self-check)."""
     mode = get_backend()
     return mode == "metal" or (mode == "auto" and metal_available())
+
+
+_warned_reference: set[str] = set()
+
+
+def warn_reference_path(what: str) -> None:
+    """Warn once a process, where the kernels would run, that `what` runs on the reference path instead."""
+    if kernels_enabled() and what not in _warned_reference:
+        _warned_reference.add(what)
+        warnings.warn(f"tq_mlx: {what} have no Metal kernels yet; attention on them runs on the MLX reference "
+                      f"path (slower)", RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------ dispatch

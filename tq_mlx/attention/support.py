@@ -6,7 +6,7 @@ The kernels take head dims 16..512 (key and value dims may differ), code groups 
 2, 3, 4: an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their one-byte log codes (int8 fine, uint8 coarse),
 float16/bfloat16/float32 inputs, masks None, "causal" or bool/additive arrays (L, T), (B or 1, 1 or Hq, L, T),
 learned sinks, and decayed codes (any of those widths in the fresh codes' basis, e.g. K6 -> K3; one side or both,
-MLA's latent too). The reference path runs: QJL at 1 bit (no MSE stage for the score loop to read), QJL keys'
+MLA's latent too). The reference path runs: trellis codes (config.trellis), QJL at 1 bit (no MSE stage for the score loop to read), QJL keys'
 encode at head dims without a WHT, head dims above 512 (threadgroup memory), other masks (integer dtypes, other
 broadcasts, 2^31 elements or more: int32 offsets), decayed codes in another basis than the fresh ones (never built
 by a cache). Views without compressed tokens need no kernel: they take mx.fast.scaled_dot_product_attention
@@ -28,6 +28,8 @@ def _mse_unsupported(q: TurboQuantMSE) -> str | None:
     for g in q.groups:
         if g.bits not in KERNEL_BITS:
             return f"bits {g.bits}"
+        if g.trellis:
+            return "trellis codes (config.trellis): no kernel reads them yet"
     if q.norm_dtype not in (mx.float16, *LOG_NORM_DTYPES.values()):
         return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their one-byte log codes"
     if not MIN_DIM <= q.dim <= MAX_DIM:

@@ -42,7 +42,7 @@ _FIELDS = {
     "tq_decay_key_bits": "decay_key_bits",
     "tq_decay_value_bits": "decay_value_bits",
 }
-_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
+_DESTS = ("tq_preset", "tq_bits", "tq_qjl", "tq_weigh_keys", "tq_no_weigh_keys", "tq_center_keys", "tq_no_center_keys", "tq_center_values", "tq_no_center_values", "tq_correct_norms", "tq_no_correct_norms", "tq_key_half_steps", "tq_trellis", "tq_prefill_as_decode", "tq_no_prefill_as_decode", "tq_no_protect",
           "tq_protect_before_rope", "tq_no_decay", "tq_key_error", "tq_key_output_error", "tq_value_error", "tq_value_output_error", *_FIELDS)
 
 
@@ -222,6 +222,10 @@ def add_cache_args(parser: argparse.ArgumentParser, short_aliases: bool = False)
                         "K5.5: the quarter of the channels with the most energy one bit wider, in groups rotated "
                         "on their own "
                         f"(default {d.key_half_steps})")
+    g.add_argument("--tq-trellis", dest="tq_trellis", action="store_true",
+                   help="codes of 2-6 bits as a bitshift trellis's: the same bytes, less error, encoding a Viterbi "
+                        "search; no Metal kernels yet, so attention on them runs on the reference path "
+                        f"(default {d.trellis})")
     g.add_argument("--tq-decay-after", dest="tq_decay_after", type=count_arg(1), metavar="N",
                    help="temporal decay: compressed tokens at least N tokens old are re-coded at the decay bits "
                         "(default: none, every token keeps its bits; with it, keys decay one bit, down to 3, values "
@@ -335,6 +339,8 @@ def config_from_args(args: argparse.Namespace, bounded: bool = True) -> TurboQua
         kw["correct_norms"] = False
     if getattr(args, "tq_key_half_steps", False):
         kw["key_half_steps"] = True
+    if getattr(args, "tq_trellis", False):
+        kw["trellis"] = True
     if getattr(args, "tq_prefill_as_decode", False) and getattr(args, "tq_no_prefill_as_decode", False):
         raise ValueError("--tq-prefill-as-decode and --tq-no-prefill-as-decode contradict each other: give one")
     if getattr(args, "tq_prefill_as_decode", False):

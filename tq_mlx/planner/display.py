@@ -225,6 +225,8 @@ def describe_config(config: TurboQuantConfig | None) -> str:
             config.correct_norms, "norms not corrected"))
     if not config.prefill_as_decode and config.window > 0:
         parts.append("prefill not read as decode")
+    if config.trellis:
+        parts.append("trellis codes")
     if config.value_error is not None:  # each layer's values choose between their narrowest and their own bits
         kd = format_bits(config.decayed_bits[0])
         parts.append(f"decaying to K{kd}/V{config.narrowest_value_bits}-V{format_bits(config.value_bits)} after {config.decay_after} tokens (values "

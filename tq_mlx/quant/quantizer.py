@@ -19,6 +19,11 @@ vector's norm is exactly the token's. Lloyd-Max codes shrink a vector (E‖c[idx
 decoded key's logits and every decoded value are scaled down alike, most at 2-3 bits. The codes are the same and
 decoding is unchanged; only the stored norm differs.
 
+Trellis codes (trellis=True; tq_mlx.quant.trellis): each group of 2 to 6 bits codes its rotated coordinates as a
+bitshift trellis instead, the same symbols and packing decoded through a 2^L-entry codebook by a window of the last
+L/b symbols, chosen by Viterbi; groups of 1 and 8 bits keep Lloyd-Max codes. Norm correction, recoding and decoding
+work alike; the Metal kernels do not read them yet (tq_mlx.attention.support).
+
 Widths: the config takes MSE_BITS (CODE_BITS: every whole width a group of codes is packed at; the Metal kernels
 take each: kernels.KERNEL_BITS). The quantizer stores norms in the norm_dtype it is given at every width (the
 streams keep float16 norms for codes of 6 bits or more: layout.WIDE_BITS).
@@ -36,8 +41,9 @@ import numpy as np
 import mlx.core as mx
 
 from .codebook import MIN_DIM, lloyd_max
-from .packing import lookup_table, pack, packed_words, unpack_lookup
+from .packing import lookup_table, pack, packed_words, unpack, unpack_lookup
 from .rotation import Rotation
+from .trellis import TRELLIS_BITS, decode as trellis_decode, standard_book, viterbi
 
 MSE_BITS = (1, 2, 2.5, 3, 3.5, 4, 5, 6, 8)  # the widths a config takes (config.py validates with check_bits)
 CODE_BITS = (1, 2, 3, 4, 5, 6, 8)  # the whole widths a group of codes takes (packing.SUPPORTED_BITS)
@@ -140,10 +146,11 @@ class Group(NamedTuple):
     dim: int
     bits: int
     rotation: Rotation
-    centroids: mx.array  # (2^bits,) float32, raw unit-vector scale
-    boundaries: mx.array  # (2^bits - 1,) float32
+    centroids: mx.array  # (2^bits,) float32, raw unit-vector scale; trellis codes: the (2^L,) codebook
+    boundaries: mx.array | None  # (2^bits - 1,) float32 (None: trellis codes)
     words: slice  # where this group's packed words sit in MSECodes.codes
-    table: mx.array  # packing.lookup_table(centroids, bits): dequantizes a byte of codes per lookup
+    table: mx.array | None  # packing.lookup_table(centroids, bits): dequantizes a byte of codes per lookup (None: trellis)
+    trellis: bool = False  # codes decoded by a window of symbols (tq_mlx.quant.trellis)
 
 
 def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
@@ -159,6 +166,17 @@ def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
         )
     low = int(bits)
     return [(dim // 4, low + 1), (dim - dim // 4, low)]
+
+
+def _code(y: mx.array, g: Group) -> mx.array:
+    """The codes (uint32, y's shape) of a group's rotated unit coordinates y: the nearest centroid each, or the
+    trellis path of least squared error."""
+    return viterbi(y, g.centroids, g.bits) if g.trellis else _quantize_indices(y, g.boundaries, g.bits)
+
+
+def _decoded(idx: mx.array, g: Group) -> mx.array:
+    """The values (float32) a group's codes decode to, in its rotated basis at unit scale."""
+    return trellis_decode(idx, g.centroids, g.bits) if g.trellis else g.centroids[idx]
 
 
 def _quantize_indices(y: mx.array, boundaries: mx.array, bits: int) -> mx.array:
@@ -185,12 +203,13 @@ class TurboQuantMSE:
         outlier_channels: Sequence[int] | mx.array | None = None,
         norm_dtype: mx.Dtype = mx.float16,
         correct_norms: bool = False,
+        trellis: bool = False,
     ):
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < MIN_DIM:
             raise ValueError(f"dim must be an integer >= {MIN_DIM}, got {dim!r}")
         check_norm_dtype(norm_dtype)
         self.dim, self.bits, self.seed, self.norm_dtype = int(dim), bits, int(seed), norm_dtype
-        self.correct_norms = bool(correct_norms)
+        self.correct_norms, self.trellis = bool(correct_norms), bool(trellis)
         sizes = split_dims(self.dim, bits)
         channels: list[np.ndarray | None] = [None]
         if len(sizes) == 2:
@@ -200,20 +219,17 @@ class TurboQuantMSE:
         self.groups: list[Group] = []
         start = 0
         for g, ((gdim, gbits), ch) in enumerate(zip(sizes, channels)):
-            cb = lloyd_max(gdim, gbits)
             nw = packed_words(gdim, gbits)
-            self.groups.append(
-                Group(
-                    channels=None if ch is None else mx.array(ch),
-                    dim=gdim,
-                    bits=gbits,
-                    rotation=Rotation(gdim, seed=self.seed + g),
-                    centroids=mx.array(cb.centroids.astype(np.float32)),
-                    boundaries=mx.array(cb.boundaries.astype(np.float32)),
-                    words=slice(start, start + nw),
-                    table=lookup_table(cb.centroids, gbits),
-                )
-            )
+            common = dict(channels=None if ch is None else mx.array(ch), dim=gdim, bits=gbits,
+                          rotation=Rotation(gdim, seed=self.seed + g), words=slice(start, start + nw))
+            if self.trellis and gbits in TRELLIS_BITS:
+                book = standard_book(gbits) / np.float32(np.sqrt(gdim))  # a unit vector's coordinates
+                self.groups.append(Group(centroids=mx.array(book), boundaries=None, table=None, trellis=True, **common))
+            else:
+                cb = lloyd_max(gdim, gbits)
+                self.groups.append(Group(centroids=mx.array(cb.centroids.astype(np.float32)),
+                                         boundaries=mx.array(cb.boundaries.astype(np.float32)),
+                                         table=lookup_table(cb.centroids, gbits), **common))
             start += nw
         self.words = start
         # Gathering the groups back into model order: the inverse of the channel permutation.
@@ -241,10 +257,10 @@ class TurboQuantMSE:
             # A zero vector stays zero (codes of 0, times a zero norm) instead of 0/0 = NaN.
             unit = xg / mx.where(norm > 0, norm, 1.0)
             y = g.rotation.forward(unit)
-            idx = _quantize_indices(y, g.boundaries, g.bits)
+            idx = _code(y, g)
             codes.append(pack(idx, g.bits))
             if self.correct_norms:  # ‖x‖ / ‖c[idx]‖: the decoded vector's norm is ‖x‖ (a zero code keeps ‖x‖)
-                c = g.centroids[idx]
+                c = _decoded(idx, g)
                 cn = mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True))
                 norm = norm / mx.where(cn > 0, cn, 1.0)
             norms.append(norm)
@@ -254,7 +270,8 @@ class TurboQuantMSE:
 
     def rotated_units(self, c: MSECodes) -> list[mx.array]:
         """Per group, the codebook values c[idx] in that group's rotated basis (norm not applied), float32."""
-        return [unpack_lookup(c.codes[..., g.words], g.bits, g.dim, g.table) for g in self.groups]
+        return [_decoded(unpack(c.codes[..., g.words], g.bits, g.dim), g) if g.trellis
+                else unpack_lookup(c.codes[..., g.words], g.bits, g.dim, g.table) for g in self.groups]
 
     def rotated_values(self, c: MSECodes) -> list[mx.array]:
         """Per group, the dequantized vector in that group's rotated basis (norm included), float32."""
@@ -270,7 +287,8 @@ class TurboQuantMSE:
 
     @property
     def basis(self) -> tuple:
-        """What fixes the rotated basis: each group's (dims, rotation kind, seed), in code order."""
+        """What fixes the rotated basis: each group's (dims, rotation kind, seed), in code order (trellis codes or
+        not: the same basis)."""
         return tuple((g.dim, g.rotation.kind, g.rotation.seed) for g in self.groups)
 
     def recode(self, c: MSECodes, to: "TurboQuantMSE") -> MSECodes:
@@ -285,10 +303,10 @@ class TurboQuantMSE:
         codes, norms = [], []
         for i, (t, u) in enumerate(zip(to.groups, self.rotated_units(c))):
             r = mx.sqrt(mx.sum(u * u, axis=-1, keepdims=True))  # centroids are never all zero: r > 0
-            idx = _quantize_indices(u / r, t.boundaries, t.bits)
+            idx = _code(u / r, t)
             norm = stored[..., i : i + 1] * r
             if to.correct_norms:
-                cc = t.centroids[idx]
+                cc = _decoded(idx, t)
                 cn = mx.sqrt(mx.sum(cc * cc, axis=-1, keepdims=True))
                 norm = norm / mx.where(cn > 0, cn, 1.0)
             codes.append(pack(idx, t.bits))

@@ -21,22 +21,23 @@ from ..models.rope import Rope
 
 
 def make_quantizer(dim: int, bits: float, qjl: bool, seed: int, norm_dtype: mx.Dtype = mx.float16,
-                   correct_norms: bool = False) -> TurboQuantMSE | TurboQuantProd:
-    """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise; norms stored as
-    float16 or (norm_bits 8) a one-byte log code (quantizer.NORM_DTYPES), corrected or not (correct_norms). Codes of
+                   correct_norms: bool = False, trellis: bool = False) -> TurboQuantMSE | TurboQuantProd:
+    """The quantizer of one stream: TurboQuant_prod for QJL keys, TurboQuant_mse otherwise (trellis: its codes a
+    trellis's); norms stored as float16 or (norm_bits 8) a one-byte log code (quantizer.NORM_DTYPES), corrected or
+    not (correct_norms). Codes of
     WIDE_BITS or more keep float16 norms: the coarse log code's error (RMS 1.25%) is three times 8-bit codes' own."""
     if bits >= WIDE_BITS and norm_dtype in LOG_NORM_DTYPES.values():
         norm_dtype = mx.float16
     if qjl:
         return TurboQuantProd(dim, int(bits), seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms)
-    return TurboQuantMSE(dim, bits, seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms)
+    return TurboQuantMSE(dim, bits, seed=seed, norm_dtype=norm_dtype, correct_norms=correct_norms, trellis=trellis)
 
 
 def remade(quantizer, bits: float) -> TurboQuantMSE:
-    """An MSE quantizer like `quantizer` (its dim, seed, norms and their correction) at other bits: a stream's
-    protected, widened, decayed or narrowed codes."""
+    """An MSE quantizer like `quantizer` (its dim, seed, norms and their correction, trellis codes or not) at other
+    bits: a stream's protected, widened, decayed or narrowed codes."""
     q = quantizer
-    return make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype, q.correct_norms)
+    return make_quantizer(q.dim, bits, False, q.seed, q.norm_dtype, q.correct_norms, getattr(q, "trellis", False))
 
 
 def quantizer_as_written(quantizer, codes):
@@ -47,7 +48,7 @@ def quantizer_as_written(quantizer, codes):
     if (q.bits < WIDE_BITS or q.norm_dtype == mx.uint8 or not isinstance(norms, mx.array)
             or norms.dtype != mx.uint8):
         return q
-    return type(q)(q.dim, q.bits, seed=q.seed, norm_dtype=mx.uint8, correct_norms=q.correct_norms)
+    return type(q)(q.dim, q.bits, seed=q.seed, norm_dtype=mx.uint8, correct_norms=q.correct_norms, trellis=q.trellis)
 
 
 class StreamState(NamedTuple):

@@ -99,9 +99,10 @@ class CompressedStream:
     def __init__(self, plan: StreamPlan, dim: int, *, encoder: Callable = encode, recoder: Callable = recode,
                  rope: Rope | None = None):
         self.plan = plan
-        quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype, plan.correct_norms)
+        quantizer = make_quantizer(int(dim), plan.bits, plan.qjl, plan.seed, plan.norm_dtype, plan.correct_norms,
+                                   plan.trellis)
         decay = None if plan.decay is None else Decay(plan.decay[0], make_quantizer(
-            int(dim), plan.decay[1], False, plan.seed, plan.norm_dtype, plan.correct_norms))
+            int(dim), plan.decay[1], False, plan.seed, plan.norm_dtype, plan.correct_norms, plan.trellis))
         name = plan.name
         if decay is not None and (has_channel_order(quantizer) or has_channel_order(decay.quantizer)
                                   or isinstance(quantizer, TurboQuantProd)):
