@@ -151,3 +151,16 @@ def test_the_config_takes_trellis_as_a_flag():
         TurboQuantConfig(trellis="yes")
     assert TurboQuantConfig.from_dict({k: v for k, v in TurboQuantConfig().to_dict().items() if k != "trellis"}) \
         == TurboQuantConfig()
+
+
+def test_the_encoder_holds_one_step_at_a_time():
+    # the backpointers (d x n x states bytes) stay; a step's 2^L candidates per vector are freed before the next
+    # (a lazy graph that kept them held d·n·2^L floats: 2 GB for 1024 vectors at 3 bits, 1 GB here)
+    rng = np.random.default_rng(4)
+    book = mx.array(rng.standard_normal(4096).astype(np.float32))
+    y = mx.array(rng.standard_normal((512, 128)).astype(np.float32))
+    mx.eval(book, y)
+    mx.reset_peak_memory()
+    mx.eval(T.viterbi(y, book, 3))
+    back, step = 128 * 512 * 512, 512 * 4096 * 4
+    assert mx.get_peak_memory() < back + 16 * step, mx.get_peak_memory() / 1e6  # measured: back + 7.4 steps

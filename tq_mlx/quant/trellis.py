@@ -82,8 +82,11 @@ def viterbi(y: mx.array, book: mx.array, bits: int) -> mx.array:
     back = []  # per step, for each state reached: the oldest b bits of the best state it was reached from
     for i in range(d):
         tot = cost.reshape(n, T, U, 1) + mx.square(y[:, i, None, None, None] - book)
-        back.append(mx.argmin(tot, axis=1).astype(mx.uint8).reshape(n, S))
-        cost = mx.min(tot, axis=1).reshape(n, S)
+        # the next cost reads the step's choice, so evaluation takes each step whole and frees `tot` at once
+        # (with mx.min beside it, a lazy graph kept every step's `tot` alive until the traceback: d·n·2^L floats)
+        best = mx.argmin(tot, axis=1).astype(mx.uint8)
+        back.append(best.reshape(n, S))
+        cost = mx.take_along_axis(tot, best[:, None], axis=1).reshape(n, S)
     state = mx.argmin(cost, axis=1).astype(mx.uint32)
     symbols = [None] * d
     for i in range(d - 1, -1, -1):
