@@ -230,7 +230,8 @@ def constant_bytes(dim: int, bits: float, qjl: bool = False, trellis: bool = Fal
     groups = split_dims(dim, bits)
     total = FLOAT32 * 2 * dim if len(groups) == 2 else 0  # channel lists and the inverse permutation
     for d, b in groups:
-        book = FLOAT32 * 2 ** WINDOW_BITS[b] if trellis and b in WINDOW_BITS else FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
+        trellis_group = trellis and b in WINDOW_BITS
+        book = FLOAT32 * 2 ** WINDOW_BITS[b] if trellis_group else FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
         total += _rotation_bytes(d) + book
     return total
 

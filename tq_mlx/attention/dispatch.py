@@ -10,10 +10,9 @@ row through dispatch_attention.
 
 from __future__ import annotations
 
-import warnings
-
 import math
 import os
+import warnings
 from typing import Callable, NamedTuple
 
 import numpy as np
