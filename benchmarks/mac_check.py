@@ -6,7 +6,8 @@ issue (machine: chip, macOS, mlx version, Metal device info).
   checks       rotate / encode (and encode-corrected: correct_norms, first dtype) / dequantize / recode (first
                dtype) / decode attention
                (1 and 5 query tokens) / prefill attention (40 query tokens, causal), every head_dim (64, 80, 96, 128, 256) x bits (1, 2, 2.5, 3, 3.5, 4, 8;
-               QJL keys 2, 3, 4) x dtype (float16, bfloat16, float32): max |kernel - reference| and PASS/FAIL
+               QJL keys 2, 3, 4; trellis codes 2, 2.5, 3, 3.5, 4, labelled "tc") x dtype (float16, bfloat16, float32):
+               max |kernel - reference| and PASS/FAIL
                (a compile error or an exception is a FAIL with its message; a case a launcher does not take,
                such as the WHT at head_dim 80, is listed with the reason the reference path runs instead)
   self_checks  the same variants through tq_mlx.attention' dispatchers (plus the default K4/V3): each variant's
@@ -50,13 +51,15 @@ SCHEMA = "tq-mlx mac_check 2"
 DIMS = (64, 80, 96, 128, 256)
 BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
 QJL_BITS = (2, 3, 4)
+TRELLIS_BITS = (2, 2.5, 3, 3.5, 4)  # config.trellis: attention and dequantize in the kernels, encode on the reference
 DTYPES = ("float16", "bfloat16", "float32")
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_CONTEXTS = (4096, 16384)
 SHAPES = (("32q/8kv d128", 32, 8, 128), ("16q/2kv d256", 16, 2, 256))
 TIMING_BITS = ((4, 3), (4, 4), (8, 4))  # (key bits, value bits): the library default first
 # --dry-run: the smallest sizes that still take every path (prefill chunk > 8 queries, compressed tokens).
-DRY = dict(dims=(64, 96), dtypes=("float16",), cases=((4, False), (3, True), (3.5, False)), contexts=(256, 512),
+DRY = dict(dims=(64, 96), dtypes=("float16",), cases=((4, False, False), (3, True, False), (3.5, False, False),
+                                                      (3, False, True)), contexts=(256, 512),
            shapes=(("4q/2kv d64", 4, 2, 64),), bits=((4, 3),), chunk=16, sinks=4, window=32)
 ROW_KEYS = ("shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "context", "query_tokens",
             "fused_ms", "sdpa_fp16_ms", "reference_ms", "speedup_vs_sdpa", "fused_peak_bytes", "sdpa_peak_bytes",
@@ -129,7 +132,8 @@ def _normal(rng, shape, dtype=mx.float32):
 def _cases(dry: bool):
     if dry:
         return DRY["dims"], DRY["dtypes"], DRY["cases"]
-    return DIMS, DTYPES, [(b, False) for b in BITS] + [(b, True) for b in QJL_BITS]
+    return DIMS, DTYPES, ([(b, False, False) for b in BITS] + [(b, True, False) for b in QJL_BITS]
+                          + [(b, False, True) for b in TRELLIS_BITS])
 
 
 def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None) -> list[dict]:
@@ -172,12 +176,12 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                 record("rotate" + ("-inverse" if inverse else ""), dim, "-", name,
                        lambda: (K.rotate(x, rot, inverse, **kw), K.rotate_reference(x, rot, inverse), mx.float32),
                        K.rotation_unsupported(x, rot))
-        for bits, qjl in cases:
+        for bits, qjl, tc in cases:
             if bits % 1 and dim % 4:
                 continue  # fractional bits split the channels 1:3
-            label = f"{bits}{'+qjl' if qjl else ''}"
-            kq = TurboQuantProd(dim, bits, seed=2) if qjl else TurboQuantMSE(dim, bits, seed=2)
-            vq = TurboQuantMSE(dim, bits, seed=3)
+            label = f"{bits}{'+qjl' if qjl else ''}{'tc' if tc else ''}"
+            kq = TurboQuantProd(dim, bits, seed=2) if qjl else TurboQuantMSE(dim, bits, seed=2, trellis=tc)
+            vq = TurboQuantMSE(dim, bits, seed=3, trellis=tc)
             for name in dtypes:
                 dt = getattr(mx, name)
                 xs = _normal(rng, (2, 4, 33, dim), dt)
@@ -194,7 +198,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
 
                 record("encode", dim, label, name, encoding(kq), K.encode_unsupported(xs, kq, mean))
                 if name == dtypes[0]:  # correct_norms: the same kernels with CN on
-                    cq = type(kq)(dim, bits, seed=2, correct_norms=True)
+                    cq = type(kq)(dim, bits, seed=2, correct_norms=True, **({"trellis": tc} if tc else {}))
                     record("encode-corrected", dim, label, name, encoding(cq), K.encode_unsupported(xs, cq, mean))
 
                 def handle(q, n=300):
@@ -207,7 +211,7 @@ def check_rows(quick: bool, factory, dry: bool = False, skip: str | None = None)
                        lambda: (K.dequantize(keys, dt, **kw), K.dequantize_reference(keys, dt), dt),
                        K.dequantize_unsupported(keys))
                 if name == dtypes[0] and bits > 1:  # temporal decay: a bit fewer in the same basis (K3.5 -> K2.5)
-                    to = TurboQuantMSE(dim, bits - 1, seed=3)
+                    to = TurboQuantMSE(dim, bits - 1, seed=3, trellis=tc)
 
                     def recoding():
                         got = K.recode(values.codes, vq, to, **kw)
@@ -242,8 +246,8 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
     rng = np.random.default_rng(1)
     dims, dtypes, cases = _cases(dry)
     dims = (128,) if quick and not dry else dims
-    # (key bits, value bits, QJL, norm bits): the default first, then with 8-bit (log-coded) norms
-    pairs = [(4, 3, False, 16), (4, 3, False, 8)] + [(b, b, q, 16) for b, q in cases if (b, b, q) != (4, 3, False)]
+    # (key bits, value bits, QJL, norm bits, trellis): the default first, then with 8-bit (log-coded) norms
+    pairs = [(4, 3, False, 16, False), (4, 3, False, 8, False)] + [(b, b, q, 16, tc) for b, q, tc in cases]
     K.set_backend("metal")
     K.set_kernel_factory(factory)
     K.reset_self_checks()
@@ -252,7 +256,7 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a failed self-check is recorded below
             for dim in dims:
-                for kb, vbits, qjl, nb in pairs:
+                for kb, vbits, qjl, nb, tc in pairs:
                     for name in dtypes:
                         dt = getattr(mx, name)
                         try:
@@ -264,7 +268,7 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                                                                        window=16, calibration_tokens=None, sinks=4,
                                                                        compress_block=8,
                                                                        norm_bits=nb, decay_after=40 if decays else None,
-                                                                       prefill_as_decode=False))
+                                                                       prefill_as_decode=False, trellis=tc))
                             k = (_normal(rng, (1, 2, 70, dim)) + 0.5).astype(dt)  # dispatch_encode on compression
                             keys, values = cache.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             for L, mask in ((1, None), (40, "causal")):
@@ -275,7 +279,7 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             # (16 a run, the prefill kernel's), each with the compressed tokens a decode step reads
                             pd = TurboQuantKVCache(TurboQuantConfig(key_bits=kb, value_bits=vbits, qjl=qjl, window=16,
                                                                     calibration_tokens=None, sinks=4, compress_block=16,
-                                                                    norm_bits=nb,
+                                                                    norm_bits=nb, trellis=tc,
                                                                     prefill_as_decode=True))
                             pk, pv = pd.update_and_fetch(k, _normal(rng, (1, 2, 70, dim)).astype(dt))
                             q = _normal(rng, (1, 8, 70, dim), dt)
@@ -286,7 +290,7 @@ def self_check_rows(quick: bool, factory, dry: bool = False, skip: str | None = 
                             mx.eval(K.dispatch_rotate(_normal(rng, (3, rot.dim), dt), rot, True))
                         except Exception as e:  # noqa: BLE001 - a dispatcher must never raise: report it
                             errors.append(dict(kernel="dispatch", variant=f"d={dim} K{kb}{'+qjl' if qjl else ''}"
-                                               f"/V{vbits} n{nb} {name}", passed=False,
+                                               f"/V{vbits}{' tc' if tc else ''} n{nb} {name}", passed=False,
                                                reason=f"{type(e).__name__}: {e}"))
         status = K.self_check_status()
     finally:

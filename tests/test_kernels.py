@@ -13,7 +13,10 @@ and tests/test_kernel_masks.py (learned sinks, array masks, MLA). Here:
 * encode_dense (channel groups, a per-head channel order, head dims 80, 96, 192) against the reference codes;
 * all three lane schedules (forward, reverse, random) on a representative subset (GQA decode, QJL decode
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL);
-* sparse V's bound (SPARSE_V_EPSILON) on an adversarial 20k-token pattern against a float64 exact result.
+* sparse V's bound (SPARSE_V_EPSILON) on an adversarial 20k-token pattern against a float64 exact result;
+* trellis codes (config.trellis): decode and prefill attention with every trellis width on keys and values (and
+  one side of Lloyd-Max codes beside them), dequantize at every width, a planted window bug in each read, and
+  why their encode and recode take the reference path.
 Cost, for the four kernel files together, is dominated by compiling ~250 kernel variants (about 0.4 s of CPU
 each, cached in ~/.cache/tq-mlx): 1.8 CPU-minutes cold (80 s wall on a 2-core machine at load 2), 30
 CPU-seconds warm (28 s wall there); the bit-pair, head_dim, schedule and sparse-V bound tests take 24 s of that
@@ -32,10 +35,11 @@ import mlx.core as mx
 
 from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emulator: the same fixtures)
     BITS, DIMS, DTYPES, QJL_BITS, SCHEDULES, Emu, _clean_dispatch, assert_close, assert_codes_equal, cache_step,
-    emulator, handle, ids, normal, quantizer, run_decode,
+    emulator, handle, ids, normal, planted, quantizer, run_decode,
 )
 from tq_mlx import attention as K
 from tq_mlx import StreamView
+from tq_mlx.quant.quantizer import TurboQuantMSE
 from tq_mlx.quant.rotation import Rotation
 
 
@@ -198,7 +202,7 @@ RECODE_CASES = [(128, 4, 3, mx.int8, mx.int8, False), (64, 6, 5, mx.float16, mx.
 @pytest.mark.parametrize("dim,bits,to_bits,norms,to_norms,corrected", RECODE_CASES, ids=ids)
 def test_recode_matches_reference_and_decode_then_encode(emulator, schedule, dim, bits, to_bits, norms, to_norms,
                                                          corrected):
-    from tq_mlx.quant.quantizer import TurboQuantMSE, load_norms
+    from tq_mlx.quant.quantizer import load_norms
 
     rng = np.random.default_rng(dim + int(4 * bits))
     q = TurboQuantMSE(dim, bits, seed=5, norm_dtype=norms, correct_norms=corrected)
@@ -216,8 +220,6 @@ def test_recode_matches_reference_and_decode_then_encode(emulator, schedule, dim
 
 
 def test_recode_refuses_another_basis():
-    from tq_mlx.quant.quantizer import TurboQuantMSE
-
     q = TurboQuantMSE(64, 4, seed=5)
     codes = q.quantize(mx.ones((1, 64)))
     for to in (TurboQuantMSE(64, 3, seed=6), TurboQuantMSE(64, 3.5, seed=5)):
@@ -421,3 +423,72 @@ def test_head_dims_32_and_512(emulator, dim, bits):
     assert_close(K.dequantize(h, mx.float16, metal_kernel=Emu()), K.dequantize_reference(h, mx.float16), mx.float16)
     got, want, *_ = run_decode(rng, dim, bits, bits, False, mx.float16, 4, 2, "causal", Emu(), n=40, split_tokens=32)
     assert_close(got, want, mx.float16)
+
+
+# ================================================================= 6. trellis codes
+# Each side's codes as trellis codes (config.trellis) or Lloyd-Max codes: every trellis width (2..6 bits, and the
+# groups of 2.5 and 3.5) on keys and values, head dims with and without a WHT. The codebooks stay in device memory.
+TRELLIS_CASES = [  # (dim, key bits, value bits, keys trellis, values trellis, dtype, R, L, mask)
+    (128, 3, 4, True, True, mx.float16, 2, 1, None),
+    (64, 4, 2, True, False, mx.float32, 1, 3, "causal"),
+    (64, 2, 6, False, True, mx.bfloat16, 4, 2, "causal"),
+    (64, 2.5, 3.5, True, True, mx.float32, 2, 3, "causal"),
+    (80, 6, 5, True, True, mx.float16, 3, 1, None),
+    (128, 5, 2, True, True, mx.float32, 8, 8, "causal"),
+]
+
+
+def trellis_views(rng, dim, kb, vb, kt, vt, B=1):
+    keys = handle(rng, TurboQuantMSE(dim, kb, seed=2, trellis=kt), B=B)
+    return keys, handle(rng, TurboQuantMSE(dim, vb, seed=3, trellis=vt), B=B)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,kb,vb,kt,vt,dtype,R,L,mask", TRELLIS_CASES, ids=ids)
+def test_attention_on_trellis_codes_matches_reference(emulator, dim, kb, vb, kt, vt, dtype, R, L, mask):
+    rng = np.random.default_rng(int(10 * kb + vb))
+    keys, values = trellis_views(rng, dim, kb, vb, kt, vt)
+    assert keys.quantizer.groups[0].trellis is kt and values.quantizer.groups[-1].trellis is vt
+    q = normal(rng, (1, 2 * R, L, dim), dtype)
+    want = K.decode_attention_reference(q, keys, values, 0.1, mask)
+    assert K.decode_unsupported(q, keys, values, mask) is None
+    f = Emu()
+    assert_close(K.decode_attention(q, keys, values, 0.1, mask, metal_kernel=f, split_tokens=32), want, dtype)
+    assert_close(K.prefill_attention(q, keys, values, 0.1, mask, metal_kernel=f), want, dtype)
+    # the key codes are read once per kv head and chunk of query rows (the window rolls along them, never re-reads)
+    (launch,) = [la for la in f.launches if la.name == "tq_decode_partial"]
+    chunks = -(-R * L // dict(launch.call["template"])["NR"])
+    assert launch.stats.buffers["kc"].total_bytes_read == chunks * np.asarray(keys.codes.codes).nbytes
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_dequantize_trellis_codes_matches_reference(emulator, bits):
+    h = handle(np.random.default_rng(bits), TurboQuantMSE(128, bits, seed=4, trellis=True), B=2, n=9, n_sinks=0,
+               n_window=0, mean=bits % 2 == 0)
+    schedules = SCHEDULES if bits == 3 else ("forward",)
+    for schedule in schedules:
+        assert_close(K.dequantize(h, mx.float16, metal_kernel=Emu(schedule)), K.dequantize_reference(h, mx.float16),
+                     mx.float16, schedule)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("bug", [
+    ("win = TRL ? (((win << B) | code) & WM) : code;", "win = code;"),  # scores: no window
+    ("      if (j >= uint(t)) {", "      if (j > uint(t)) {"),  # values: one older symbol dropped
+], ids=["scores", "values"])
+def test_a_planted_trellis_window_bug_is_detected(emulator, monkeypatch, bug):
+    planted(monkeypatch, "common", *bug)
+    rng = np.random.default_rng(5)
+    keys, values = trellis_views(rng, 64, 3, 3, True, True)
+    q = normal(rng, (1, 4, 1, 64))
+    got = K.decode_attention(q, keys, values, 0.1, None, metal_kernel=Emu(), split_tokens=32)
+    assert np.abs(np.asarray(got) - np.asarray(K.decode_attention_reference(q, keys, values, 0.1, None))).max() > 1e-3
+
+
+def test_trellis_encode_and_recode_say_why_they_take_the_reference_path():
+    q3, q4 = (TurboQuantMSE(64, b, seed=1, trellis=True) for b in (3, 4))
+    x = normal(np.random.default_rng(0), (1, 1, 2, 64))
+    assert "Viterbi" in K.encode_unsupported(x, q4)
+    assert "Viterbi" in K.recode_unsupported(q4.quantize(x), q4, q3)
+    assert K.dequantize_unsupported(handle(np.random.default_rng(1), q4, n_sinks=0, n_window=0)) is None

@@ -137,7 +137,7 @@ class TurboQuantKVCache(_BaseCache):
         self.fetch = "float" if self.k_eq_v else fetch
         self.config = config or TurboQuantConfig()
         if self.config.trellis:
-            warn_reference_path("trellis codes (config.trellis)")
+            warn_reference_path("the encoder of trellis codes (config.trellis, a Viterbi search)")
         self.layer_index = int(layer_index)
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
         self.n_attention_layers = n_attention_layers

@@ -206,7 +206,8 @@ def dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_kernel=Non
                 tables, q.projection if prod else _dummy(mx.float32), mean_in, _ints(n, H, kv.mean is not None)],
         output_shapes=[(B, H, n, D)], output_dtypes=[dtype],
         grid=(B * H * n * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", dtype), ("D", D), ("B", g.bits), ("QJL", prod), ("W", packed_words(D, g.bits))],
+        template=[("T", dtype), ("D", D), ("B", g.bits), ("QJL", prod), ("W", packed_words(D, g.bits)),
+                  ("TR", g.trellis)],
     )
     return _mx(out, dtype)
 

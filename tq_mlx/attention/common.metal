@@ -80,6 +80,20 @@ inline constexpr int tq_hi_bits(int b) {
   return b - tq_lo_bits(b);
 }
 
+// Trellis codes (tq_mlx/quant/trellis.py): a group of 2..6 bits whose side has T != 0 decodes coordinate j
+// through a codebook of 2^L entries, indexed by the window of its last L/B symbols (the newest in the low bits,
+// those before the group's first coordinate 0); L is trellis.WINDOW_BITS (12; 10 at 5 bits). Other widths keep
+// their 2^B Lloyd-Max centroids. A side's entries (centroids or codebooks) lie group after group.
+inline constexpr bool tq_trellis(int T, int b) {
+  return T != 0 && b >= 2 && b <= 6;
+}
+inline constexpr int tq_window(int b) {
+  return b == 5 ? 10 : 12;
+}
+inline constexpr int tq_entries(int T, int b) {
+  return tq_trellis(T, b) ? 1 << tq_window(b) : 1 << b;
+}
+
 // Code j of a vector of D codes packed in bit planes as above (the high plane starts after the low plane's
 // ceil(D / (32 / tq_lo_bits(B))) words). `words` may point to device or threadgroup memory.
 template <int B, int D, typename P>
@@ -96,13 +110,32 @@ METAL_FUNC uint tq_code(P words, uint j) {
   return lo | (hi << LB);
 }
 
-// Σ_j q_r[j]·cent[code_j] over the DG codes (B bits) of one code group packed at `w`, added into s[k] for
+// The entry of code j (< DG) of a group at B bits (tq_code): the code itself, or with trellis codes (TR) the
+// window of codes j, j-1, ... (tq_trellis), read one code at a time.
+template <int B, int DG, int TR, typename P>
+METAL_FUNC uint tq_entry(P words, uint j) {
+  uint idx = tq_code<B, DG>(words, j);
+  if (tq_trellis(TR, B)) {
+    for (int t = 1; t < tq_window(B) / B; ++t) {
+      if (j >= uint(t)) {
+        idx |= tq_code<B, DG>(words, j - uint(t)) << (B * t);
+      }
+    }
+  }
+  return idx;
+}
+
+// Σ_j q_r[j]·cent[entry_j] over the DG codes (B bits) of one code group packed at `w`, added into s[k] for
 // this SIMD group's RPS query rows r = sg + k·NSG of `q` (rows of DQ floats, already offset to the group's
 // first dim). Word-major: CK codes share one low-plane word, and with a high plane (3, 5, 6 bits) CK·HB bits of
-// one high-plane word (3 bits: 16 codes, 16 bits; 5: 8 codes, 8 bits; 6: 8 codes, 16 bits).
-template <int B, int DG, int RPS, int NSG, int DQ>
-METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* q,
-                                uint sg, thread float* s) {
+// one high-plane word (3 bits: 16 codes, 16 bits; 5: 8 codes, 8 bits; 6: 8 codes, 16 bits). Trellis codes (TR)
+// roll their window along the codes in order; their codebook (`cent`, any address space) is read where it lies.
+template <int B, int DG, int RPS, int NSG, int DQ, int TR, typename C>
+METAL_FUNC void tq_group_scores(const threadgroup uint* w, C cent, const threadgroup float* q, uint sg,
+                                thread float* s) {
+  constexpr bool TRL = tq_trellis(TR, B);
+  constexpr uint WM = (1u << tq_window(B)) - 1u;  // a trellis window's bits
+  uint win = 0;
   constexpr int LB = tq_lo_bits(B);
   constexpr bool HIGH = tq_hi_bits(B) > 0;
   constexpr int HB = HIGH ? tq_hi_bits(B) : 1;
@@ -116,7 +149,8 @@ METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup flo
       if (DG % CK == 0 || j0 + i < DG) {
         const uint low = (lo >> (LB * i)) & ((1u << LB) - 1u);
         const uint code = HIGH ? (low | (((hi >> (HB * i)) & ((1u << HB) - 1u)) << LB)) : low;
-        const float c = cent[code];
+        win = TRL ? (((win << B) | code) & WM) : code;
+        const float c = cent[win];
         for (int k = 0; k < RPS; ++k) {
           s[k] += q[(int(sg) + k * NSG) * DQ + j0 + i] * c;
         }
@@ -128,14 +162,14 @@ METAL_FUNC void tq_group_scores(const threadgroup uint* w, const threadgroup flo
 // A token's key scores s[k] = Σ_g |k|_g · Σ_j q_r[j]·c_g[idx_j] for this SIMD group's RPS query rows (rows of D
 // floats in `q`, the keys' rotated basis), over its code groups: one, or two for fractional bits (dims [0, D0)
 // at B0 bits in words [0, W0) with norms[0], dims [D0, D) at B1 bits after them with norms[1]). cent holds group
-// 0's 2^B0 centroids, then group 1's.
-template <int B0, int D0, int B1, int W0, int G, int D, int RPS, int NSG>
-METAL_FUNC void tq_key_scores(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* q,
+// 0's entries (tq_entries: 2^B0 centroids, or a trellis codebook with TR), then group 1's.
+template <int B0, int D0, int B1, int W0, int G, int D, int RPS, int NSG, int TR, typename C>
+METAL_FUNC void tq_key_scores(const threadgroup uint* w, C cent, const threadgroup float* q,
                               const threadgroup float* norms, uint sg, thread float* s) {
   for (int k = 0; k < RPS; ++k) {
     s[k] = 0.0f;
   }
-  tq_group_scores<B0, D0, RPS, NSG, D>(w, cent, q, sg, s);
+  tq_group_scores<B0, D0, RPS, NSG, D, TR>(w, cent, q, sg, s);
   for (int k = 0; k < RPS; ++k) {
     s[k] *= norms[0];
   }
@@ -144,7 +178,7 @@ METAL_FUNC void tq_key_scores(const threadgroup uint* w, const threadgroup float
     for (int k = 0; k < RPS; ++k) {
       s1[k] = 0.0f;
     }
-    tq_group_scores<B1, D - D0, RPS, NSG, D>(w + W0, cent + (1 << B0), q + D0, sg, s1);
+    tq_group_scores<B1, D - D0, RPS, NSG, D, TR>(w + W0, cent + tq_entries(TR, B0), q + D0, sg, s1);
     for (int k = 0; k < RPS; ++k) {
       s[k] += s1[k] * norms[1];
     }
@@ -203,23 +237,24 @@ METAL_FUNC void tq_rope_scores(const threadgroup float* terms, const threadgroup
 
 // Dim j (< D) of a token's codes in the rotated basis, norm applied: the codes are one group (D0 = D) or two
 // (dims [0, D0) at B0 bits in words [0, W0) with norm n0, dims [D0, D) at B1 bits after them with norm n1;
-// fractional bits). cent holds group 0's 2^B0 centroids, then group 1's.
-template <int B0, int D0, int B1, int D, int W0, typename P>
-METAL_FUNC float tq_value(P w, uint j, const threadgroup float* cent, float n0, float n1) {
+// fractional bits). cent holds group 0's entries (tq_entries), then group 1's.
+template <int B0, int D0, int B1, int D, int W0, int TR, typename P, typename C>
+METAL_FUNC float tq_value(P w, uint j, C cent, float n0, float n1) {
   if (D0 == D || j < uint(D0)) {
-    return cent[tq_code<B0, D0>(w, j)] * n0;
+    return cent[tq_entry<B0, D0, TR>(w, j)] * n0;
   }
-  return cent[(1 << B0) + tq_code<B1, (D > D0 ? D - D0 : 1)>(w + W0, j - uint(D0))] * n1;
+  return cent[tq_entries(TR, B0) + tq_entry<B1, (D > D0 ? D - D0 : 1), TR>(w + W0, j - uint(D0))] * n1;
 }
 
 // A lane's dims [lane*EV, lane*EV + EV) of a token's values in the rotated basis, norms applied (tq_value;
 // norms[0], and norms[1] for a second group); 0 past D.
-template <int B0, int D0, int B1, int D, int W0, int G, int EV>
-METAL_FUNC void tq_value_dims(const threadgroup uint* w, const threadgroup float* cent, const threadgroup float* norms,
-                              uint lane, thread float* c) {
+template <int B0, int D0, int B1, int D, int W0, int G, int EV, int TR, typename C>
+METAL_FUNC void tq_value_dims(const threadgroup uint* w, C cent, const threadgroup float* norms, uint lane,
+                              thread float* c) {
   for (int e = 0; e < EV; ++e) {
     const uint j = lane * EV + e;
-    c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0>(w, j, cent, norms[0], norms[G - 1]) : 0.0f;
+    c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0, TR>(w, j, cent, norms[0], norms[G - 1])
+                                         : 0.0f;
   }
 }
 

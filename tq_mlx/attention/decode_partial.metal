@@ -16,7 +16,8 @@
 // Inputs: q (B, H, RL, DK) float32 = Π(scale·q) (keys' rotated basis); qs (B, H, RL, DK) float32 = S·scale·q
 //   (QJL); kc (B, H, N, WK) uint32, kn (B, H, N, KG) float16 or uint8 (tq_norm), kj (B, H, N, ceil(DK/32)) uint32, kg (B, H, N)
 //   float16, vc (B, H, N, WV) uint32, vn (B, H, N, VG) float16: strided views of the cache;
-//   tables float32 [key centroids (2^KB, then 2^KB1 if KG = 2) | value centroids (same) | qjl scale | ε];
+//   tables float32 [key entries (tq_entries: 2^KB centroids or a trellis codebook, then group 1's if KG = 2) |
+//   value entries (same) | qjl scale | ε];
 //   amask: the array mask (MASK 1 bool, 2 additive), read at (row, n_sinks + t) as decode_merge.metal does;
 //   rterms (B, H, RL, 2·NP) float32, rfreqs (NP) float32: keys centered before RoPE (tq_rope_scores), NP > 0;
 //   params int32 [H, N, RL, L, tokens per split, causal limit, n_sinks, sb, sh, si, position of token 0]:
@@ -24,13 +25,20 @@
 // Outputs: pm, pl (B, H, S, RL) float32; pacc (B, H, S, RL, DV) float32.
 // Template: DK, DV, KB, VB (MSE bits; of group 0), QJL, KEQV (keys are values), MASK, MT (the mask's type),
 // NR (rows per threadgroup, a power of two), NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1,
-// WK0 and VG, VD0, VB1, WV0 (groups, group 0's dims, group 1's bits, group 0's words), and the layout from
+// WK0, KT and VG, VD0, VB1, WV0, VT (groups, group 0's dims, group 1's bits, group 0's words, trellis codes),
+// and the layout from
 // tq_mlx.attention._partial_layout: WK, WV (packed words per key / value token), WS, WJS (row strides of the
 // staged words) and TG_* (the threadgroup arrays' sizes), so the host's memory budget is the kernel's.
 constexpr int EV = (DV + 31) / 32;
 constexpr int WJ = (DK + 31) / 32;
-constexpr int NKC = (1 << KB) + (KG == 2 ? 1 << KB1 : 0);  // key centroids; value centroids follow
-constexpr int NVC = (1 << VB) + (VG == 2 ? 1 << VB1 : 0);
+constexpr int NKC = tq_entries(KT, KB) + (KG == 2 ? tq_entries(KT, KB1) : 0);  // key entries; values' follow
+constexpr int NVC = tq_entries(VT, VB) + (VG == 2 ? tq_entries(VT, VB1) : 0);
+// Trellis codebooks (KT, VT: every group of the side) are read from `tables` where they lie: two would fill
+// threadgroup memory. Lloyd-Max centroids are staged: SKC key centroids, then SVC value centroids.
+constexpr bool KTR = tq_trellis(KT, KB);
+constexpr bool VTR = tq_trellis(VT, VB);
+constexpr int SKC = KTR ? 0 : NKC;
+constexpr int SVC = VTR ? 0 : NVC;
 constexpr int NSG = NR < 8 ? NR : 8;
 constexpr int NT = 32 * NSG;
 constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
@@ -63,7 +71,7 @@ threadgroup float tok_norm[TG_NORM];
 threadgroup float tok_gamma[TG_GAMMA];
 threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
 threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
-threadgroup float cent[TG_C];       // key centroids, then value centroids
+threadgroup float cent[TG_C];       // staged centroids: SKC keys', then SVC values'
 threadgroup float rope_tg[TG_R];    // RoPE terms [A | B] per row (NP > 0)
 threadgroup float rfreq_tg[TG_F];   // RoPE frequencies
 threadgroup float rl_tg[TG_RL];     // cos, sin of φ_l per (l, pair)
@@ -77,8 +85,8 @@ for (int i = int(tid); i < NR * DK; i += NT) {
     qs_tg[i] = r < nrows ? qs[src] : 0.0f;
   }
 }
-for (int i = int(tid); i < NKC + NVC; i += NT) {
-  cent[i] = tables[i];
+for (int i = int(tid); i < SKC + SVC; i += NT) {
+  cent[i] = tables[i < SKC ? i : NKC + i - SKC];
 }
 for (int i = int(tid); NP > 0 && i < NR * 2 * NP; i += NT) {
   const int r = i / (2 * NP);
@@ -152,7 +160,11 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
   const bool valid = int(lane) < nt;
   const int t = t0 + int(lane);
   float s[RPS];
-  tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  if (KTR) {
+    tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG, KT>(words + lane * WS, tables, q_tg, tok_norm + lane * KG, sg, s);
+  } else {
+    tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG, KT>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  }
   if (NP > 0) {
     tq_rope_scores<NP, RPS, NSG>(rope_tg, rh_tg, rl_tg, pos0 + t, pos0 + t0, sg, s);
   }
@@ -234,7 +246,11 @@ for (int t0 = t_begin; t0 < t_end; t0 += 32) {
       continue;
     }
     float c[EV];
-    tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV>(words + tt * WS, cent + NKC, tok_norm + tt * VG, lane, c);
+    if (VTR) {
+      tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV, VT>(words + tt * WS, tables + NKC, tok_norm + tt * VG, lane, c);
+    } else {
+      tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV, VT>(words + tt * WS, cent + SKC, tok_norm + tt * VG, lane, c);
+    }
     for (int k = 0; k < RPS; ++k) {
       const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
       if (w != 0.0f) {

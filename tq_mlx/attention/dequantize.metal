@@ -4,12 +4,15 @@
 // decodes elements [l*E, l*E + E), runs the inverse rotation with shuffles and writes them.
 // Inputs (strided views, indexed with their strides): codes (B, H, n, W) uint32, norms (B, H, n, 1)
 //   float16 or uint8 (tq_norm), qjlw (B, H, n, D/32) uint32 and gamma (B, H, n) as the norms (QJL); tables float32
-//   [signs (D) | centroids (2^B) | qjl scale]; proj (D, D) float32 S; mean (B*H, D) float32;
+//   [signs (D) | entries (tq_entries: 2^B centroids, or a trellis codebook) | qjl scale]; proj (D, D) float32 S;
+//   mean (B*H, D) float32;
 //   params int32 [n, H, has_mean].
 // Output: out (B, H, n, D) T. Template: T, D, B (MSE bits), QJL, W (packed words per token:
-// tq_mlx.packing.packed_words). Grid: 32 threads per token.
+// tq_mlx.packing.packed_words), TR (trellis codes: their codebook is read from `tables`, not staged). Grid: 32
+// threads per token.
 constexpr int E = D / 32;
-constexpr int NC = 1 << B;
+constexpr int NC = tq_entries(TR, B);
+constexpr bool TRL = tq_trellis(TR, B);
 constexpr int WJ = D / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
@@ -20,12 +23,12 @@ const uint bh = row / n;
 const uint b = bh / uint(params[1]);
 const uint h = bh % uint(params[1]);
 
-threadgroup float cent[NC];
+threadgroup float cent[TRL ? 1 : NC];
 constexpr int TW = 8 * W;  // up to 8 SIMD groups per threadgroup
 constexpr int TJ = QJL ? 8 * WJ : 1;
 threadgroup uint words[TW];
 threadgroup uint jwords[TJ];
-for (uint i = thread_index_in_threadgroup; i < uint(NC); i += threads_per_threadgroup.x) {
+for (uint i = thread_index_in_threadgroup; !TRL && i < uint(NC); i += threads_per_threadgroup.x) {
   cent[i] = tables[D + i];
 }
 threadgroup uint* tw = words + sg * W;
@@ -46,7 +49,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 const float nrm = tq_norm(norms[b * norms_strides[0] + h * norms_strides[1] + t * norms_strides[2]]);
 float v[E];
 for (int e = 0; e < E; ++e) {
-  v[e] = cent[tq_code<B, D>(tw, lane * E + e)];
+  v[e] = TRL ? tables[D + tq_entry<B, D, TR>(tw, lane * E + e)] : cent[tq_code<B, D>(tw, lane * E + e)];
 }
 tq_wht<E>(v, lane);
 const float rs = nrm / sqrt(float(D));

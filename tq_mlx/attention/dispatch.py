@@ -83,8 +83,8 @@ def warn_reference_path(what: str) -> None:
     """Warn once a process, where the kernels would run, that `what` runs on the reference path instead."""
     if kernels_enabled() and what not in _warned_reference:
         _warned_reference.add(what)
-        warnings.warn(f"tq_mlx: {what} have no Metal kernels yet; attention on them runs on the MLX reference "
-                      f"path (slower)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"tq_mlx: {what} has no Metal kernel yet; it runs on the MLX reference path (slower)",
+                      RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -156,7 +156,7 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
 
         q = kv.quantizer
         variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype), kv.mean is not None,
-                   kv.scale is not None, str(q.norm_dtype), kv.weights is not None)
+                   kv.scale is not None, str(q.norm_dtype), kv.weights is not None, _kv_codes(kv, kv)[0].trellis)
         if _self_check("dequantize", variant, factory, run):
             return dequantize(kv, dtype, metal_kernel=factory)
     return dequantize_reference(kv, dtype)

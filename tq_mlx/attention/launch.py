@@ -144,26 +144,29 @@ class _Codes(NamedTuple):
     groups: tuple[tuple[int, int, int], ...]  # (dims, bits, packed words) per group, in code order
     wht: bool  # one group under a power-of-two WHT (rotated in-kernel); else the host rotates
     norms: str  # the stored norms' dtype (float16, or uint8 for the log code): a separate compiled variant
+    trellis: bool = False  # every group's codes are trellis codes (common.metal tq_trellis): read from device memory
 
     @property
     def words(self) -> int:
         return sum(w for _, _, w in self.groups)
 
     def template(self, side: str) -> list[tuple[str, int]]:
-        """KB, KG, KD0, KB1, WK0 (side "K") or VB, VG, VD0, VB1, WV0 (side "V")."""
+        """KB, KG, KD0, KB1, WK0, KT (side "K") or VB, VG, VD0, VB1, WV0, VT (side "V")."""
         (d0, b0, w0), *rest = self.groups
         b1 = rest[0][1] if rest else b0
         return [(f"{side}B", b0), (f"{side}G", len(self.groups)), (f"{side}D0", d0), (f"{side}B1", b1),
-                (f"W{side}0", w0)]
+                (f"W{side}0", w0), (f"{side}T", int(self.trellis))]
 
     def centroids(self) -> int:
-        return sum(2**b for _, b, _ in self.groups)
+        """The entries the attention kernels stage in threadgroup memory: Lloyd-Max centroids; a trellis
+        side's codebooks stay in device memory (two of them would fill threadgroup memory)."""
+        return 0 if self.trellis else sum(2**b for _, b, _ in self.groups)
 
 
 def _codes(q) -> _Codes:
     mse = _mse(q)
     return _Codes(q.dim, tuple((g.dim, g.bits, g.words.stop - g.words.start) for g in mse.groups), _wht(q),
-                  str(q.norm_dtype))
+                  str(q.norm_dtype), all(g.trellis for g in mse.groups))
 
 
 def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool, np: int = 0
@@ -180,7 +183,7 @@ def _partial_layout(nr: int, dk: int, dv: int, kc: _Codes, vc: _Codes, qjl: bool
         ("TG_Q", nr * dk), ("TG_QS", nr * dk if qjl else 1),  # rotated query rows; S·q rows (QJL)
         ("TG_W", 32 * ws), ("TG_J", 32 * wjs if qjl else 1),  # a tile's key then value words; its QJL words
         ("TG_NORM", norms), ("TG_GAMMA", 32), ("TG_P", nr * 32),  # per-token norms, γ; weights (row, token)
-        ("TG_KEEP", min(nr, 8)), ("TG_C", kc.centroids() + vc.centroids()),  # kept-token masks; centroids
+        ("TG_KEEP", min(nr, 8)), ("TG_C", kc.centroids() + vc.centroids() or 1),  # kept-token masks; staged centroids
         # keys centered before RoPE: each row's [A | B] and the np pair frequencies (tq_rope_scores)
         # and cos, sin of φ_l (8 per pair) and of a tile's θ_h (5 blocks per pair): tq_rope_stage_*
         ("NP", np), ("TG_R", 2 * nr * np or 1), ("TG_F", np or 1), ("TG_RL", 2 * 8 * np or 1),

@@ -18,7 +18,7 @@
 // Inputs: qf (B, H, RL, DK) float32 = scale·q (model basis); qr (B, H, RL, DK) float32 = Π(s_k·scale·q);
 //   qs (B, H, RL, DK) float32 = S·s_k·scale·q (QJL); qmu (B, H, RL) float32 = scale·q·μ; ksink, vsink, kwin, vwin
 //   (B, H, n, D) float strided views; kc, kn, kj, kg, vc, vn: the compressed views (as decode_partial);
-//   tables float32 [key centroids | value centroids | qjl scale | sparse V ε]; vsigns (DV) float32; vmean
+//   tables float32 [key entries | value entries | qjl scale | sparse V ε] (as decode_partial); vsigns (DV) float32; vmean
 //   (B·H, DV) float32 = ν; vscale (B·H) float32 = s_v;
 //   lsink (Hq) float32 learned sink logits; amask the array mask, read at (row, column) as decode_merge.metal;
 //   rterms (B, H, RL, 2·NP) float32, rfreqs (NP) float32: keys centered before RoPE (tq_rope_scores), NP > 0;
@@ -27,13 +27,19 @@
 //   token i iff t <= that part's limit + i (and the mask shows it).
 // Outputs: out (B, H, RL, DV) TO (T; float32 without ROTV), outc (B, H, RL, DV) float32 (without ROTV).
 // Template: T, TO, DK, DV, KB, VB, QJL, KEQV (keys are values), MASK (0 none or causal, 1 bool, 2 additive),
-// MT (its type), NR, NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1, WK0, VG, VD0, VB1, WV0, ROTV and
+// MT (its type), NR, NP (RoPE pairs of centered keys, 0: none), KG, KD0, KB1, WK0, KT, VG, VD0, VB1, WV0, VT, ROTV and
 // tq_mlx.attention._prefill_layout's
 // WK, WV, WS, WJS, TG_* (threadgroup array sizes, so the host's memory budget is the kernel's).
 constexpr int EV = (DV + 31) / 32;
 constexpr int WJ = (DK + 31) / 32;
-constexpr int NKC = (1 << KB) + (KG == 2 ? 1 << KB1 : 0);  // key centroids; value centroids follow
-constexpr int NVC = (1 << VB) + (VG == 2 ? 1 << VB1 : 0);
+constexpr int NKC = tq_entries(KT, KB) + (KG == 2 ? tq_entries(KT, KB1) : 0);  // key entries; values' follow
+constexpr int NVC = tq_entries(VT, VB) + (VG == 2 ? tq_entries(VT, VB1) : 0);
+// Trellis codebooks (KT, VT: every group of the side) are read from `tables` where they lie: two would fill
+// threadgroup memory. Lloyd-Max centroids are staged: SKC key centroids, then SVC value centroids.
+constexpr bool KTR = tq_trellis(KT, KB);
+constexpr bool VTR = tq_trellis(VT, VB);
+constexpr int SKC = KTR ? 0 : NKC;
+constexpr int SVC = VTR ? 0 : NVC;
 constexpr int NSG = NR < 8 ? NR : 8;
 constexpr int NT = 32 * NSG;
 constexpr int RPS = NR / NSG;  // rows per SIMD group: rows sg, sg + NSG, ...
@@ -69,7 +75,7 @@ threadgroup float tok_norm[TG_NORM];
 threadgroup float tok_gamma[TG_GAMMA];
 threadgroup float p_tg[TG_P];       // softmax weights (0 = skipped), row-major (row, token)
 threadgroup uint keep_tg[TG_KEEP];  // per SIMD group: tokens some of its rows kept
-threadgroup float cent[TG_C];       // key centroids, then value centroids
+threadgroup float cent[TG_C];       // staged centroids: SKC keys', then SVC values'
 threadgroup float rope_tg[TG_R];    // RoPE terms [A | B] per row (NP > 0)
 threadgroup float rfreq_tg[TG_F];   // RoPE frequencies
 threadgroup float rl_tg[TG_RL];     // cos, sin of φ_l per (l, pair)
@@ -79,8 +85,8 @@ for (int i = int(tid); i < NR * DK; i += NT) {
   int r = i / DK;
   q_tg[i] = r < nrows ? qf[(size_t(bh) * RL + r0 + r) * DK + i % DK] : 0.0f;
 }
-for (int i = int(tid); i < NKC + NVC; i += NT) {
-  cent[i] = tables[i];
+for (int i = int(tid); i < SKC + SVC; i += NT) {
+  cent[i] = tables[i < SKC ? i : NKC + i - SKC];
 }
 for (int i = int(tid); NP > 0 && i < NR * 2 * NP; i += NT) {
   const int r = i / (2 * NP);
@@ -240,7 +246,11 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
   const bool valid = int(lane) < nt;
   const int t = t0 + int(lane);
   float s[RPS];
-  tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  if (KTR) {
+    tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG, KT>(words + lane * WS, tables, q_tg, tok_norm + lane * KG, sg, s);
+  } else {
+    tq_key_scores<KB, KD0, KB1, WK0, KG, DK, RPS, NSG, KT>(words + lane * WS, cent, q_tg, tok_norm + lane * KG, sg, s);
+  }
   if (NP > 0) {
     tq_rope_scores<NP, RPS, NSG>(rope_tg, rh_tg, rl_tg, pos0 + t, pos0 + t0, sg, s);
   }
@@ -324,7 +334,11 @@ for (int t0 = 0; t0 < n_seen; t0 += 32) {
       continue;
     }
     float c[EV];
-    tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV>(words + tt * WS, cent + NKC, tok_norm + tt * VG, lane, c);
+    if (VTR) {
+      tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV, VT>(words + tt * WS, tables + NKC, tok_norm + tt * VG, lane, c);
+    } else {
+      tq_value_dims<VB, VD0, VB1, DV, WV0, VG, EV, VT>(words + tt * WS, cent + SKC, tok_norm + tt * VG, lane, c);
+    }
     for (int k = 0; k < RPS; ++k) {
       const float w = p_tg[(int(sg) + k * NSG) * 32 + tt];
       if (w != 0.0f) {
