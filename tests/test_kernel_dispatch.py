@@ -192,19 +192,15 @@ def test_dispatch_takes_the_kernels_at_5_and_6_bits(emulator, monkeypatch, kb, v
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("kb,vb,dim", [(4, 3, 128), (3.5, 2.5, 64)], ids=ids)
-def test_dispatch_attends_on_trellis_codes_in_the_kernels_and_encodes_them_on_the_reference(emulator, monkeypatch,
-                                                                                            kb, vb, dim):
-    # Where the kernels run, a cache of trellis codes attends (decode and prefill) and dequantizes in them, each
-    # variant self-checked; only the Viterbi encoder takes the reference path, and the cache says so once.
+def test_dispatch_takes_the_kernels_for_trellis_codes(emulator, monkeypatch, kb, vb, dim):
+    # Where the kernels run, a cache of trellis codes encodes (the search on viterbi.metal), attends (decode and
+    # prefill) and dequantizes in them, every variant self-checked: nothing takes the reference path.
     monkeypatch.setenv(K.ENV_VAR, "metal")
-    monkeypatch.setattr("tq_mlx.attention.dispatch._warned_reference", set())
     f = Emu()
     K.set_kernel_factory(f)
-    with pytest.warns(RuntimeWarning, match="encoder of trellis codes"):
-        steps = {L: cache_step(kb, vb, False, dim, 1, 2, L, mx.float16, trellis=True) for L in (1, 12)}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every self-check passes, and the warning is not repeated
-        TurboQuantKVCache(TurboQuantConfig(trellis=True))
+        warnings.simplefilter("error")  # every self-check passes
+        steps = {L: cache_step(kb, vb, False, dim, 1, 2, L, mx.float16, trellis=True) for L in (1, 12)}
         for L, (q, keys, values) in steps.items():
             assert all(g.trellis for kv in (keys, values) for g in kv.quantizer.groups)
             mask = "causal" if L > 1 else None
@@ -218,9 +214,11 @@ def test_dispatch_attends_on_trellis_codes_in_the_kernels_and_encodes_them_on_th
                                       np.asarray(K.encode_reference(*args).codes))
     status = K.self_check_status()
     assert all(why is None for why in status.values())
-    assert {k[0] for k in status} == {"decode_attention", "prefill_attention"} | ({"dequantize"} if dim == 128 else set())
+    assert {k[0] for k in status} == {"encode", "decode_attention", "prefill_attention"} | (
+        {"dequantize"} if dim == 128 else set())
     names = {launch.name for launch in f.launches}
-    assert {"tq_decode_partial", "tq_prefill_attention"} <= names and not names & {"tq_encode", "tq_encode_dense"}
+    assert {"tq_viterbi", "tq_decode_partial", "tq_prefill_attention"} <= names
+    assert not names & {"tq_encode", "tq_encode_dense"}  # trellis codes' steps around the search are MLX ops
 
 
 @pytest.mark.emulator

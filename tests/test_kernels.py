@@ -15,8 +15,9 @@ and tests/test_kernel_masks.py (learned sinks, array masks, MLA). Here:
   with a causal mask, many query rows split into chunks, encode and dequantize with QJL);
 * sparse V's bound (SPARSE_V_EPSILON) on an adversarial 20k-token pattern against a float64 exact result;
 * trellis codes (config.trellis): decode and prefill attention with every trellis width on keys and values (and
-  one side of Lloyd-Max codes beside them), dequantize at every width, a planted window bug in each read, and
-  why their encode and recode take the reference path.
+  one side of Lloyd-Max codes beside them), dequantize at every width, a planted window bug in each read; the
+  search (viterbi.metal) at every width, split over launches by its scratch bound, encode and recode through it,
+  and a planted traceback bug.
 Cost, for the four kernel files together, is dominated by compiling ~250 kernel variants (about 0.4 s of CPU
 each, cached in ~/.cache/tq-mlx): 1.8 CPU-minutes cold (80 s wall on a 2-core machine at load 2), 30
 CPU-seconds warm (28 s wall there); the bit-pair, head_dim, schedule and sparse-V bound tests take 24 s of that
@@ -39,6 +40,7 @@ from tests.support.kernel_cases import (  # noqa: F401  (_clean_dispatch and emu
 )
 from tq_mlx import attention as K
 from tq_mlx import StreamView
+from tq_mlx.quant import trellis
 from tq_mlx.quant.quantizer import TurboQuantMSE
 from tq_mlx.quant.rotation import Rotation
 
@@ -486,9 +488,41 @@ def test_a_planted_trellis_window_bug_is_detected(emulator, monkeypatch, bug):
     assert np.abs(np.asarray(got) - np.asarray(K.decode_attention_reference(q, keys, values, 0.1, None))).max() > 1e-3
 
 
-def test_trellis_encode_and_recode_say_why_they_take_the_reference_path():
-    q3, q4 = (TurboQuantMSE(64, b, seed=1, trellis=True) for b in (3, 4))
-    x = normal(np.random.default_rng(0), (1, 1, 2, 64))
-    assert "Viterbi" in K.encode_unsupported(x, q4)
-    assert "Viterbi" in K.recode_unsupported(q4.quantize(x), q4, q3)
-    assert K.dequantize_unsupported(handle(np.random.default_rng(1), q4, n_sinks=0, n_window=0)) is None
+@pytest.mark.emulator
+@pytest.mark.parametrize("bits,dim", [(2, 64), (3, 128), (4, 80), (5, 64), (6, 32)], ids=ids)
+def test_viterbi_matches_reference(emulator, monkeypatch, bits, dim):
+    # The same symbols as the reference's search (ties alike); a scratch bound of a few vectors splits the launch
+    book = mx.array(trellis.standard_book(bits) / math.sqrt(dim))
+    y = normal(np.random.default_rng(bits), (2, 5, dim)) / math.sqrt(dim)
+    monkeypatch.setattr("tq_mlx.attention.codes.VITERBI_SCRATCH", 4 * dim << (trellis.window_bits(bits) - bits))
+    f = Emu()
+    got = K.viterbi(y, book, bits, metal_kernel=f)
+    assert got.dtype == mx.uint32 and got.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(K.viterbi_reference(y, book, bits)))
+    assert len(f.launches) == 3  # 10 vectors, 4 a launch
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dim,bits,to_bits", [(128, 4, 3), (64, 3.5, 2.5), (80, 6, 5)], ids=ids)
+def test_encode_and_recode_trellis_codes_match_reference(emulator, dim, bits, to_bits):
+    # the steps around the search are the reference's, so the codes and norms are equal, not merely close
+    rng = np.random.default_rng(dim)
+    q = TurboQuantMSE(dim, bits, seed=5, trellis=True, correct_norms=True)
+    to = TurboQuantMSE(dim, to_bits, seed=5, trellis=True)
+    x, mean = normal(rng, (2, 2, 7, dim)) * 2.0, normal(rng, (2, 2, dim))
+    f = Emu()
+    got = K.encode(x, q, mean, metal_kernel=f)
+    want = K.encode_reference(x, q, mean)
+    for a, b in ((got, want), (K.recode(got, q, to, metal_kernel=f), K.recode_reference(want, q, to))):
+        np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+        np.testing.assert_array_equal(np.asarray(a.norms), np.asarray(b.norms))
+    assert {la.name for la in f.launches} == {"tq_viterbi"}
+
+
+@pytest.mark.emulator
+def test_a_planted_viterbi_traceback_bug_is_detected(emulator, monkeypatch):
+    planted(monkeypatch, "viterbi", "* uint(U) + (state >> B);", "* uint(U) + (state >> 1);")
+    book = mx.array(trellis.standard_book(3) / 8.0)
+    y = normal(np.random.default_rng(0), (4, 64)) / 8.0
+    got = K.viterbi(y, book, 3, metal_kernel=Emu())
+    assert (np.asarray(got) != np.asarray(K.viterbi_reference(y, book, 3))).any()

@@ -106,11 +106,11 @@ def test_recoding_trellis_codes_equals_coding_what_they_decode_to():
     assert float(load_norms(zero.norms)[0, 0]) == 0.0 and not np.isnan(np.array(q3.dequantize(zero))).any()
 
 
-def test_the_encode_kernel_refuses_trellis_codes_with_the_reason():
-    q = TurboQuantMSE(64, 4, trellis=True)
+def test_the_kernels_take_trellis_codes_where_they_take_lloyd_max_codes():
     x = mx.zeros((1, 1, 2, 64))
-    assert "trellis codes" in encode_unsupported(x, q) and "Viterbi" in encode_unsupported(x, q)
-    assert encode_unsupported(x, TurboQuantMSE(64, 4)) is None
+    for bits in (2, 2.5, 3, 3.5, 4, 5, 6):
+        assert encode_unsupported(x, TurboQuantMSE(64, bits, trellis=True)) is None  # tests/test_kernels.py
+    assert "head dim 600" in encode_unsupported(mx.zeros((1, 1, 2, 600)), TurboQuantMSE(600, 4, trellis=True))
 
 
 def _fill(cache, n: int, seed: int, D: int = 64):

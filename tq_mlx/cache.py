@@ -27,7 +27,7 @@ from .config import WIDEST_KEY_BITS, TurboQuantConfig, check_int, check_max_size
 from .plan import LayerPlan, layer_plan
 from .models.architectures import FETCHES
 from .hook import install_attention_hook
-from .attention import dispatch_encode, dispatch_recode, float_tokens, warn_reference_path
+from .attention import dispatch_encode, dispatch_recode, float_tokens
 from .quant.quantizer import FLOAT_DTYPES, QUANTIZER_BITS, TurboQuantProd, check_bits, format_bits, split_dims
 from .models.rope import Rope
 from .stream.codec import STATE_PARTS, batch_heads, unique_arrays
@@ -136,8 +136,6 @@ class TurboQuantKVCache(_BaseCache):
         self.derive_keys = derive_keys
         self.fetch = "float" if self.k_eq_v else fetch
         self.config = config or TurboQuantConfig()
-        if self.config.trellis:
-            warn_reference_path("the encoder of trellis codes (config.trellis, a Viterbi search)")
         self.layer_index = int(layer_index)
         self.attention_index = self.layer_index if attention_index is None else int(attention_index)
         self.n_attention_layers = n_attention_layers

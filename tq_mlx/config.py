@@ -241,8 +241,7 @@ class TurboQuantConfig:
     decay_value_bits: float | None | str = AUTO
     # Codes of 2 to 6 bits as a bitshift trellis's (tq_mlx.quant.trellis): the same symbols and bytes, decoded by a
     # window of the last symbols through a 2^12-entry codebook (2^10 at 5 bits), chosen by Viterbi; less error at the
-    # same bits (benchmarks/DEFAULTS.md). QJL keys keep Lloyd-Max codes. The attention kernels read them; their
-    # Viterbi encoder has no kernel yet, so on a Mac it runs on the reference path (the cache says so when made).
+    # same bits (benchmarks/DEFAULTS.md). QJL keys keep Lloyd-Max codes. Kernels read and encode them.
     trellis: bool = False
     seed: int = 0
     step: int = 256  # compressed storage grows in steps of this many tokens, like KVCache

@@ -4,7 +4,7 @@ paths, each `.metal` beside its launcher and each launcher beside its reference 
     reference  turboquant_attention: softmax(scale·q·Kᵀ + mask)·V read from views on the codes
     launch     the Metal sources, the compiled-kernel cache, and the code, threadgroup and mask layouts
     support    why a kernel cannot take an input (the `*_unsupported` checks)
-    codes      rotate, encode, recode and dequantize, and their references
+    codes      rotate, encode, recode, dequantize and the trellis search (viterbi), and their references
     attend     decode_attention and prefill_attention, and their references
     selfcheck  each kernel variant checked against its reference on first use
     dispatch   the backend (set_backend, TQ_MLX_KERNELS) and the dispatch_* functions that pick kernel or reference
@@ -16,10 +16,10 @@ kernel factory in dispatch); this package only re-exports.
 from .reference import turboquant_attention
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import (dequantize, dequantize_reference, encode, encode_reference, recode, recode_reference, rotate,
-                    rotate_reference)
+                    rotate_reference, viterbi, viterbi_reference)
 from .dispatch import (BACKENDS, ENV_VAR, AttentionVariant, dispatch_attention, dispatch_dequantize, dispatch_encode,
                        dispatch_recode, dispatch_rotate, float_tokens, get_backend, kernels_enabled, metal_available,
-                       set_backend, set_kernel_factory, warn_reference_path)
+                       set_backend, set_kernel_factory)
 from .launch import (KERNEL_BITS, KERNEL_NAMES, MAX_DIM, MAX_QUERY_TOKENS, MIN_DIM, SOURCES, SPARSE_V_EPSILON,
                      SUPPORTED_DIMS, THREADGROUP_MEMORY)
 from .launch import _span_codes  # noqa: F401  (tests and benchmarks read these private helpers here)
@@ -33,9 +33,9 @@ __all__ = [
     "SELF_CHECK_POSITION", "SOURCES", "SPARSE_V_EPSILON", "SUPPORTED_DIMS", "THREADGROUP_MEMORY",
     "decode_attention", "decode_attention_reference", "decode_unsupported", "dequantize", "dequantize_reference",
     "dequantize_unsupported", "dispatch_attention", "dispatch_dequantize", "dispatch_encode", "dispatch_recode", "dispatch_rotate",
-    "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available", "warn_reference_path",
+    "encode", "encode_reference", "encode_unsupported", "float_tokens", "get_backend", "kernels_enabled", "metal_available",
     "prefill_attention", "prefill_attention_reference", "prefill_unsupported", "recode", "recode_reference",
     "recode_unsupported", "reset_self_checks", "rotate",
     "rotate_reference", "rotation_unsupported", "self_check_status", "set_backend", "set_kernel_factory",
-    "turboquant_attention",
+    "turboquant_attention", "viterbi", "viterbi_reference",
 ]

@@ -9,6 +9,10 @@
     dequantize / dequantize_reference  codes -> float in the model basis (float fetches, tools and tests;
                                        attention never dequantizes): dequantize.metal, one launch per segment
                                        of decayed codes
+    viterbi / viterbi_reference        trellis codes' search (tq_mlx.quant.trellis): viterbi.metal. Encode and
+                                       recode of trellis codes run the reference's steps around it (centering,
+                                       norms, rotation and packing are a few MLX ops a block; the search is d
+                                       sequential steps, one kernel)
 
 Launch design (grid counts threads; B batch, H kv heads, n tokens, D dims):
     wht           grid 32·rows, threadgroup 256: one SIMD group per vector, D/32 values per lane, log2(D/32)
@@ -23,6 +27,9 @@ Launch design (grid counts threads; B batch, H kv heads, n tokens, D dims):
     recode        grid 32·N, threadgroup 256: one SIMD group per token, its words staged once; per group the
                   old centroids' norm (simd_sum), the new indices, then each new word built by one lane
     dequantize    grid 32·B·H·n, threadgroup 256: one SIMD group per token, its words staged once
+    viterbi       one threadgroup per vector (min(2^(L-b), 256) threads over the states), the codebook and the
+                  vector staged; the choices of every step in a device scratch of d·2^(L-b) bytes a vector, so a
+                  launch takes at most VITERBI_SCRATCH bytes' worth of vectors
 Keys centered before RoPE (tq_mlx.models.rope): encode and dequantize see the centered tokens (the stream subtracts and
 adds R(p)μ0 around them).
 """
@@ -34,6 +41,7 @@ import mlx.core as mx
 from ..quant.packing import packed_words
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
+from ..quant import trellis
 from ..stream.codec import code_order
 from ..stream.view import StreamView, decode, encode as stream_encode, recode as stream_recode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
@@ -60,16 +68,57 @@ def rotate_reference(x: mx.array, rotation: Rotation, inverse: bool = False, **_
     return rotation.inverse(x) if inverse else rotation.forward(x)
 
 
+# ------------------------------------------------------------------------------------------ viterbi
+VITERBI_SCRATCH = 64 << 20  # bytes of step choices a launch may hold (vectors per launch = this / (d·states))
+
+
+def viterbi(y: mx.array, book: mx.array, bits: int, *, metal_kernel=None) -> mx.array:
+    """trellis.viterbi's symbols (y's shape, uint32) of the rotated unit coordinates y (..., d) under `book`."""
+    factory = metal_kernel or _default_factory()
+    L = trellis.window_bits(bits)
+    lead, d = y.shape[:-1], y.shape[-1]
+    rows = mx.contiguous(y.astype(mx.float32)).reshape(-1, d)
+    states = 1 << (L - bits)
+    nt = min(states, 256)
+    per = max(1, VITERBI_SCRATCH // (d * states))
+    k = _kernel(factory, "viterbi", ["y", "book"], ["sym", "back"])
+    parts = []
+    for a in range(0, rows.shape[0], per):
+        n = min(per, rows.shape[0] - a)
+        sym, _ = k(inputs=[rows[a : a + n], mx.contiguous(book.astype(mx.float32))],
+                   output_shapes=[(n, d), (n, d * states)], output_dtypes=[mx.uint32, mx.uint8],
+                   grid=(n * nt, 1, 1), threadgroup=(nt, 1, 1),
+                   template=[("B", bits), ("L", L), ("D", d), ("NT", nt)])
+        parts.append(_mx(sym, mx.uint32))
+    return (parts[0] if len(parts) == 1 else mx.concatenate(parts)).reshape(*lead, d)
+
+
+def viterbi_reference(y: mx.array, book: mx.array, bits: int, **_) -> mx.array:
+    return trellis.viterbi(y, book, bits)
+
+
+def _trellis(q) -> bool:
+    return isinstance(q, TurboQuantMSE) and any(g.trellis for g in q.groups)
+
+
+def _search(factory):
+    """The trellis search the quantizer calls (TurboQuantMSE.quantize's `search`), on the kernel."""
+    return lambda y, book, bits: viterbi(y, book, bits, metal_kernel=factory)
+
+
 # ------------------------------------------------------------------------------------------- encode
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm=None, scale=None, *, metal_kernel=None):
     """Codes of the tokens (x (B, H, n, D) - mean (B, H, D)) / scale (B, H), as view.encode: MSECodes, or
-    ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token."""
+    ProdCodes for a TurboQuantProd (keys with QJL). One SIMD group per token; trellis codes: the reference's
+    steps with the search on viterbi.metal."""
     _require(encode_unsupported(x, quantizer, mean, perm, scale), "encode")
+    factory = metal_kernel or _default_factory()
+    if _trellis(quantizer):
+        return stream_encode(x, quantizer, mean, perm, scale, search=_search(factory))
     if scale is not None:  # a power of two: x/s - μ/s is exactly (x - μ)/s
         s = scale.astype(mx.float32)
         x = x.astype(mx.float32) / s[:, :, None, None]
         mean = None if mean is None else mean.astype(mx.float32) / s[:, :, None]
-    factory = metal_kernel or _default_factory()
     if perm is not None or not _wht(quantizer):
         return _encode_dense(x, quantizer, mean, perm, factory)
     B, H, n, D = x.shape
@@ -141,9 +190,12 @@ def encode_reference(x: mx.array, quantizer, mean: mx.array | None = None, perm=
 # ------------------------------------------------------------------------------------------- recode
 def recode(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE, *, metal_kernel=None) -> MSECodes:
     """`quantizer`'s codes (leading shape S) as `to` codes them, in their rotated basis (TurboQuantMSE.recode:
-    temporal decay). One SIMD group per token."""
+    temporal decay). One SIMD group per token; trellis codes (either side): the reference's steps with the search
+    on viterbi.metal."""
     _require(recode_unsupported(codes, quantizer, to), "recode")
     factory = metal_kernel or _default_factory()
+    if _trellis(quantizer) or _trellis(to):
+        return stream_recode(codes, quantizer, to, search=_search(factory))
     S = tuple(codes.codes.shape[:-1])
     N = codes.codes.size // quantizer.words
     G = len(quantizer.groups)

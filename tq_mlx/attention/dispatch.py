@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -26,8 +25,8 @@ from ..stream.view import StreamView
 from .attend import decode_attention, decode_attention_reference, prefill_attention, prefill_attention_reference
 from .codes import (dequantize, dequantize_reference, encode, encode_reference, recode, recode_reference, rotate,
                     rotate_reference)
-from .launch import (MAX_QUERY_TOKENS, _Codes, _decayed, _default_factory, _float_dtype, _kv_codes, _mask_kind,
-                     _prefill_rows, _rope_pairs, _rows_per_threadgroup, _span_codes)
+from .launch import (MAX_QUERY_TOKENS, _Codes, _codes, _decayed, _default_factory, _float_dtype, _kv_codes,
+                     _mask_kind, _prefill_rows, _rope_pairs, _rows_per_threadgroup, _span_codes)
 from .selfcheck import _codes_mismatch, _mismatch, _normal, _random_mask, _random_view, _random_views, _rng, _self_check
 from .support import (decode_unsupported, dequantize_unsupported, encode_unsupported, prefill_unsupported,
                       recode_unsupported, rotation_unsupported)
@@ -76,17 +75,6 @@ def kernels_enabled() -> bool:
     return mode == "metal" or (mode == "auto" and metal_available())
 
 
-_warned_reference: set[str] = set()
-
-
-def warn_reference_path(what: str) -> None:
-    """Warn once a process, where the kernels would run, that `what` runs on the reference path instead."""
-    if kernels_enabled() and what not in _warned_reference:
-        _warned_reference.add(what)
-        warnings.warn(f"tq_mlx: {what} has no Metal kernel yet; it runs on the MLX reference path (slower)",
-                      RuntimeWarning, stacklevel=3)
-
-
 # ------------------------------------------------------------------------------------------ dispatch
 def dispatch_rotate(x: mx.array, rotation: Rotation, inverse: bool = False, *, metal_kernel=None) -> mx.array:
     """rotate on Metal when enabled, supported and self-checked; rotate_reference otherwise."""
@@ -119,8 +107,9 @@ def dispatch_encode(x: mx.array, quantizer, mean=None, perm=None, scale=None, *,
             return _codes_mismatch(encode(xs, quantizer, mu, order, s, metal_kernel=factory),
                                    encode_reference(xs, quantizer, mu, order, s), quantizer)
 
-        variant = (quantizer.dim, quantizer.bits, "qjl" if prod else "mse", str(x.dtype), mean is not None,
-                   scale is not None, perm is not None, quantizer.correct_norms, str(quantizer.norm_dtype))
+        kind = "qjl" if prod else "trellis" if _codes(quantizer).trellis else "mse"
+        variant = (quantizer.dim, quantizer.bits, kind, str(x.dtype), mean is not None, scale is not None,
+                   perm is not None, quantizer.correct_norms, str(quantizer.norm_dtype))
         if _self_check("encode", variant, factory, run):
             return encode(x, quantizer, mean, perm, scale, metal_kernel=factory)
     return encode_reference(x, quantizer, mean, perm, scale)
@@ -137,7 +126,7 @@ def dispatch_recode(codes: MSECodes, quantizer: TurboQuantMSE, to: TurboQuantMSE
                                    to)
 
         variant = (quantizer.dim, quantizer.bits, to.bits, len(quantizer.groups), to.correct_norms,
-                   str(codes.norms.dtype), str(to.norm_dtype))
+                   str(codes.norms.dtype), str(to.norm_dtype), _codes(quantizer).trellis, _codes(to).trellis)
         if _self_check("recode", variant, factory, run):
             return recode(codes, quantizer, to, metal_kernel=factory)
     return recode_reference(codes, quantizer, to)
@@ -155,8 +144,9 @@ def dispatch_dequantize(kv: StreamView, dtype: mx.Dtype = mx.float16, *, metal_k
             return _mismatch(dequantize(h, dtype, metal_kernel=factory), dequantize_reference(h, dtype), dtype)
 
         q = kv.quantizer
-        variant = (q.dim, q.bits, "qjl" if isinstance(q, TurboQuantProd) else "mse", str(dtype), kv.mean is not None,
-                   kv.scale is not None, str(q.norm_dtype), kv.weights is not None, _kv_codes(kv, kv)[0].trellis)
+        kind = "qjl" if isinstance(q, TurboQuantProd) else "trellis" if _codes(q).trellis else "mse"
+        variant = (q.dim, q.bits, kind, str(dtype), kv.mean is not None, kv.scale is not None, str(q.norm_dtype),
+                   kv.weights is not None)
         if _self_check("dequantize", variant, factory, run):
             return dequantize(kv, dtype, metal_kernel=factory)
     return dequantize_reference(kv, dtype)

@@ -45,7 +45,7 @@ _NO_LIMIT = 1 << 30  # "no causal limit" in the kernels' int32 params
 # Beside their launchers, in a checkout and in a wheel alike (package data of tq_mlx.attention).
 _DIRS = (Path(__file__).resolve().parent,)
 KERNEL_NAMES = ("common", "wht", "encode", "encode_dense", "recode", "dequantize", "decode_partial", "decode_merge",
-                "prefill_attention")
+                "prefill_attention", "viterbi")
 
 
 def _load_sources() -> dict[str, str]:

@@ -6,8 +6,8 @@ The kernels take head dims 16..512 (key and value dims may differ), code groups 
 2, 3, 4: an MSE stage of 1..3 bits + 1 QJL bit), float16 norms or their one-byte log codes (int8 fine, uint8 coarse),
 float16/bfloat16/float32 inputs, masks None, "causal" or bool/additive arrays (L, T), (B or 1, 1 or Hq, L, T),
 learned sinks, decayed codes (any of those widths in the fresh codes' basis, e.g. K6 -> K3; one side or both,
-MLA's latent too), and trellis codes (config.trellis) in attention and dequantize. The reference path runs: the
-encode and recode of trellis codes (a Viterbi search), QJL at 1 bit (no MSE stage for the score loop to read), QJL keys'
+MLA's latent too), and trellis codes (config.trellis: their search on viterbi.metal, the steps around it as the
+reference's MLX ops). The reference path runs: QJL at 1 bit (no MSE stage for the score loop to read), QJL keys'
 encode at head dims without a WHT, head dims above 512 (threadgroup memory), other masks (integer dtypes, other
 broadcasts, 2^31 elements or more: int32 offsets), decayed codes in another basis than the fresh ones (never built
 by a cache). Views without compressed tokens need no kernel: they take mx.fast.scaled_dot_product_attention
@@ -35,14 +35,6 @@ def _mse_unsupported(q: TurboQuantMSE) -> str | None:
         return f"norm dtype {q.norm_dtype}: the kernels read float16 norms or their one-byte log codes"
     if not MIN_DIM <= q.dim <= MAX_DIM:
         return f"head dim {q.dim}: the kernels take head dims {MIN_DIM}..{MAX_DIM}"
-    return None
-
-
-def _trellis_unsupported(q) -> str | None:
-    """Encode and recode: trellis codes are chosen by a Viterbi search, which no kernel runs yet."""
-    mse = q.mse if isinstance(q, TurboQuantProd) else q
-    if isinstance(mse, TurboQuantMSE) and any(g.trellis for g in mse.groups):
-        return "trellis codes (config.trellis): their Viterbi encoder has no kernel yet"
     return None
 
 
@@ -77,7 +69,7 @@ def encode_unsupported(x: mx.array, quantizer, mean=None, perm=None, scale=None)
         return f"x of shape {tuple(x.shape)}: expected (B, H, n >= 1, {quantizer.dim})"
     if mean is not None and tuple(mean.shape) != (x.shape[0], x.shape[1], x.shape[3]):
         return f"mean of shape {tuple(mean.shape)}"
-    reason = _quantizer_unsupported(quantizer) or _trellis_unsupported(quantizer)
+    reason = _quantizer_unsupported(quantizer)
     if reason is None and isinstance(quantizer, TurboQuantProd) and (perm is not None or not _wht(quantizer)):
         return f"QJL keys at head dim {quantizer.dim}: the QJL encode runs with the WHT kernel, dims {SUPPORTED_DIMS}"
     return reason
@@ -108,8 +100,7 @@ def recode_unsupported(codes, quantizer, to) -> str | None:
         return "another rotated basis"
     if not isinstance(codes, MSECodes) or codes.codes.shape[-1] != quantizer.words or codes.codes.size == 0:
         return f"codes of shape {tuple(getattr(getattr(codes, 'codes', None), 'shape', ()))}"
-    return (_mse_unsupported(quantizer) or _mse_unsupported(to) or _trellis_unsupported(quantizer)
-            or _trellis_unsupported(to))
+    return _mse_unsupported(quantizer) or _mse_unsupported(to)
 
 
 def _decay_unsupported(kv: StreamView) -> str | None:

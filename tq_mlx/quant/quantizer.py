@@ -168,10 +168,10 @@ def split_dims(dim: int, bits: float) -> list[tuple[int, int]]:
     return [(dim // 4, low + 1), (dim - dim // 4, low)]
 
 
-def _code(y: mx.array, g: Group) -> mx.array:
+def _code(y: mx.array, g: Group, search=viterbi) -> mx.array:
     """The codes (uint32, y's shape) of a group's rotated unit coordinates y: the nearest centroid each, or the
-    trellis path of least squared error."""
-    return viterbi(y, g.centroids, g.bits) if g.trellis else _quantize_indices(y, g.boundaries, g.bits)
+    trellis path of least squared error found by `search` (trellis.viterbi, or a kernel of the same contract)."""
+    return search(y, g.centroids, g.bits) if g.trellis else _quantize_indices(y, g.boundaries, g.bits)
 
 
 def _decoded(idx: mx.array, g: Group) -> mx.array:
@@ -247,7 +247,9 @@ class TurboQuantMSE:
         norm_bits = 8 * self.norm_dtype.size * len(self.groups)
         return (32 * self.words + norm_bits) / self.dim
 
-    def quantize(self, x: mx.array) -> MSECodes:
+    def quantize(self, x: mx.array, search=viterbi) -> MSECodes:
+        """Codes of x (..., dim); `search` finds trellis codes' paths (trellis.viterbi, or the attention layer's
+        kernel of the same contract)."""
         check_input(x, self.dim)
         x = x.astype(mx.float32)
         codes, norms = [], []
@@ -257,7 +259,7 @@ class TurboQuantMSE:
             # A zero vector stays zero (codes of 0, times a zero norm) instead of 0/0 = NaN.
             unit = xg / mx.where(norm > 0, norm, 1.0)
             y = g.rotation.forward(unit)
-            idx = _code(y, g)
+            idx = _code(y, g, search)
             codes.append(pack(idx, g.bits))
             if self.correct_norms:  # ‖x‖ / ‖c[idx]‖: the decoded vector's norm is ‖x‖ (a zero code keeps ‖x‖)
                 c = _decoded(idx, g)
@@ -291,11 +293,11 @@ class TurboQuantMSE:
         not: the same basis)."""
         return tuple((g.dim, g.rotation.kind, g.rotation.seed) for g in self.groups)
 
-    def recode(self, c: MSECodes, to: "TurboQuantMSE") -> MSECodes:
+    def recode(self, c: MSECodes, to: "TurboQuantMSE", search=viterbi) -> MSECodes:
         """These codes as `to` codes them (temporal decay: the same groups and rotations at other bits), without
         leaving the rotated basis: per group, the unit vector c[idx]/‖c[idx]‖ takes to's nearest codes and the
         norm becomes the decoded vector's, stored·‖c[idx]‖ (divided by ‖c'[idx']‖ if `to` corrects norms). That
-        is to.quantize(self.dequantize(c)) without its two rotations."""
+        is to.quantize(self.dequantize(c)) without its two rotations (`search`: as in quantize)."""
         if not isinstance(to, TurboQuantMSE) or to.basis != self.basis:
             raise ValueError(f"recode needs a quantizer of the same groups and rotations {self.basis}, got "
                              f"{getattr(to, 'basis', type(to).__name__)}")
@@ -303,7 +305,7 @@ class TurboQuantMSE:
         codes, norms = [], []
         for i, (t, u) in enumerate(zip(to.groups, self.rotated_units(c))):
             r = mx.sqrt(mx.sum(u * u, axis=-1, keepdims=True))  # centroids are never all zero: r > 0
-            idx = _code(u / r, t)
+            idx = _code(u / r, t, search)
             norm = stored[..., i : i + 1] * r
             if to.correct_norms:
                 cc = _decoded(idx, t)

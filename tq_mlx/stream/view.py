@@ -189,21 +189,21 @@ def _as_read(view: StreamView, coded: int, tokens: int) -> StreamView:
 
 
 def encode(x: mx.array, quantizer, mean: mx.array | None = None, perm: mx.array | None = None,
-           scale: mx.array | None = None):
+           scale: mx.array | None = None, search=None):
     """Codes of tokens x (B, H, n, D): (x - mean (B, H, D)) / scale (B, H), channels in `perm` (H, D) order,
-    then quantized."""
+    then quantized (`search`: the trellis encoder to use, TurboQuantMSE.quantize's; None: the reference's)."""
     if mean is not None:
         x = x - mean[:, :, None, :]
     if scale is not None:
         x = x / scale[:, :, None, None]
     if perm is not None:
         x = mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
-    return quantizer.quantize(x)
+    return quantizer.quantize(x) if search is None else quantizer.quantize(x, search)
 
 
-def recode(codes, quantizer, to):
+def recode(codes, quantizer, to, search=None):
     """Codes of `quantizer` re-coded by `to` in their rotated basis (temporal decay; TurboQuantMSE.recode)."""
-    return quantizer.recode(codes, to)
+    return quantizer.recode(codes, to) if search is None else quantizer.recode(codes, to, search)
 
 
 def decode(view: StreamView, dtype: mx.Dtype = mx.float16) -> mx.array:
