@@ -163,17 +163,20 @@ def test_dispatch_runs_kernels_for_channel_groups_and_other_head_dims(emulator, 
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("kb,vb,dim", [(5, 4, 128), (6, 6, 64), (6, 5, 80)], ids=ids)
-def test_dispatch_takes_the_kernels_at_5_and_6_bits(emulator, monkeypatch, kb, vb, dim):
-    # Where the kernels run, no 5- or 6-bit view takes the reference path: decode and prefill attention, encode
-    # and dequantize each pass their self-check and run.
+@pytest.mark.parametrize("kb,vb,dim,trellis", [(5, 4, 128, False), (6, 6, 64, False), (6, 5, 80, False),
+                                               (4, 3, 128, True), (3.5, 2.5, 64, True)], ids=ids)
+def test_dispatch_takes_the_kernels_at_5_and_6_bits_and_for_trellis_codes(emulator, monkeypatch, kb, vb, dim, trellis):
+    # Where the kernels run, no 5- or 6-bit view and no trellis codes take the reference path: decode and prefill
+    # attention, encode (trellis codes: the search on viterbi.metal) and dequantize each pass their self-check and run.
     monkeypatch.setenv(K.ENV_VAR, "metal")
     f = Emu()
     K.set_kernel_factory(f)
+    dequantized = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every self-check passes
         for L in (1, 12):  # decode_attention, then prefill_attention
-            q, keys, values = cache_step(kb, vb, False, dim, 1, 2, L, mx.float16)
+            q, keys, values = cache_step(kb, vb, False, dim, 1, 2, L, mx.float16, trellis=trellis)
+            assert all(g.trellis is trellis for kv in (keys, values) for g in kv.quantizer.groups)
             mask = "causal" if L > 1 else None
             assert_close(K.dispatch_attention(q, keys, values, 0.1, mask),
                          K.decode_attention_reference(q, keys, values, 0.1, mask), mx.float16)
@@ -181,44 +184,17 @@ def test_dispatch_takes_the_kernels_at_5_and_6_bits(emulator, monkeypatch, kb, v
         for kv in (keys, values):
             args = (x, kv.quantizer, kv.mean, kv.perm, kv.scale)
             assert_codes_equal(K.dispatch_encode(*args), K.encode_reference(*args), kv.quantizer)
-            if dim != 80:  # dequantize takes one WHT group (as at every width)
+            if K.dequantize_unsupported(kv) is None:  # one WHT group (as at every width)
+                dequantized = True
                 assert_close(K.dispatch_dequantize(kv), K.dequantize_reference(kv), mx.float16)
     status = K.self_check_status()
     assert all(why is None for why in status.values())
     assert {k[0] for k in status} == {"decode_attention", "prefill_attention", "encode"} | (
-        set() if dim == 80 else {"dequantize"})
-    assert {"tq_decode_partial", "tq_prefill_attention"} <= {launch.name for launch in f.launches}
-
-
-@pytest.mark.emulator
-@pytest.mark.parametrize("kb,vb,dim", [(4, 3, 128), (3.5, 2.5, 64)], ids=ids)
-def test_dispatch_takes_the_kernels_for_trellis_codes(emulator, monkeypatch, kb, vb, dim):
-    # Where the kernels run, a cache of trellis codes encodes (the search on viterbi.metal), attends (decode and
-    # prefill) and dequantizes in them, every variant self-checked: nothing takes the reference path.
-    monkeypatch.setenv(K.ENV_VAR, "metal")
-    f = Emu()
-    K.set_kernel_factory(f)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every self-check passes
-        steps = {L: cache_step(kb, vb, False, dim, 1, 2, L, mx.float16, trellis=True) for L in (1, 12)}
-        for L, (q, keys, values) in steps.items():
-            assert all(g.trellis for kv in (keys, values) for g in kv.quantizer.groups)
-            mask = "causal" if L > 1 else None
-            assert_close(K.dispatch_attention(q, keys, values, 0.1, mask),
-                         K.decode_attention_reference(q, keys, values, 0.1, mask), mx.float16)
-        if dim == 128:  # dequantize takes one WHT group (as at every width)
-            assert_close(K.dispatch_dequantize(values), K.dequantize_reference(values), mx.float16)
-        x = normal(np.random.default_rng(1), (1, 2, 3, dim))
-        args = (x, keys.quantizer, keys.mean, keys.perm, keys.scale)
-        np.testing.assert_array_equal(np.asarray(K.dispatch_encode(*args).codes),
-                                      np.asarray(K.encode_reference(*args).codes))
-    status = K.self_check_status()
-    assert all(why is None for why in status.values())
-    assert {k[0] for k in status} == {"encode", "decode_attention", "prefill_attention"} | (
-        {"dequantize"} if dim == 128 else set())
+        {"dequantize"} if dequantized else set())
+    assert dequantized is (dim != 80 and kb == int(kb))  # a WHT dim, one code group
     names = {launch.name for launch in f.launches}
-    assert {"tq_viterbi", "tq_decode_partial", "tq_prefill_attention"} <= names
-    assert not names & {"tq_encode", "tq_encode_dense"}  # trellis codes' steps around the search are MLX ops
+    assert {"tq_decode_partial", "tq_prefill_attention"} <= names
+    assert ("tq_viterbi" in names) is trellis
 
 
 @pytest.mark.emulator
