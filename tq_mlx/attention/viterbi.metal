@@ -11,6 +11,9 @@
 constexpr int T = 1 << B;        // a step's symbols
 constexpr int S = 1 << (L - B);  // states: the window's older L - B bits
 constexpr int U = S / T;         // the part of a state that stays in the next one
+// States not reachable yet (the first L/B - 1 steps) start this far: finite, as Metal's fast math assumes no
+// infinities; never on a best path, which starts at state 0 and stays below it.
+constexpr float FAR = 1e30f;
 const uint tid = thread_index_in_threadgroup;
 const uint v = threadgroup_position_in_grid.x;
 
@@ -24,7 +27,7 @@ for (uint i = tid; i < uint(D); i += NT) {
   ys[i] = y[size_t(v) * D + i];
 }
 for (uint s = tid; s < uint(S); s += NT) {
-  cost[s] = s == 0 ? 0.0f : INFINITY;
+  cost[s] = s == 0 ? 0.0f : FAR;
 }
 device uchar* bv = back + size_t(v) * D * S;
 for (int i = 0; i < D; ++i) {
@@ -34,9 +37,10 @@ for (int i = 0; i < D; ++i) {
   const float yi = ys[i];
   for (uint s = tid; s < uint(S); s += NT) {
     // the window (oldest o, then s): it comes from state o·U + (s >> B) and decodes to bk[o·S + s]
-    float best = INFINITY;
+    const float d0 = yi - bk[s];
+    float best = cur[s >> B] + d0 * d0;
     uint choice = 0;
-    for (int o = 0; o < T; ++o) {
+    for (int o = 1; o < T; ++o) {
       const float d = yi - bk[o * S + int(s)];
       const float c = cur[o * U + int(s >> B)] + d * d;
       if (c < best) {
