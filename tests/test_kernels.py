@@ -478,7 +478,8 @@ def test_dequantize_trellis_codes_matches_reference(emulator, bits):
 @pytest.mark.parametrize("bug", [
     ("win = TRL ? (((win << B) | code) & WM) : code;", "win = code;"),  # scores: no window
     ("      if (j >= uint(t)) {", "      if (j > uint(t)) {"),  # values: one older symbol dropped
-], ids=["scores", "values"])
+    ("((win << B0) | tq_code<B0, D0>(w, j))", "(win << B0)"),  # values: the window rolled without its new code
+], ids=["scores", "values", "values-rolled"])
 def test_a_planted_trellis_window_bug_is_detected(emulator, monkeypatch, bug):
     planted(monkeypatch, "common", *bug)
     rng = np.random.default_rng(5)

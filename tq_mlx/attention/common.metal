@@ -247,14 +247,35 @@ METAL_FUNC float tq_value(P w, uint j, C cent, float n0, float n1) {
 }
 
 // A lane's dims [lane*EV, lane*EV + EV) of a token's values in the rotated basis, norms applied (tq_value;
-// norms[0], and norms[1] for a second group); 0 past D.
+// norms[0], and norms[1] for a second group); 0 past D. Trellis codes: the lane's first dim of each group gathers
+// its window (tq_entry), the next dims roll it on by one code each, as the score loop does.
 template <int B0, int D0, int B1, int D, int W0, int G, int EV, int TR, typename C>
 METAL_FUNC void tq_value_dims(const threadgroup uint* w, C cent, const threadgroup float* norms, uint lane,
                               thread float* c) {
+  if (!tq_trellis(TR, B0)) {
+    for (int e = 0; e < EV; ++e) {
+      const uint j = lane * EV + e;
+      c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0, TR>(w, j, cent, norms[0], norms[G - 1])
+                                           : 0.0f;
+    }
+    return;
+  }
+  constexpr int D1 = D > D0 ? D - D0 : 1;
+  uint win = 0;
   for (int e = 0; e < EV; ++e) {
     const uint j = lane * EV + e;
-    c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0, TR>(w, j, cent, norms[0], norms[G - 1])
-                                         : 0.0f;
+    if (D % 32 != 0 && j >= uint(D)) {
+      c[e] = 0.0f;
+    } else if (D0 == D || j < uint(D0)) {
+      win = e == 0 ? tq_entry<B0, D0, TR>(w, j)
+                   : ((win << B0) | tq_code<B0, D0>(w, j)) & ((1u << tq_window(B0)) - 1u);
+      c[e] = cent[win] * norms[0];
+    } else {
+      const uint k = j - uint(D0);
+      win = e == 0 || k == 0 ? tq_entry<B1, D1, TR>(w + W0, k)
+                             : ((win << B1) | tq_code<B1, D1>(w + W0, k)) & ((1u << tq_window(B1)) - 1u);
+      c[e] = cent[tq_entries(TR, B0) + win] * norms[G - 1];
+    }
   }
 }
 
