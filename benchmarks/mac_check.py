@@ -15,7 +15,7 @@ issue (machine: chip, macOS, mlx version, Metal device info).
   decode       one decode step of one layer (1 query token) at 4k..128k context, model-like shapes (32 Q / 8 KV
                heads at head_dim 128; 16 Q / 2 KV heads at head_dim 256), the library's default sinks and window:
                the fused kernels vs mx.fast SDPA on float16 K/V of the same length vs the pure-MLX reference on
-               the same codes; median of --iters after --warmup
+               the same codes; median of --iters after --warmup; K4/V3, K4/V4, K8/V4 and K4/V3 with trellis codes
   prefill      one prefill chunk of one layer (--chunk query tokens, causal, at the end of the context), the same
                shapes and contexts: prefill_attention vs SDPA vs the reference
   Every timing row also has each path's peak memory above what existed before the call (inputs), output
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-SCHEMA = "tq-mlx mac_check 2"
+SCHEMA = "tq-mlx mac_check 3"
 DIMS = (64, 80, 96, 128, 256)
 BITS = (1, 2, 2.5, 3, 3.5, 4, 8)
 QJL_BITS = (2, 3, 4)
@@ -56,12 +56,14 @@ DTYPES = ("float16", "bfloat16", "float32")
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_CONTEXTS = (4096, 16384)
 SHAPES = (("32q/8kv d128", 32, 8, 128), ("16q/2kv d256", 16, 2, 256))
-TIMING_BITS = ((4, 3), (4, 4), (8, 4))  # (key bits, value bits): the library default first
+# (key bits, value bits, trellis codes): the library default first; trellis codes read their codebooks from device
+# memory and gather a window of codes a value dim, which only a Mac can time
+TIMING_BITS = ((4, 3, False), (4, 4, False), (8, 4, False), (4, 3, True))
 # --dry-run: the smallest sizes that still take every path (prefill chunk > 8 queries, compressed tokens).
 DRY = dict(dims=(64, 96), dtypes=("float16",), cases=((4, False, False), (3, True, False), (3.5, False, False),
                                                       (3, False, True)), contexts=(256, 512),
-           shapes=(("4q/2kv d64", 4, 2, 64),), bits=((4, 3),), chunk=16, sinks=4, window=32)
-ROW_KEYS = ("shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "context", "query_tokens",
+           shapes=(("4q/2kv d64", 4, 2, 64),), bits=((4, 3, False), (4, 3, True)), chunk=16, sinks=4, window=32)
+ROW_KEYS = ("shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "trellis", "context", "query_tokens",
             "fused_ms", "sdpa_fp16_ms", "reference_ms", "speedup_vs_sdpa", "fused_peak_bytes", "sdpa_peak_bytes",
             "reference_peak_bytes", "cache_bytes", "fp16_cache_bytes", "error")
 
@@ -360,13 +362,13 @@ def timing_rows(kind: str, contexts, shapes, bits, chunk: int, sinks: int, windo
     fused_fn = K.decode_attention if kind == "decode" else K.prefill_attention
     rows = []
     for shape, Hq, H, D in shapes:
-        for kb, vb in bits:
-            kq, vq = TurboQuantMSE(D, kb, seed=2), TurboQuantMSE(D, vb, seed=3)
+        for kb, vb, tc in bits:
+            kq, vq = TurboQuantMSE(D, kb, seed=2, trellis=tc), TurboQuantMSE(D, vb, seed=3, trellis=tc)
             for T in contexts:
                 n = T - sinks - window
                 row = dict.fromkeys(ROW_KEYS)
-                row.update(shape=shape, q_heads=Hq, kv_heads=H, head_dim=D, key_bits=kb, value_bits=vb, context=T,
-                           query_tokens=L)
+                row.update(shape=shape, q_heads=Hq, kv_heads=H, head_dim=D, key_bits=kb, value_bits=vb, trellis=tc,
+                           context=T, query_tokens=L)
                 try:
                     keys = random_handle(kq, H, n, sinks, window, seed=T)
                     values = random_handle(vq, H, n, sinks, window, seed=T + 1)
@@ -396,7 +398,7 @@ def timing_rows(kind: str, contexts, shapes, bits, chunk: int, sinks: int, windo
                 except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 rows.append(row)
-                print(f"  {kind} {shape} K{kb}V{vb} {T:>6}: fused {_f(row['fused_ms'])} ms, "
+                print(f"  {kind} {shape} K{kb}V{vb}{' tc' if tc else ''} {T:>6}: fused {_f(row['fused_ms'])} ms, "
                       f"sdpa {_f(row['sdpa_fp16_ms'])} ms" + (f" ({row['error']})" if row["error"] else ""), flush=True)
     return rows
 
@@ -488,7 +490,7 @@ def main(argv=None) -> int:
                     "fused peak MB", "SDPA peak MB", "reference peak MB", "cache MB", "fp16 MB"]
 
     def time_table(rows):
-        return [[r["shape"], f"{r['key_bits']}/{r['value_bits']}", r["context"], _f(r["fused_ms"]),
+        return [[r["shape"], f"{r['key_bits']}/{r['value_bits']}{' tc' if r['trellis'] else ''}", r["context"], _f(r["fused_ms"]),
                  _f(r["sdpa_fp16_ms"]), _f(r["reference_ms"]), _f(r["speedup_vs_sdpa"], 2),
                  _mb(r["fused_peak_bytes"]), _mb(r["sdpa_peak_bytes"]), _mb(r["reference_peak_bytes"]),
                  _mb(r["cache_bytes"]), _mb(r["fp16_cache_bytes"])] for r in rows]

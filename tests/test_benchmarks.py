@@ -394,7 +394,7 @@ def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
         raise AssertionError(f"{c} in the JSON: not strict JSON")
 
     r = json.loads((tmp_path / "mac_check-dry-run.json").read_text(), parse_constant=no_nan)
-    assert r["schema"] == "tq-mlx mac_check 2" and r["dry_run"] is True
+    assert r["schema"] == "tq-mlx mac_check 3" and r["dry_run"] is True
     assert r["kernel_runner"] == ("emulator (CPU)" if emulated else "none")
     import mlx.core as mx
     import mlx_lm
@@ -429,10 +429,11 @@ def test_mac_check_dry_run_writes_the_report_schema(tmp_path: Path) -> None:
     s = r["settings"]
     for kind, tokens in (("decode", 1), ("prefill", s["chunk"])):
         rows = r[kind]
-        assert [row["context"] for row in rows] == s["contexts"]
+        assert [row["context"] for row in rows] == s["contexts"] * 2  # K4/V3, then K4/V3 with trellis codes
+        assert [row["trellis"] for row in rows] == [False] * len(s["contexts"]) + [True] * len(s["contexts"])
         assert kind == "decode" or tokens > 8  # a prefill chunk takes prefill_attention, not the decode kernels
         for row in rows:
-            assert set(row) == {"shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "context",
+            assert set(row) == {"shape", "q_heads", "kv_heads", "head_dim", "key_bits", "value_bits", "trellis", "context",
                                 "query_tokens", "fused_ms", "sdpa_fp16_ms", "reference_ms", "speedup_vs_sdpa",
                                 "fused_peak_bytes", "sdpa_peak_bytes", "reference_peak_bytes", "cache_bytes",
                                 "fp16_cache_bytes", "error"}
