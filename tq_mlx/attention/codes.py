@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..quant import trellis
 from ..quant.packing import packed_words
 from ..quant.quantizer import MSECodes, ProdCodes, TurboQuantMSE, TurboQuantProd
 from ..quant.rotation import Rotation
-from ..quant import trellis
 from ..stream.codec import code_order
 from ..stream.view import StreamView, decode, encode as stream_encode, recode as stream_recode
 from .launch import _default_factory, _dummy, _floats, _ints, _kernel, _mx, _tables, _wht
@@ -81,11 +81,12 @@ def viterbi(y: mx.array, book: mx.array, bits: int, *, metal_kernel=None) -> mx.
     states = 1 << (L - bits)
     nt = min(states, 256)
     per = max(1, VITERBI_SCRATCH // (d * states))
+    book = mx.contiguous(book.astype(mx.float32))
     k = _kernel(factory, "viterbi", ["y", "book"], ["sym", "back"])
     parts = []
     for a in range(0, rows.shape[0], per):
         n = min(per, rows.shape[0] - a)
-        sym, _ = k(inputs=[rows[a : a + n], mx.contiguous(book.astype(mx.float32))],
+        sym, _ = k(inputs=[rows[a : a + n], book],
                    output_shapes=[(n, d), (n, d * states)], output_dtypes=[mx.uint32, mx.uint8],
                    grid=(n * nt, 1, 1), threadgroup=(nt, 1, 1),
                    template=[("B", bits), ("L", L), ("D", d), ("NT", nt)])
