@@ -29,6 +29,7 @@ TRELLIS_BITS = tuple(WINDOW_BITS)  # the widths trellis codes take (1 and 8 bits
 BOOK_FILE = Path(__file__).with_name("trellis_books.npz")
 # How the shipped codebooks were trained (train_book's arguments; tests train them again and compare).
 TRAINING = dict(rounds=8, vectors=2048, dim=128, seed=0)
+BLOCK_VECTORS = 256  # vectors viterbi searches at once: its backpointers and step candidates are a block's
 
 
 def window_bits(bits: int) -> int:
@@ -67,11 +68,19 @@ def decode(symbols: mx.array, book: mx.array, bits: int) -> mx.array:
 
 def viterbi(y: mx.array, book: mx.array, bits: int) -> mx.array:
     """The b-bit symbols (..., d) uint32 whose decoding is closest to y (..., d) in squared error (y at the book's
-    scale), every vector starting at state 0. Ties go to the smaller symbol."""
+    scale), every vector starting at state 0. Ties go to the smaller symbol. Searched BLOCK_VECTORS vectors at a
+    time, so what it holds is a block's, not grown with the vectors (a prefill chunk's keys held 0.6 GB at once)."""
     L = _check_book(book, bits)
     lead, d = y.shape[:-1], y.shape[-1]
     y = y.astype(mx.float32).reshape(-1, d)
-    n = y.shape[0]
+    starts = range(0, max(1, y.shape[0]), BLOCK_VECTORS)
+    blocks = [_search(y[a : a + BLOCK_VECTORS], book, bits, L) for a in starts]
+    return (blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)).reshape(*lead, d)
+
+
+def _search(y: mx.array, book: mx.array, bits: int, L: int) -> mx.array:
+    """viterbi on a block of vectors (n, d)."""
+    n, d = y.shape
     T = 1 << bits  # a step's symbols: the window's newest b bits
     S = 1 << (L - bits)  # states: the window's older L - b bits
     U = S // T  # the part of a state that stays in the next one
@@ -93,7 +102,7 @@ def viterbi(y: mx.array, book: mx.array, bits: int) -> mx.array:
         symbols[i] = state & (T - 1)
         oldest = mx.take_along_axis(back[i], state[:, None].astype(mx.int32), axis=1)[:, 0].astype(mx.uint32)
         state = oldest * U + (state >> bits)
-    return mx.stack(symbols, axis=-1).reshape(*lead, d)
+    return mx.stack(symbols, axis=-1)
 
 
 def train_book(bits: int, rounds: int, vectors: int, dim: int, seed: int = 0) -> np.ndarray:
