@@ -237,13 +237,14 @@ METAL_FUNC void tq_rope_scores(const threadgroup float* terms, const threadgroup
 
 // Dim j (< D) of a token's codes in the rotated basis, norm applied: the codes are one group (D0 = D) or two
 // (dims [0, D0) at B0 bits in words [0, W0) with norm n0, dims [D0, D) at B1 bits after them with norm n1;
-// fractional bits). cent holds group 0's entries (tq_entries), then group 1's.
-template <int B0, int D0, int B1, int D, int W0, int TR, typename P, typename C>
+// fractional bits). cent holds group 0's 2^B0 centroids, then group 1's (Lloyd-Max codes: trellis codes roll their
+// window in tq_value_dims).
+template <int B0, int D0, int B1, int D, int W0, typename P, typename C>
 METAL_FUNC float tq_value(P w, uint j, C cent, float n0, float n1) {
   if (D0 == D || j < uint(D0)) {
-    return cent[tq_entry<B0, D0, TR>(w, j)] * n0;
+    return cent[tq_code<B0, D0>(w, j)] * n0;
   }
-  return cent[tq_entries(TR, B0) + tq_entry<B1, (D > D0 ? D - D0 : 1), TR>(w + W0, j - uint(D0))] * n1;
+  return cent[(1 << B0) + tq_code<B1, (D > D0 ? D - D0 : 1)>(w + W0, j - uint(D0))] * n1;
 }
 
 // A lane's dims [lane*EV, lane*EV + EV) of a token's values in the rotated basis, norms applied (tq_value;
@@ -255,7 +256,7 @@ METAL_FUNC void tq_value_dims(const threadgroup uint* w, C cent, const threadgro
   if (!tq_trellis(TR, B0)) {
     for (int e = 0; e < EV; ++e) {
       const uint j = lane * EV + e;
-      c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0, TR>(w, j, cent, norms[0], norms[G - 1])
+      c[e] = (D % 32 == 0 || j < uint(D)) ? tq_value<B0, D0, B1, D, W0>(w, j, cent, norms[0], norms[G - 1])
                                            : 0.0f;
     }
     return;
