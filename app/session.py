@@ -353,7 +353,8 @@ class ChatSession:
     # --- numbers for the memory panel ------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Everything the memory panel shows. KV numbers come from memory.cache_bytes (the caches' own nbytes)."""
+        """Everything the memory panel shows. KV numbers come from memory.cache_bytes (what the caches hold, the
+        codebooks their layers share counted once)."""
         s = memory.cache_bytes(self.cache)
         s["kv_dtype"] = s["kv_dtype"] or self.dtype  # an empty cache has no dtype yet: the model's
         s.update(

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, save_prompt_cache  # 
 
 import tq_mlx  # noqa: E402
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache  # noqa: E402
+from tq_mlx.cache import held_bytes as tq_held_bytes  # noqa: E402
 from tq_mlx.config import bits_label  # noqa: E402
 from tq_mlx.planner.memory import estimate_kv_bytes  # noqa: E402
 from tq_mlx.quant.quantizer import format_bits  # noqa: E402
@@ -219,11 +220,12 @@ def kv_geometry(model_config: dict) -> tuple[int, int, int]:
 
 
 def held_bytes(cache: list) -> int:
-    """Bytes a prompt cache's attention caches hold: their own nbytes; turboquant-mlx-full's, every array it holds,
+    """Bytes a prompt cache's attention caches hold: their own nbytes (tq_mlx.cache.held_bytes: the constants our
+    layers share once); turboquant-mlx-full's, every array it holds,
     each once (tq_full_arrays: its nbytes counts its codes up to the offset, not its buffers, nor the float16 tier's
     whole buffer, nor its constants)."""
-    total = sum(c.nbytes for c in cache if not _is_tq_full(c)
-                and (hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c)))
+    total = tq_held_bytes([c for c in cache if not _is_tq_full(c)
+                           and (hasattr(c, "keys") or isinstance(c, TurboQuantKVCache) or _is_peer(c))])
     return total + sum(a.nbytes for a in _unique([a for c in cache if _is_tq_full(c) for a in tq_full_arrays(c)]))
 
 

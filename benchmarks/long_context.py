@@ -64,7 +64,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 import caches  # noqa: E402
 import quality  # noqa: E402
 from long_context_settings import (  # noqa: E402
-    ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting)
+    ALL, BY_KEY, DEFAULTS, FIRST, FLOAT, LONG, MODELS, QUICK, ROT_WINDOW, bits_at, config_text, parse_setting, replan)
 from long_context_table import merge, render, write  # noqa: E402
 from caches import Setting  # noqa: E402
 from tq_mlx.models.architectures import load_model_config  # noqa: E402
@@ -302,6 +302,19 @@ _MODEL_CONFIG: list = [None]
 # --- the run ------------------------------------------------------------------------------------------------------
 
 
+def replan_file(path: Path) -> None:
+    """long_context_settings.replan for every model of a results file (their config.json from real_models), its
+    .md table written again."""
+    from tests.support import real_models
+
+    results = json.loads(path.read_text())
+    for key, m in results["models"].items():
+        n = replan(m, load_model_config(getattr(real_models, MODELS[key][2])()))
+        print(f"{key}: {n} planned figures changed")
+    jp, mp = write(results, path.stem, path.parent)
+    print(f"wrote {jp} and {mp}")
+
+
 def plan(settings: list[Setting], texts: list[str]) -> list[tuple[str, Setting]]:
     first, rest = settings[:FIRST], settings[FIRST:]
     return [(t, s) for t in texts for s in first] + [(t, s) for t in texts for s in rest]
@@ -461,9 +474,14 @@ def main() -> None:
     ap.add_argument("--no-float-cache", action="store_true",
                     help="run the float pass even when its log-probs are on disk (~/.cache/tq-mlx/logprobs)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="join runs of different models")
+    ap.add_argument("--replan", default=None, metavar="JSON",
+                    help="price the TurboQuant rows of a results file again with the planner as it is now (their "
+                         "planned bits/value; what the runs measured stands) and write it back")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge, args.out)
+    if args.replan:
+        return replan_file(Path(args.replan))
     q = args.quick
     if q:
         args.models = "smollm2"

@@ -366,6 +366,23 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     return common.bits_per_value(b, ctx, (n_att, H, D))
 
 
+def replan(m: dict, model_config: dict) -> int:
+    """A results file's model m with its TurboQuant rows' planned bits/value (bits at each context and bits_32k) by
+    bits_at again, with the planner as it is now (a row keeps what its run measured: bits_real, widths). The other
+    kinds' figures do not come from the planner of TurboQuant caches and stand. Returns how many figures changed."""
+    changed = 0
+    for r in m["rows"]:
+        if r.get("kind") != "tq" or not r.get("config"):
+            continue
+        config = TurboQuantConfig.from_dict({k: v for k, v in r["config"].items() if k != "block"})
+        s = Setting(r["setting"], "tq", config=config)
+        bits = {c: bits_at(s, model_config, int(c)) for c in r["bits"]}
+        bits_32k = bits_at(s, model_config, LONG)
+        changed += sum(b != r["bits"][c] for c, b in bits.items()) + (bits_32k != r.get("bits_32k"))
+        r["bits"], r["bits_32k"] = bits, bits_32k
+    return changed
+
+
 def chosen_widths(r: dict, part: str) -> dict[int, int]:
     """The bits each layer chose in a row's texts (part "key_widths" or "value_widths": [layer, bits] pairs), the
     most over the texts."""
@@ -390,9 +407,13 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
     args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
     decay = dict(decay_bits=layer_plan(config, n_att // 2, n_att).decay_bits)
-    base = turboquant_layer_bytes(*args, **decay)
-    extra = n * (turboquant_layer_bytes(*args, protected=True, **decay) - base)
-    extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay) - base for b in widths.values())
-    kept = turboquant_layer_bytes(*args, value_width=config.value_bits, **decay)
-    extra += sum(turboquant_layer_bytes(*args, value_width=b, **decay) - kept for b in values.values())
+    # layers' own bytes here; the codebooks and tables the layers share (bits_at priced the base's) once, after
+    base_held: dict = {}
+    base = turboquant_layer_bytes(*args, **decay, shared=base_held)
+    held = dict(base_held)
+    extra = n * (turboquant_layer_bytes(*args, protected=True, **decay, shared=held) - base) if n else 0
+    extra += sum(turboquant_layer_bytes(*args, key_width=b, **decay, shared=held) - base for b in widths.values())
+    kept = turboquant_layer_bytes(*args, value_width=config.value_bits, **decay, shared=dict(held)) if values else 0
+    extra += sum(turboquant_layer_bytes(*args, value_width=b, **decay, shared=held) - kept for b in values.values())
+    extra += sum(held.values()) - sum(base_held.values())
     return common.bits_per_value(extra, ctx, (n_att, H, D))

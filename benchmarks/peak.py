@@ -44,7 +44,7 @@ mx.reset_peak_memory()
 t = time.time()
 for _ in generate_step(ids, model, prompt_cache=cache, max_tokens=4, prefill_step_size=step):
     pass
-print(json.dumps(dict(weights=weights, kv=sum(c.nbytes for c in cache), peak=mx.get_peak_memory(),
+print(json.dumps(dict(weights=weights, kv=tq_mlx.cache.held_bytes(cache), peak=mx.get_peak_memory(),
                       seconds=time.time() - t)))
 """
 

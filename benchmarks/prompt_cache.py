@@ -43,16 +43,17 @@ SERVERS = serve.SERVERS
 
 
 def observe_entries() -> None:
-    """Print, for every cache a server's prompt cache takes in, its tokens, type and bytes (nbytes)."""
+    """Print, for every cache a server's prompt cache takes in, its tokens, type and bytes (held_bytes)."""
     import mlx_lm.models.cache as mlx_cache
 
+    from tq_mlx.cache import held_bytes
     from tq_mlx.prompt_cache import lru as server_cache
 
     def wrap(cls):
         original = cls.insert_cache
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            nbytes = sum(c.nbytes for c in prompt_cache)
+            nbytes = held_bytes(prompt_cache)
             print(f"{MARK} tokens={len(tokens)} nbytes={nbytes} type={cache_type}", file=sys.stderr, flush=True)
             return original(self, model, tokens, prompt_cache, cache_type=cache_type)
 

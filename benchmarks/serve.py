@@ -41,9 +41,12 @@ QUESTION = "Summarize the passage above in one sentence."
 
 
 def observe_batches() -> None:
-    """Make mlx-lm's BatchGenerator print, each time its batch empties, the peak KV bytes its caches held (their
-    `nbytes`, read after every step; no host sync), the most sequences it held at once and how many it served."""
+    """Make mlx-lm's BatchGenerator print, each time its batch empties, the peak KV bytes its caches held (held_bytes:
+    their `nbytes`, shared constants once, read after every step; no host sync), the most sequences it held at once
+    and how many it served."""
     from mlx_lm.generate import BatchGenerator
+
+    from tq_mlx.cache import held_bytes
 
     original = BatchGenerator.next
     busy = {"bytes": 0, "rows": 0, "steps": 0, "uids": set()}
@@ -52,7 +55,7 @@ def observe_batches() -> None:
         out = original(self)
         uids = [*self._prompt_batch.uids, *self._generation_batch.uids, *(s[0] for s in self._unprocessed_sequences)]
         if uids:
-            held = sum(c.nbytes for b in (self._prompt_batch, self._generation_batch) for c in b.prompt_cache)
+            held = held_bytes([c for b in (self._prompt_batch, self._generation_batch) for c in b.prompt_cache])
             busy.update(bytes=max(busy["bytes"], held), rows=max(busy["rows"], len(uids)), steps=busy["steps"] + 1)
             busy["uids"].update(uids)
         elif busy["steps"]:

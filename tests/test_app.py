@@ -16,6 +16,7 @@ from tq_chat.models import ModelSource
 from tq_chat.plan import make_plan
 from tq_chat.widgets import ChatMessage
 from tests.test_cli import save_tiny_model, tiny_model_dir  # noqa: F401  (session fixture)
+from tq_mlx.cache import held_bytes
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.config import KEY_ERROR
 from tq_mlx.models.architectures import load_model_config
@@ -112,7 +113,7 @@ def test_typing_streams_an_answer_and_the_panel_reads_the_cache(tiny_model_dir):
             assert [m.source for m in messages(app, "user")] == ["hello there"]
             # the panel's numbers are the caches' own nbytes, via memory.cache_bytes
             stats = app.panel.stats
-            assert stats["kv_bytes"] == sum(c.nbytes for c in session.cache)
+            assert stats["kv_bytes"] == held_bytes(session.cache)
             assert stats["context_tokens"] == len(session.tokens) == session.cache[0].offset
             assert stats["weights"] > 0 and stats["peak"] >= stats["active"] > 0 and stats["decode_tps"] > 0
             text = rendered(app)
@@ -195,7 +196,7 @@ def test_the_title_and_the_panel_show_temporal_decay(tiny_model_dir):
             await say(pilot, "a question long enough for its oldest tokens to decay " * 2)
             stats = app.panel.stats
             assert stats["decayed_tokens"] == max(max(c.n_decayed) for c in app.session.cache) > 0
-            assert stats["kv_bytes"] == sum(c.nbytes for c in app.session.cache)
+            assert stats["kv_bytes"] == held_bytes(app.session.cache)
             text = " ".join(rendered(app).split())
             assert f"({stats['decayed_tokens']:,} decayed)" in text
             assert "K4→3/V4→2 after 32 on all 3 attention layers" in text

@@ -18,6 +18,7 @@ from tests.test_cli import tiny_model_dir  # noqa: F401  (session fixture)
 from tq_mlx.cache import TurboQuantConfig
 from tq_mlx.cli.flags import config_from_args
 from tq_mlx.config import KEY_OUTPUT_ERROR
+from tq_mlx.layout import shared_constant_bytes
 from tq_mlx.models.architectures import load_model_config
 from tq_mlx.planner.display import format_bytes
 from tq_mlx.planner.machine import weight_bytes
@@ -86,10 +87,17 @@ def test_plan_prints_the_estimate(tiny_model_dir, capsys):
     assert "2,048 tokens (trained: 4,096)" in out and "verdict     fits" in out
 
 
+def shared(cfg: dict, *bits: int) -> int:
+    """Bytes of the Lloyd-Max codebooks and tables at these widths, one of each (what every layer shares)."""
+    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return sum(b for w in bits for b in shared_constant_bytes(dim, w).values())
+
+
 def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
     cfg = load_model_config(tiny_model_dir)
-    # keys that decay to K3 past 6144 tokens (protected keys do not) and the default, without decay
-    for config in (TurboQuantConfig(decay_after=6144), TurboQuantConfig()):
+    # keys that decay to K3 past 6144 tokens (protected keys do not) and the default, without decay; the widths
+    # whose codebooks and tables the plan's keys (at K6, decaying a step to K5) hold and protected ones do not
+    for config, dropped in ((TurboQuantConfig(decay_after=6144), (3, 5, 6)), (TurboQuantConfig(), (6,))):
         plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
         n = plan.attention_layers
         # every layer's keys at protect_bits, never decaying; the values as configured (decaying or not)
@@ -97,8 +105,11 @@ def test_plan_prices_a_layer_that_protects_its_keys(tiny_model_dir, capsys):
             config, key_bits=config.protect_bits, decay_key_bits=None, key_error=None,
             decay_after=config.decay_after if config.decay_value_bits else None))
         assert plan.protect_bytes == protect_layer_bytes(cfg, 32768, config) > 0
-        # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own
-        assert 0 < plan.protect_bytes - (all_protected - plan.kv) // n < 10**4
+        # every layer's keys at 8 bits, less the configured key quantizer a protected stream keeps next to its own.
+        # The codebooks and tables every layer shares count once in a model: the 8-bit ones protection brings are in
+        # each layer's figure; the model of protected keys holds them once and none of `dropped` (K4 is kept).
+        eight, others = shared(cfg, 8), shared(cfg, *dropped)
+        assert 0 < plan.protect_bytes - eight - (all_protected - plan.kv - eight + others) // n < 10**4
         assert "for each layer whose keys protect themselves (K8" in format_plan(plan)
         lines = format_plan(plan).splitlines()
         kv_row = next(i for i, line in enumerate(lines) if line.startswith("KV cache "))
@@ -118,10 +129,10 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
     n = plan.attention_layers
     # the plan prices every layer's keys at the most they take: 6 bits, plus the K4 quantizers a widened stream
-    # keeps; a layer that keeps K4 holds widen_bytes less
+    # keeps; a layer that keeps K4 holds widen_bytes less, and the 6-bit codebook and table go once none holds K6
     all_wide = estimate_kv_bytes(cfg, 32768, replace(config, key_bits=6, key_error=None))
     floor = estimate_kv_bytes(cfg, 32768, replace(config, key_error=None))
-    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == floor + n * plan.widen_bytes
+    assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == floor + n * plan.widen_bytes + shared(cfg, 6)
     assert plan.widen_bytes == widen_layer_bytes(cfg, 32768, config) > 0
     assert 0 < plan.kv - all_wide < n * 10**4
     assert plan.kv == estimate_kv_bytes(cfg, 32768, config, key_widths=[6] * n)  # what it would hold at the most
@@ -132,7 +143,8 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     # keys by their output error: priced at the most as well, named by their own rule (K3 allowed)
     by_output = TurboQuantConfig(key_output_error=0.03)
     plan = make_plan("m", cfg, 10**8, 32768, by_output, 10**10)
-    assert plan.kv == floor + n * plan.widen_bytes and plan.widen_bytes == widen_layer_bytes(cfg, 32768, by_output)
+    assert plan.widen_bytes == widen_layer_bytes(cfg, 32768, by_output)
+    assert plan.kv == floor + n * plan.widen_bytes + shared(cfg, 6)
     text = format_plan(plan)
     assert "keys K3 to K6 by their output error (at most 0.03)" in text and "logit" not in text
     assert ("every layer's keys at K6 (each takes the fewest bits from K3 whose output error on its first window is "
@@ -144,10 +156,11 @@ def test_plan_prices_a_layer_whose_keys_take_more_bits(tiny_model_dir):
     assert plan.kv == floor
 
 
-def priced_at_the_most(cfg: dict, config: TurboQuantConfig, least: int):
+def priced_at_the_most(cfg: dict, config: TurboQuantConfig, least: int, brings: bool = True):
     """The plan of a config whose values choose their bits by their error, after checking that it prices every
-    layer's values at V4, the most, and that a layer at `least` bits holds narrow_bytes less; with the bytes of
-    every layer at `least`."""
+    layer's values at V4, the most, and that a layer at `least` bits holds narrow_bytes less (brings: its figure
+    counts the `least`-bit codebook and table it brings, which every layer at `least` shares once); with the bytes
+    of every layer at `least`."""
     from tq_mlx.planner.memory import narrow_layer_bytes
 
     plan = make_plan("m", cfg, 10**8, 32768, config, 10**10)
@@ -155,7 +168,7 @@ def priced_at_the_most(cfg: dict, config: TurboQuantConfig, least: int):
     assert plan.kv == estimate_kv_bytes(cfg, 32768, config) == estimate_kv_bytes(cfg, 32768, config, value_widths=[4] * n)
     assert plan.narrow_bytes == narrow_layer_bytes(cfg, 32768, config) > 0
     all_least = estimate_kv_bytes(cfg, 32768, config, value_widths=[least] * n)
-    assert plan.kv - all_least == n * plan.narrow_bytes
+    assert plan.kv - all_least == n * plan.narrow_bytes + (n - 1) * shared(cfg, least) * brings
     return plan, all_least
 
 
@@ -171,7 +184,7 @@ def test_plan_prices_values_that_choose_their_decay_bits(tiny_model_dir):
     assert plan.narrow_bytes == 0 and "old values kept" not in format_plan(plan)
     # the fewest bits given (decay_value_bits=3): a layer that takes them holds V4 less V3, no decay row of V2
     least = TurboQuantConfig(value_bits=4, value_error=0.05, decay_value_bits=3)
-    plan, _ = priced_at_the_most(cfg, least, 3)
+    plan, _ = priced_at_the_most(cfg, least, 3, brings=False)  # its values decay to V3: the constants are held
     assert plan.narrow_bytes < priced_at_the_most(cfg, config, 2)[0].narrow_bytes
     text = format_plan(plan)
     assert "each decays them to the fewest bits from V3 whose output error" in text and "decay to V3" in text

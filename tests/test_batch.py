@@ -23,6 +23,7 @@ from tests.support.blas import ran_on_reference_blas, reference_blas_env
 from tests.support.host_sync import forbid_host_sync
 from tests.support.server import stop, wait_until_healthy
 from tests.support.tiny_models import EOS, TINY_MODELS, tiny_tokenizer
+from tq_mlx.cache import held_bytes
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, turboquant_attention
 from tq_mlx.batch import BatchTurboQuantKVCache, BatchView, batch_view_attention
 from tq_mlx.blas import openblas_preloaded
@@ -147,7 +148,7 @@ def test_merge_copies_and_extract_gives_the_single_cache():
         for _ in range(2):
             s.update_and_fetch(x[:1], x[:1])
         solo.append(s)
-    assert batch.nbytes == sum(s.nbytes for s in solo) == sum(r.nbytes for r in batch.rows)
+    assert batch.nbytes == held_bytes(solo) == held_bytes(batch.rows)  # the rows share their codebooks
 
 
 def test_merge_refuses_what_is_not_one_sequence_per_cache():
@@ -582,7 +583,7 @@ def test_rows_with_decayed_codes_batch_as_they_would_alone(fetch, tmp_path):
     step(3)
     one = batch.extract(1)
     assert one.n_decayed == solo[1].n_decayed and one.nbytes == solo[1].nbytes
-    assert batch.nbytes == sum(s.nbytes for s in solo)
+    assert batch.nbytes == held_bytes(solo)
     assert batch.trim(5) == 5
     for s in solo:
         s.trim(5)

@@ -114,11 +114,13 @@ def test_nbytes_counts_state_arrays_only_once_and_grows_in_steps():
     assert arrays["k_scale"].shape == arrays["v_scale"].shape == (1, 2)
     const = c.nbytes - state_bytes
     # Rotation signs, codebooks and lookup tables only, at fill's D = 64: the config's quantizers and those the
-    # streams decay to (held from the start though 250 tokens are far from decay_after).
+    # streams decay to (held from the start though 250 tokens are far from decay_after); each quantizer its own
+    # rotation, one codebook and table per width (keys and values share them).
     cfg = c.config
     assert arrays["k_decayed"] is None and arrays["v_decayed"] is None and c.n_decayed == (0, 0)
-    assert const == sum(mse_layout(64, b)[2] for b in (cfg.key_bits, cfg.value_bits, cfg.decay_key_bits,
-                                                      cfg.decay_value_bits) if b is not None)
+    widths = [b for b in (cfg.key_bits, cfg.value_bits, cfg.decay_key_bits, cfg.decay_value_bits) if b is not None]
+    assert all(b == int(b) for b in widths) and len(set(widths)) < len(widths)
+    assert const == len(widths) * rotation_bytes(64) + sum(4 * (2 * 2**b - 1) + table_bytes(b) for b in set(widths))
     # capacity in 64-token steps: 64, 128, 192, 256, 256
     per_step = (sizes[1] - sizes[0])
     assert [s - sizes[0] for s in sizes] == [0, per_step, 2 * per_step, 3 * per_step, 3 * per_step]

@@ -28,12 +28,13 @@ from tests.support.memory import (  # noqa: F401  (models: module fixture)
     real_config,
 )
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
+from tq_mlx.cache import held_bytes
 from tq_mlx.models.architectures import attention_layout
 from tq_mlx.stream.codec import make_quantizer
 from tq_mlx.config import KEY_ERROR, WIDEST_KEY_BITS, bits_label, output_error_first_window
 from tq_mlx.planner.display import bits_summary, format_bytes
 from tq_mlx.planner.machine import available_memory, weight_bytes
-from tq_mlx.layout import code_bytes, constant_bytes, stream_bytes, token_layout
+from tq_mlx.layout import code_bytes, constant_bytes, shared_constant_bytes, stream_bytes, token_layout
 from tq_mlx.planner.memory import (
     affine_kv_bytes,
     cache_bytes,
@@ -57,7 +58,7 @@ def test_estimate_equals_real_nbytes_after_a_prefill(models, name, cfg):
     for n in (1, 40, 300) if cfg == CONFIGS["default"] else (40, 150):
         cache = make_prompt_cache(model, cfg)
         fill(model, cache, n)
-        real = sum(c.nbytes for c in cache if hasattr(c, "key_bits"))
+        real = held_bytes([c for c in cache if hasattr(c, "key_bits")])
         assert cache_bytes(cache)["kv_bytes"] == real
         assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real, (name, n)
 
@@ -67,7 +68,7 @@ def test_estimate_equals_real_nbytes_token_by_token(models):
     cfg = CONFIGS["block"]
     cache = make_prompt_cache(model, cfg)
     fill(model, cache, 90, one_shot=False)
-    assert held_estimate(config_dict(args), 90, cfg, cache, dtype="float32") == sum(c.nbytes for c in cache)
+    assert held_estimate(config_dict(args), 90, cfg, cache, dtype="float32") == held_bytes(cache)
 
 
 @pytest.mark.parametrize("n", [5, 37, 140])
@@ -80,7 +81,7 @@ def test_short_contexts_hold_only_the_window_they_use(models, n):
         fill(model, cache, n, one_shot=one_shot)
         want = {5: 32, 37: 64, 140: 128}[n]
         assert all(c.key_stream.window.shape[2] == c.value_stream.window.shape[2] == want for c in cache)
-        assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == sum(c.nbytes for c in cache)
+        assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == held_bytes(cache)
 
 
 def test_float16_and_affine_estimates_equal_mlx_lm_caches(models):
@@ -267,6 +268,26 @@ def test_peak_estimate_is_flat_for_turboquant_and_grows_with_the_float_cache():
 # --- tq_mlx.layout: the token counts and bytes of every part, from the bit widths alone (issue 33) ---------------
 
 
+@pytest.mark.parametrize("trellis", [False, True])
+def test_layers_share_one_codebook_a_width_and_a_model_counts_it_once(trellis):
+    # Two layers (different seeds: their own rotations) at K4/V4 hold the same codebook (and table) arrays: each
+    # layer's nbytes counts the set once (its keys and values share it), the pair's held_bytes once in all.
+    cfg = TurboQuantConfig(window=8, calibration_tokens=None, compress_block=8, sinks=2, weigh_keys=False,
+                           key_output_error=None, protect_factor=None, trellis=trellis)
+    layers = [TurboQuantKVCache(cfg, layer_index=i) for i in (0, 1)]
+    for i, c in enumerate(layers):
+        k, v = (mx.random.normal((1, 2, 40, 64), key=mx.random.key(2 * i + j)) for j in (0, 1))
+        c.update_and_fetch(k, v)
+    (a,), (b,) = (c.key_stream.quantizer.groups for c in layers)
+    (v,) = layers[0].value_stream.quantizer.groups
+    assert a.centroids is b.centroids is v.centroids and a.table is b.table is v.table
+    assert a.rotation is not b.rotation
+    one = sum(shared_constant_bytes(64, 4, trellis=trellis).values())
+    assert one == sum(x.nbytes for x in (a.centroids, a.boundaries, a.table) if x is not None) > 0
+    assert held_bytes(layers) == layers[0].nbytes + layers[1].nbytes - one
+    assert held_bytes(iter(layers)) == held_bytes(layers)  # any iterable, read once
+
+
 def test_layout_code_and_constant_bytes_equal_real_quantizers():
     # Pricing builds no quantizer: the bytes per token (packed words, norms, QJL bits, channel groups) and the
     # constants (rotations dense or Hadamard, codebooks, lookup tables, channel lists, QJL projection) come from
@@ -404,7 +425,7 @@ def test_saved_is_against_mlx_lm_own_cache_and_the_plan_agrees(models, n):
                                                                                           dtype="float32")
     saving = Saving(s["kv_bytes"], s["mlx_lm_bytes"])
     assert (s["saved_bytes"], s["ratio"]) == (saving.saved, saving.ratio)
-    assert s["saved_bytes"] == sum(c.nbytes for c in reference) - sum(c.nbytes for c in cache)
+    assert s["saved_bytes"] == held_bytes(reference) - held_bytes(cache)
     # the planner, from config.json alone, gives the same two numbers for the same state
     widths = chosen_key_widths(cache)
     assert planned_saving(config_dict(args), n, cfg, dtype="float32", key_widths=widths) == saving

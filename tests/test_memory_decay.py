@@ -20,6 +20,7 @@ from tests.support.memory import (  # noqa: F401  (models: module fixture)
     models,
     sliding_cache,
 )
+from tq_mlx.cache import held_bytes
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache
 from tq_mlx.stream.codec import make_quantizer
 from tq_mlx.planner.display import bits_summary, config_label, decay_label, window_text
@@ -53,7 +54,7 @@ def test_decay_estimate_equals_real_nbytes_in_one_prefill_and_token_by_token(mod
         for n in ns:
             cache = make_prompt_cache(model, cfg)
             fill(model, cache, n, one_shot)
-            real = sum(c.nbytes for c in cache)
+            real = held_bytes(cache)
             assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real, (one_shot, n)
             assert cache[1].n_decayed == tuple(decayed_tokens(n, None, cfg) if d else 0 for d in decays), n
             assert cache[0].n_decayed == cache[2].n_decayed == (0, 0)
@@ -95,7 +96,7 @@ def test_decay_estimate_equals_a_latent_cache(sides):
     kd = cfg.decay_key_bits
     for one_shot, n in ((True, 60), (True, 230), (False, 150)):
         caches = latent_caches(cfg, n, one_shot=one_shot)
-        assert estimate_kv_bytes(MLA_TINY, n, cfg, dtype="float32") == sum(c.nbytes for c in caches), n
+        assert estimate_kv_bytes(MLA_TINY, n, cfg, dtype="float32") == held_bytes(caches), n
         d = decayed_tokens(n, None, cfg) if kd else 0
         assert all(c.n_decayed == (d, d) for c in caches)
     if kd:
@@ -187,7 +188,8 @@ def test_decay_bits_per_value_at_32k_by_hand():
         floats = (4 + 768) * 2 * D * 2  # sinks and window, keys and values
         centering = 4 * (D + 2)  # μ (keys), a scale per stream
         norms = layer_plan(cfg).keys.norm_dtype
-        constants = sum(a.nbytes for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0, norms)))
+        held = {id(a): a for b in (4, 3, 3, 2) for a in constant_arrays(make_quantizer(D, b, False, 0, norms))}
+        constants = sum(a.nbytes for a in held.values())  # the two 3-bit quantizers share a codebook and table
         layer = H * (codes + floats + centering) + constants
         model = {"num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": H, "head_dim": D}
         assert estimate_kv_bytes(model, ctx, cfg, dtype="float16") == layer

@@ -16,6 +16,7 @@ from tests.support.memory import (
     real_config,
     sliding_cache,
 )
+from tq_mlx.cache import held_bytes
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache
 from tq_mlx.models.architectures import attention_layout
 from tq_mlx.planner.display import format_bytes
@@ -37,7 +38,7 @@ def test_mla_estimate_equals_a_real_latent_cache(cfg):
     for n in (1, 40, 900) if cfg == CONFIGS["default"] else (40, 150):
         caches = latent_caches(cfg, n)
         assert all((c.key_dim, c.value_dim, c.value_bits) == (512, 64, c.key_bits) for c in caches)
-        real = sum(c.nbytes for c in caches)
+        real = held_bytes(caches)
         assert estimate_kv_bytes(MLA_TINY, n, cfg, dtype="float32") == real, n
         assert cache_bytes(caches)["kv_bytes"] == real
 
@@ -45,7 +46,7 @@ def test_mla_estimate_equals_a_real_latent_cache(cfg):
 def test_mla_estimate_equals_a_latent_cache_filled_token_by_token():
     cfg = CONFIGS["block"]
     caches = latent_caches(cfg, 90, one_shot=False)
-    assert estimate_kv_bytes(MLA_TINY, 90, cfg, dtype="float32") == sum(c.nbytes for c in caches)
+    assert estimate_kv_bytes(MLA_TINY, 90, cfg, dtype="float32") == held_bytes(caches)
 
 
 def test_mla_references_hold_mlx_lms_latent_layout():
@@ -93,7 +94,7 @@ def test_gpt_oss_estimate_equals_real_caches():
     for c in full:
         fed(c, mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         mx.eval(c.held_arrays())
-    real = sum(c.nbytes for c in full) + sum(sliding_cache(n, 2, 64).nbytes for _ in range(2))
+    real = held_bytes(full) + sum(sliding_cache(n, 2, 64).nbytes for _ in range(2))
     assert held_estimate(GPT_OSS_TINY, n, cfg, full, dtype="float32") == real
 
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from tests.support.tiny_models import prefilled, random_tokens as ids, tiny_llama
+from tq_mlx.cache import held_bytes
 from tq_mlx import TurboQuantConfig
 from tq_mlx.planner.memory import cache_bytes
 from tq_mlx.prompt_cache.store import PromptStore, model_id
@@ -38,7 +39,7 @@ def test_a_memory_hit_resumes_where_a_fresh_prefill_agrees_and_counts_real_bytes
     held = ids(150) + ids(60, 1)
     cache = fed(model, held)
     lru.insert_cache("m", held, cache)
-    assert lru.nbytes == sum(c.nbytes for c in cache) > 0
+    assert lru.nbytes == held_bytes(cache) > 0
     stats = lru.stats("m")
     assert stats["memory"]["bytes"] == lru.nbytes and stats["memory"]["mlx_lm_bytes"] == cache_bytes(cache)[
         "mlx_lm_bytes"] > lru.nbytes

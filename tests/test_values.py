@@ -14,6 +14,7 @@ import pytest
 from tests.support.host_sync import forbid_host_sync
 from tests.support.memory import config_dict, fill, held_estimate
 from tests.support.tiny_models import tiny_llama
+from tq_mlx.cache import held_bytes
 from tq_mlx import TurboQuantConfig, TurboQuantKVCache, make_prompt_cache, turboquant_attention
 from tq_mlx.config import derive_config, value_widths
 from tq_mlx.layout import stream_bytes, value_error_span
@@ -307,7 +308,7 @@ def test_a_model_prices_the_widths_it_chose():
         fill(model, cache, n, one_shot)
         widths = chosen_value_widths(cache)
         assert all(w in (2, 3, 4) for w in widths), widths
-        real = sum(c.nbytes for c in cache)
+        real = held_bytes(cache)
         assert held_estimate(config_dict(args), n, cfg, cache, dtype="float32") == real
         # without the widths the plan prices every layer keeping its bits: the most
         assert estimate_kv_bytes(config_dict(args), n, cfg, dtype="float32") >= real

@@ -49,7 +49,18 @@ ADDED_FIELDS = {
     12: {"value_bits": None, "value_span_seen": [0, 0]},  # values by their output error: their width, those positions
 }
 
-__all__ = ["TurboQuantConfig", "TurboQuantKVCache"]
+__all__ = ["TurboQuantConfig", "TurboQuantKVCache", "held_bytes"]
+
+
+def held_bytes(caches) -> int:
+    """Bytes a prompt cache's caches hold together, each array once. TurboQuant layers (and batch caches of them)
+    share their quantizers' codebooks and lookup tables (tq_mlx.quant.quantizer.shared_constants): each layer's
+    nbytes counts what it holds, these included, so a sum of nbytes would count them once a layer. Any other
+    cache counts its nbytes."""
+    caches = list(caches)
+    holders = [c for c in caches if hasattr(c, "held_arrays")]
+    others = [c for c in caches if not hasattr(c, "held_arrays")]
+    return sum(a.nbytes for a in unique_arrays(holders)) + sum(c.nbytes for c in others)
 
 
 def migrated(meta: dict) -> dict:

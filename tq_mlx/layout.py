@@ -220,20 +220,35 @@ def _rotation_bytes(dim: int) -> int:
     return FLOAT32 * (dim + (dim * dim if base in (20, 28) else 0))
 
 
-def constant_bytes(dim: int, bits: float, qjl: bool = False, trellis: bool = False) -> int:
-    """Bytes of a quantizer's constants (quantizer.constant_arrays): per channel group its rotation, codebook
-    (centroids and boundaries) and lookup table, or with trellis codes (groups of TRELLIS_BITS) its 2^L-entry
-    codebook; for two groups their channel lists and the inverse order; with QJL the (bits - 1)-bit quantizer's
-    (Lloyd-Max codes) and the dim x dim Gaussian projection."""
+def shared_constant_bytes(dim: int, bits: float, qjl: bool = False, trellis: bool = False) -> dict[tuple, int]:
+    """The constants a quantizer shares with every other quantizer of the process (quantizer.shared_constants),
+    by what they are: per channel group (dim, bits, kind) its codebook (centroids and boundaries) and lookup table,
+    or with trellis codes (groups of TRELLIS_BITS) its 2^L-entry codebook; with QJL the (bits - 1)-bit quantizer's."""
     if qjl:
-        return (constant_bytes(dim, bits - 1) if bits > 1 else 0) + FLOAT32 * dim * dim
-    groups = split_dims(dim, bits)
-    total = FLOAT32 * 2 * dim if len(groups) == 2 else 0  # channel lists and the inverse permutation
-    for d, b in groups:
-        trellis_group = trellis and b in WINDOW_BITS
-        book = FLOAT32 * 2 ** WINDOW_BITS[b] if trellis_group else FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
-        total += _rotation_bytes(d) + book
-    return total
+        return shared_constant_bytes(dim, bits - 1) if bits > 1 else {}
+    out = {}
+    for d, b in split_dims(dim, bits):
+        if trellis and b in WINDOW_BITS:
+            out[(d, b, "trellis")] = FLOAT32 * 2 ** WINDOW_BITS[b]
+        else:
+            out[(d, b, "lloyd-max")] = FLOAT32 * (2 * 2**b - 1) + _table_bytes(b)
+    return out
+
+
+def constant_bytes(dim: int, bits: float, qjl: bool = False, trellis: bool = False,
+                   shared: dict | None = None) -> int:
+    """Bytes of a quantizer's constants (quantizer.constant_arrays): per channel group its rotation; for two groups
+    their channel lists and the inverse order; with QJL the (bits - 1)-bit quantizer's and the dim x dim Gaussian
+    projection; and its shared constants (shared_constant_bytes). shared: a dict that collects those instead (a
+    constant already in it is the same array), for a caller that counts each once (what several streams hold)."""
+    own = FLOAT32 * dim * dim + (constant_bytes(dim, bits - 1, shared={}) if bits > 1 else 0) if qjl else (
+        sum(_rotation_bytes(d) for d, _ in split_dims(dim, bits))
+        + (FLOAT32 * 2 * dim if len(split_dims(dim, bits)) == 2 else 0))  # channel lists and the inverse order
+    held = shared_constant_bytes(dim, bits, qjl, trellis)
+    if shared is None:
+        return own + sum(held.values())
+    shared.update(held)
+    return own
 
 
 def _has_order(dim: int, bits: float, qjl: bool = False) -> bool:
@@ -263,7 +278,7 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
                  protected: bool = False, center: bool = False, rope_pairs: int | None = None, weigh: bool = False,
                  max_kv_size: int | None = None, float_bytes: int = 2, batch: int = 1, heads: int = 1,
                  widened: float | None = None, narrow: int | None = None, span_heads: int | None = None,
-                 span_dim: int | None = None) -> int:
+                 span_dim: int | None = None, shared: dict | None = None) -> int:
     """CompressedStream.nbytes after `tokens` tokens, for a stream built as the cache builds it: quantizer
     (dim, bits, qjl), decay quantizer at decay_bits (None: no decay), center, rope (the channel pairs its RoPE
     rotates, None: no RoPE centering), weigh; batch x heads kv heads.
@@ -282,11 +297,13 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
     from the first of those queries on, and no decay. span_heads: keys by their output error (config.key_output_error),
     `span_heads` query heads per kv head: from the first of those queries until the first compression, the stream
     holds them (the float dtype, every position of the span; span_dim channels, None: dim), as values by their
-    output error do.
+    output error do. shared: a dict that collects the quantizers' shared constants (constant_bytes) for a caller
+    that counts each once over several streams; None: the stream's own count, each once.
     """
     if tokens <= 0:
         return 0
-    const = lambda d, b, q=False: constant_bytes(d, b, q, config.trellis)  # noqa: E731
+    held = {} if shared is None else shared
+    const = lambda d, b, q=False: constant_bytes(d, b, q, config.trellis, held)  # noqa: E731
     extra = 0
     if span_heads is not None:
         first, last = value_error_span(config.sinks, config.first_window)
@@ -318,4 +335,4 @@ def stream_bytes(config, tokens: int, dim: int, bits: float, *, qjl: bool = Fals
         total += FLOAT32 * (dim + rope_pairs)
     if weigh and tokens > config.sinks:
         total += batch * heads * FLOAT32 * dim
-    return total + extra
+    return total + extra + (sum(held.values()) if shared is None else 0)

@@ -224,7 +224,7 @@ def layer_plan(config: TurboQuantConfig, attention_index: int = 0, n_attention_l
 def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, value_dim: int, *, batch: int = 1,
                 float_bytes: int = 2, max_kv_size: int | None = None, rope_pairs: int | None = None,
                 protected: bool = False, key_width: float | None = None, value_width: int | None = None,
-                query_heads: int = 1) -> int:
+                query_heads: int = 1, shared: dict | None = None) -> int:
     """TurboQuantKVCache.nbytes of a layer built from `plan` after `tokens` tokens (filled in one prefill or
     token by token; bounded caches token by token), each stream priced by layout.stream_bytes.
 
@@ -234,9 +234,11 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
     not chosen yet). rope_pairs: the channel pairs the layer's RoPE rotates (priced where the plan centers keys
     before RoPE). value_dim 0: zero-wide values (an indexer's keys-only cache), no value stream. query_heads: query
     heads per kv head (keys and values by their output error hold the queries of their first window's last third
-    until their first compression)."""
+    until their first compression). shared: a dict that collects the quantizers' shared constants
+    (layout.constant_bytes) for a caller that counts each once over several layers; None: the layer's, each once."""
     k, v, c = plan.keys, plan.values, plan.config
-    common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads)
+    held = {} if shared is None else shared
+    common = dict(max_kv_size=max_kv_size, float_bytes=float_bytes, batch=batch, heads=n_kv_heads, shared=held)
     total = stream_bytes(c, tokens, key_dim, k.bits, qjl=k.qjl, decay_bits=k.decay_bits, protected=protected,
                          widened=key_width, center=k.center, weigh=k.weigh, rope_pairs=rope_pairs if k.rope else None,
                          span_heads=query_heads if k.widen is not None and k.widen.output else None, **common)
@@ -246,4 +248,4 @@ def layer_bytes(plan: LayerPlan, tokens: int, n_kv_heads: int, key_dim: int, val
                               narrow=value_width if v.narrow is not None else None,
                               widened=value_width if chooses else None,
                               span_heads=query_heads if chooses else None, span_dim=key_dim, **common)
-    return total
+    return total + (sum(held.values()) if shared is None else 0)

@@ -1,14 +1,15 @@
 """Bytes held and planned: what a prompt cache holds, what a context would cost, what the machine has.
 
-* `cache_bytes(prompt_cache)`: bytes the caches actually hold (each cache's own `nbytes`) against what mlx-lm's own
-  `KVCache` would allocate for the same tokens in the model's dtype, and how much of the context is still in
-  TurboQuant's float window (tq_mlx.planner.display words it for the tq-chat panel and tq-generate's summary).
+* `cache_bytes(prompt_cache)`: bytes the caches actually hold (tq_mlx.cache.held_bytes: their `nbytes`, the
+  constants TurboQuant layers share counted once) against what mlx-lm's own `KVCache` would allocate for the same
+  tokens in the model's dtype, and how much of the context is still in TurboQuant's float window
+  (tq_mlx.planner.display words it for the tq-chat panel and tq-generate's summary).
 * `estimate_kv_bytes(model_config, ctx, config)`: the same figure before any model is loaded, from config.json,
   for float16, mlx-lm's affine `--kv-bits` cache, or a TurboQuantConfig. TurboQuant layers are priced by
-  tq_mlx.layout (the storage rules the streams follow, no quantizer built) and equal `TurboQuantKVCache.nbytes`
-  exactly when the cache was filled in one prefill or token by token (chunked prefill can add up to one `step`
-  of padding per chunk), temporal decay and bounds included. `estimate_peak_bytes` adds the weights and the
-  transient of a prefill chunk; `max_context` is the largest context whose peak fits a budget.
+  tq_mlx.layout (the storage rules the streams follow, no quantizer built; shared constants once) and equal
+  `held_bytes` of the caches exactly when the cache was filled in one prefill or token by token (chunked prefill can
+  add up to one `step` of padding per chunk), temporal decay and bounds included. `estimate_peak_bytes` adds the
+  weights and the transient of a prefill chunk; `max_context` is the largest context whose peak fits a budget.
 
 "Saved" has one meaning everywhere (SAVED_AGAINST): against mlx-lm's own cache for the same tokens, as mlx-lm
 allocates it: a KVCache in the model's dtype, in whole 256-token steps (a RotatingKVCache of max_kv_size tokens
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from ..models.architectures import attention_layout, text_config
 from ..attention.reference import tile_size
-from ..cache import TurboQuantKVCache
+from ..cache import TurboQuantKVCache, held_bytes
 from ..config import check_max_size
 from ..layout import token_layout
 from ..plan import LayerPlan, layer_bytes, layer_plan
@@ -96,7 +97,7 @@ def turboquant_layer_bytes(
     latent: bool = False, k_eq_v: bool = False, protected: bool = False,
     decay_bits: tuple[int | None, int | None] | None = None, rope_pairs: int | None = None,
     weighted: bool | None = None, key_width: float | None = None, value_width: float | None = None,
-    query_heads: int = 1,
+    query_heads: int = 1, shared: dict | None = None,
 ) -> int:
     """TurboQuantKVCache.nbytes for one layer after `tokens` tokens (filled in one prefill or token by token;
     bounded caches token by token): tq_mlx.plan.layer_bytes of the plan of a layer of this kind (latent, K=V,
@@ -105,7 +106,8 @@ def turboquant_layer_bytes(
     key_bits, value_bits: the layer's configured bits (a latent layer's rope key takes key_bits). decay_bits =
     (keys, values): the bits its old tokens decay to (None: the plan's, a middle layer's). weighted: the keys
     are weighed by the queries (None: as the plan says). protected, key_width, value_width: what the layer chose
-    at its first compression, and query_heads the query heads per kv head (plan.layer_bytes).
+    at its first compression, and query_heads the query heads per kv head; shared collects the shared constants
+    (plan.layer_bytes).
     """
     plan = layer_plan(config, fetch="latent" if latent else "codes", k_eq_v=k_eq_v, rope=rope_pairs is not None)
     kd, vd = plan.decay_bits if decay_bits is None else decay_bits
@@ -123,7 +125,7 @@ def turboquant_layer_bytes(
     plan = replace(plan, keys=keys, values=values)
     return layer_bytes(plan, tokens, n_kv_heads, key_dim, value_dim, batch=batch, float_bytes=float_bytes,
                        max_kv_size=max_kv_size, rope_pairs=rope_pairs, protected=protected, key_width=key_width,
-                       value_width=value_width, query_heads=query_heads)
+                       value_width=value_width, query_heads=query_heads, shared=shared)
 
 
 FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -192,6 +194,7 @@ def estimate_kv_bytes(
         raise ValueError(f"key_widths has {len(key_widths)} entries, the model {n_att} attention layers")
     if value_widths is not None and len(value_widths) != n_att:
         raise ValueError(f"value_widths has {len(value_widths)} entries, the model {n_att} attention layers")
+    shared: dict = {}  # the quantizers' codebooks and tables: every layer's caches hold one of each
     for a in range(n_att):
         if config is not None:
             plan = model_layer_plan(config, lay, a, n_att)
@@ -202,12 +205,12 @@ def estimate_kv_bytes(
                 v_width = plan.values.bits if value_widths is None or value_widths[a] is None else value_widths[a]
             total += layer_bytes(plan, ctx, H, dk, dv, batch=batch, float_bytes=float_bytes, max_kv_size=max_kv_size,
                                  rope_pairs=lay.rope_pairs, key_width=width, value_width=v_width,
-                                 query_heads=max(1, lay.n_heads // max(H, 1)))
+                                 query_heads=max(1, lay.n_heads // max(H, 1)), shared=shared)
         elif kv_bits is not None:
             total += affine_kv_bytes(ref_tokens, H, dk, dv, kv_bits, kv_group_size, batch)
         else:
             total += float16_kv_bytes(ref_tokens, H, dk, dv, batch)
-    return total
+    return total + sum(shared.values())
 
 
 def model_layer_plan(config, lay, attention_index: int, n_attention_layers: int) -> LayerPlan:
@@ -284,7 +287,7 @@ def widen_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None
     plan = _middle_plan(model_config, config)
     if plan is None or plan.keys.widen is None:
         return 0
-    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {}, key_width=plan.keys.widen.max_bits)
+    return -_layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"key_width": plan.keys.widen.max_bits})
 
 
 def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | None = None, batch: int = 1,
@@ -298,8 +301,8 @@ def narrow_layer_bytes(model_config: dict, ctx: int, config, *, dtype: str | Non
     v = None if plan is None else plan.values
     if v is None or v.least_value_bits is None or not attention_layout(model_config).v_head_dim:
         return 0
-    return _layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": v.least_value_bits},
-                        value_width=v.bits)
+    return -_layer_extra(model_config, ctx, plan, dtype, batch, max_kv_size, {"value_width": v.bits},
+                         value_width=v.least_value_bits)
 
 
 def _middle_plan(model_config: dict, config) -> LayerPlan | None:
@@ -312,12 +315,17 @@ def _middle_plan(model_config: dict, config) -> LayerPlan | None:
 def _layer_extra(model_config: dict, ctx: int, plan: LayerPlan, dtype, batch: int, max_kv_size, base: dict,
                  **change) -> int:
     """The bytes a layer of `plan` adds at ctx with `change` (a keyword of plan.layer_bytes) over `base`
-    (keywords too)."""
+    (keywords too). A shared constant (layout.constant_bytes) the change brings counts in full, and one it no longer
+    needs is not taken off (other layers may hold it): what one layer adds is at most this, what it saves (a
+    negative figure) at least."""
     lay = attention_layout(model_config)
     args = (ctx, lay.n_kv_heads, lay.head_dim, lay.v_head_dim)
     common = dict(batch=batch, float_bytes=kv_float_bytes(model_config, dtype), max_kv_size=max_kv_size)
+    held, base_held = {}, {}
     # the keys' RoPE is not priced here: it is the same with and without the change
-    return layer_bytes(plan, *args, **change, **common) - layer_bytes(plan, *args, **base, **common)
+    extra = layer_bytes(plan, *args, **change, **common, shared=held) - layer_bytes(plan, *args, **base, **common,
+                                                                                  shared=base_held)
+    return extra + sum(b for k, b in held.items() if k not in base_held)
 
 
 # --- the peak: weights + KV + the transient of one prefill chunk ---------------------------------------------
@@ -486,7 +494,8 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
     """Bytes a prompt cache (a list of per-layer caches, as mlx-lm builds them) holds, against mlx-lm's own cache.
 
     Returns a dict:
-      kv_bytes       sum of `nbytes` of the attention caches (TurboQuant, KVCache, QuantizedKVCache, ...)
+      kv_bytes       bytes the attention caches hold (TurboQuant, KVCache, QuantizedKVCache, ...): their `nbytes`,
+                     the constants TurboQuant layers share counted once (tq_mlx.cache.held_bytes)
       mlx_lm_bytes   what mlx-lm's own caches would hold for the same tokens: a KVCache's real allocation (whole
                      256-token steps, the model's dtype) for each compressed or quantized layer, the cache's own
                      nbytes for the layers that stay float
@@ -509,7 +518,8 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
       attention_layers, turboquant_layers  counts
     """
 
-    kv = fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = decayed = 0
+    fp16 = mlx_lm = other = tokens = n_att = n_tq = float_tokens = compressed = decayed = 0
+    attention = []
     dtype, sinks, window, calibration = None, None, None, None
     for c in flat_caches(prompt_cache):
         geo = _kv_geometry(c)
@@ -524,7 +534,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
         if geo is None:
             continue
         B, H, T, dk, dv = geo
-        kv += c.nbytes
+        attention.append(c)
         fp16 += float16_kv_bytes(T, H, dk, dv, B)
         tokens = max(tokens, T)
         dtype = dtype or _float_dtype(c)
@@ -536,6 +546,7 @@ def cache_bytes(prompt_cache: Iterable[Any]) -> dict:
             float_tokens = max(float_tokens, c.n_sinks + c.n_window)
             compressed = max(compressed, c.n_coded)  # decayed tokens included
             decayed = max(decayed, *c.n_decayed)
+    kv = held_bytes(attention)
     saving = Saving(kv, mlx_lm)
     return {
         "kv_bytes": kv,

@@ -16,9 +16,9 @@ what they do as follows:
   often cannot) both stay, and the shorter one is written then (other segments' caches wait for that, or for
   memory to evict them).
 * --prompt-cache-bytes caps the memory tier in every serving path (mlx-lm applies it to batched requests only),
-  counting each cache's real bytes (`nbytes`); `stats()` adds what mlx-lm's float cache would hold for the same
-  tokens (tq_mlx.planner.memory.cache_bytes), the hits and misses, and the store's figures, which the server logs and
-  serves at GET /v1/prompt_cache.
+  counting each entry's real bytes (tq_mlx.planner.memory.cache_bytes: its caches' `nbytes`, the constants its
+  layers share once); `stats()` adds what mlx-lm's float cache would hold for the same tokens (cache_bytes too), the
+  hits and misses, and the store's figures, which the server logs and serves at GET /v1/prompt_cache.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class PromptCache(LRUPromptCache):
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
-        entry = LRUPromptCache.CacheEntry(prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type)
-        entry.mlx_lm_bytes = cache_bytes(prompt_cache)["mlx_lm_bytes"]
+        held = cache_bytes(prompt_cache)
+        entry = LRUPromptCache.CacheEntry(prompt_cache, held["total_bytes"], cache_type)
+        entry.mlx_lm_bytes = held["mlx_lm_bytes"]
         entry.stored = cache_type in STORED_ON_INSERT  # else written when memory evicts it
         prev = self._trie.add(model, tokens, entry)
         if prev is not None:

@@ -22,7 +22,10 @@ decoding is unchanged; only the stored norm differs.
 Trellis codes (trellis=True; tq_mlx.quant.trellis): each group of 2 to 6 bits codes its rotated coordinates as a
 bitshift trellis instead, the same symbols and packing decoded through a 2^L-entry codebook by a window of the last
 L/b symbols, chosen by Viterbi; groups of 1 and 8 bits keep Lloyd-Max codes. Norm correction, recoding and decoding
-work alike; the Metal kernels do not read them yet (tq_mlx.attention.support).
+work alike, and the Metal kernels read and write them (tq_mlx.attention.support).
+
+Codebooks, boundaries and lookup tables depend only on a group's (dim, bits, kind): every quantizer shares one set
+(shared_constants), and its rotation (by its seed) is its own.
 
 Widths: the config takes MSE_BITS (CODE_BITS: every whole width a group of codes is packed at; the Metal kernels
 take each: kernels.KERNEL_BITS). The quantizer stores norms in the norm_dtype it is given at every width (the
@@ -34,6 +37,7 @@ All arithmetic is float32; inputs may be float16, bfloat16 or float32 with any l
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -189,6 +193,19 @@ def _quantize_indices(y: mx.array, boundaries: mx.array, bits: int) -> mx.array:
     return idx
 
 
+@lru_cache(maxsize=None)
+def shared_constants(dim: int, bits: int, trellis: bool = False) -> tuple:
+    """(centroids, boundaries, table) of a group of `dim` channels at `bits`: Lloyd-Max's (its centroids, boundaries
+    and packing.lookup_table), or trellis codes' (their codebook at a unit vector's scale, None, None). One set per
+    (dim, bits, kind) in the process, shared by every quantizer that codes so (arrays are immutable), so that a
+    model's caches hold each once (tq_mlx.cache.held_bytes; layout.shared_constant_bytes prices them)."""
+    if trellis:
+        return mx.array(standard_book(bits) / np.float32(np.sqrt(dim))), None, None
+    cb = lloyd_max(dim, bits)
+    return (mx.array(cb.centroids.astype(np.float32)), mx.array(cb.boundaries.astype(np.float32)),
+            lookup_table(cb.centroids, bits))
+
+
 class TurboQuantMSE:
     """TurboQuant_mse (paper Algorithm 1): rotation, then a Lloyd-Max scalar code per coordinate.
 
@@ -222,14 +239,10 @@ class TurboQuantMSE:
             nw = packed_words(gdim, gbits)
             common = dict(channels=None if ch is None else mx.array(ch), dim=gdim, bits=gbits,
                           rotation=Rotation(gdim, seed=self.seed + g), words=slice(start, start + nw))
-            if self.trellis and gbits in TRELLIS_BITS:
-                book = standard_book(gbits) / np.float32(np.sqrt(gdim))  # a unit vector's coordinates
-                self.groups.append(Group(centroids=mx.array(book), boundaries=None, table=None, trellis=True, **common))
-            else:
-                cb = lloyd_max(gdim, gbits)
-                self.groups.append(Group(centroids=mx.array(cb.centroids.astype(np.float32)),
-                                         boundaries=mx.array(cb.boundaries.astype(np.float32)),
-                                         table=lookup_table(cb.centroids, gbits), **common))
+            trellis = self.trellis and gbits in TRELLIS_BITS
+            centroids, boundaries, table = shared_constants(gdim, gbits, trellis)
+            self.groups.append(Group(centroids=centroids, boundaries=boundaries, table=table, trellis=trellis,
+                                     **common))
             start += nw
         self.words = start
         # Gathering the groups back into model order: the inverse of the channel permutation.

@@ -535,7 +535,8 @@ class CompressedStream:
                            None if self.span is None else self.span.queries)
 
     def held_arrays(self) -> list[mx.array]:
-        """Every array this stream holds: buffers at full capacity, μ, channel order, quantizer constants."""
+        """Every array this stream holds, each once: buffers at full capacity, μ, channel order, quantizer constants
+        (its quantizers may share codebooks and tables)."""
         p = self._parts()
         parts = [*(p.codes or ()), *(p.decayed or ()), *(p.rope or ()), p.sinks, p.window, p.mean, p.perm, p.scale,
                  p.weights, p.queries, p.errors, p.span]
@@ -544,7 +545,8 @@ class CompressedStream:
             quantizers += tuple(dict.fromkeys((self.decay.quantizer, self.base_decay.quantizer)))
         if self.value_sums is not None and self.value_sums.narrower:  # choosing the values' decay bits
             quantizers += tuple(self.value_sums.narrower.values())
-        return [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
+        held = [a for a in parts if a is not None] + [a for q in quantizers for a in constant_arrays(q)]
+        return list({id(a): a for a in held}.values())
 
     @property
     def nbytes(self) -> int:
