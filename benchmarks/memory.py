@@ -108,10 +108,37 @@ def fill_layer(n_kv: int, head_dim: int, value_dim: int, config: TurboQuantConfi
             mx.eval(cache.held_arrays())
         assert cache.offset == T
         out[T] = cache.nbytes
+        out.setdefault("shared", {})[T] = shared_held(cache)
     # the width the keys chose by their error (key_error; None: they kept their bits), which estimate_kv_bytes
     # takes to price this cache exactly (without it, it prices the most a layer may take)
     out["key_width"] = cache.key_bits if cache.key_stream is not None and cache.key_stream.widened else None
     return out
+
+
+def shared_held(cache) -> dict[str, int]:
+    """The codebooks and tables a layer holds that every quantizer of the process shares
+    (quantizer.shared_constants: one set per group dim, width and kind), found among its arrays by identity: their
+    bytes by "dim/bits/kind". Its nbytes counts them; a model's caches hold each once."""
+    from tq_mlx.quant.quantizer import CODE_BITS, shared_constants
+    from tq_mlx.quant.trellis import TRELLIS_BITS
+
+    held = {id(a) for a in cache.held_arrays()}
+    dims = {d for s in cache.streams for d in (s.dim, s.dim // 4, s.dim - s.dim // 4)}
+    out = {}
+    for d in sorted(dims):
+        for b in CODE_BITS:
+            for trellis in (False, True) if b in TRELLIS_BITS else (False,):
+                arrays = [a for a in shared_constants(d, b, trellis) if a is not None]
+                if all(id(a) in held for a in arrays):
+                    out[f"{d}/{b}/{'trellis' if trellis else 'lloyd-max'}"] = sum(a.nbytes for a in arrays)
+    return out
+
+
+def model_bytes(layers: list[dict], ctx: int) -> int:
+    """What a model's layers (fill_layer's figures, one per layer) hold together at ctx: each layer's nbytes, the
+    constants they share (shared_held) counted once."""
+    shared = {k: b for f in layers for k, b in f["shared"][ctx].items()}
+    return sum(f[ctx] - sum(f["shared"][ctx].values()) for f in layers) + sum(shared.values())
 
 
 def _timed_fill(n_kv: int, head_dim: int, value_dim: int, config: dict, contexts, kind: str = "codes"
@@ -203,7 +230,7 @@ def run(args) -> dict:
     for ((H, dk, dv, kb, vb, kind), _), (nbytes, secs) in zip(jobs, done):
         fills[(H, dk, dv, kb, vb, kind)] = nbytes
         fill_rows.append({"kv_heads": H, "head_dim": dk, "value_dim": dv, "key_bits": kb, "value_bits": vb,
-                          "kind": kind, "nbytes": {str(c): v for c, v in nbytes.items() if c != "key_width"},
+                          "kind": kind, "nbytes": {str(c): v for c, v in nbytes.items() if isinstance(c, int)},
                           "key_width": nbytes["key_width"], "seconds": round(secs, 1)})
         print(f"filled one layer ({H} kv heads x {dk}/{dv}{shown[kind]}, K{kb}/V{vb}) to {ctx_label(max(contexts))}: "
               f"{nbytes[max(contexts)] / 1e6:.1f} MB ({secs:.1f} s)", flush=True)
@@ -232,7 +259,7 @@ def run(args) -> dict:
                 if "config" in spec:
                     cfg = spec["config"]
                     layers = [fills[(*geometry(lay), *layer_plan(cfg, a, n_att).bits, layer_kind(lay))] for a in range(n_att)]
-                    total = sum(f[ctx] for f in layers) + sliding_float16_bytes(lay, ctx)
+                    total = model_bytes(layers, ctx) + sliding_float16_bytes(lay, ctx)
                     real[ctx] = total
                     exact[ctx] = estimate_kv_bytes(cfg_json, ctx, cfg, key_widths=[f["key_width"] for f in layers])
                     assert total == exact[ctx] <= est, (f"{m['name']} {label} at {ctx}: real caches hold {total} B, "
