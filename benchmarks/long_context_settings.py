@@ -366,6 +366,11 @@ def bits_at(s: Setting, model_config: dict, ctx: int) -> float | None:
     return common.bits_per_value(b, ctx, (n_att, H, D))
 
 
+def row_config(cfg: dict) -> TurboQuantConfig:
+    """The TurboQuantConfig a results row records (its "config", less the benchmark's own "block")."""
+    return TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
+
+
 def replan(m: dict, model_config: dict) -> int:
     """A results file's model m with its TurboQuant rows' planned bits/value (bits at each context and bits_32k) by
     bits_at again, with the planner as it is now (a row keeps what its run measured: bits_real, widths). The other
@@ -374,8 +379,7 @@ def replan(m: dict, model_config: dict) -> int:
     for r in m["rows"]:
         if r.get("kind") != "tq" or not r.get("config"):
             continue
-        config = TurboQuantConfig.from_dict({k: v for k, v in r["config"].items() if k != "block"})
-        s = Setting(r["setting"], "tq", config=config)
+        s = Setting(r["setting"], "tq", config=row_config(r["config"]))
         bits = {c: bits_at(s, model_config, int(c)) for c in r["bits"]}
         bits_32k = bits_at(s, model_config, LONG)
         changed += sum(b != r["bits"][c] for c, b in bits.items()) + (bits_32k != r.get("bits_32k"))
@@ -404,7 +408,7 @@ def protection_bits(r: dict, g: dict, ctx: int) -> float:
     if not (n or widths or values) or not cfg:
         return 0.0
     D, H, n_att = g["head_dim"], g["kv_heads"], g["attention_layers"]
-    config = TurboQuantConfig.from_dict({k: v for k, v in cfg.items() if k != "block"})
+    config = row_config(cfg)
     args = (ctx, H, D, D, config.key_bits, config.value_bits, config)
     decay = dict(decay_bits=layer_plan(config, n_att // 2, n_att).decay_bits)
     # layers' own bytes here; the codebooks and tables the layers share (bits_at priced the base's) once, after
